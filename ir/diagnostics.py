@@ -1,0 +1,75 @@
+"""Diagnostics: located errors that say what is wrong and what would be right.
+
+Every error a user can cause (a bad .tpir file, a model that cannot be sliced, a plan that does
+not fit the world) is a `Diagnostic`; several are raised together as one `TpirError`, and the CLI
+prints them with `render` and exits non-zero, never with a Python traceback (unless --debug).
+
+    plan.tpir:14:3: error: backward of slice 1 runs before backward of slice 2
+       14 |   backward stage 0 mb 0 slice 1
+          |   ^
+      hint: slices of a micro-batch are back-propagated in reverse token order; move this line
+            below line 17 (backward stage 0 mb 0 slice 2)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tpc.ir.nodes import Loc
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    message: str
+    loc: Loc | None = None
+    hint: str = ""
+    # where the error is when there is no source location (a plan built in memory)
+    where: str = ""
+    severity: str = "error"
+
+    def render(self, source: str | None = None) -> str:
+        """Text for a terminal. `source` is the file's text; without it the file is read."""
+        head = f"{self.loc}: " if self.loc else (f"{self.where}: " if self.where else "")
+        out = [f"{head}{self.severity}: {self.message}"]
+        if self.loc is not None:
+            line = _source_line(self.loc, source)
+            if line is not None:
+                gutter = f"{self.loc.line:>5} | "
+                out.append(gutter + line.rstrip("\n"))
+                caret_pad = "".join("\t" if c == "\t" else " " for c in line[: self.loc.col - 1])
+                out.append(" " * (len(gutter) - 2) + "| " + caret_pad + "^")
+        if self.hint:
+            lines = self.hint.splitlines()
+            out.append("  hint: " + lines[0])
+            out += ["        " + extra for extra in lines[1:]]
+        return "\n".join(out)
+
+
+def _source_line(loc: Loc, source: str | None) -> str | None:
+    if source is None:
+        if not loc.file or not os.path.isfile(loc.file):
+            return None
+        try:
+            with open(loc.file, encoding="utf-8", errors="replace") as f:
+                source = f.read()
+        except OSError:
+            return None
+    lines = source.splitlines()
+    if 1 <= loc.line <= len(lines):
+        return lines[loc.line - 1]
+    return None
+
+
+class TpirError(Exception):
+    """One or more diagnostics. `str()` renders them all."""
+
+    def __init__(self, diagnostics: list[Diagnostic] | Diagnostic, source: str | None = None):
+        if isinstance(diagnostics, Diagnostic):
+            diagnostics = [diagnostics]
+        self.diagnostics = list(diagnostics)
+        self.source = source
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        return "\n".join(d.render(self.source) for d in self.diagnostics)

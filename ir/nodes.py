@@ -1,0 +1,331 @@
+"""The plan: frozen dataclasses for every line of a `.tpir` file.
+
+A plan is a header (what was compiled, the mesh, the stages, the micro-batches and their token
+slices) and one instruction stream per pipeline rank. Every data-parallel replica runs the same
+streams on its own share of the batch, so streams are listed per pipeline rank only; the global
+rank of (pipeline rank p, data rank d) is ``d * pipe + p``.
+
+Every line-level value carries, outside equality, where it came from (`loc`), the full-line
+comments written above it (`comments`) and the comment at the end of its line (`note`), so that
+`print(parse(text)) == text` holds for canonical text with comments.
+
+Instruction fields by op (see `OPERANDS`); `stage`, `mb` and `slice` are indices into the
+header's stages, micro-batches and that micro-batch's slices:
+
+    load mb M                         read micro-batch M's ids (first stage) / targets (last)
+    forward stage S mb M slice I [checkpoint]
+                                      forward of one token slice; `checkpoint` keeps no graph
+    recompute stage S mb M slice I    rebuild the graph of a checkpointed forward
+    backward stage S mb M slice I     input and weight gradient of one slice
+    backward-input stage S mb M slice I
+    backward-weight stage S mb M slice I
+                                      split backward (zero-bubble schedules)
+    send act|grad stage S mb M slice I to R
+    recv act|grad stage S mb M slice I from R
+                                      `stage` is always this rank's own stage: `send act stage 0`
+                                      sends stage 0's output to the rank of stage 1; `recv act
+                                      stage 1` receives stage 1's input from the rank of stage 0;
+                                      `send grad stage 1` sends the gradient of stage 1's input;
+                                      `recv grad stage 0` receives the gradient of stage 0's output
+    free-kv stage S mb M              drop the KV cache (and its gradients) of stage S, mb M
+    allreduce stage S                 sum stage S's gradients over the data-parallel group
+    reduce-tied "NAME"                sum a tied parameter's gradient over the ranks holding it
+    step                              optimizer step of every stage of this rank
+
+Point-to-point semantics: a send never blocks (it is buffered); a receive blocks until its
+matching send has run; between two ranks, messages in one direction are received in the order
+they were sent. `reduce-tied` blocks until every rank holding the tie has reached it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Loc:
+    """A position in a source file; line and column count from 1."""
+
+    file: str
+    line: int
+    col: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+def _trivia():
+    """Fields every line carries outside equality: location and comments."""
+    return dict(
+        loc=field(default=None, compare=False, kw_only=True, repr=False),
+        comments=field(default=(), compare=False, kw_only=True, repr=False),
+        note=field(default=None, compare=False, kw_only=True, repr=False),
+    )
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(what)
+
+
+@dataclass(frozen=True)
+class Line:
+    """Base of every line-level value: where it came from and the comments around it."""
+
+    loc: Loc | None = field(default=None, compare=False, kw_only=True, repr=False)
+    # full-line comments written above this line, each without the leading '#'
+    comments: tuple[str, ...] = field(default=(), compare=False, kw_only=True, repr=False)
+    # the comment at the end of this line, without the leading '#'
+    note: str | None = field(default=None, compare=False, kw_only=True, repr=False)
+
+    def with_trivia(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+
+# ---------------------------------------------------------------------------------- header
+
+
+@dataclass(frozen=True)
+class ModelLine(Line):
+    """`model "PATH" sha256 "HEX" factory "NAME"`: what the plan was compiled from."""
+
+    path: str
+    sha256: str
+    factory: str = "model"
+
+
+@dataclass(frozen=True)
+class ShapeLine(Line):
+    """`shape batch B seq L vocab V dtype D`: B is the global batch (all data ranks)."""
+
+    batch: int
+    seq: int
+    vocab: int
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        _check(self.batch >= 1 and self.seq >= 1 and self.vocab >= 1, "shape sizes must be >= 1")
+
+
+@dataclass(frozen=True)
+class MeshLine(Line):
+    """`mesh pipe P data D`: P pipeline ranks times D data-parallel replicas."""
+
+    pipe: int
+    data: int = 1
+
+    def __post_init__(self):
+        _check(self.pipe >= 1 and self.data >= 1, "mesh sizes must be >= 1")
+
+
+@dataclass(frozen=True)
+class ScheduleLine(Line):
+    """`schedule "NAME"`: the builder that made the compute order (informational)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class UnitsLine(Line):
+    """`units N`: how many partition units the front end found in the model."""
+
+    count: int
+
+
+@dataclass(frozen=True)
+class Stage(Line):
+    """`stage S rank R units LO:HI "LABEL"`: stage S runs units [LO, HI) on pipeline rank R."""
+
+    index: int
+    rank: int
+    units: tuple[int, int]
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class Tie(Line):
+    """`tie "NAME" stages S T ...`: one parameter used by several stages (weight tying)."""
+
+    name: str
+    stages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Microbatch(Line):
+    """`microbatch M size N slices 0:A A:B ...`: N rows of this replica's batch, cut in slices."""
+
+    index: int
+    size: int
+    slices: tuple[tuple[int, int], ...]
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(hi - lo for lo, hi in self.slices)
+
+
+@dataclass(frozen=True)
+class Header:
+    model: ModelLine
+    shape: ShapeLine
+    mesh: MeshLine
+    schedule: ScheduleLine
+    units: UnitsLine
+    stages: tuple[Stage, ...]
+    microbatches: tuple[Microbatch, ...]
+    ties: tuple[Tie, ...] = ()
+    version: int = FORMAT_VERSION
+    # comments above the `tpir` line, and on it
+    version_comments: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    version_note: str | None = field(default=None, compare=False, repr=False)
+    version_loc: Loc | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage_rank(self, stage: int) -> int:
+        return self.stages[stage].rank
+
+    def stages_of_rank(self, rank: int) -> tuple[int, ...]:
+        return tuple(s.index for s in self.stages if s.rank == rank)
+
+    @property
+    def replica_batch(self) -> int:
+        """Rows of the batch each data-parallel replica trains on."""
+        return self.shape.batch // self.mesh.data
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of the whole (global) batch: the loss is the mean over all of them."""
+        return self.shape.batch * self.shape.seq
+
+    def microbatch_rows(self, mb: int) -> tuple[int, int]:
+        """[start, end) rows of micro-batch `mb` within this replica's batch."""
+        start = sum(m.size for m in self.microbatches[:mb])
+        return start, start + self.microbatches[mb].size
+
+
+# ---------------------------------------------------------------------------- instructions
+
+
+class Op(str, Enum):
+    """The one enum of instruction kinds."""
+
+    LOAD = "load"
+    FORWARD = "forward"
+    RECOMPUTE = "recompute"
+    BACKWARD = "backward"
+    BACKWARD_INPUT = "backward-input"
+    BACKWARD_WEIGHT = "backward-weight"
+    SEND = "send"
+    RECV = "recv"
+    FREE_KV = "free-kv"
+    ALLREDUCE = "allreduce"
+    REDUCE_TIED = "reduce-tied"
+    STEP = "step"
+
+
+class Payload(str, Enum):
+    ACT = "act"  # a stage's output activation, travelling forward
+    GRAD = "grad"  # the gradient of a stage's input, travelling backward
+
+
+# Which fields each op takes, in printing order. `payload` and `peer` only for send/recv,
+# `tie` only for reduce-tied, `checkpoint` only for forward.
+OPERANDS: dict[Op, tuple[str, ...]] = {
+    Op.LOAD: ("mb",),
+    Op.FORWARD: ("stage", "mb", "slice"),
+    Op.RECOMPUTE: ("stage", "mb", "slice"),
+    Op.BACKWARD: ("stage", "mb", "slice"),
+    Op.BACKWARD_INPUT: ("stage", "mb", "slice"),
+    Op.BACKWARD_WEIGHT: ("stage", "mb", "slice"),
+    Op.SEND: ("payload", "stage", "mb", "slice", "peer"),
+    Op.RECV: ("payload", "stage", "mb", "slice", "peer"),
+    Op.FREE_KV: ("stage", "mb"),
+    Op.ALLREDUCE: ("stage",),
+    Op.REDUCE_TIED: ("tie",),
+    Op.STEP: (),
+}
+
+COMPUTE_OPS = frozenset(
+    {Op.FORWARD, Op.RECOMPUTE, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT}
+)
+BACKWARD_OPS = frozenset({Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT})
+
+
+@dataclass(frozen=True)
+class Instr(Line):
+    """One instruction of a rank's stream. Fields not in `OPERANDS[op]` stay None/False."""
+
+    op: Op
+    stage: int | None = None
+    mb: int | None = None
+    slice: int | None = None
+    payload: Payload | None = None
+    peer: int | None = None
+    tie: str | None = None
+    checkpoint: bool = False
+
+    def __post_init__(self):
+        wanted = OPERANDS[self.op]
+        for name in ("stage", "mb", "slice", "payload", "peer", "tie"):
+            value = getattr(self, name)
+            if name in wanted:
+                _check(value is not None, f"{self.op.value} needs {name}")
+                if isinstance(value, int):
+                    _check(value >= 0, f"{self.op.value}: {name} must be >= 0, got {value}")
+            else:
+                _check(value is None, f"{self.op.value} takes no {name}")
+        _check(not self.checkpoint or self.op is Op.FORWARD, "only forward takes checkpoint")
+
+    @property
+    def key(self) -> tuple[int | None, int | None, int | None]:
+        """(stage, micro-batch, slice): the unit of work this instruction is about."""
+        return (self.stage, self.mb, self.slice)
+
+    def __str__(self) -> str:
+        """The instruction as it is written in a .tpir file (without comments)."""
+        parts = [self.op.value]
+        for name in OPERANDS[self.op]:
+            value = getattr(self, name)
+            if name == "payload":
+                parts.append(value.value)
+            elif name == "peer":
+                parts += ["to" if self.op is Op.SEND else "from", str(value)]
+            elif name == "tie":
+                parts.append(quote(value))
+            else:
+                parts += [name, str(value)]
+        if self.checkpoint:
+            parts.append("checkpoint")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class RankProgram(Line):
+    """`rank R` followed by that pipeline rank's instructions, in execution order."""
+
+    rank: int
+    instrs: tuple[Instr, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    header: Header
+    ranks: tuple[RankProgram, ...]
+    # comments after the last line of the file
+    trailing_comments: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    # the file the plan was read from, for diagnostics
+    source: str = field(default="<plan>", compare=False, repr=False)
+
+    def program(self, rank: int) -> RankProgram:
+        return self.ranks[rank]
+
+
+def quote(text: str) -> str:
+    """A string literal as the printer writes it (double quotes, backslash escapes)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
