@@ -1,0 +1,56 @@
+"""`tpc --help` and every subcommand's --help explain their arguments; bad arguments exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tpc.compiler.cli import build_parser, main
+
+SUBCOMMANDS = ["compile", "verify", "fmt", "show", "simulate", "run", "profile"]
+
+
+def test_top_level_help_lists_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name in SUBCOMMANDS:
+        assert name in out
+    assert "torchrun" in out  # the usage example shows how to run a plan
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_subcommand_help_explains_each_argument(name, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([name, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    sub = build_parser()._subparsers._group_actions[0].choices[name]
+    for action in sub._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"`tpc {name}` option {action.option_strings or action.dest} has no help text"
+        shown = action.option_strings[-1] if action.option_strings else action.dest
+        assert shown in out
+
+
+def test_missing_subcommand_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
+    assert "usage: tpc" in capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    out = subprocess.run([sys.executable, "-m", "tpc.compiler.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "usage: tpc" in out.stdout
+
+
+def test_missing_plan_file_is_a_located_error_not_a_traceback(tmp_path, capsys):
+    code = main(["fmt", str(tmp_path / "nope.tpir")])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "no such file" in err and "Traceback" not in err
