@@ -110,6 +110,18 @@ def cmd_simulate(args) -> int:
     return simulate_from_cli(args)
 
 
+def cmd_export(args) -> int:
+    from tpc.executors.export import export_from_cli
+
+    return export_from_cli(args)
+
+
+def cmd_sample(args) -> int:
+    from tpc.executors.export import sample_from_cli
+
+    return sample_from_cli(args)
+
+
 def cmd_profile(args) -> int:
     from tpc.compiler.costmodel.profile import profile_from_cli
 
@@ -216,6 +228,23 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--device", default="cpu", help="cpu | cuda (default: cpu)")
     pr.add_argument("--batch-sizes", default="1,2,4", help="micro-batch sizes to measure (default: 1,2,4)")
     pr.set_defaults(func=cmd_profile)
+
+    ex = sub.add_parser("export", help="write a checkpoint as a plain state_dict of the unsliced model",
+                        description="Gather every stage's parameters from a checkpoint into one state_dict "
+                        "that loads into the model file's model() with load_state_dict.")
+    ex.add_argument("checkpoint", help="a checkpoint directory written by `tpc run --checkpoint-dir`")
+    ex.add_argument("-o", "--output", required=True, help="where to write the state_dict (.pt)")
+    ex.set_defaults(func=cmd_export)
+
+    sa = sub.add_parser("sample", help="generate text from a checkpoint",
+                        description="Load a checkpoint into the unsliced model and generate bytes after a prompt.")
+    sa.add_argument("checkpoint", help="a checkpoint directory, or a .pt state_dict from `tpc export`")
+    sa.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
+    sa.add_argument("--tokens", type=int, default=200, help="tokens to generate (default: 200)")
+    sa.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 for greedy (default: 0.8)")
+    sa.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens, 0 for all (default: 0)")
+    sa.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    sa.set_defaults(func=cmd_sample)
     return p
 
 

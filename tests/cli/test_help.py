@@ -9,7 +9,7 @@ import pytest
 
 from tpc.compiler.cli import build_parser, main
 
-SUBCOMMANDS = ["compile", "verify", "fmt", "show", "simulate", "run", "profile"]
+SUBCOMMANDS = ["compile", "verify", "fmt", "show", "simulate", "run", "profile", "export", "sample"]
 
 
 def test_top_level_help_lists_every_subcommand(capsys):
