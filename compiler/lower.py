@@ -1,0 +1,255 @@
+"""Lowering: from per-rank compute orders to a complete plan.
+
+A schedule builder gives each pipeline rank its forward/backward order. Lowering adds everything
+else an executor needs, one small named pass at a time, each a pure function
+`(header, streams) -> streams` over `dict[rank, tuple[Instr, ...]]`:
+
+1. `insert_loads`      `load mb M` on the ranks of the first and last stage, just before the
+                       first instruction of that micro-batch there (ids on the first, targets
+                       on the last);
+2. `insert_comm`       `recv` right before the compute that needs a remote input, `send` right
+                       after the compute that produced it - unless an earlier-needed message on
+                       the same channel is not sent yet, in which case the send waits for it, so
+                       messages between two ranks are sent in the order they are received
+                       (FIFO per direction; executors need no tags);
+3. `insert_free_kv`    `free-kv stage S mb M` after the last compute of (S, M) and its sends;
+4. `insert_allreduce`  `allreduce stage S` after the last backward of S, when data > 1;
+5. `insert_reduce_tied` `reduce-tied "NAME"` for each tie spanning several ranks, after every
+                       backward and allreduce of the rank, in header order on every rank, so
+                       the collectives of different ties can never wait on each other;
+6. `append_step`       `step` at the end.
+
+`lower(header, compute)` runs them in that order and checks the result with the verifier.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Mapping, Sequence
+
+from tpc.ir.nodes import (
+    BACKWARD_OPS,
+    COMPUTE_OPS,
+    Header,
+    Instr,
+    Op,
+    Payload,
+    Plan,
+    RankProgram,
+)
+
+Streams = dict[int, tuple[Instr, ...]]
+Pass = Callable[[Header, Streams], Streams]
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def _is_compute(instr: Instr) -> bool:
+    return instr.op in COMPUTE_OPS
+
+
+def _insert(stream: Sequence[Instr], before: Mapping[int, list[Instr]], after: Mapping[int, list[Instr]]):
+    """`stream` with `before[i]` inserted before position i and `after[i]` after it."""
+    out: list[Instr] = []
+    for i, instr in enumerate(stream):
+        out += before.get(i, [])
+        out.append(instr)
+        out += after.get(i, [])
+    return tuple(out)
+
+
+def _tail_end(stream: Sequence[Instr], index: int, stages: set[int]) -> int:
+    """The position after `stream[index]` and the bookkeeping that directly follows it (sends,
+    free-kv, allreduce of `stages`): where an instruction "after index" goes, so that what is
+    attached to the compute is not pushed away from it."""
+    j = index + 1
+    while j < len(stream) and stream[j].op in (Op.SEND, Op.FREE_KV, Op.ALLREDUCE) and stream[j].stage in stages:
+        j += 1
+    return j
+
+
+def _splice(stream: Sequence[Instr], at: Mapping[int, list[Instr]]) -> tuple[Instr, ...]:
+    """`stream` with `at[p]` inserted before position p (p may be len(stream))."""
+    out: list[Instr] = []
+    for p in range(len(stream) + 1):
+        out += at.get(p, [])
+        if p < len(stream):
+            out.append(stream[p])
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------- passes
+
+
+def insert_loads(header: Header, streams: Streams) -> Streams:
+    """`load mb M` on the first and last stage's ranks, before the first instruction of mb M
+    that belongs to the first or last stage (once per rank when one rank holds both)."""
+    ends = {0, header.num_stages - 1}
+    out: Streams = {}
+    for rank, stream in streams.items():
+        before: dict[int, list[Instr]] = defaultdict(list)
+        seen: set[int] = set()
+        for i, instr in enumerate(stream):
+            if _is_compute(instr) and instr.stage in ends and instr.mb not in seen:
+                seen.add(instr.mb)
+                before[i].append(Instr(Op.LOAD, mb=instr.mb))
+        out[rank] = _insert(stream, before, {})
+    return out
+
+
+def _messages(header: Header, rank: int, instr: Instr):
+    """(what this compute receives, what it sends) as (payload, peer, message key) pairs.
+    A message key names a message the same way on both ends: (payload, sending stage, mb, slice)."""
+    if not _is_compute(instr):
+        return [], []
+    s, m, i = instr.key
+    last = header.num_stages - 1
+    recvs, sends = [], []
+    if instr.op is Op.FORWARD:
+        if s > 0 and header.stage_rank(s - 1) != rank:
+            recvs.append((Payload.ACT, header.stage_rank(s - 1), (Payload.ACT, s - 1, m, i)))
+        if s < last and header.stage_rank(s + 1) != rank:
+            sends.append((Payload.ACT, header.stage_rank(s + 1), (Payload.ACT, s, m, i)))
+    elif instr.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
+        if s < last and header.stage_rank(s + 1) != rank:
+            recvs.append((Payload.GRAD, header.stage_rank(s + 1), (Payload.GRAD, s + 1, m, i)))
+        if s > 0 and header.stage_rank(s - 1) != rank:
+            sends.append((Payload.GRAD, header.stage_rank(s - 1), (Payload.GRAD, s, m, i)))
+    return recvs, sends
+
+
+def insert_comm(header: Header, streams: Streams) -> Streams:
+    """Send/recv for every activation and gradient crossing ranks (see the module docstring).
+
+    Receives go right before their compute. On each channel (sender -> receiver) the sends are
+    ordered as the receiver needs them: a send goes after its producing compute and after the
+    send of every message the receiver needs earlier. When the compute orders of both ranks
+    agree (all built-in schedules) that is simply right after the producer."""
+    recv_order: dict[tuple[int, int], list[tuple]] = defaultdict(list)  # (src, dst) -> keys
+    produced: dict[tuple, tuple[int, int, int]] = {}  # key -> (src rank, position, dst rank)
+    before: dict[int, dict[int, list[Instr]]] = {r: defaultdict(list) for r in streams}
+    for rank, stream in streams.items():
+        for p, instr in enumerate(stream):
+            recvs, sends = _messages(header, rank, instr)
+            for payload, peer, key in recvs:
+                recv_order[(peer, rank)].append(key)
+                before[rank][p].append(
+                    Instr(Op.RECV, payload=payload, stage=instr.stage, mb=instr.mb, slice=instr.slice, peer=peer)
+                )
+            for payload, peer, key in sends:
+                produced[key] = (rank, p, peer)
+
+    # position of each send: after its producer and after every send the receiver needs first
+    placed: dict[int, list[tuple[int, int, tuple]]] = defaultdict(list)  # src -> (pos, seq, key)
+    seq = 0
+    for (src, dst), keys in sorted(recv_order.items()):
+        floor = -1
+        for key in keys:
+            if key not in produced:
+                continue  # never produced: the verifier reports the unmatched receive
+            floor = max(floor, produced[key][1])
+            placed[src].append((floor, seq, key))
+            seq += 1
+    wanted = {key for keys in recv_order.values() for key in keys}
+    for key, (src, pos, _dst) in sorted(produced.items(), key=lambda kv: (kv[1][0], kv[1][1])):
+        if key not in wanted:  # never received: send it anyway; the verifier reports it
+            placed[src].append((pos, seq, key))
+            seq += 1
+
+    out: Streams = {}
+    for rank, stream in streams.items():
+        after: dict[int, list[Instr]] = defaultdict(list)
+        for pos, _, key in sorted(placed.get(rank, [])):
+            payload, stage, mb, slice_ = key
+            after[pos].append(
+                Instr(Op.SEND, payload=payload, stage=stage, mb=mb, slice=slice_, peer=produced[key][2])
+            )
+        out[rank] = _insert(stream, before[rank], after)
+    return out
+
+
+def insert_free_kv(header: Header, streams: Streams) -> Streams:
+    """`free-kv stage S mb M` after the last compute of (S, M) on its rank and that compute's
+    sends: the KV cache and its gradients are needed until the last slice's backward."""
+    out: Streams = {}
+    for rank, stream in streams.items():
+        last: dict[tuple[int, int], int] = {}
+        for p, instr in enumerate(stream):
+            if _is_compute(instr):
+                last[(instr.stage, instr.mb)] = p
+        at: dict[int, list[Instr]] = defaultdict(list)
+        for (s, m), p in sorted(last.items(), key=lambda kv: kv[1]):
+            at[_tail_end(stream, p, {s})].append(Instr(Op.FREE_KV, stage=s, mb=m))
+        out[rank] = _splice(stream, at)
+    return out
+
+
+def insert_allreduce(header: Header, streams: Streams) -> Streams:
+    """`allreduce stage S` after the last backward of S (and what follows it), when there is
+    more than one data-parallel replica; the reduction of stage S overlaps the backwards of
+    the rank's other stages."""
+    if header.mesh.data <= 1:
+        return dict(streams)
+    out: Streams = {}
+    for rank, stream in streams.items():
+        last: dict[int, int] = {}
+        for p, instr in enumerate(stream):
+            if instr.op in BACKWARD_OPS:
+                last[instr.stage] = p
+        at: dict[int, list[Instr]] = defaultdict(list)
+        for s, p in sorted(last.items(), key=lambda kv: kv[1]):
+            at[_tail_end(stream, p, {s})].append(Instr(Op.ALLREDUCE, stage=s))
+        out[rank] = _splice(stream, at)
+    return out
+
+
+def insert_reduce_tied(header: Header, streams: Streams) -> Streams:
+    """`reduce-tied "NAME"` at the end of each rank holding a stage of a tie that spans more
+    than one rank. Placing them after every backward and allreduce, in header order, means
+    every rank adds up the same (already data-reduced) contributions and the ties' collectives
+    run in the same order everywhere."""
+    out: Streams = {}
+    for rank, stream in streams.items():
+        extra = []
+        for tie in header.ties:
+            ranks = {header.stage_rank(s) for s in tie.stages}
+            if len(ranks) > 1 and rank in ranks:
+                extra.append(Instr(Op.REDUCE_TIED, tie=tie.name))
+        out[rank] = tuple(stream) + tuple(extra)
+    return out
+
+
+def append_step(header: Header, streams: Streams) -> Streams:
+    """`step` last on every rank: the optimizer step needs every gradient reduced."""
+    return {rank: tuple(stream) + (Instr(Op.STEP),) for rank, stream in streams.items()}
+
+
+PASSES: tuple[tuple[str, Pass], ...] = (
+    ("insert_loads", insert_loads),
+    ("insert_comm", insert_comm),
+    ("insert_free_kv", insert_free_kv),
+    ("insert_allreduce", insert_allreduce),
+    ("insert_reduce_tied", insert_reduce_tied),
+    ("append_step", append_step),
+)
+
+
+def to_plan(header: Header, streams: Streams) -> Plan:
+    """The plan with one rank section per pipeline rank, in rank order."""
+    ranks = tuple(RankProgram(rank=r, instrs=tuple(streams.get(r, ()))) for r in range(header.mesh.pipe))
+    return Plan(header=header, ranks=ranks)
+
+
+def lower(header: Header, compute: Mapping[int, Sequence[Instr]], *, verify: bool = True) -> Plan:
+    """Run every pass over the schedule's compute order and return the verified plan
+    (`verify=False` only for tests that inspect an intermediate, unverifiable state)."""
+    streams: Streams = {r: tuple(compute.get(r, ())) for r in range(header.mesh.pipe)}
+    for _name, run in PASSES:
+        streams = run(header, streams)
+    plan = to_plan(header, streams)
+    if verify:
+        from tpc.ir.verify import check
+
+        check(plan)
+    return plan

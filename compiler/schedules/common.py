@@ -1,0 +1,96 @@
+"""Helpers every schedule builder shares: work units, instruction constructors, projection.
+
+A schedule builder turns a `Header` into each pipeline rank's COMPUTE order: a list of
+forward/backward instructions per rank, nothing else (loads, communication, gradient
+reduction and the optimizer step are added by `tpc.compiler.lower`).
+
+Two ways of building one appear in the builders:
+
+* a single global order of every compute instruction that respects the dependencies of
+  DESIGN.md section 4, projected onto each rank (`project`). Any projection of one valid
+  sequential execution is deadlock-free with buffered sends and agrees on the message order
+  between every pair of ranks, whatever ranks hold whatever stages;
+* a per-stage order computed from the stage's position in the pipeline (1F1B-style warm-up),
+  which needs exactly one stage per rank (`one_stage_per_rank`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import Header, Instr, Op
+
+Unit = tuple[int, int]  # (micro-batch, slice)
+Compute = dict[int, list[Instr]]
+
+
+def forward(stage: int, mb: int, slice_: int) -> Instr:
+    return Instr(Op.FORWARD, stage=stage, mb=mb, slice=slice_)
+
+
+def backward(stage: int, mb: int, slice_: int) -> Instr:
+    return Instr(Op.BACKWARD, stage=stage, mb=mb, slice=slice_)
+
+
+def slice_counts(header: Header) -> list[int]:
+    """Number of token slices of each micro-batch (they may differ between micro-batches)."""
+    return [len(m.slices) for m in header.microbatches]
+
+
+def forward_units(header: Header) -> list[Unit]:
+    """Every (mb, slice) in forward order: micro-batch by micro-batch, slices in token order."""
+    return [(m, i) for m, n in enumerate(slice_counts(header)) for i in range(n)]
+
+
+def backward_units(header: Header, mbs: Iterable[int]) -> list[Unit]:
+    """The (mb, slice) units of `mbs`, in that micro-batch order, each mb's slices reversed:
+    slice i's backward needs the key/value gradients slices > i sent into it."""
+    counts = slice_counts(header)
+    return [(m, i) for m in mbs for i in reversed(range(counts[m]))]
+
+
+def empty(header: Header) -> Compute:
+    """One (empty) compute list per pipeline rank, so ranks without stages still appear."""
+    return {r: [] for r in range(header.mesh.pipe)}
+
+
+def project(header: Header, order: Iterable[Instr]) -> Compute:
+    """Split one global compute order into per-rank lists, keeping the relative order."""
+    out = empty(header)
+    for instr in order:
+        out.setdefault(header.stage_rank(instr.stage), []).append(instr)
+    return out
+
+
+def one_stage_per_rank(header: Header, schedule: str) -> list[int]:
+    """The stage of each pipeline rank; a TpirError when a rank holds none or several."""
+    stages = []
+    for r in range(header.mesh.pipe):
+        held = header.stages_of_rank(r)
+        if len(held) != 1:
+            raise TpirError(
+                Diagnostic(
+                    f"schedule {schedule!r} needs exactly one stage per pipeline rank, "
+                    f"but rank {r} holds {len(held)} ({', '.join(map(str, held)) or 'none'})",
+                    where=f"schedule {schedule!r}",
+                    hint="give each pipeline rank one stage (stage S on rank S), or use the "
+                    "'gpipe' or 'terapipe' schedule, which accept several stages per rank",
+                )
+            )
+        stages.append(held[0])
+    return stages
+
+
+def one_f_one_b(forwards: list, backwards: list, warmup: int) -> list:
+    """Interleave two work lists the 1F1B way: `warmup` forwards, then alternately one
+    forward and one backward while forwards remain, then the remaining backwards."""
+    warmup = max(0, min(warmup, len(forwards)))
+    out = list(forwards[:warmup])
+    b = 0
+    for f in forwards[warmup:]:
+        out.append(f)
+        out.append(backwards[b])
+        b += 1
+    out.extend(backwards[b:])
+    return out

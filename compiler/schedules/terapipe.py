@@ -1,0 +1,25 @@
+"""TeraPipe: token-slice pipelining with all forwards first, then all backwards in reverse.
+
+Forwards run micro-batch by micro-batch, slice by slice (slice i+1 of a stage can start as soon
+as slice i left it, which is what fills the pipeline when there are few micro-batches);
+backwards run in the exact reverse of that order: last micro-batch first, each micro-batch's
+slices in reverse token order, as the TeraPipe paper (Li et al., 2021) runs them. Every slice
+activation of the step is alive at the turn from forwards to backwards.
+
+Built as one global order projected onto the ranks, so a rank may hold several stages.
+"""
+
+from __future__ import annotations
+
+from tpc.compiler.schedules.common import Compute, backward, backward_units, forward, forward_units, project
+from tpc.ir.nodes import Header
+
+NAME = "terapipe"
+
+
+def build(header: Header) -> Compute:
+    stages = range(header.num_stages)
+    order = [forward(s, m, i) for m, i in forward_units(header) for s in stages]
+    mbs = reversed(range(len(header.microbatches)))
+    order += [backward(s, m, i) for m, i in backward_units(header, mbs) for s in reversed(stages)]
+    return project(header, order)
