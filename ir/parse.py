@@ -1,0 +1,650 @@
+"""Text to plan: `parse(text, file) -> Plan`.
+
+The one grammar (`grammar/tpir.lark`) is parsed by one LALR parser built once per process; one
+Transformer turns its tree into the frozen dataclasses of `ir/nodes.py`. Comments are ignored by
+the grammar and collected through a lexer callback; the Transformer attaches them by line while
+it builds the lines in document order (a full-line comment belongs to the next line, an
+end-of-line comment to its own line, comments after the last line to the plan).
+
+Whatever the input, `parse` raises nothing but `TpirError`: lark's syntax errors, the value
+checks of the dataclasses, and the rules the grammar leaves to this module (header lines in
+order and none missing, rank sections numbered 0, 1, 2, ... in order, format version 1) all
+become located diagnostics with a hint.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import threading
+from dataclasses import dataclass
+from functools import lru_cache
+
+from lark import Lark, Token, Transformer, v_args
+from lark.exceptions import (
+    LarkError,
+    UnexpectedCharacters,
+    UnexpectedEOF,
+    UnexpectedInput,
+    UnexpectedToken,
+    VisitError,
+)
+
+from tpc.grammar import grammar_text
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import (
+    FORMAT_VERSION,
+    OPERANDS,
+    Header,
+    Instr,
+    Line,
+    Loc,
+    MeshLine,
+    Microbatch,
+    ModelLine,
+    Op,
+    Payload,
+    Plan,
+    RankProgram,
+    ScheduleLine,
+    ShapeLine,
+    Stage,
+    Tie,
+    UnitsLine,
+)
+
+# --------------------------------------------------------------------------- syntax reference
+
+_OPERAND_SYNTAX = {"stage": "stage S", "mb": "mb M", "slice": "slice I", "payload": "act|grad",
+                   "tie": '"NAME"'}
+
+
+def _instr_syntax(op: Op) -> str:
+    parts = [op.value]
+    for name in OPERANDS[op]:
+        if name == "peer":
+            parts.append("to R" if op is Op.SEND else "from R")
+        else:
+            parts.append(_OPERAND_SYNTAX[name])
+    if op is Op.FORWARD:
+        parts.append("[checkpoint]")
+    return " ".join(parts)
+
+
+# The header lines in the order a plan writes them; the last three may repeat.
+HEADER_ORDER: tuple[str, ...] = (
+    "model", "shape", "mesh", "schedule", "units", "stage", "tie", "microbatch",
+)
+_REPEATED = frozenset({"stage", "tie", "microbatch"})
+_OPTIONAL = frozenset({"tie"})
+
+# How each line is written, by its first word: shown in hints.
+SYNTAX: dict[str, str] = {
+    "tpir": f"tpir {FORMAT_VERSION}",
+    "model": 'model "PATH" sha256 "HEX" factory "NAME"',
+    "shape": "shape batch B seq L vocab V dtype D",
+    "mesh": "mesh pipe P data D",
+    "schedule": 'schedule "NAME"',
+    "units": "units N",
+    "stage": 'stage S rank R units LO:HI "LABEL"',
+    "tie": 'tie "NAME" stages S T ...',
+    "microbatch": "microbatch M size N slices A:B ...",
+    "rank": "rank R",
+    **{op.value: _instr_syntax(op) for op in Op},
+}
+
+_INSTR_WORDS = tuple(op.value for op in Op)
+_HEADER_WORDS = HEADER_ORDER
+
+# ------------------------------------------------------------------------------ the parser
+
+# The comments of the parse in progress on this thread (the lexer callback has no other way to
+# reach the parse that triggered it, and the Lark object is shared).
+_sink = threading.local()
+
+
+def _collect_comment(token: Token) -> Token:
+    _sink.comments.append(token)
+    return token
+
+
+@lru_cache(maxsize=1)
+def _lark() -> Lark:
+    return Lark(
+        grammar_text(),
+        parser="lalr",
+        strict=True,
+        propagate_positions=True,
+        maybe_placeholders=True,
+        lexer_callbacks={"COMMENT": _collect_comment},
+    )
+
+
+def parse(text: str, file: str = "<string>") -> Plan:
+    """Parse the text of a .tpir file. Raises `TpirError` (and nothing else) on bad input."""
+    source = text
+    if not text.endswith("\n"):
+        text += "\n"  # every line ends with a newline; positions are unchanged
+    _sink.comments = []
+    try:
+        tree = _lark().parse(text)
+        comments = [_comment_text(tok) for tok in _sink.comments]
+        return _Build(file, comments).transform(tree)
+    except UnexpectedInput as e:
+        raise TpirError(_syntax_diagnostic(e, text, file), source=source) from None
+    except VisitError as e:
+        if isinstance(e.orig_exc, _Located):
+            raise TpirError(e.orig_exc.diagnostics, source=source) from None
+        raise
+    except _Located as e:
+        raise TpirError(e.diagnostics, source=source) from None
+    except LarkError as e:  # any other lark error is still the input's fault
+        raise TpirError(Diagnostic(f"cannot read the plan: {e}", Loc(file, 1, 1),
+                                   hint="see docs/ir.md for the format"), source=source) from None
+    finally:
+        _sink.comments = []
+
+
+@dataclass(frozen=True)
+class _Comment:
+    line: int
+    text: str
+
+
+def _comment_text(tok: Token) -> _Comment:
+    """'# foo' -> 'foo', '#foo' -> 'foo'; trailing blanks are not part of a comment."""
+    body = tok.value[1:]
+    if body.startswith(" "):
+        body = body[1:]
+    return _Comment(tok.line, body.rstrip())
+
+
+class _Located(Exception):
+    """Raised inside the Transformer; carries finished diagnostics out through lark."""
+
+    def __init__(self, diagnostics: list[Diagnostic]):
+        super().__init__(diagnostics[0].message)
+        self.diagnostics = diagnostics
+
+
+def _fail(message: str, loc: Loc, hint: str) -> None:
+    raise _Located([Diagnostic(message, loc, hint)])
+
+
+# ------------------------------------------------------------------------------ the builder
+
+
+@v_args(meta=True)
+class _Build(Transformer):
+    """Tree -> Plan. Lines are built in document order, so comments attach by a moving cursor."""
+
+    def __init__(self, file: str, comments: list[_Comment]):
+        super().__init__()
+        self.file = file
+        self.comments = comments
+        self.next_comment = 0
+
+    # -- helpers
+
+    def _loc(self, meta) -> Loc:
+        return Loc(self.file, meta.line, meta.column)
+
+    def _tok_loc(self, tok: Token) -> Loc:
+        return Loc(self.file, tok.line, tok.column)
+
+    def _trivia(self, meta) -> dict:
+        """Location, full-line comments above this line, and the comment at its end."""
+        above: list[str] = []
+        note = None
+        while self.next_comment < len(self.comments):
+            c = self.comments[self.next_comment]
+            if c.line < meta.line:
+                above.append(c.text)
+            elif c.line == meta.line:
+                note = c.text
+            else:
+                break
+            self.next_comment += 1
+        return dict(loc=self._loc(meta), comments=tuple(above), note=note)
+
+    def _nat(self, tok: Token, what: str) -> int:
+        value = int(tok)
+        if value < 0:
+            _fail(f"{what} must be >= 0, got {value}", self._tok_loc(tok),
+                  "indices and sizes in a plan are non-negative; indices count from 0")
+        return value
+
+    def _str(self, tok: Token) -> str:
+        return _unquote(tok, self._tok_loc(tok))
+
+    def _make(self, cls, word: str, trivia: dict, **fields):
+        """Build a line; the dataclass's own checks become located diagnostics."""
+        try:
+            return cls(**fields, **trivia)
+        except ValueError as e:
+            _fail(str(e), trivia["loc"], f"a {word!r} line reads: {SYNTAX[word]}")
+
+    # -- header
+
+    def version_line(self, meta, children):
+        (tok,) = children
+        trivia = self._trivia(meta)
+        version = int(tok)
+        if version != FORMAT_VERSION:
+            _fail(f"unsupported format version {version}", self._tok_loc(tok),
+                  f"this tpc reads format version {FORMAT_VERSION}: write `tpir {FORMAT_VERSION}`")
+        return _Version(version, trivia)
+
+    def model_line(self, meta, children):
+        path, sha, factory = children
+        return self._make(ModelLine, "model", self._trivia(meta), path=self._str(path),
+                          sha256=self._str(sha), factory=self._str(factory))
+
+    def shape_line(self, meta, children):
+        batch, seq, vocab, dtype = children
+        return self._make(ShapeLine, "shape", self._trivia(meta), batch=int(batch), seq=int(seq),
+                          vocab=int(vocab), dtype=str(dtype))
+
+    def mesh_line(self, meta, children):
+        pipe, data = children
+        return self._make(MeshLine, "mesh", self._trivia(meta), pipe=int(pipe), data=int(data))
+
+    def schedule_line(self, meta, children):
+        (name,) = children
+        return self._make(ScheduleLine, "schedule", self._trivia(meta), name=self._str(name))
+
+    def units_line(self, meta, children):
+        (count,) = children
+        return self._make(UnitsLine, "units", self._trivia(meta), count=self._nat(count, "units"))
+
+    def range(self, meta, children):
+        lo, hi = children
+        return (self._nat(lo, "a range bound"), self._nat(hi, "a range bound"))
+
+    def stage_line(self, meta, children):
+        index, rank, units, label = children
+        trivia = self._trivia(meta)
+        return self._make(Stage, "stage", trivia, index=self._nat(index, "stage"),
+                          rank=self._nat(rank, "rank"), units=units,
+                          label="" if label is None else self._str(label))
+
+    def tie_line(self, meta, children):
+        name, *stages = children
+        trivia = self._trivia(meta)
+        return self._make(Tie, "tie", trivia, name=self._str(name),
+                          stages=tuple(self._nat(s, "stage") for s in stages))
+
+    def microbatch_line(self, meta, children):
+        index, size, *slices = children
+        trivia = self._trivia(meta)
+        return self._make(Microbatch, "microbatch", trivia, index=self._nat(index, "microbatch"),
+                          size=self._nat(size, "size"), slices=tuple(slices))
+
+    # -- instructions
+
+    def rank_line(self, meta, children):
+        (rank,) = children
+        trivia = self._trivia(meta)
+        return (self._nat(rank, "rank"), trivia)
+
+    def rank_section(self, meta, children):
+        (rank, trivia), *instrs = children
+        return RankProgram(rank=rank, instrs=tuple(instrs), **trivia)
+
+    def _instr(self, op: Op, meta, tokens, **extra) -> Instr:
+        trivia = self._trivia(meta)
+        fields = {name: self._nat(tok, name) for name, tok in tokens.items()}
+        return self._make(Instr, op.value, trivia, op=op, **fields, **extra)
+
+    def load(self, meta, children):
+        (mb,) = children
+        return self._instr(Op.LOAD, meta, {"mb": mb})
+
+    def _slice_op(op: Op):
+        def build(self, meta, children):
+            stage, mb, slice_ = children
+            return self._instr(op, meta, {"stage": stage, "mb": mb, "slice": slice_})
+        return build
+
+    recompute = _slice_op(Op.RECOMPUTE)
+    backward = _slice_op(Op.BACKWARD)
+    backward_input = _slice_op(Op.BACKWARD_INPUT)
+    backward_weight = _slice_op(Op.BACKWARD_WEIGHT)
+    del _slice_op
+
+    def forward(self, meta, children):
+        stage, mb, slice_, checkpoint = children
+        return self._instr(Op.FORWARD, meta, {"stage": stage, "mb": mb, "slice": slice_},
+                           checkpoint=checkpoint is not None)
+
+    def _p2p(op: Op):
+        def build(self, meta, children):
+            payload, stage, mb, slice_, peer = children
+            return self._instr(op, meta, {"stage": stage, "mb": mb, "slice": slice_, "peer": peer},
+                               payload=Payload(str(payload)))
+        return build
+
+    send = _p2p(Op.SEND)
+    recv = _p2p(Op.RECV)
+    del _p2p
+
+    def free_kv(self, meta, children):
+        stage, mb = children
+        return self._instr(Op.FREE_KV, meta, {"stage": stage, "mb": mb})
+
+    def allreduce(self, meta, children):
+        (stage,) = children
+        return self._instr(Op.ALLREDUCE, meta, {"stage": stage})
+
+    def reduce_tied(self, meta, children):
+        (name,) = children
+        return self._instr(Op.REDUCE_TIED, meta, {}, tie=self._str(name))
+
+    def step(self, meta, children):
+        return self._instr(Op.STEP, meta, {})
+
+    # -- the file
+
+    def start(self, meta, children):
+        version, *rest = children
+        lines = [c for c in rest if not isinstance(c, RankProgram)]
+        ranks = [c for c in rest if isinstance(c, RankProgram)]
+        diagnostics = _check_header_order(lines, version, ranks, self.file)
+        diagnostics += _check_rank_order(ranks)
+        if diagnostics:
+            raise _Located(diagnostics)
+        by_kind = {kind: [l for l in lines if _KIND[type(l)] == kind] for kind in HEADER_ORDER}
+        header = Header(
+            model=by_kind["model"][0],
+            shape=by_kind["shape"][0],
+            mesh=by_kind["mesh"][0],
+            schedule=by_kind["schedule"][0],
+            units=by_kind["units"][0],
+            stages=tuple(by_kind["stage"]),
+            microbatches=tuple(by_kind["microbatch"]),
+            ties=tuple(by_kind["tie"]),
+            version=version.number,
+            version_comments=version.trivia["comments"],
+            version_note=version.trivia["note"],
+            version_loc=version.trivia["loc"],
+        )
+        trailing = tuple(c.text for c in self.comments[self.next_comment:])
+        return Plan(header=header, ranks=tuple(ranks), trailing_comments=trailing,
+                    source=self.file)
+
+
+@dataclass(frozen=True)
+class _Version:
+    number: int
+    trivia: dict
+
+
+_KIND: dict[type, str] = {
+    ModelLine: "model", ShapeLine: "shape", MeshLine: "mesh", ScheduleLine: "schedule",
+    UnitsLine: "units", Stage: "stage", Tie: "tie", Microbatch: "microbatch",
+}
+
+_ORDER_HINT = ("header lines come in this order: tpir, model, shape, mesh, schedule, units, "
+               "stage lines, tie lines, microbatch lines")
+
+
+def _check_header_order(lines: list[Line], version: _Version, ranks: list[RankProgram],
+                        file: str) -> list[Diagnostic]:
+    """Each header line once (stage/tie/microbatch: in a group), in HEADER_ORDER, none missing."""
+    out: list[Diagnostic] = []
+    first_at: dict[str, Line] = {}
+    last_rank = -1
+    last_line: Line | None = None
+    for line in lines:
+        kind = _KIND[type(line)]
+        rank = HEADER_ORDER.index(kind)
+        if kind in first_at and kind not in _REPEATED:
+            out.append(Diagnostic(
+                f"a second {kind!r} line (the first is at line {first_at[kind].loc.line})",
+                line.loc, f"a plan has one {kind!r} line; delete one of them"))
+            continue
+        if rank < last_rank:
+            prev = _KIND[type(last_line)]
+            out.append(Diagnostic(
+                f"{kind!r} line out of order: it comes after a {prev!r} line "
+                f"(line {last_line.loc.line})",
+                line.loc, f"{_ORDER_HINT}; move this line above line {last_line.loc.line}"))
+            continue
+        first_at.setdefault(kind, line)
+        last_rank, last_line = rank, line
+    for kind in HEADER_ORDER:
+        if kind in first_at or kind in _OPTIONAL:
+            continue
+        later = [l for l in lines if HEADER_ORDER.index(_KIND[type(l)]) > HEADER_ORDER.index(kind)]
+        if later:
+            where = min((l.loc for l in later), key=lambda loc: loc.line)
+        elif ranks:
+            where = ranks[0].loc
+        else:
+            where = version.trivia["loc"]
+        out.append(Diagnostic(
+            f"the header has no {kind!r} line", where,
+            f"add `{SYNTAX[kind]}` here ({_ORDER_HINT})"))
+    out.sort(key=lambda d: (d.loc.line, d.loc.col))
+    return out
+
+
+def _check_rank_order(ranks: list[RankProgram]) -> list[Diagnostic]:
+    """Rank sections are numbered 0, 1, 2, ... in order, one per pipeline rank."""
+    out: list[Diagnostic] = []
+    seen: dict[int, RankProgram] = {}
+    for position, section in enumerate(ranks):
+        if section.rank in seen:
+            out.append(Diagnostic(
+                f"a second 'rank {section.rank}' section (the first is at line "
+                f"{seen[section.rank].loc.line})",
+                section.loc, "each pipeline rank has one section; merge the two"))
+        elif section.rank != position:
+            out.append(Diagnostic(
+                f"rank sections out of order: expected 'rank {position}' here, "
+                f"found 'rank {section.rank}'",
+                section.loc, "rank sections are numbered 0, 1, 2, ... in order, one per "
+                             "pipeline rank"))
+        seen.setdefault(section.rank, section)
+    return out
+
+
+_ESCAPES = {"\\": "\\", '"': '"', "n": "\n", "t": "\t", "r": "\r"}
+
+
+def _unquote(tok: Token, loc: Loc) -> str:
+    body = tok.value[1:-1]
+    out: list[str] = []
+    i = 0
+    while i < len(body):
+        ch = body[i]
+        if ch == "\\":
+            nxt = body[i + 1]  # the grammar guarantees a character after a backslash
+            if nxt not in _ESCAPES:
+                _fail(f"unknown escape '\\{nxt}' in a string",
+                      Loc(loc.file, loc.line, loc.col + 1 + i),
+                      'inside quotes write \\" for a quote and \\\\ for a backslash '
+                      "(\\n, \\t, \\r also work)")
+            out.append(_ESCAPES[nxt])
+            i += 2
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
+
+
+# --------------------------------------------------------------------------- syntax errors
+
+# What a terminal is called in a message.
+_TERMINAL_WORDS = {
+    "INT": "a number",
+    "STRING": "a quoted string",
+    "NAME": "a name (e.g. float32)",
+    "PAYLOAD": "'act' or 'grad'",
+    "_NL": "the end of the line",
+    "$END": "the end of the file",
+}
+
+_WORD = re.compile(r"[A-Za-z0-9_.\-]")
+
+
+def _terminal_word(name: str) -> str:
+    if name in _TERMINAL_WORDS:
+        return _TERMINAL_WORDS[name]
+    try:
+        pattern = _lark().get_terminal(name).pattern
+    except KeyError:
+        return name
+    if pattern.type == "str":
+        return repr(pattern.value)
+    return name
+
+
+def _keyword(name: str) -> str | None:
+    """The keyword a terminal stands for, if it is a fixed string."""
+    try:
+        pattern = _lark().get_terminal(name).pattern
+    except KeyError:
+        return None
+    return pattern.value if pattern.type == "str" else None
+
+
+def _describe_expected(names: set[str], at_line_start: bool) -> str:
+    """A reader's summary of what the parser could have taken."""
+    keywords = {name: _keyword(name) for name in names}
+    present = set(keywords.values())
+    parts: list[str] = []
+    grouped: set[str] = set()
+    instrs = [w for w in _INSTR_WORDS if w in present]
+    headers = [w for w in _HEADER_WORDS if w in present]
+    if len(instrs) >= 3:
+        parts.append("an instruction (" + ", ".join(instrs[:4]) + ", ...)")
+        grouped |= set(instrs)
+    if len(headers) >= 3:
+        parts.append("a header line (" + ", ".join(headers[:4]) + ", ...)")
+        grouped |= set(headers)
+    for name in sorted(names):
+        if keywords[name] is not None and keywords[name] in grouped:
+            continue
+        if at_line_start and name in ("_NL", "$END") and len(names) > 1:
+            continue  # a blank line or the end of the file is always possible there
+        parts.append(_terminal_word(name))
+    parts = list(dict.fromkeys(parts))
+    if not parts:
+        return "something else"
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
+
+
+def _word_at(text: str, pos: int) -> tuple[str, int]:
+    """The word around offset `pos` (for 'forwardd' the lexer stops inside it) and its start."""
+    if pos >= len(text) or not _WORD.match(text[pos]):
+        ch = text[pos] if pos < len(text) else ""
+        return ch, pos
+    start = pos
+    while start > 0 and _WORD.match(text[start - 1]):
+        start -= 1
+    end = pos
+    while end < len(text) and _WORD.match(text[end]):
+        end += 1
+    return text[start:end], start
+
+
+def _line_start(text: str, pos: int) -> int:
+    return text.rfind("\n", 0, pos) + 1
+
+
+def _syntax_diagnostic(e: UnexpectedInput, text: str, file: str) -> Diagnostic:
+    """Turn a lark error into 'expected X, found Y' at the place, with a hint."""
+    word = None  # the word found, when a word was found
+    if isinstance(e, UnexpectedToken) and e.token.type not in ("$END", "_NL"):
+        expected = set(e.accepts or e.expected)
+        pos = e.token.start_pos
+        if _WORD.match(text[pos]):
+            word, start = _word_at(text, pos)
+        else:
+            start = pos
+            found = repr(_clip(e.token.value))
+    elif isinstance(e, UnexpectedToken) and e.token.type == "_NL":
+        expected = set(e.accepts or e.expected)
+        start = e.token.start_pos
+        found = "the end of the line"
+    elif isinstance(e, UnexpectedCharacters):
+        expected = _accepts(e)
+        pos = e.pos_in_stream
+        if _WORD.match(text[pos]):
+            word, start = _word_at(text, pos)
+        elif text[pos] == '"' and "STRING" in expected:
+            return Diagnostic("a string with no closing quote",
+                              Loc(file, e.line, e.column),
+                              'a string ends with " on the same line; write \\" for a quote '
+                              "inside it")
+        else:
+            start = pos
+            found = repr(text[pos])
+    else:  # the end of the file ($END token, or UnexpectedEOF)
+        expected = set(getattr(e, "accepts", None) or getattr(e, "expected", None) or ())
+        start = len(text.rstrip("\n"))
+        found = "the end of the file"
+    line = text.count("\n", 0, start) + 1
+    col = start - _line_start(text, start) + 1
+    loc = Loc(file, line, col)
+    line_text = text[_line_start(text, start):].split("\n", 1)[0]
+    first = line_text.split()[0] if line_text.split() else ""
+    at_line_start = line_text[: col - 1].strip() == ""
+
+    if word is not None:
+        found = repr(_clip(word))
+        if start < e.pos_in_stream:
+            # the lexer took a keyword off the front of a longer word ('stepx', 'forwardd')
+            close = difflib.get_close_matches(word, list(SYNTAX) + list(_all_keywords()), n=1,
+                                              cutoff=0.5)
+            hint = f"did you mean {close[0]!r}?" if close else _hint(expected, None, first,
+                                                                     at_line_start)
+            return Diagnostic(f"unknown word {found}", loc, hint)
+    if expected <= {"TPIR", "_NL"} and "TPIR" in expected:
+        return Diagnostic(f"expected the version line `tpir {FORMAT_VERSION}`, found {found}", loc,
+                          f"a plan starts with `tpir {FORMAT_VERSION}` (comments and blank lines "
+                          "may come before it)")
+    message = f"expected {_describe_expected(expected, at_line_start)}, found {found}"
+    return Diagnostic(message, loc, _hint(expected, word, first, at_line_start))
+
+
+def _accepts(e: UnexpectedCharacters) -> set[str]:
+    """The terminals the parser could take there (the lexer's own set is less precise)."""
+    try:
+        return set(e.interactive_parser.accepts())
+    except (AttributeError, LarkError):
+        return set(e.allowed)
+
+
+def _clip(text: str, limit: int = 30) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@lru_cache(maxsize=1)
+def _all_keywords() -> tuple[str, ...]:
+    return tuple(sorted(t.pattern.value for t in _lark().terminals if t.pattern.type == "str"))
+
+
+def _hint(expected: set[str], word: str | None, first: str, at_line_start: bool) -> str:
+    candidates = [k for k in (_keyword(n) for n in expected) if k]
+    # a keyword that is merely in the wrong place is not a misspelling of another one
+    misspelt = word is not None and word not in _all_keywords()
+    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.5) if misspelt else []
+    if close:
+        kw = close[0]
+        if at_line_start and kw in SYNTAX:
+            return f"did you mean {kw!r}? that line reads: {SYNTAX[kw]}"
+        return f"did you mean {kw!r}?"
+    if not at_line_start and first in SYNTAX:
+        return f"a {first!r} line reads: {SYNTAX[first]}"
+    if at_line_start and any(_keyword(n) in _INSTR_WORDS for n in expected):
+        if first in _HEADER_WORDS:
+            return ("header lines come before the first `rank` line; instructions follow a "
+                    "`rank R` line, one per line: " + ", ".join(_INSTR_WORDS))
+        return "instructions, one per line: " + ", ".join(_INSTR_WORDS)
+    if at_line_start and any(_keyword(n) in _HEADER_WORDS for n in expected):
+        if first in _INSTR_WORDS:
+            return "instructions go after a `rank R` line"
+        return _ORDER_HINT
+    return "see docs/ir.md for the syntax of a plan"

@@ -1,0 +1,85 @@
+"""Plan to text: `print_plan(plan) -> str`, the one canonical spelling of a plan.
+
+The canonical form is the one docs/ir.md ("Comments and canonical form") describes, and the one
+`tpc fmt` writes: `print_plan(parse(t)) == t` for canonical `t`, and `parse(print_plan(p)) == p`
+for any valid plan `p`. Instructions are spelled by `Instr.__str__` and strings by `nodes.quote`,
+so there is one spelling of each thing in the code base.
+"""
+
+from __future__ import annotations
+
+from tpc.ir.nodes import (
+    Instr,
+    Line,
+    MeshLine,
+    Microbatch,
+    ModelLine,
+    Plan,
+    RankProgram,
+    ScheduleLine,
+    ShapeLine,
+    Stage,
+    Tie,
+    UnitsLine,
+    quote,
+)
+
+INDENT = "  "  # instructions, and the comments that belong to them
+
+
+def print_plan(plan: Plan) -> str:
+    """The canonical text of `plan`, ending with one newline."""
+    h = plan.header
+    out: list[str] = []
+    _emit(out, "", h.version_comments, f"tpir {h.version}", h.version_note)
+    header_lines: list[Line] = [h.model, h.shape, h.mesh, h.schedule, h.units, *h.stages,
+                                *h.ties, *h.microbatches]
+    for line in header_lines:
+        _emit(out, "", line.comments, line_text(line), line.note)
+    for program in plan.ranks:
+        out.append("")
+        _emit(out, "", program.comments, line_text(program), program.note)
+        for instr in program.instrs:
+            _emit(out, INDENT, instr.comments, str(instr), instr.note)
+    out += [INDENT + comment_text(c) for c in plan.trailing_comments]
+    return "\n".join(out) + "\n"
+
+
+def line_text(line: Line) -> str:
+    """One line-level item as it is written, without comments or indentation."""
+    if isinstance(line, Instr):
+        return str(line)
+    if isinstance(line, RankProgram):
+        return f"rank {line.rank}"
+    if isinstance(line, ModelLine):
+        return (f"model {quote(line.path)} sha256 {quote(line.sha256)} "
+                f"factory {quote(line.factory)}")
+    if isinstance(line, ShapeLine):
+        return f"shape batch {line.batch} seq {line.seq} vocab {line.vocab} dtype {line.dtype}"
+    if isinstance(line, MeshLine):
+        return f"mesh pipe {line.pipe} data {line.data}"
+    if isinstance(line, ScheduleLine):
+        return f"schedule {quote(line.name)}"
+    if isinstance(line, UnitsLine):
+        return f"units {line.count}"
+    if isinstance(line, Stage):
+        lo, hi = line.units
+        text = f"stage {line.index} rank {line.rank} units {lo}:{hi}"
+        # an empty label is left out rather than written as ""
+        return f"{text} {quote(line.label)}" if line.label else text
+    if isinstance(line, Tie):
+        return f"tie {quote(line.name)} stages " + " ".join(str(s) for s in line.stages)
+    if isinstance(line, Microbatch):
+        slices = " ".join(f"{lo}:{hi}" for lo, hi in line.slices)
+        return f"microbatch {line.index} size {line.size} slices {slices}"
+    raise TypeError(f"not a line of a plan: {type(line).__name__}")
+
+
+def comment_text(text: str) -> str:
+    """A comment as written: '# text', or a bare '#' for an empty one (no trailing blank)."""
+    return f"# {text}" if text else "#"
+
+
+def _emit(out: list[str], indent: str, comments, text: str, note: str | None) -> None:
+    out += [indent + comment_text(c) for c in comments]
+    out.append(indent + text + (f"  {comment_text(note)}" if note is not None else ""))
