@@ -1,0 +1,72 @@
+"""Global gradient-norm clipping when the model's parameters are spread over ranks.
+
+The norm to clip by is the whole model's: sqrt of the sum of every parameter's squared gradient
+norm, over all stages. No rank sees all gradients, so the work is split in three small steps,
+each usable by the interpreter (all ranks in one process) and by torchrun (one per process):
+
+    sq = local_sq_norm(rank_named_params, skip=tied_copies_not_owned)   # this rank's share
+    total = sum of sq over the pipeline ranks of one replica            # all_reduce, or a sum
+    apply_clip(rank_params, clip_coef(total, max_norm))
+
+Why one replica's pipeline ranks suffice: clipping runs after the data-parallel allreduce, when
+every replica holds the same (summed) gradients, so the pipeline sum of any replica is the
+global norm and every replica computes the same coefficient. A tied parameter is held by several
+ranks with the same gradient after `reduce-tied`; all but one of them pass its name in `skip` so
+it is counted once, as `torch.nn.utils.clip_grad_norm_` on the unsliced model counts it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+# clip_grad_norm_'s guard against dividing by a zero norm; the same value keeps results equal
+_EPS = 1e-6
+
+
+def local_sq_norm(named_params: Iterable[tuple[str, torch.nn.Parameter]], skip: frozenset[str] | set[str] = frozenset()) -> torch.Tensor:
+    """Sum of squared gradient entries of the named parameters, as a float64 scalar tensor
+    (float64 so summing many ranks' shares loses nothing). Parameters without a gradient, names
+    in `skip`, and a tensor listed twice under two names (a tie within one rank) add nothing
+    beyond their first appearance."""
+    total = torch.zeros((), dtype=torch.float64)
+    seen: set[int] = set()
+    for name, p in named_params:
+        if name in skip or p.grad is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        g = p.grad.detach()
+        total = total + g.to(torch.float64).pow(2).sum().cpu()
+    return total
+
+
+def clip_coef(total_sq_norm: float | torch.Tensor, max_norm: float) -> float:
+    """The factor to scale every gradient by: max_norm / (norm + 1e-6) when the norm exceeds
+    max_norm, else 1.0. `max_norm <= 0` means clipping is off (always 1.0). A non-finite norm
+    gives a non-finite factor on purpose: the step is bad and the caller should see NaNs rather
+    than a silently rescaled update (clip_grad_norm_ behaves the same way)."""
+    if max_norm <= 0:
+        return 1.0
+    norm = math.sqrt(float(total_sq_norm))
+    coef = max_norm / (norm + _EPS)
+    return min(coef, 1.0) if math.isfinite(coef) else coef
+
+
+def grad_norm(total_sq_norm: float | torch.Tensor) -> float:
+    """The global gradient norm (for logging) from the summed squares."""
+    return math.sqrt(float(total_sq_norm))
+
+
+def apply_clip(params: Iterable[torch.nn.Parameter], coef: float) -> None:
+    """Scale every gradient in place by `coef` (nothing to do when it is 1.0). A tensor listed
+    twice is scaled once."""
+    if coef == 1.0:
+        return
+    seen: set[int] = set()
+    for p in params:
+        if p.grad is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        p.grad.detach().mul_(coef)

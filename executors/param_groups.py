@@ -1,0 +1,93 @@
+"""Optimizer parameter groups: which parameters get weight decay, and the optimizer over them.
+
+Weight decay pulls weights towards zero. On matrices (linear weights, embeddings: dim >= 2) it
+regularises; on biases and norm gains (dim < 2) it only fights the scale the network needs, so
+they get none, as in GPT-2/nanoGPT.
+
+Each pipeline rank builds its own optimizer over the parameters of the stages it holds. AdamW
+and SGD update each parameter from its own gradient and state only, so per-rank optimizers give
+exactly the weights one optimizer over the whole model gives. A tied parameter (one tensor used
+by several stages) is held as a separate copy by every rank that uses it; `reduce-tied` gives
+all copies the same summed gradient, so each copy's optimizer makes the same update and nothing
+special is needed here. A tie between two stages of one rank is one Python object and is put in
+a group once.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from tpc.ir.diagnostics import Diagnostic, TpirError
+
+KINDS = ("adamw", "sgd")
+
+
+def adamw_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Two groups, `decay` (dim >= 2) and `no_decay` (dim < 2), each sorted by parameter name so
+    the groups (and so the optimizer state order) do not depend on module registration order.
+    Frozen parameters are left out, an empty group is dropped. Each group carries the names of
+    its parameters under "names" (torch.optim keeps extra keys; checkpoints use them)."""
+    if weight_decay < 0:
+        raise TpirError(Diagnostic(f"weight decay must be >= 0, got {weight_decay}", where="--weight-decay",
+                                   hint="e.g. --weight-decay 0.1, or 0 for none"))
+    decay: list[tuple[str, torch.nn.Parameter]] = []
+    no_decay: list[tuple[str, torch.nn.Parameter]] = []
+    for name, p in _unique_trainable(named_params):
+        (decay if p.dim() >= 2 else no_decay).append((name, p))
+    groups = []
+    for members, wd in ((decay, weight_decay), (no_decay, 0.0)):
+        members.sort(key=lambda item: item[0])
+        if members:
+            groups.append({"params": [p for _, p in members], "names": [n for n, _ in members],
+                           "weight_decay": wd})
+    return groups
+
+
+def build_optimizer(kind: str, named_params: Iterable[tuple[str, torch.nn.Parameter]], lr: float,
+                    weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.Optimizer:
+    """AdamW over `adamw_groups`, or plain SGD (no momentum, no decay) over all parameters by name.
+
+    `foreach=False`: the per-parameter loop does the same arithmetic whichever parameters a rank
+    holds, so a model split over ranks steps to bit-identical weights as the whole model would.
+    The rate is a starting value; the training loop sets each group's "lr" from `lr_at` per step.
+    """
+    if kind not in KINDS:
+        raise TpirError(Diagnostic(f"unknown optimizer {kind!r}", where="--optimizer",
+                                   hint=f"use one of: {', '.join(KINDS)}"))
+    if not lr > 0:
+        raise TpirError(Diagnostic(f"learning rate must be > 0, got {lr}", where="--lr", hint="e.g. --lr 3e-4"))
+    named = list(named_params)
+    if kind == "sgd":
+        params = sorted(_unique_trainable(named), key=lambda item: item[0])
+        if not params:
+            raise _no_params()
+        group = {"params": [p for _, p in params], "names": [n for n, _ in params]}
+        return torch.optim.SGD([group], lr=lr, foreach=False)
+    groups = adamw_groups(named, weight_decay)
+    if not groups:
+        raise _no_params()
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's rate (groups differ in decay only, never in rate)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _unique_trainable(named_params: Iterable[tuple[str, torch.nn.Parameter]]):
+    """Trainable (name, parameter) pairs, each tensor once under its first name."""
+    seen: set[int] = set()
+    out = []
+    for name, p in named_params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+def _no_params() -> TpirError:
+    return TpirError(Diagnostic("no trainable parameters to optimize", where="optimizer",
+                                hint="a rank whose stages hold no parameters needs no optimizer; skip building one"))
