@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from tpc.compiler import lower as L
 from tpc.compiler.schedules import build_schedule
 from tpc.ir.diagnostics import TpirError
-from tpc.ir.nodes import Instr, Op, Payload
+from tpc.ir.nodes import Instr, Op
+from tpc.ir.parse import parse
+from tpc.ir.printer import print_plan
 from tpc.ir.verify import check
 
 from . import make_header
@@ -242,3 +247,32 @@ def test_lower_refuses_an_incomplete_schedule():
     compute[1] = tuple(i for i in compute[1] if not (i.op is B and i.slice == 0))
     with pytest.raises(TpirError):
         L.lower(header, compute)
+
+
+# --------------------------------------------------------------------------- golden plans
+
+GOLDEN = Path(__file__).parent / "golden"
+GOLDEN_CASES = {
+    # two stages, three token slices, two micro-batches, a tie across the ranks
+    "seq1f1b_k2_s3_m2": dict(stages=2, slices=3, mbs=2, schedule="seq1f1b", ties=(("wte", (0, 1)),)),
+    # unequal slices, three micro-batches, two data-parallel replicas (allreduce)
+    "1f1b_k3_unequal_m3_dp2": dict(stages=3, slices=(10, 6, 8), mbs=3, dp=2, schedule="1f1b"),
+    # four stages on two ranks: local hand-offs between co-located stages, a tie across ranks
+    "terapipe_k4_on_2_ranks": dict(
+        stages=4, slices=2, mbs=2, schedule="terapipe", stage_ranks=(0, 1, 0, 1), ties=(("wte", (0, 3)),)
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
+def test_golden_plan(case):
+    """Compare byte for byte with tests/compiler/golden/CASE.tpir; TPC_REGEN_GOLDEN=1 rewrites."""
+    spec = dict(GOLDEN_CASES[case])
+    header = make_header(spec.pop("stages"), **spec)
+    text = print_plan(L.lower(header, build_schedule(header.schedule.name, header)))
+    path = GOLDEN / f"{case}.tpir"
+    if os.environ.get("TPC_REGEN_GOLDEN") == "1":
+        path.write_text(text, encoding="utf-8")
+    want = path.read_text(encoding="utf-8")
+    assert text == want, f"{path} differs from the lowering's output (TPC_REGEN_GOLDEN=1 rewrites it)"
+    assert check(parse(want, file=str(path))) == parse(text)
