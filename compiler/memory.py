@@ -1,0 +1,143 @@
+"""Per-rank memory of a plan: what a rank holds while it runs each instruction.
+
+A rank's stream runs one instruction at a time, so its memory is a function of program order
+alone (timing does not matter): walking the stream once gives the memory *during* every
+instruction and the peak. What is counted, from the cost model's byte functions:
+
+* parameters `param_bytes(stage)`, their gradients (same size) and the Adam optimizer state
+  (two moments: 2x the parameters), for every stage the rank holds, the whole step long;
+* live activations: the autograd graph a slice's forward keeps, `activation_bytes(l, mb_size)`,
+  from the start of its forward (or recompute) to the end of its backward (of its
+  backward-weight for a split backward). A `checkpoint` forward keeps no graph; its
+  `recompute` rebuilds it. The input a checkpointed forward keeps to recompute from is left
+  out (one hidden-state row per token, small next to the graph);
+* KV caches: `kv_bytes(stage, l, mb_size)` per slice from the start of its forward until
+  `free-kv` of its (stage, micro-batch), or the end of the step when there is none;
+* KV gradients: a slice's backward sends gradients into the keys and values of every earlier
+  slice of its (stage, micro-batch); the accumulator of slice j exists from the start of the
+  first backward of a later slice until `free-kv`.
+
+Allocation happens when an instruction starts and release when it ends, so a backward still
+holds the activations it consumes. Under unit costs (`activation_bytes` 1 per slice, no
+parameters, no KV), the total is the number of live slice activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import Header, Instr, Op
+
+
+class MemoryCosts(Protocol):
+    """The byte functions of a cost model that memory accounting needs."""
+
+    def activation_bytes(self, l: int, mb_size: int) -> float: ...
+
+    def kv_bytes(self, stage: int, l: int, mb_size: int) -> float: ...
+
+    def param_bytes(self, stage: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What one rank holds at one moment, by kind (bytes; slice activations under unit costs)."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    kv: float = 0.0
+    kv_grads: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """A rank's memory during each of its instructions, and the breakdown at the peak."""
+
+    during: tuple[Memory, ...]
+    peak: Memory
+    peak_index: int  # the first instruction at which the peak is reached (-1: empty stream)
+
+
+def slice_extent(header: Header, instr: Instr) -> tuple[int, int, int]:
+    """(slice length, context = tokens before the slice, micro-batch rows) of an instruction."""
+    where = f"`{instr}`"
+    if instr.mb is None or instr.mb >= len(header.microbatches):
+        raise TpirError(
+            Diagnostic(
+                f"micro-batch {instr.mb} does not exist (the header has "
+                f"{len(header.microbatches)})",
+                loc=instr.loc,
+                where=where,
+                hint="use a micro-batch the header declares, or run `tpc verify` first",
+            )
+        )
+    mb = header.microbatches[instr.mb]
+    if instr.slice is None or instr.slice >= len(mb.slices):
+        raise TpirError(
+            Diagnostic(
+                f"slice {instr.slice} does not exist (micro-batch {instr.mb} has "
+                f"{len(mb.slices)} slices)",
+                loc=instr.loc,
+                where=where,
+                hint="use a slice the header declares, or run `tpc verify` first",
+            )
+        )
+    lo, hi = mb.slices[instr.slice]
+    return hi - lo, lo, mb.size
+
+
+def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: MemoryCosts) -> RankMemory:
+    """Walk one rank's stream and account its memory (see the module docstring)."""
+    params = sum(costs.param_bytes(s) for s in header.stages_of_rank(rank))
+    static = dict(params=params, grads=params, optimizer=2 * params)
+    acts: dict[tuple[int, int, int], float] = {}
+    kv: dict[tuple[int, int], dict[int, float]] = {}
+    kv_grads: dict[tuple[int, int], dict[int, float]] = {}
+
+    def now() -> Memory:
+        return Memory(
+            **static,
+            activations=sum(acts.values()),
+            kv=sum(sum(d.values()) for d in kv.values()),
+            kv_grads=sum(sum(d.values()) for d in kv_grads.values()),
+        )
+
+    during: list[Memory] = []
+    for instr in instrs:
+        release: list[tuple[int, int, int]] = []
+        if instr.op in (Op.FORWARD, Op.RECOMPUTE):
+            l, _, size = slice_extent(header, instr)
+            if instr.op is Op.FORWARD:
+                kv.setdefault((instr.stage, instr.mb), {})[instr.slice] = costs.kv_bytes(
+                    instr.stage, l, size
+                )
+            if not instr.checkpoint:
+                acts[instr.key] = costs.activation_bytes(l, size)
+        elif instr.op in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
+            slice_extent(header, instr)  # a located error for a slice the header lacks
+            owned = kv.get((instr.stage, instr.mb), {})
+            grads = kv_grads.setdefault((instr.stage, instr.mb), {})
+            for j, nbytes in owned.items():
+                if j < instr.slice:
+                    grads.setdefault(j, nbytes)
+            if instr.op is not Op.BACKWARD_INPUT:
+                release.append(instr.key)
+        during.append(now())
+        for key in release:
+            acts.pop(key, None)
+        if instr.op is Op.FREE_KV:
+            kv.pop((instr.stage, instr.mb), None)
+            kv_grads.pop((instr.stage, instr.mb), None)
+
+    if not during:
+        return RankMemory(during=(), peak=Memory(**static), peak_index=-1)
+    peak_index = max(range(len(during)), key=lambda i: (during[i].total, -i))
+    return RankMemory(during=tuple(during), peak=during[peak_index], peak_index=peak_index)

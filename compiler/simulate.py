@@ -1,0 +1,359 @@
+"""Discrete-event simulation of a plan: predicted timeline, bubble, critical path and memory.
+
+`simulate(plan, costs)` runs every rank's stream under a cost model and honours every ordering
+rule of docs/ir.md:
+
+* program order: a rank runs one instruction at a time, in the order written;
+* a `send` never blocks and takes no time on the sender (it is buffered; the transfer runs on
+  the link); its `recv` ends at max(when the receiver reaches it, when the send ran + the
+  transfer time `p2p_time(activation_bytes(l, mb_size))`). Messages between two ranks are
+  matched by what they carry (payload, the stage boundary crossed, micro-batch, slice), first
+  sent first received;
+* `reduce-tied NAME` starts when every rank holding a stage of the tie has reached it (the
+  k-th `reduce-tied NAME` of each rank together), then costs an all-reduce of the tied bytes
+  over those ranks;
+* `allreduce stage S` costs an all-reduce of stage S's gradients over the data-parallel
+  replicas (they run identical streams, so nobody waits for anybody);
+* compute costs `slice_time(stage, l, c, mb_size)`: forward and recompute the first number,
+  backward the second, backward-input and backward-weight half of it each.
+
+Times are in the cost model's unit (seconds, or abstract units under `UnitCosts`). Every
+instruction becomes an `Event`; the part of an event spent waiting for a peer (a receive
+waiting for its send, a tie waiting for the other ranks) is `wait`, the rest is `work`. A
+rank's busy time is the sum of its work; its idle time is the iteration time minus that, and
+its bubble fraction is idle / iteration time. The iteration starts at 0 on every rank and ends
+when the last instruction of any rank ends.
+
+The critical path is found by walking back from the last event to end: each event records what
+made it start when it did (the previous instruction of its rank, or the send a receive waited
+for, or the last rank to reach a tie's reduction).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from tpc.compiler.memory import Memory, rank_memory, slice_extent
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import COMPUTE_OPS, Header, Instr, Op, Payload, Plan
+
+# ---------------------------------------------------------------------------- cost models
+
+
+class CostModel(Protocol):
+    """What the simulator asks of a cost model (tpc.compiler.costmodel implements it).
+
+    Optional extras, used when present: `allreduce_time(nbytes, n)` (else a ring all-reduce
+    made of `p2p_time` steps), `tied_bytes(name)` (else 0: the tied gradient is taken as
+    small), `time_unit` ("s" unless said) and `memory_unit` ("B" unless said).
+    """
+
+    def slice_time(self, stage: int, l: int, c: int, mb_size: int) -> tuple[float, float]: ...
+
+    def p2p_time(self, nbytes: float) -> float: ...
+
+    def activation_bytes(self, l: int, mb_size: int) -> float: ...
+
+    def kv_bytes(self, stage: int, l: int, mb_size: int) -> float: ...
+
+    def param_bytes(self, stage: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """The textbook cost model: forward 1, backward 2 per slice, free communication.
+
+    With `ref_len` set, a slice of length l costs l / ref_len forwards (so slices of unequal
+    length cost in proportion; `for_plan` sets it to the plan's mean slice length, so an
+    average slice still costs 1). Memory is counted in slice activations: each live slice
+    graph is `activation_bytes` (1, or l / ref_len), parameters and KV caches count 0.
+    `p2p` is the time of every transfer (0 by default).
+    """
+
+    forward: float = 1.0
+    backward: float = 2.0
+    ref_len: float | None = None
+    p2p: float = 0.0
+    time_unit: str = "unit"
+    memory_unit: str = "act"
+
+    @classmethod
+    def for_plan(cls, header: Header, **kw) -> "UnitCosts":
+        """Unit costs scaled by slice length, an average slice of the plan costing 1."""
+        n = sum(len(m.slices) for m in header.microbatches)
+        return cls(ref_len=header.shape.seq * len(header.microbatches) / max(n, 1), **kw)
+
+    def _scale(self, l: int) -> float:
+        return 1.0 if self.ref_len is None else l / self.ref_len
+
+    def slice_time(self, stage: int, l: int, c: int, mb_size: int) -> tuple[float, float]:
+        return self.forward * self._scale(l), self.backward * self._scale(l)
+
+    def p2p_time(self, nbytes: float) -> float:
+        return self.p2p
+
+    def activation_bytes(self, l: int, mb_size: int) -> float:
+        return self._scale(l)
+
+    def kv_bytes(self, stage: int, l: int, mb_size: int) -> float:
+        return 0.0
+
+    def param_bytes(self, stage: int) -> float:
+        return 0.0
+
+    def describe(self) -> str:
+        scaled = ", scaled by slice length" if self.ref_len is not None else ""
+        return f"unit costs (forward {self.forward:g}, backward {self.backward:g} per slice{scaled})"
+
+
+def allreduce_time(costs: CostModel, nbytes: float, n: int) -> float:
+    """Time to sum `nbytes` over `n` ranks: the model's own, or a ring (2(n-1) steps of
+    nbytes/n each, the bandwidth-optimal algorithm NCCL and gloo use for large tensors)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    own = getattr(costs, "allreduce_time", None)
+    if own is not None:
+        return own(nbytes, n)
+    return 2 * (n - 1) * costs.p2p_time(nbytes / n)
+
+
+# ---------------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Event:
+    """One instruction as it ran: [start, end) of which `wait` was spent waiting for a peer."""
+
+    rank: int
+    index: int  # position in the rank's stream
+    instr: Instr
+    start: float
+    end: float
+    wait: float = 0.0
+
+    @property
+    def line(self) -> int | None:
+        """The .tpir line of the instruction (None for a plan built in memory)."""
+        return self.instr.loc.line if self.instr.loc is not None else None
+
+    @property
+    def work(self) -> float:
+        return self.end - self.start - self.wait
+
+
+@dataclass(frozen=True)
+class RankStats:
+    rank: int
+    busy: float  # time doing the rank's own work (compute and collectives)
+    compute: float  # of which forward/recompute/backward
+    idle: float  # iteration time - busy
+    bubble: float  # idle / iteration time
+    peak_memory: Memory  # breakdown at the rank's peak
+
+
+@dataclass(frozen=True)
+class SimResult:
+    plan: Plan
+    iteration_time: float
+    events: tuple[Event, ...]  # by rank, then program order
+    ranks: tuple[RankStats, ...]
+    critical_path: tuple[Event, ...]  # from the first instruction to the last to finish
+    time_unit: str = "s"
+    memory_unit: str = "B"
+
+    def events_of(self, rank: int) -> tuple[Event, ...]:
+        return tuple(e for e in self.events if e.rank == rank)
+
+    @property
+    def bubble(self) -> float:
+        """Mean bubble fraction over the ranks."""
+        return statistics.fmean(r.bubble for r in self.ranks) if self.ranks else 0.0
+
+
+# ------------------------------------------------------------------------------- simulation
+
+
+def _boundary(instr: Instr) -> int:
+    """The stage boundary a message crosses: b is the edge between stage b and stage b+1."""
+    forward_going = instr.payload is Payload.ACT
+    sending = instr.op is Op.SEND
+    # send act S crosses S; recv act S crosses S-1; send grad S crosses S-1; recv grad S crosses S
+    return instr.stage if forward_going == sending else instr.stage - 1
+
+
+def message_key(rank: int, instr: Instr) -> tuple:
+    src, dst = (rank, instr.peer) if instr.op is Op.SEND else (instr.peer, rank)
+    return (src, dst, instr.payload, _boundary(instr), instr.mb, instr.slice)
+
+
+def _compute_time(header: Header, instr: Instr, costs: CostModel) -> float:
+    l, c, size = slice_extent(header, instr)
+    t_fwd, t_bwd = costs.slice_time(instr.stage, l, c, size)
+    if instr.op in (Op.FORWARD, Op.RECOMPUTE):
+        return t_fwd
+    if instr.op is Op.BACKWARD:
+        return t_bwd
+    return t_bwd / 2  # backward-input, backward-weight
+
+
+def _tie_ranks(header: Header, rank: int, instr: Instr) -> tuple[int, ...]:
+    for tie in header.ties:
+        if tie.name == instr.tie:
+            return tuple(sorted({header.stage_rank(s) for s in tie.stages}))
+    raise TpirError(
+        Diagnostic(
+            f"rank {rank} reduces tie {instr.tie!r}, which the header does not declare",
+            loc=instr.loc,
+            where=f"rank {rank}: `{instr}`",
+            hint="declare it with a `tie` line, or run `tpc verify` first",
+        )
+    )
+
+
+class _Sim:
+    """The state of one simulation; `run` advances every rank as far as its dependencies let
+    it, round after round, until all are done or none can move (a deadlock)."""
+
+    def __init__(self, plan: Plan, costs: CostModel):
+        self.plan = plan
+        self.header = plan.header
+        self.costs = costs
+        self.streams = [p.instrs for p in plan.ranks]
+        self.pos = [0] * len(self.streams)
+        self.clock = [0.0] * len(self.streams)
+        self.events: dict[tuple[int, int], Event] = {}
+        self.pred: dict[tuple[int, int], tuple[int, int] | None] = {}
+        self.sent: dict[tuple, deque] = {}
+        self.tie_seen: dict[tuple[int, str], int] = {}  # (rank, tie) -> reductions done
+        self.tie_arrivals: dict[tuple[str, int], dict[int, tuple[float, int]]] = {}
+
+    def run(self) -> None:
+        moved = True
+        while moved:
+            moved = False
+            for r in range(len(self.streams)):
+                while self.pos[r] < len(self.streams[r]) and self._step(r):
+                    moved = True
+        stuck = [r for r in range(len(self.streams)) if self.pos[r] < len(self.streams[r])]
+        if stuck:
+            raise TpirError([self._stuck(r) for r in stuck])
+
+    def _finish(self, r: int, start: float, end: float, wait: float, pred) -> None:
+        i = self.pos[r]
+        self.events[(r, i)] = Event(r, i, self.streams[r][i], start, end, wait)
+        self.pred[(r, i)] = pred
+        self.clock[r] = end
+        self.pos[r] += 1
+
+    def _previous(self, r: int) -> tuple[int, int] | None:
+        return (r, self.pos[r] - 1) if self.pos[r] > 0 else None
+
+    def _step(self, r: int) -> bool:
+        """Run rank r's next instruction if it can run; False when it must wait."""
+        instr = self.streams[r][self.pos[r]]
+        t = self.clock[r]
+        prev = self._previous(r)
+        if instr.op in COMPUTE_OPS:
+            self._finish(r, t, t + _compute_time(self.header, instr, self.costs), 0.0, prev)
+        elif instr.op is Op.SEND:
+            self.sent.setdefault(message_key(r, instr), deque()).append((r, self.pos[r], t))
+            self._finish(r, t, t, 0.0, prev)
+        elif instr.op is Op.RECV:
+            queue = self.sent.get(message_key(r, instr))
+            if not queue:
+                return False
+            src, index, sent_at = queue.popleft()
+            l, _, size = slice_extent(self.header, instr)
+            arrival = sent_at + self.costs.p2p_time(self.costs.activation_bytes(l, size))
+            if arrival > t:
+                self._finish(r, t, arrival, arrival - t, (src, index))
+            else:
+                self._finish(r, t, t, 0.0, prev)
+        elif instr.op is Op.REDUCE_TIED:
+            return self._reduce_tied(r, instr)
+        elif instr.op is Op.ALLREDUCE:
+            nbytes = self.costs.param_bytes(instr.stage)
+            cost = allreduce_time(self.costs, nbytes, self.header.mesh.data)
+            self._finish(r, t, t + cost, 0.0, prev)
+        else:  # load, free-kv, step: bookkeeping the cost models do not time
+            self._finish(r, t, t, 0.0, prev)
+        return True
+
+    def _reduce_tied(self, r: int, instr: Instr) -> bool:
+        ranks = _tie_ranks(self.header, r, instr)
+        k = self.tie_seen.get((r, instr.tie), 0)
+        arrivals = self.tie_arrivals.setdefault((instr.tie, k), {})
+        arrivals.setdefault(r, (self.clock[r], self.pos[r]))
+        if any(q not in arrivals for q in ranks):
+            return False
+        ready, last = max((arrivals[q][0], q) for q in ranks)
+        nbytes = getattr(self.costs, "tied_bytes", lambda name: 0.0)(instr.tie)
+        cost = allreduce_time(self.costs, nbytes, len(ranks))
+        t = self.clock[r]
+        last_index = arrivals[last][1]
+        pred = self._previous(r) if (last == r or ready <= t) else (
+            (last, last_index - 1) if last_index > 0 else None
+        )
+        self.tie_seen[(r, instr.tie)] = k + 1
+        self._finish(r, t, ready + cost, ready - t, pred)
+        return True
+
+    def _stuck(self, r: int) -> Diagnostic:
+        instr = self.streams[r][self.pos[r]]
+        if instr.op is Op.RECV:
+            why = f"no rank sends what it receives (rank {instr.peer} never runs the matching send)"
+            hint = (f"rank {instr.peer} must run `send {instr.payload.value} ...` of this message "
+                    "before it waits on anything that depends on this rank")
+        else:
+            k = self.tie_seen.get((r, instr.tie), 0)
+            arrived = self.tie_arrivals.get((instr.tie, k), {})
+            missing = [q for q in _tie_ranks(self.header, r, instr) if q not in arrived]
+            why = f"waits for rank(s) {', '.join(map(str, missing))} to reduce {instr.tie!r}"
+            hint = "every rank holding the tie must reach its reduce-tied; run `tpc verify` to find the cycle"
+        return Diagnostic(
+            f"deadlock: rank {r} is stuck at instruction {self.pos[r]} `{instr}`: {why}",
+            loc=instr.loc,
+            where=f"rank {r}",
+            hint=hint,
+        )
+
+    def critical_path(self) -> tuple[Event, ...]:
+        if not self.events:
+            return ()
+        key = max(self.events, key=lambda k: (self.events[k].end, -k[0], k[1]))
+        path = []
+        while key is not None:
+            path.append(self.events[key])
+            key = self.pred[key]
+        return tuple(reversed(path))
+
+
+def simulate(plan: Plan, costs: CostModel) -> SimResult:
+    """Predict the plan's timeline under `costs` (see the module docstring)."""
+    sim = _Sim(plan, costs)
+    sim.run()
+    events = tuple(sim.events[k] for k in sorted(sim.events))
+    total = max((e.end for e in events), default=0.0)
+    ranks = []
+    for p in plan.ranks:
+        mine = [e for e in events if e.rank == p.rank]
+        busy = math.fsum(e.work for e in mine)
+        compute = math.fsum(e.work for e in mine if e.instr.op in COMPUTE_OPS)
+        idle = total - busy
+        memory = rank_memory(plan.header, p.rank, p.instrs, costs)
+        ranks.append(
+            RankStats(p.rank, busy, compute, idle, idle / total if total > 0 else 0.0, memory.peak)
+        )
+    return SimResult(
+        plan=plan,
+        iteration_time=total,
+        events=events,
+        ranks=tuple(ranks),
+        critical_path=sim.critical_path(),
+        time_unit=getattr(costs, "time_unit", "s"),
+        memory_unit=getattr(costs, "memory_unit", "B"),
+    )

@@ -1,0 +1,334 @@
+"""Timelines: Chrome-trace JSON (predicted by `tpc simulate`, measured by `tpc run --trace`),
+the comparison of the two, and the Gantt-chart picture.
+
+The trace format
+================
+
+One JSON object in the Chrome trace-event format, which Perfetto (ui.perfetto.dev) and
+chrome://tracing open::
+
+    {"traceEvents": [...], "displayTimeUnit": "ms",
+     "otherData": {"tpc": {"plan": "plan.tpir", "schedule": "terapipe", "source": "simulate",
+                           "time_unit": "s", "us_per_unit": 1000000.0}}}
+
+`traceEvents` holds, in this order:
+
+* per pipeline rank r, two metadata events naming and ordering its process:
+  `{"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": "rank r"}}` and
+  `{"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}}`;
+* per instruction, one complete event:
+  `{"ph": "X", "name": "F 0.3", "cat": "forward", "pid": r, "tid": 0, "ts": T, "dur": D,
+  "args": {"rank": r, "index": i, "line": L, "instr": "forward stage 1 mb 0 slice 3",
+  "step": s}}` where `ts` and `dur` are microseconds from the start of the trace, `pid` is the
+  pipeline rank (one process per rank), `cat` is the instruction's op, `name` a short label,
+  `args.index` its position in the rank's stream, `args.line` its line in the .tpir file (null
+  for a plan built in memory), `args.instr` its text as the plan writes it, and `args.step` the
+  training step (optional, 0 when absent; a measured trace of several steps repeats every
+  instruction once per step). For a receive, `dur` includes the time spent waiting;
+* per message, a flow arrow from the send to its receive: `{"ph": "s", "id": k, "cat": "p2p",
+  "name": "act", "pid": src, "tid": 0, "ts": <send's ts>}` and `{"ph": "f", "bp": "e", "id":
+  k, "cat": "p2p", "name": "act", "pid": dst, "tid": 0, "ts": <receive's ts>}`.
+
+A reader (`read_trace`, used by `tpc simulate --compare`) needs only the "X" events with
+`args.rank`, `args.instr` and `ts`/`dur`; everything else is for people.
+
+Under unit costs one unit of time is written as 1 ms (`us_per_unit` 1000), so a unit-cost
+trace is readable in Perfetto; compared with a measured trace it is a shape, not a prediction.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import COMPUTE_OPS, Op
+
+# --------------------------------------------------------------------------- Chrome trace
+
+
+def us_per_unit(time_unit: str) -> float:
+    """Microseconds per unit of simulated time: seconds, or 1 ms per abstract unit."""
+    return 1e6 if time_unit == "s" else 1e3
+
+
+def short_label(instr) -> str:
+    """'F 0.3' for forward of micro-batch 0, slice 3; the op's initials otherwise."""
+    letters = {
+        Op.FORWARD: "F", Op.RECOMPUTE: "R", Op.BACKWARD: "B", Op.BACKWARD_INPUT: "BI",
+        Op.BACKWARD_WEIGHT: "BW", Op.SEND: "send", Op.RECV: "recv",
+    }
+    if instr.op in letters and instr.slice is not None:
+        return f"{letters[instr.op]} {instr.mb}.{instr.slice}"
+    return str(instr)
+
+
+def chrome_trace(result, plan_name: str = "") -> dict:
+    """The trace of a simulation (see the module docstring)."""
+    scale = us_per_unit(result.time_unit)
+    events: list[dict] = []
+    for p in result.plan.ranks:
+        events.append({"ph": "M", "name": "process_name", "pid": p.rank, "tid": 0,
+                       "args": {"name": f"rank {p.rank}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": p.rank, "tid": 0,
+                       "args": {"sort_index": p.rank}})
+    for e in result.events:
+        events.append({
+            "ph": "X", "name": short_label(e.instr), "cat": e.instr.op.value,
+            "pid": e.rank, "tid": 0, "ts": e.start * scale, "dur": (e.end - e.start) * scale,
+            "args": {"rank": e.rank, "index": e.index, "line": e.line, "instr": str(e.instr),
+                     "step": 0},
+        })
+    for k, (send, recv) in enumerate(message_pairs(result.events)):
+        common = {"id": k, "cat": "p2p", "name": send.instr.payload.value, "tid": 0}
+        events.append({"ph": "s", "pid": send.rank, "ts": send.start * scale, **common})
+        events.append({"ph": "f", "bp": "e", "pid": recv.rank, "ts": recv.start * scale, **common})
+    meta = {"plan": plan_name, "schedule": result.plan.header.schedule.name,
+            "source": "simulate", "time_unit": result.time_unit, "us_per_unit": scale}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"tpc": meta}}
+
+
+def message_pairs(events) -> list[tuple]:
+    """(send event, receive event) of every message, matched as the simulator matches them:
+    by sender, receiver, payload, stage boundary, micro-batch and slice, first sent first
+    received. In the order of the receives."""
+    from tpc.compiler.simulate import message_key  # one definition of what a message is
+
+    sends: dict[tuple, list] = {}
+    for e in events:
+        if e.instr.op is Op.SEND:
+            sends.setdefault(message_key(e.rank, e.instr), []).append(e)
+    pairs = []
+    for e in events:
+        if e.instr.op is Op.RECV:
+            queue = sends.get(message_key(e.rank, e.instr))
+            if queue:
+                pairs.append((queue.pop(0), e))
+    return pairs
+
+
+def write_trace(result, path: str, plan_name: str = "") -> None:
+    Path(path).write_text(json.dumps(chrome_trace(result, plan_name), indent=1) + "\n",
+                          encoding="utf-8")
+
+
+# ------------------------------------------------------------------------ measured traces
+
+
+@dataclass(frozen=True)
+class TimedInstr:
+    """One "X" event of a trace, in microseconds."""
+
+    rank: int
+    instr: str
+    ts: float
+    dur: float
+    step: int = 0
+    line: int | None = None
+
+    @property
+    def op(self) -> str:
+        return self.instr.split(" ", 1)[0]
+
+
+def _bad_trace(path: str, what: str) -> TpirError:
+    return TpirError(Diagnostic(
+        f"{what}", where=path,
+        hint="give a trace written by `tpc run --trace` or `tpc simulate --trace` (the format is "
+        "described in tpc/compiler/timeline.py)",
+    ))
+
+
+def read_trace(path: str) -> list[TimedInstr]:
+    """The instruction events of a trace file; a located TpirError when it is not one."""
+    p = Path(path)
+    if not p.is_file():
+        raise _bad_trace(path, f"no such file: {path}")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _bad_trace(path, f"not JSON: {e}") from None
+    raw = data.get("traceEvents") if isinstance(data, dict) else data
+    if not isinstance(raw, list):
+        raise _bad_trace(path, "no \"traceEvents\" list")
+    out = []
+    for n, ev in enumerate(raw):
+        if not isinstance(ev, dict) or ev.get("ph") != "X":
+            continue
+        args = ev.get("args") or {}
+        try:
+            out.append(TimedInstr(
+                rank=int(args["rank"]), instr=str(args["instr"]), ts=float(ev["ts"]),
+                dur=float(ev["dur"]), step=int(args.get("step") or 0),
+                line=None if args.get("line") is None else int(args["line"]),
+            ))
+        except (KeyError, TypeError, ValueError):
+            raise _bad_trace(
+                path, f"event {n} (\"X\") lacks a number in ts/dur or args.rank/args.instr"
+            ) from None
+    if not out:
+        raise _bad_trace(path, "no \"X\" events with args.rank and args.instr")
+    return out
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a comparison: a predicted and a measured time, in the prediction's unit."""
+
+    what: str
+    predicted: float
+    measured: float
+
+    @property
+    def error(self) -> float:
+        """Relative error of the prediction: (predicted - measured) / measured."""
+        if self.measured == 0:
+            return 0.0 if self.predicted == 0 else math.inf
+        return (self.predicted - self.measured) / self.measured
+
+
+def compare(result, measured: list[TimedInstr]) -> list[Row]:
+    """Predicted vs measured iteration time and per-rank compute time (forward, recompute,
+    backward: what both sides time the same way; a measured receive includes its waiting).
+
+    A measured trace may hold several steps; the first is warm-up, so with two or more steps
+    the measured numbers are the means over the steps after the first."""
+    scale = us_per_unit(result.time_unit)
+    steps = sorted({t.step for t in measured})
+    if len(steps) > 1:
+        steps = steps[1:]
+    compute_ops = {op.value for op in COMPUTE_OPS}
+
+    def per_step(fn) -> float:
+        return statistics.fmean(fn([t for t in measured if t.step == s]) for s in steps) / scale
+
+    def span(ts):
+        return max(t.ts + t.dur for t in ts) - min(t.ts for t in ts)
+
+    rows = [Row("iteration time", result.iteration_time, per_step(span))]
+    for r in result.ranks:
+        meas = per_step(lambda ts, r=r.rank: math.fsum(
+            t.dur for t in ts if t.rank == r and t.op in compute_ops))
+        rows.append(Row(f"rank {r.rank} compute", r.compute, meas))
+    return rows
+
+
+def format_comparison(rows: list[Row], unit: str) -> str:
+    shown, factor = ("ms", 1e3) if unit == "s" else (unit, 1.0)
+    out = [f"{'':<18}{'predicted':>14}{'measured':>14}{'error':>10}"]
+    for row in rows:
+        err = "n/a" if math.isinf(row.error) else f"{row.error:+.1%}"
+        out.append(f"{row.what:<18}{row.predicted * factor:>11.3f} {shown:<2}"
+                   f"{row.measured * factor:>11.3f} {shown:<2}{err:>10}")
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------------ the picture
+
+COLOURS = {
+    Op.FORWARD: "#4C72B0",
+    Op.RECOMPUTE: "#8FAADC",
+    Op.BACKWARD: "#DD8452",
+    Op.BACKWARD_INPUT: "#DD8452",
+    Op.BACKWARD_WEIGHT: "#C44E52",
+    Op.ALLREDUCE: "#8C8C8C",
+    Op.REDUCE_TIED: "#8C8C8C",
+    Op.STEP: "#55A868",
+}
+IDLE = "#EEEEEE"
+LEGEND = {
+    Op.FORWARD: "forward", Op.RECOMPUTE: "recompute", Op.BACKWARD: "backward",
+    Op.BACKWARD_INPUT: "backward-input", Op.BACKWARD_WEIGHT: "backward-weight",
+    Op.ALLREDUCE: "gradient reduction", Op.REDUCE_TIED: "gradient reduction",
+    Op.STEP: "optimizer step",
+}
+
+
+def slices_summary(header) -> str:
+    """'8 slices' when every micro-batch has the same number of slices, else '8,4 slices'."""
+    counts = [len(m.slices) for m in header.microbatches]
+    if len(set(counts)) == 1:
+        return f"{counts[0]} slice{'s' if counts[0] != 1 else ''}"
+    return ",".join(map(str, counts)) + " slices"
+
+
+def _title(result) -> str:
+    h = result.plan.header
+    T, unit = result.iteration_time, result.time_unit
+    when = f"{T * 1e3:.3g} ms" if unit == "s" else f"{T:g} {unit}s"
+    M = len(h.microbatches)
+    return (f"{h.schedule.name}: K={h.num_stages} stages, M={M} micro-batch{'es' if M != 1 else ''}, "
+            f"{slices_summary(h)}\niteration {when}, bubble {result.bubble:.1%}")
+
+
+def _label_size(result, px_per_unit: float) -> float:
+    """One font size for every 'mb.slice' label, 0 for none: labels on some boxes only would
+    read as a pattern that is not there."""
+    boxes = [e for e in result.events if e.instr.slice is not None and e.work > 0]
+    if not boxes:
+        return 0
+    narrowest = min(e.work for e in boxes) * px_per_unit
+    longest = max(len(f"{e.instr.mb}.{e.instr.slice}") for e in boxes)
+    for size, px_per_char in ((8, 7.5), (6, 5.5)):
+        if narrowest >= px_per_char * longest:
+            return size
+    return 0
+
+
+def write_gantt(result, path: str, width_in: float = 12.0) -> None:
+    """A Gantt chart: one row per rank (rank 0 on top), one box per instruction that takes
+    time, forward and backward in their colours, 'mb.slice' inside a box wide enough to hold
+    it; the idle time of a rank shows as the grey background between boxes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    P = len(result.plan.ranks)
+    scale, xlabel = (1e3, "time (ms)") if result.time_unit == "s" else (1.0, f"time ({result.time_unit}s)")
+    T = result.iteration_time * scale or 1.0
+    fig, ax = plt.subplots(figsize=(width_in, 1.6 + 0.55 * P), dpi=150)
+    axes_px = width_in * fig.dpi * 0.86  # the axes' share of the figure width
+    row_h = 0.8
+    used = set()
+    fontsize = _label_size(result, axes_px / T * scale)
+    for p in result.plan.ranks:
+        y = P - 1 - p.rank
+        ax.broken_barh([(0, T)], (y - row_h / 2, row_h), facecolors=IDLE, edgecolor="none")
+    for e in result.events:
+        dur = e.work * scale
+        if dur <= 0 or e.instr.op not in COLOURS:
+            continue
+        used.add(e.instr.op)
+        y = P - 1 - e.rank
+        x = (e.start + e.wait) * scale
+        ax.broken_barh([(x, dur)], (y - row_h / 2, row_h), facecolors=COLOURS[e.instr.op],
+                       edgecolor="white", linewidth=0.6,
+                       hatch="//" if e.instr.op is Op.RECOMPUTE else None)
+        if e.instr.slice is not None and fontsize:
+            ax.text(x + dur / 2, y, f"{e.instr.mb}.{e.instr.slice}", ha="center", va="center",
+                    fontsize=fontsize, color="white")
+    ax.set_yticks(range(P))
+    ax.set_yticklabels([f"rank {P - 1 - y}" for y in range(P)])
+    ax.set_ylim(-0.6, P - 0.4)
+    ax.set_xlim(0, T)
+    ax.set_xlabel(xlabel + ("   (labels: micro-batch.slice)" if fontsize else ""))
+    ax.set_title(_title(result), fontsize=10)
+    ax.spines[["top", "right", "left"]].set_visible(False)
+    ax.tick_params(axis="y", length=0)
+    handles, seen = [], set()
+    for op in COLOURS:
+        if op in used and LEGEND[op] not in seen:
+            seen.add(LEGEND[op])
+            handles.append(Patch(facecolor=COLOURS[op], label=LEGEND[op],
+                                 hatch="//" if op is Op.RECOMPUTE else None))
+    handles.append(Patch(facecolor=IDLE, label="idle (bubble)"))
+    fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0),
+               ncol=len(handles), frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0.3 / fig.get_figheight(), 1, 1))  # room for the legend
+    fig.savefig(path)
+    plt.close(fig)
