@@ -1,0 +1,291 @@
+"""The reference interpreter: every rank of a plan, every data replica, in one process.
+
+This is the executable definition of the IR's semantics (docs/ir.md):
+
+- a send never blocks: it appends to the in-memory FIFO channel of its (source, destination)
+  direction;
+- a receive blocks until its message is at the head of that channel; the message must be the one
+  the receive names (FIFO order per direction is part of the format);
+- `allreduce stage S` waits for every replica's rank of stage S and sums their gradients;
+  `reduce-tied "NAME"` waits for every rank of the replica whose stages hold NAME and sums;
+- ranks run cooperatively: each runs until it blocks, then the next; when a full round makes no
+  progress and some rank is unfinished, the plan deadlocks and the error lists every stuck
+  rank's instruction with its line.
+
+Scheduling order never changes a result (messages are matched by channel order, sums are taken in
+rank order), so the interpreter is deterministic.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from tpc.executors.data import BatchSource, RandomTokens
+from tpc.executors.engine import (
+    Blocked,
+    EngineOptions,
+    Key,
+    RankEngine,
+    StageFactory,
+    TraceEvent,
+    _key_str,
+    stage_factory_from_model,
+)
+from tpc.executors.optim import OptimSpec
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import Plan
+
+
+@dataclass
+class RunResult:
+    """What a run produced. `grads` are those of the last step, before its optimizer update,
+    keyed by parameter name (a tie's gradient is the sum over its stages); `peak_live` is the
+    largest number of slice activations any replica of each pipeline rank held at once."""
+
+    losses: list[float]
+    grads: dict[str, torch.Tensor]
+    peak_live: list[int]
+    state_dict: dict[str, torch.Tensor]
+    events: list[TraceEvent] = field(default_factory=list)
+
+
+class _Hub:
+    """The in-memory network shared by every rank: channels and pending collectives."""
+
+    def __init__(self):
+        self.channels: dict[tuple[int, int], deque[tuple[Key, torch.Tensor]]] = {}
+        self.pending: dict[tuple, dict] = {}
+
+    def channel(self, src: int, dst: int) -> deque:
+        return self.channels.setdefault((src, dst), deque())
+
+    def collective(self, key: tuple, members: list[int], me: int, tensors: list[torch.Tensor],
+                   what: str) -> None:
+        """Sum `tensors` over `members` (global ranks) in place; `Blocked` until all arrived.
+        Arriving twice is harmless: a blocked rank re-offers the same tensors on retry."""
+        if len(members) == 1:
+            return
+        entry = self.pending.setdefault(key, {"arrived": {}, "result": None, "done": set()})
+        entry["arrived"][me] = tensors
+        missing = [r for r in members if r not in entry["arrived"]]
+        if missing:
+            raise Blocked(f"{what}: waiting for rank{'s' if len(missing) > 1 else ''} "
+                          f"{', '.join(map(str, missing))}")
+        if entry["result"] is None:
+            counts = {len(entry["arrived"][r]) for r in members}
+            if len(counts) != 1:
+                raise TpirError(Diagnostic(f"{what}: ranks offer different numbers of tensors",
+                                           hint="replicas of a rank must hold the same stages"))
+            entry["result"] = [_ordered_sum([entry["arrived"][r][j] for r in members])
+                               for j in range(counts.pop())]
+        for t, total in zip(tensors, entry["result"]):
+            t.copy_(total)
+        entry["done"].add(me)
+        if len(entry["done"]) == len(members):
+            del self.pending[key]
+
+
+def _ordered_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Sum in member order, so every run adds in the same order."""
+    total = tensors[0].clone()
+    for t in tensors[1:]:
+        total += t
+    return total
+
+
+class LocalTransport:
+    """One rank's end of the in-memory network."""
+
+    def __init__(self, hub: _Hub, plan: Plan, pipe_rank: int, data_rank: int):
+        self.hub, self.header = hub, plan.header
+        self.pipe, self.data = plan.header.mesh.pipe, plan.header.mesh.data
+        self.pipe_rank, self.data_rank = pipe_rank, data_rank
+        self.me = data_rank * self.pipe + pipe_rank
+        self.step = 0
+        self.seen: dict[tuple, int] = {}
+
+    def _global(self, pipe_rank: int) -> int:
+        return self.data_rank * self.pipe + pipe_rank
+
+    def send(self, key: Key, tensor: torch.Tensor, dst: int, index: int) -> None:
+        self.hub.channel(self.me, self._global(dst)).append((key, tensor.clone()))
+
+    def recv(self, key: Key, src: int, shape, dtype, index: int) -> torch.Tensor:
+        queue = self.hub.channel(self._global(src), self.me)
+        if not queue:
+            raise Blocked(f"waiting for {_key_str(key)} from rank {src}")
+        got, tensor = queue[0]
+        if got != key:
+            raise TpirError(Diagnostic(
+                f"the next message from rank {src} is {_key_str(got)}, not {_key_str(key)}",
+                hint="messages between two ranks are received in the order they were sent; "
+                     "reorder the sends or the receives"))
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            raise TpirError(Diagnostic(
+                f"received a {tuple(tensor.shape)} {tensor.dtype} tensor, the plan implies {tuple(shape)} {dtype}",
+                hint="both ranks must run the same plan"))
+        queue.popleft()
+        return tensor
+
+    def _occurrence(self, kind: tuple) -> tuple:
+        """A key for the n-th collective of a kind in this step (identical on all members)."""
+        return (self.step, *kind)
+
+    def allreduce(self, stage: int, tensors: list[torch.Tensor]) -> None:
+        members = [d * self.pipe + self.pipe_rank for d in range(self.data)]
+        self.hub.collective(self._occurrence(("allreduce", stage, self.pipe_rank)), members, self.me,
+                            tensors, f"allreduce stage {stage}")
+
+    def reduce_tied(self, name: str, tensor: torch.Tensor) -> None:
+        tie = next(t for t in self.header.ties if t.name == name)
+        ranks = sorted({self.header.stage_rank(s) for s in tie.stages})
+        members = [self._global(r) for r in ranks]
+        self.hub.collective(self._occurrence(("tie", name, self.data_rank)), members, self.me,
+                            [tensor], f"reduce-tied {name!r}")
+
+    def flush(self) -> None:
+        pass  # in-memory sends complete at once
+
+
+def run_cooperatively(engines: list[RankEngine]) -> None:
+    """Run every engine to the end of its stream; a round without progress is a deadlock."""
+    while True:
+        progressed = False
+        waiting: dict[int, str] = {}
+        for e in engines:
+            while not e.done:
+                try:
+                    e.execute_next()
+                    progressed = True
+                except Blocked as b:
+                    waiting[id(e)] = b.waiting_for
+                    break
+        if all(e.done for e in engines):
+            return
+        if not progressed:
+            raise deadlock_error(engines, waiting)
+
+
+def deadlock_error(engines: list[RankEngine], waiting: dict[int, str]) -> TpirError:
+    """One diagnostic for the deadlock, then one per stuck rank at its blocked instruction."""
+    stuck = [e for e in engines if not e.done]
+    finished = [e.rank_name for e in engines if e.done]
+    head = Diagnostic(
+        f"deadlock: no rank can make progress ({len(stuck)} of {len(engines)} ranks are blocked"
+        + (f"; ranks {', '.join(finished)} finished" if finished else "") + ")",
+        where=stuck[0].plan.source,
+        hint="each blocked rank waits for a message or a collective that no runnable rank will "
+             "produce; `tpc verify` explains the ordering rule that is broken")
+    diags = [head]
+    for e in stuck:
+        diags.append(Diagnostic(f"{e.where(e.pc)}: blocked, {waiting.get(id(e), 'waiting')}",
+                                loc=e.current.loc, where=e.plan.source))
+    err = TpirError(diags)
+    err.located = True
+    return err
+
+
+def _check_plan(plan: Plan) -> None:
+    from tpc.ir.verify import check
+
+    check(plan)
+
+
+def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Module | None = None,
+              sliced=None, stage_factory_for=None, hidden_size: int | None = None,
+              batches: BatchSource | None = None, optim: OptimSpec | None = None,
+              device: str | torch.device = "cpu", trace: bool = False, verify: bool = True,
+              on_step=None) -> RunResult:
+    """Run `plan` for `steps` training steps with every rank in this process.
+
+    The model comes from the plan's model file (built after `torch.manual_seed(seed)`) unless
+    `model` is given; `sliced` is its `SlicedModel` (built here when not given). Each (pipeline
+    rank, replica) trains its own copy of the model, as separate processes would.
+    `stage_factory_for(model_copy) -> StageFactory` replaces the front end (tests use a fake one,
+    with `hidden_size`). `verify=False` skips the verifier (to study a broken plan).
+    `on_step(step, loss)` is called after every step.
+    """
+    if verify:
+        _check_plan(plan)
+    header = plan.header
+    device = torch.device(device)
+    if model is None and stage_factory_for is None:
+        model = load_plan_model(plan, seed)
+    if stage_factory_for is None:
+        if sliced is None:
+            sliced = slice_model(model, plan)
+        hidden_size = sliced.hidden_size
+
+        def stage_factory_for(copy_):
+            return stage_factory_from_model(sliced, copy_)
+    if hidden_size is None:
+        raise TpirError(Diagnostic("the hidden size of the model is unknown",
+                                   hint="pass hidden_size with stage_factory_for"))
+    batches = batches or RandomTokens(seed, header.shape.batch, header.shape.seq, header.shape.vocab)
+    options = EngineOptions(device=device, optim=optim or OptimSpec(), trace=trace, record_grads=True)
+    hub = _Hub()
+    engines: list[RankEngine] = []
+    copies: dict[tuple[int, int], torch.nn.Module] = {}
+    for d in range(header.mesh.data):
+        for p in range(header.mesh.pipe):
+            copy_ = copy.deepcopy(model).to(device) if model is not None else None
+            copies[(p, d)] = copy_
+            engines.append(RankEngine(plan, p, d, LocalTransport(hub, plan, p, d), stage_factory_for(copy_),
+                                      hidden_size=hidden_size, options=options))
+    losses: list[float] = []
+    for step in range(steps):
+        tokens = batches.get(step)
+        for e in engines:
+            e.transport.step = step
+            e.begin_step(step, tokens)
+        run_cooperatively(engines)
+        loss = sum(e.end_step() for e in engines)
+        losses.append(loss)
+        if on_step is not None:
+            on_step(step, loss)
+    return RunResult(
+        losses=losses,
+        grads=_gather(engines, lambda e: e.grads.items()),
+        peak_live=[max(e.peak_live for e in engines if e.pipe_rank == p) for p in range(header.mesh.pipe)],
+        state_dict=_state_dict(model, engines),
+        events=[ev for e in engines for ev in e.events],
+    )
+
+
+def _gather(engines: list[RankEngine], items) -> dict[str, torch.Tensor]:
+    """name -> tensor over replica 0's ranks; a tie is taken from the first rank holding it
+    (after reduce-tied every holder has the same value)."""
+    out: dict[str, torch.Tensor] = {}
+    for e in engines:
+        if e.data_rank == 0:
+            for name, value in items(e):
+                out.setdefault(name, value)
+    return out
+
+
+def _state_dict(model, engines: list[RankEngine]) -> dict[str, torch.Tensor]:
+    """The whole model's state after training: buffers from the model, each parameter from
+    replica 0's rank that trains it."""
+    base = {k: v.detach().clone() for k, v in model.state_dict().items()} if model is not None else {}
+    base.update(_gather(engines, lambda e: ((n, p.detach().clone()) for n, p in e.named_parameters)))
+    return base
+
+
+def load_plan_model(plan: Plan, seed: int) -> torch.nn.Module:
+    """The plan's model built from its file, with weights drawn after `torch.manual_seed(seed)`,
+    so every process that builds it gets the same weights."""
+    from tpc.compiler.frontend import load_model
+
+    torch.manual_seed(seed)
+    return load_model(plan.header.model.path, plan.header.model.factory)
+
+
+def slice_model(model: torch.nn.Module, plan: Plan):
+    from tpc.compiler.frontend import SlicedModel
+
+    shape = plan.header.shape
+    return SlicedModel.from_model(model, seq_len=shape.seq, vocab=shape.vocab)
