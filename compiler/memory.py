@@ -6,9 +6,10 @@ instruction and the peak. What is counted, from the cost model's byte functions:
 
 * parameters `param_bytes(stage)`, their gradients (same size) and the Adam optimizer state
   (two moments: 2x the parameters), for every stage the rank holds, the whole step long;
-* live activations: the autograd graph a slice's forward keeps, `activation_bytes(l, mb_size)`,
-  from the start of its forward (or recompute) to the end of its backward (of its
-  backward-weight for a split backward). A `checkpoint` forward keeps no graph; its
+* live activations: what a slice's forward keeps for its backward, `stash_bytes(stage, l, c,
+  mb_size)` (c: the tokens before the slice), or, for a cost model without it, the slice's
+  boundary activation `activation_bytes(l, mb_size)`; from the start of its forward (or
+  recompute) to the end of its backward (of its backward-weight for a split backward). A `checkpoint` forward keeps no graph; its
   `recompute` rebuilds it. The input a checkpointed forward keeps to recompute from is left
   out (one hidden-state row per token, small next to the graph);
 * KV caches: `kv_bytes(stage, l, mb_size)` per slice from the start of its forward until
@@ -32,7 +33,8 @@ from tpc.ir.nodes import Header, Instr, Op
 
 
 class MemoryCosts(Protocol):
-    """The byte functions of a cost model that memory accounting needs."""
+    """The byte functions of a cost model that memory accounting needs (and, when present,
+    `stash_bytes(stage, l, c, mb_size)`)."""
 
     def activation_bytes(self, l: int, mb_size: int) -> float: ...
 
@@ -94,6 +96,12 @@ def slice_extent(header: Header, instr: Instr) -> tuple[int, int, int]:
     return hi - lo, lo, mb.size
 
 
+def stash_bytes(costs: MemoryCosts, stage: int, l: int, c: int, mb_size: int) -> float:
+    """Bytes a slice's forward keeps for its backward (see the module docstring)."""
+    own = getattr(costs, "stash_bytes", None)
+    return own(stage, l, c, mb_size) if own is not None else costs.activation_bytes(l, mb_size)
+
+
 def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: MemoryCosts) -> RankMemory:
     """Walk one rank's stream and account its memory (see the module docstring)."""
     params = sum(costs.param_bytes(s) for s in header.stages_of_rank(rank))
@@ -114,13 +122,13 @@ def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: Mem
     for instr in instrs:
         release: list[tuple[int, int, int]] = []
         if instr.op in (Op.FORWARD, Op.RECOMPUTE):
-            l, _, size = slice_extent(header, instr)
+            l, c, size = slice_extent(header, instr)
             if instr.op is Op.FORWARD:
                 kv.setdefault((instr.stage, instr.mb), {})[instr.slice] = costs.kv_bytes(
                     instr.stage, l, size
                 )
             if not instr.checkpoint:
-                acts[instr.key] = costs.activation_bytes(l, size)
+                acts[instr.key] = stash_bytes(costs, instr.stage, l, c, size)
         elif instr.op in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
             slice_extent(header, instr)  # a located error for a slice the header lacks
             owned = kv.get((instr.stage, instr.mb), {})

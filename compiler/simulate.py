@@ -12,8 +12,9 @@ rule of docs/ir.md:
 * `reduce-tied NAME` starts when every rank holding a stage of the tie has reached it (the
   k-th `reduce-tied NAME` of each rank together), then costs an all-reduce of the tied bytes
   over those ranks;
-* `allreduce stage S` costs an all-reduce of stage S's gradients over the data-parallel
-  replicas (they run identical streams, so nobody waits for anybody);
+* `allreduce stage S` costs the cost model's `grad_sync_time(S, data)`, or an all-reduce of
+  stage S's gradients (`param_bytes(S)`) over the data-parallel replicas (they run identical
+  streams, so nobody waits for anybody);
 * compute costs `slice_time(stage, l, c, mb_size)`: forward and recompute the first number,
   backward the second, backward-input and backward-weight half of it each.
 
@@ -47,9 +48,11 @@ from tpc.ir.nodes import COMPUTE_OPS, Header, Instr, Op, Payload, Plan
 class CostModel(Protocol):
     """What the simulator asks of a cost model (tpc.compiler.costmodel implements it).
 
-    Optional extras, used when present: `allreduce_time(nbytes, n)` (else a ring all-reduce
-    made of `p2p_time` steps), `tied_bytes(name)` (else 0: the tied gradient is taken as
-    small), `time_unit` ("s" unless said) and `memory_unit` ("B" unless said).
+    Optional extras, used when present: `stash_bytes(stage, l, c, mb_size)` (what a forward
+    keeps for its backward; else `activation_bytes`), `grad_sync_time(stage, data)` and
+    `allreduce_time(nbytes, n)` (else a ring all-reduce made of `p2p_time` steps),
+    `tied_bytes(name)` (else 0: the tied gradient is taken as small), `time_unit` ("s" unless
+    said) and `memory_unit` ("B" unless said).
     """
 
     def slice_time(self, stage: int, l: int, c: int, mb_size: int) -> tuple[float, float]: ...
@@ -119,6 +122,14 @@ def allreduce_time(costs: CostModel, nbytes: float, n: int) -> float:
     if own is not None:
         return own(nbytes, n)
     return 2 * (n - 1) * costs.p2p_time(nbytes / n)
+
+
+def grad_sync_time(costs: CostModel, stage: int, data: int) -> float:
+    """Time to sum a stage's gradients over `data` replicas: the model's own, or a ring."""
+    own = getattr(costs, "grad_sync_time", None)
+    if own is not None:
+        return own(stage, data)
+    return allreduce_time(costs, costs.param_bytes(stage), data)
 
 
 # ---------------------------------------------------------------------------------- results
@@ -276,8 +287,7 @@ class _Sim:
         elif instr.op is Op.REDUCE_TIED:
             return self._reduce_tied(r, instr)
         elif instr.op is Op.ALLREDUCE:
-            nbytes = self.costs.param_bytes(instr.stage)
-            cost = allreduce_time(self.costs, nbytes, self.header.mesh.data)
+            cost = grad_sync_time(self.costs, instr.stage, self.header.mesh.data)
             self._finish(r, t, t + cost, 0.0, prev)
         else:  # load, free-kv, step: bookkeeping the cost models do not time
             self._finish(r, t, t, 0.0, prev)
@@ -357,3 +367,117 @@ def simulate(plan: Plan, costs: CostModel) -> SimResult:
         time_unit=getattr(costs, "time_unit", "s"),
         memory_unit=getattr(costs, "memory_unit", "B"),
     )
+
+
+# ------------------------------------------------------------------------------------- CLI
+
+
+def load_costs(args, header: Header) -> CostModel:
+    """The cost model the options name: --unit (the default) or the cost-model package's
+    loader for --cost / --device-model."""
+    if not getattr(args, "cost", None) and not getattr(args, "device_model", None):
+        return UnitCosts.for_plan(header)
+    try:
+        from tpc.compiler.costmodel import load_cost_model
+    except ImportError:
+        option = "--cost" if args.cost else "--device-model"
+        raise TpirError(Diagnostic(
+            f"{option} is not available yet: this build has no cost-model loader",
+            where=option,
+            hint="simulate with --unit (forward 1, backward 2 per slice) for now",
+        )) from None
+    return load_cost_model(cost=args.cost, device_model=args.device_model, header=header)
+
+
+def format_quantity(value: float, unit: str) -> str:
+    """Bytes in binary units, seconds in ms, anything else as a plain number and its unit."""
+    if unit == "B":
+        for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if abs(value) >= size:
+                return f"{value / size:.2f} {name}"
+        return f"{value:.0f} B"
+    if unit == "s":
+        return f"{value * 1e3:.3f} ms"
+    if unit == "unit":
+        return f"{value:.4g} unit{'s' if value != 1 else ''}"
+    return f"{value:.4g} {unit}"
+
+
+def critical_path_summary(result: SimResult) -> str:
+    """Where the iteration time goes: the ranks the critical path crosses, and how much of it
+    is compute, other work and waiting for messages."""
+    path = result.critical_path
+    if not path:
+        return "critical path: empty plan"
+    hops = [path[0].rank]
+    for e in path[1:]:
+        if e.rank != hops[-1]:
+            hops.append(e.rank)
+    compute = math.fsum(e.work for e in path if e.instr.op in COMPUTE_OPS)
+    other = math.fsum(e.work for e in path if e.instr.op not in COMPUTE_OPS)
+    gaps = result.iteration_time - compute - other
+    n_compute = sum(1 for e in path if e.instr.op in COMPUTE_OPS)
+    u = result.time_unit
+    return (
+        f"critical path: {n_compute} compute instructions over ranks "
+        f"{' > '.join(map(str, hops))}\n"
+        f"  compute {format_quantity(compute, u)}, communication and other work "
+        f"{format_quantity(other, u)}, transfers {format_quantity(gaps, u)}\n"
+        f"  from `{path[0].instr}` (rank {path[0].rank}) to `{path[-1].instr}` (rank {path[-1].rank})"
+    )
+
+
+def format_report(result: SimResult, name: str, costs_text: str) -> str:
+    """The table `tpc simulate` prints."""
+    h = result.plan.header
+    from tpc.compiler.timeline import slices_summary
+
+    M = len(h.microbatches)
+    t, m = result.time_unit, result.memory_unit
+    lines = [
+        f"{name}: schedule {h.schedule.name!r}, {h.num_stages} stages on {h.mesh.pipe} ranks, "
+        f"{M} micro-batch{'es' if M != 1 else ''}, {slices_summary(h)}; {costs_text}",
+        "",
+        f"{'rank':>4}  {'busy':>14}  {'idle':>14}  {'bubble':>7}  {'peak memory':>14}",
+    ]
+    for r in result.ranks:
+        lines.append(
+            f"{r.rank:>4}  {format_quantity(r.busy, t):>14}  {format_quantity(r.idle, t):>14}  "
+            f"{r.bubble:>7.1%}  {format_quantity(r.peak_memory.total, m):>14}"
+        )
+    lines += [
+        "",
+        f"iteration time: {format_quantity(result.iteration_time, t)}   "
+        f"mean bubble: {result.bubble:.1%}",
+        critical_path_summary(result),
+    ]
+    if m == "act":
+        lines.append("memory in slice activations (graphs kept from a forward to its backward)")
+    return "\n".join(lines)
+
+
+def simulate_from_cli(args) -> int:
+    """`tpc simulate PLAN [--cost F | --device-model N | --unit] [--trace J] [--png P]
+    [--compare M]`: verify, simulate, print the table, write what was asked."""
+    from tpc.compiler import timeline
+    from tpc.ir.verify import verify_file
+
+    plan = verify_file(args.plan)
+    costs = load_costs(args, plan.header)
+    result = simulate(plan, costs)
+    describe = getattr(costs, "describe", None)
+    print(format_report(result, args.plan, describe() if describe else type(costs).__name__))
+    if getattr(args, "trace", None):
+        timeline.write_trace(result, args.trace, plan_name=args.plan)
+        print(f"trace: {args.trace} (open it in https://ui.perfetto.dev)")
+    if getattr(args, "png", None):
+        timeline.write_gantt(result, args.png)
+        print(f"timeline: {args.png}")
+    if getattr(args, "compare", None):
+        rows = timeline.compare(result, timeline.read_trace(args.compare))
+        print(f"\npredicted vs measured ({args.compare}):")
+        print(timeline.format_comparison(rows, result.time_unit))
+        if result.time_unit != "s":
+            print("note: unit costs predict a shape, not seconds (1 unit is read as 1 ms); "
+                  "use --cost or --device-model for a prediction")
+    return 0

@@ -27,7 +27,8 @@ chrome://tracing open::
   instruction once per step). For a receive, `dur` includes the time spent waiting;
 * per message, a flow arrow from the send to its receive: `{"ph": "s", "id": k, "cat": "p2p",
   "name": "act", "pid": src, "tid": 0, "ts": <send's ts>}` and `{"ph": "f", "bp": "e", "id":
-  k, "cat": "p2p", "name": "act", "pid": dst, "tid": 0, "ts": <receive's ts>}`.
+  k, "cat": "p2p", "name": "act", "pid": dst, "tid": 0, "ts": <receive's end>}` (the moment
+  the message is there: a receive that waited ends when it arrives).
 
 A reader (`read_trace`, used by `tpc simulate --compare`) needs only the "X" events with
 `args.rank`, `args.instr` and `ts`/`dur`; everything else is for people.
@@ -85,7 +86,7 @@ def chrome_trace(result, plan_name: str = "") -> dict:
     for k, (send, recv) in enumerate(message_pairs(result.events)):
         common = {"id": k, "cat": "p2p", "name": send.instr.payload.value, "tid": 0}
         events.append({"ph": "s", "pid": send.rank, "ts": send.start * scale, **common})
-        events.append({"ph": "f", "bp": "e", "pid": recv.rank, "ts": recv.start * scale, **common})
+        events.append({"ph": "f", "bp": "e", "pid": recv.rank, "ts": recv.end * scale, **common})
     meta = {"plan": plan_name, "schedule": result.plan.header.schedule.name,
             "source": "simulate", "time_unit": result.time_unit, "us_per_unit": scale}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"tpc": meta}}
@@ -217,12 +218,13 @@ def compare(result, measured: list[TimedInstr]) -> list[Row]:
 
 
 def format_comparison(rows: list[Row], unit: str) -> str:
-    shown, factor = ("ms", 1e3) if unit == "s" else (unit, 1.0)
-    out = [f"{'':<18}{'predicted':>14}{'measured':>14}{'error':>10}"]
+    """The rows as a table; seconds are shown in ms, the relative error as a percentage."""
+    shown, factor = ("ms", 1e3) if unit == "s" else (unit + "s", 1.0)
+    out = [f"{'':<18}{'predicted':>16}{'measured':>16}{'error':>9}"]
     for row in rows:
         err = "n/a" if math.isinf(row.error) else f"{row.error:+.1%}"
-        out.append(f"{row.what:<18}{row.predicted * factor:>11.3f} {shown:<2}"
-                   f"{row.measured * factor:>11.3f} {shown:<2}{err:>10}")
+        out.append(f"{row.what:<18}{f'{row.predicted * factor:.3f} {shown}':>16}"
+                   f"{f'{row.measured * factor:.3f} {shown}':>16}{err:>9}")
     return "\n".join(out)
 
 
