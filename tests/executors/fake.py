@@ -85,7 +85,7 @@ def reference(model: FakeLM, tokens: torch.Tensor):
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    return float(loss), grads
+    return loss.item(), grads
 
 
 class FakeRuntime:

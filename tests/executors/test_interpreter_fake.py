@@ -1,0 +1,216 @@
+"""The reference interpreter on a fake causal LM (running-sum KV cache): gradients equal plain
+autograd for every schedule, stage count, slicing and micro-batch count; hand-edited plans
+(checkpointing, split backward, deadlocks, broken streams) behave as docs/ir.md says."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from tests.executors.fake import FakeLM, fake_factory, fake_plan, reference
+from tpc.executors.data import RandomTokens
+from tpc.executors.interpreter import interpret
+from tpc.executors.optim import OptimSpec, build_optimizer
+from tpc.ir.diagnostics import TpirError
+from tpc.ir.nodes import Instr, Op, RankProgram
+from tpc.ir.parse import parse
+from tpc.ir.printer import print_plan
+
+TOL = 1e-5
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def run_fake(plan, steps=1, optim=None, model=None, **kw):
+    torch.manual_seed(0)
+    model = model or FakeLM(n_layer=2, tie=bool(plan.header.ties))
+    result = interpret(plan, steps=steps, model=model, stage_factory_for=fake_factory, hidden_size=8,
+                       optim=optim or OptimSpec("sgd", lr=0.1), **kw)
+    return model, result
+
+
+def assert_matches_autograd(plan, model, result):
+    h = plan.header
+    tokens = RandomTokens(0, h.shape.batch, h.shape.seq, h.shape.vocab).get(0)
+    loss, grads = reference(model, tokens)
+    assert abs(result.losses[0] - loss) <= TOL * abs(loss)
+    assert set(result.grads) == set(grads)
+    worst = max(rel_err(result.grads[n], g) for n, g in grads.items())
+    assert worst <= TOL, worst
+
+
+CASES = list(itertools.product(["gpipe", "1f1b", "terapipe", "seq1f1b"], [1, 2, 4], ["1", "3", "8", "2,7,3"], [1, 4]))
+
+
+@pytest.mark.parametrize("schedule,stages,slices,mbs", CASES)
+def test_gradients_match_autograd(schedule, stages, slices, mbs):
+    plan = fake_plan(schedule=schedule, stages=stages, slices=slices, microbatches=mbs, tie=True, n_layer=2)
+    model, result = run_fake(plan)
+    assert_matches_autograd(plan, model, result)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "terapipe"])
+def test_several_stages_per_rank(schedule):
+    plan = fake_plan(schedule=schedule, stages=4, ranks=[0, 1, 0, 1], slices="3", microbatches=2, tie=True)
+    model, result = run_fake(plan)
+    assert_matches_autograd(plan, model, result)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "seq1f1b"])
+def test_data_parallel_replicas(schedule):
+    plan = fake_plan(schedule=schedule, stages=2, slices="3", microbatches=2, dp=2, batch=8, tie=True)
+    assert any(i.op is Op.ALLREDUCE for i in plan.ranks[0].instrs)
+    model, result = run_fake(plan)
+    assert_matches_autograd(plan, model, result)
+
+
+def test_weights_after_several_steps_match_plain_training():
+    plan = fake_plan(schedule="seq1f1b", stages=2, slices="2,7,3", microbatches=2, tie=True)
+    spec = OptimSpec("adamw", lr=1e-2, weight_decay=0.1)
+    model, result = run_fake(plan, steps=3, optim=spec)
+    ref = copy.deepcopy(model)
+    opt = build_optimizer(ref.named_parameters(), spec)
+    losses = []
+    for step in range(3):
+        tokens = RandomTokens(0, 4, 12, plan.header.shape.vocab).get(step)
+        loss, grads = reference(ref, tokens)
+        for n, p in ref.named_parameters():
+            p.grad = grads[n]
+        opt.step()
+        losses.append(loss)
+    assert result.losses == pytest.approx(losses, rel=TOL)
+    for n, p in ref.named_parameters():
+        assert rel_err(result.state_dict[n], p.detach()) <= TOL, n
+    # training moved the weights: the comparison above is not between two untouched copies
+    assert rel_err(result.state_dict["layers.0.w"], model.layers[0].w.detach()) > 1e-3
+
+
+def _rewrite(plan, rank, fn):
+    """The plan with rank `rank`'s instruction list replaced by fn(list)."""
+    ranks = list(plan.ranks)
+    ranks[rank] = RankProgram(rank=rank, instrs=tuple(fn(list(plan.ranks[rank].instrs))))
+    return dataclasses.replace(plan, ranks=tuple(ranks))
+
+
+def test_checkpoint_and_recompute():
+    plan = fake_plan(schedule="1f1b", stages=2, slices="3", microbatches=2)
+
+    def checkpoint_all(instrs):
+        out = []
+        for ins in instrs:
+            if ins.op is Op.BACKWARD:
+                out.append(Instr(Op.RECOMPUTE, stage=ins.stage, mb=ins.mb, slice=ins.slice))
+            out.append(dataclasses.replace(ins, checkpoint=True) if ins.op is Op.FORWARD else ins)
+        return out
+
+    edited = _rewrite(plan, 0, checkpoint_all)
+    model, result = run_fake(edited)
+    assert_matches_autograd(edited, model, result)
+    _, plain = run_fake(plan)
+    assert result.peak_live[0] < plain.peak_live[0]  # a checkpointed forward keeps no graph
+
+
+def test_split_backward():
+    plan = fake_plan(schedule="seq1f1b", stages=2, slices="3", microbatches=2, tie=True)
+
+    def split(instrs):
+        out, weights = [], []
+        for ins in instrs:
+            if ins.op is Op.BACKWARD:
+                out.append(Instr(Op.BACKWARD_INPUT, stage=ins.stage, mb=ins.mb, slice=ins.slice))
+                weights.append(Instr(Op.BACKWARD_WEIGHT, stage=ins.stage, mb=ins.mb, slice=ins.slice))
+            elif ins.op in (Op.FREE_KV, Op.REDUCE_TIED, Op.STEP) and weights:
+                out += weights  # weight gradients deferred to the end, as zero-bubble schedules do
+                weights = []
+                out.append(ins)
+            else:
+                out.append(ins)
+        return out
+
+    edited = _rewrite(_rewrite(plan, 0, split), 1, split)
+    model, result = run_fake(edited)
+    assert_matches_autograd(edited, model, result)
+
+
+def _located(plan):
+    """The plan printed and parsed again, so every instruction has a line number."""
+    return parse(print_plan(plan), file="edited.tpir")
+
+
+def _line(plan, rank, op, payload=None):
+    ins = next(i for i in plan.ranks[rank].instrs if i.op is op and (payload is None or i.payload == payload))
+    return ins.loc.line, str(ins)
+
+
+def test_deadlock_lists_every_stuck_rank():
+    plan = fake_plan(schedule="1f1b", stages=2, slices="1", microbatches=1)
+
+    def recv_first(instrs):  # rank 0 waits for the gradient before it sends the activation
+        recv = next(i for i in instrs if i.op is Op.RECV)
+        rest = [i for i in instrs if i is not recv]
+        return [rest[0], recv, *rest[1:]]
+
+    edited = _located(_rewrite(plan, 0, recv_first))
+    with pytest.raises(TpirError) as err:
+        run_fake(edited, verify=False)
+    text = str(err.value)
+    assert "deadlock" in text
+    for rank in (0, 1):
+        line, instr = _line(edited, rank, Op.RECV)
+        assert f"rank {rank}, line {line}: {instr}: blocked" in text
+    assert len(err.value.diagnostics) == 3  # the deadlock and one per stuck rank, at its line
+
+
+def test_error_inside_an_instruction_is_located():
+    plan = fake_plan(schedule="gpipe", stages=2, slices="3", microbatches=1)
+    # rank 1 loses its first forward: the send of its gradient later finds nothing to send
+    edited = _located(_rewrite(plan, 1, lambda ins: [i for i in ins if not (i.op is Op.FORWARD and i.slice == 0)]))
+    bad = next(i for i in edited.ranks[1].instrs if i.op is Op.FORWARD)  # slice 1 without slice 0's cache
+    with pytest.raises(TpirError) as err:
+        run_fake(edited, verify=False)
+    assert f"rank 1, line {bad.loc.line}: {bad}: " in str(err.value)
+    assert err.value.diagnostics[0].loc == bad.loc
+
+
+def test_out_of_order_message_is_reported():
+    plan = fake_plan(schedule="gpipe", stages=2, slices="3", microbatches=1)
+
+    def swap_recvs(instrs):
+        idx = [k for k, i in enumerate(instrs) if i.op is Op.RECV]
+        instrs[idx[0]], instrs[idx[1]] = instrs[idx[1]], instrs[idx[0]]
+        return instrs
+
+    edited = _located(_rewrite(plan, 1, swap_recvs))
+    with pytest.raises(TpirError, match="received in the order they were sent|not act stage 1 mb 0 slice 1"):
+        run_fake(edited, verify=False)
+
+
+def test_verifier_runs_first():
+    plan = fake_plan(schedule="gpipe", stages=2, slices="1", microbatches=1)
+    broken = _rewrite(plan, 0, lambda ins: [i for i in ins if i.op is not Op.SEND])
+    with pytest.raises(TpirError, match="send"):
+        run_fake(broken)
+
+
+def test_seq1f1b_holds_fewer_activations_than_terapipe():
+    peaks = {}
+    for schedule in ("terapipe", "seq1f1b"):
+        plan = fake_plan(schedule=schedule, stages=2, slices="4", microbatches=4, tie=True)
+        peaks[schedule] = run_fake(plan)[1].peak_live
+    assert max(peaks["seq1f1b"]) < max(peaks["terapipe"])
+    assert max(peaks["terapipe"]) == 16  # every slice of every micro-batch before the first backward
+
+
+def test_trace_events():
+    plan = _located(fake_plan(schedule="1f1b", stages=2, slices="3", microbatches=2))
+    _, result = run_fake(plan, trace=True)
+    assert len(result.events) == sum(len(r.instrs) for r in plan.ranks)
+    ev = result.events[0]
+    assert ev.end >= ev.start and ev.instr == str(plan.ranks[ev.rank].instrs[0])
+    assert ev.line == plan.ranks[ev.rank].instrs[0].loc.line
