@@ -1,0 +1,350 @@
+"""`tpc compile`: from a model file to a verified plan.
+
+    load_model -> SlicedModel.from_model -> partition -> header -> build_schedule -> lower -> check
+
+`compile_plan` returns the Plan; `compile_to_file` also writes it, atomically, after re-reading
+the written text and verifying that, so the file on disk is exactly what was verified.
+
+Every argument is checked before the model is traced (tracing is the slow part), and every
+mistake is a TpirError that names the option and says what would be right.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from tpc.compiler.schedules import SCHEDULES, build_schedule
+from tpc.compiler.slicing import AUTO, equal_slices, parse_slices
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import (
+    Header,
+    MeshLine,
+    Microbatch,
+    ModelLine,
+    Plan,
+    ScheduleLine,
+    ShapeLine,
+    Stage,
+    Tie,
+    UnitsLine,
+)
+
+# Until the optimiser chooses slices from a cost model, `--slices auto` cuts the sequence into
+# this many equal slices (about L/8 tokens each): enough to fill a short pipeline, few enough
+# that per-slice overheads stay small.
+AUTO_SLICE_COUNT = 8
+
+
+def _error(option: str, message: str, hint: str) -> TpirError:
+    return TpirError(Diagnostic(message, hint=hint, where=option))
+
+
+# ------------------------------------------------------------------------- option checks
+
+
+@dataclass(frozen=True)
+class Options:
+    """The checked compile options (everything but the model itself)."""
+
+    stages: int
+    microbatches: int
+    seq_len: int
+    batch: int
+    dp: int
+    slices: tuple[tuple[int, int], ...]
+    slices_auto: bool
+    schedule: str
+
+
+def _positive(option: str, value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _error(option, f"{option} must be a positive whole number, got {value!r}", f"give {what}")
+    return value
+
+
+def parse_stages(spec) -> int:
+    """`--stages`: a positive count; 'auto' needs the optimiser and a cost model."""
+    text = str(spec).strip()
+    if text.lower() == AUTO:
+        raise _error(
+            "--stages",
+            "--stages auto is not available yet: choosing the pipeline depth needs the optimiser "
+            "and a cost model (--cost or --device-model)",
+            "give the number of pipeline stages, e.g. --stages 2",
+        )
+    try:
+        count = int(text)
+    except ValueError:
+        raise _error("--stages", f"--stages {spec!r} is not a number", "give the number of pipeline stages, e.g. --stages 2") from None
+    return _positive("--stages", count, "the number of pipeline stages, e.g. --stages 2")
+
+
+def check_options(
+    *, stages, microbatches, seq_len, batch, slices, schedule, dp, ranks
+) -> Options:
+    """Every option checked against the others; nothing here needs the model."""
+    K = parse_stages(stages)
+    M = _positive("--microbatches", microbatches, "the number of micro-batches per step, e.g. --microbatches 4")
+    L = _positive("--seq-len", seq_len, "the training sequence length, e.g. --seq-len 128")
+    B = _positive("--batch", batch, "the global batch size in sequences, e.g. --batch 8")
+    D = _positive("--dp", dp, "the number of data-parallel replicas, e.g. --dp 1")
+    if B % D:
+        raise _error(
+            "--batch",
+            f"a batch of {B} sequences does not split evenly over {D} data-parallel replicas",
+            f"make --batch a multiple of --dp {D} (e.g. {B - B % D or D} or {B - B % D + D})",
+        )
+    rows = B // D
+    if M > rows:
+        raise _error(
+            "--microbatches",
+            f"{M} micro-batches but each replica has only {rows} sequence(s) (--batch {B} / --dp {D})",
+            f"use at most {rows} micro-batches, or a larger --batch",
+        )
+    if ranks is not None:
+        R = _positive("--ranks", ranks, "the total number of ranks")
+        if R != K * D:
+            raise _error(
+                "--ranks",
+                f"--ranks {R} does not match --stages {K} x --dp {D} = {K * D}",
+                "leave out --ranks, or make it stages x dp",
+            )
+    if str(schedule).strip().lower() == AUTO:
+        raise _error(
+            "--schedule",
+            "--schedule auto is not available yet: choosing a schedule needs the optimiser and a "
+            "cost model (--cost or --device-model)",
+            f"name a schedule: {', '.join(sorted(SCHEDULES))}",
+        )
+    if schedule not in SCHEDULES:
+        raise _error("--schedule", f"unknown schedule {schedule!r}", f"choose one of: {', '.join(sorted(SCHEDULES))}")
+    cuts = parse_slices(slices, L)
+    slices_auto = cuts == AUTO
+    if slices_auto:
+        cuts = equal_slices(min(AUTO_SLICE_COUNT, L), L)
+    return Options(K, M, L, B, D, cuts, slices_auto, schedule)
+
+
+def microbatch_sizes(rows: int, count: int) -> list[int]:
+    """`rows` split into `count` sizes that differ by at most one (larger first)."""
+    base, extra = divmod(rows, count)
+    return [base + 1 if m < extra else base for m in range(count)]
+
+
+# --------------------------------------------------------------------------- the header
+
+
+def stage_label(labels, lo: int, hi: int) -> str:
+    """"first .. last" unit labels of units [lo, hi) (just the one when it is a single unit)."""
+    first, last = labels[lo], labels[hi - 1]
+    return first if hi - lo == 1 else f"{first} .. {last}"
+
+
+def build_header(
+    *,
+    model_path: str,
+    sha256: str,
+    factory: str,
+    opts: Options,
+    vocab: int,
+    unit_labels,
+    ranges,
+    ties,
+) -> Header:
+    """The plan header; stage s runs on pipeline rank s. Ties within one stage are dropped: a
+    parameter used by one stage only needs no reduction between stages."""
+    stages = tuple(
+        Stage(index=s, rank=s, units=(lo, hi), label=stage_label(unit_labels, lo, hi))
+        for s, (lo, hi) in enumerate(ranges)
+    )
+    tie_lines = tuple(
+        Tie(name=name, stages=tuple(sorted(set(st)))) for name, st in ties if len(set(st)) > 1
+    )
+    sizes = microbatch_sizes(opts.batch // opts.dp, opts.microbatches)
+    return Header(
+        model=ModelLine(path=model_path, sha256=sha256, factory=factory),
+        shape=ShapeLine(batch=opts.batch, seq=opts.seq_len, vocab=vocab, dtype="float32"),
+        mesh=MeshLine(pipe=opts.stages, data=opts.dp),
+        schedule=ScheduleLine(name=opts.schedule),
+        units=UnitsLine(count=len(unit_labels)),
+        stages=stages,
+        ties=tie_lines,
+        microbatches=tuple(Microbatch(index=m, size=n, slices=opts.slices) for m, n in enumerate(sizes)),
+    )
+
+
+def read_vocab(model, model_path: str) -> int:
+    """The vocabulary: the last dimension of the logits of a tiny (1, 2) forward."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros((1, 2), dtype=torch.long))
+    except Exception as e:
+        raise TpirError(
+            Diagnostic(
+                f"the model failed on a (1, 2) batch of token ids: {type(e).__name__}: {e}",
+                where=model_path,
+                hint="the model must take a (batch, seq) LongTensor of token ids and return logits",
+            )
+        ) from None
+    logits = _logits_of(out)
+    if logits is None or logits.dim() != 3 or tuple(logits.shape[:2]) != (1, 2):
+        shape = tuple(logits.shape) if logits is not None else type(out).__name__
+        raise TpirError(
+            Diagnostic(
+                f"the model's output for a (1, 2) input is {shape}, not logits of shape (1, 2, vocab)",
+                where=model_path,
+                hint="return the logits (batch, seq, vocab) from forward; the loss is added by tpc",
+            )
+        )
+    return int(logits.shape[-1])
+
+
+def _logits_of(out):
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        return _logits_of(out.get("logits"))
+    if isinstance(out, (tuple, list)) and out:
+        return _logits_of(out[0])
+    if hasattr(out, "logits"):
+        return _logits_of(out.logits)
+    return None
+
+
+# ------------------------------------------------------------------------------ progress
+
+
+class _Progress:
+    """Short progress lines with timings on stderr (stdout keeps the summary)."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    @contextmanager
+    def step(self, name: str):
+        start = time.perf_counter()
+        detail: list[str] = []
+        yield detail
+        took = time.perf_counter() - start
+        self.say(f"  {name:<10} {took:6.2f}s  {' '.join(detail)}".rstrip())
+
+
+# ------------------------------------------------------------------------------ compile
+
+
+def compile_plan(
+    model_path: str,
+    *,
+    stages,
+    microbatches: int,
+    seq_len: int,
+    batch: int,
+    slices="1",
+    schedule: str = "seq1f1b",
+    dp: int = 1,
+    ranks: int | None = None,
+    factory: str = "model",
+    cost: str | None = None,
+    device_model: str | None = None,
+    memory_per_rank: str | None = None,
+    explain: bool = False,
+    quiet: bool = False,
+) -> Plan:
+    """Compile `model_path` into a verified plan (see the module docstring)."""
+    from tpc.compiler.lower import lower
+    from tpc.ir.verify import check
+
+    opts = check_options(
+        stages=stages, microbatches=microbatches, seq_len=seq_len, batch=batch,
+        slices=slices, schedule=schedule, dp=dp, ranks=ranks,
+    )  # fmt: skip
+    progress = _Progress(quiet)
+    if opts.slices_auto:
+        progress.say(
+            f"--slices auto: {len(opts.slices)} equal slices of ~{seq_len // len(opts.slices)} tokens "
+            "(the optimiser's choice is not available yet)"
+        )
+    unused = [o for o, v in (("--cost", cost), ("--device-model", device_model),
+                             ("--memory-per-rank", memory_per_rank), ("--explain", explain)) if v]
+    if unused:
+        progress.say(f"note: {', '.join(unused)} serve the optimiser's 'auto' choices, which are not available yet; ignored")
+
+    with progress.step("trace") as d:
+        from tpc.compiler.frontend import SlicedModel, file_sha256, load_model
+
+        model = load_model(model_path, factory)
+        sha = file_sha256(model_path)
+        vocab = read_vocab(model, model_path)
+        sliced = SlicedModel.from_model(model, seq_len=opts.seq_len, vocab=vocab)
+        d.append(f"{sliced.num_units} units, vocab {vocab}")
+    if opts.stages > sliced.num_units:
+        raise _error(
+            "--stages",
+            f"{opts.stages} stages but the model has only {sliced.num_units} partition units",
+            f"use at most {sliced.num_units} stages",
+        )
+    with progress.step("partition") as d:
+        ranges = [tuple(r) for r in sliced.partition_by_params(opts.stages)]
+        ties = sliced.ties(ranges)
+        d.append(" | ".join(f"{lo}:{hi}" for lo, hi in ranges))
+    header = build_header(
+        model_path=model_path, sha256=sha, factory=factory, opts=opts, vocab=vocab,
+        unit_labels=sliced.unit_labels, ranges=ranges, ties=ties,
+    )  # fmt: skip
+    with progress.step("schedule") as d:
+        compute = build_schedule(opts.schedule, header)
+        d.append(f"{opts.schedule}: {opts.microbatches} micro-batches x {len(opts.slices)} slices")
+    with progress.step("lower") as d:
+        plan = lower(header, compute, verify=False)
+        d.append(f"{sum(len(p.instrs) for p in plan.ranks)} instructions")
+    with progress.step("verify"):
+        check(plan)
+    return plan
+
+
+def compile_to_file(model_path: str, output: str, **options) -> Plan:
+    """Compile, write the plan to `output` atomically, and return it. The written text is read
+    back, parsed and verified before it replaces `output`."""
+    from tpc.ir.parse import parse
+    from tpc.ir.printer import print_plan
+    from tpc.ir.verify import check
+
+    plan = compile_plan(model_path, **options)
+    text = print_plan(plan)
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise _error("--output", f"no such folder: {folder}", "create the folder first, or write the plan elsewhere")
+    fd, tmp = tempfile.mkstemp(prefix=".tpir-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        with open(tmp, encoding="utf-8") as f:
+            written = f.read()
+        check(parse(written, file=output))
+        os.replace(tmp, output)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    if not options.get("quiet"):
+        h = plan.header
+        n = sum(len(p.instrs) for p in plan.ranks)
+        print(
+            f"wrote {output}: {h.num_stages} stages x {h.mesh.data} replicas, "
+            f"{len(h.microbatches)} micro-batches x {len(h.microbatches[0].slices)} slices, "
+            f"schedule {h.schedule.name}, {n} instructions"
+        )
+    return plan

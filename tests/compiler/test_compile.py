@@ -1,0 +1,187 @@
+"""`tpc compile`: option checks, --slices parsing, and end to end on a tiny GPT."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tpc.compiler.compile import check_options, compile_plan, compile_to_file, microbatch_sizes
+from tpc.compiler.slicing import parse_slices
+from tpc.ir.diagnostics import TpirError
+
+TINY = str(Path(__file__).parent / "models" / "tiny_gpt.py")
+BASE = dict(stages="2", microbatches=2, seq_len=16, batch=4, slices="1", schedule="seq1f1b", dp=1, ranks=None)
+
+
+def _err(fn, *args, **kw) -> str:
+    with pytest.raises(TpirError) as e:
+        fn(*args, **kw)
+    text = e.value.render()
+    assert "hint:" in text, text
+    return text
+
+
+# ------------------------------------------------------------------------------ --slices
+
+
+def test_equal_slices_spread_the_remainder_over_the_first():
+    assert parse_slices("3", 10) == ((0, 4), (4, 7), (7, 10))
+    assert parse_slices("1", 10) == ((0, 10),)
+    assert parse_slices("10", 10) == tuple((i, i + 1) for i in range(10))
+
+
+def test_explicit_lengths():
+    assert parse_slices("6, 3,1", 10) == ((0, 6), (6, 9), (9, 10))
+    assert parse_slices("auto", 10) == "auto"
+    assert parse_slices("AUTO", 10) == "auto"
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("6,3", "sum to 9, not to the sequence length 10"),
+        ("0", "0 slices cannot cut a sequence of 10 tokens"),
+        ("11", "11 slices cannot cut"),
+        ("5,0,5", "slice length 0"),
+        ("5,-1,6", "slice length -1"),
+        ("five", "'five'"),
+        ("5,,5", "empty slice length"),
+        ("", "empty slice length"),
+        ("2.5", "'2.5'"),
+    ],
+)
+def test_bad_slices_say_what_and_how(spec, words):
+    text = _err(parse_slices, spec, 10)
+    assert words in text
+    assert "--slices" in text
+
+
+# ----------------------------------------------------------------------- option checks
+
+
+def test_microbatch_sizes_are_as_even_as_possible():
+    assert microbatch_sizes(7, 3) == [3, 2, 2]
+    assert microbatch_sizes(4, 4) == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(batch=5, dp=2), "does not split evenly over 2 data-parallel replicas"),
+        (dict(microbatches=5), "5 micro-batches but each replica has only 4"),
+        (dict(batch=4, dp=2, microbatches=3), "3 micro-batches but each replica has only 2"),
+        (dict(stages="auto"), "--stages auto is not available yet"),
+        (dict(stages="two"), "--stages 'two' is not a number"),
+        (dict(stages="0"), "--stages must be a positive whole number"),
+        (dict(schedule="auto"), "--schedule auto is not available yet"),
+        (dict(schedule="zigzag"), "unknown schedule 'zigzag'"),
+        (dict(ranks=3), "--ranks 3 does not match --stages 2 x --dp 1 = 2"),
+        (dict(seq_len=0), "--seq-len must be a positive whole number"),
+        (dict(slices="7,7"), "sum to 14, not to the sequence length 16"),
+    ],
+)
+def test_bad_options_are_refused_before_tracing(change, words):
+    text = _err(check_options, **{**BASE, **change})
+    assert words in text
+
+
+def test_auto_slices_fall_back_to_eight_equal_slices():
+    opts = check_options(**{**BASE, "slices": "auto", "seq_len": 20})
+    assert opts.slices_auto and [hi - lo for lo, hi in opts.slices] == [3, 3, 3, 3, 2, 2, 2, 2]
+
+
+def test_options_mistakes_surface_from_compile_without_loading_the_model(tmp_path):
+    # the model path does not exist: the option error must come first, not the file error
+    text = _err(compile_plan, str(tmp_path / "missing.py"), **{**BASE, "slices": "3,3"})
+    assert "sum to 6" in text
+
+
+# -------------------------------------------------------------------------- end to end
+
+
+def _frontend_ready() -> bool:
+    try:
+        from tpc.compiler.frontend import SlicedModel, file_sha256, load_model  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_frontend = pytest.mark.skipif(
+    not _frontend_ready(), reason="the front end (tpc.compiler.frontend.SlicedModel) is not in the tree"
+)
+
+
+@needs_frontend
+def test_compile_tiny_gpt_to_file_and_verify(tmp_path, capsys):
+    from tpc.compiler.frontend import file_sha256
+    from tpc.ir.parse import parse
+    from tpc.ir.printer import print_plan
+    from tpc.ir.verify import verify_file
+
+    out = tmp_path / "plan.tpir"
+    plan = compile_to_file(TINY, str(out), stages="2", microbatches=2, seq_len=16, batch=4, slices="3", dp=2)
+    text = out.read_text()
+    assert text == print_plan(plan) and verify_file(str(out)) == plan == parse(text)
+    h = plan.header
+    assert (h.model.path, h.model.sha256, h.model.factory) == (TINY, file_sha256(TINY), "model")
+    assert (h.shape.batch, h.shape.seq, h.shape.vocab, h.shape.dtype) == (4, 16, 64, "float32")
+    assert (h.mesh.pipe, h.mesh.data, h.schedule.name) == (2, 2, "seq1f1b")
+    assert [m.size for m in h.microbatches] == [1, 1]
+    assert all(m.slices == ((0, 6), (6, 11), (11, 16)) for m in h.microbatches)
+    assert [s.rank for s in h.stages] == [0, 1]
+    assert h.stages[0].units[0] == 0 and h.stages[-1].units[1] == h.units.count
+    assert h.stages[0].units[1] == h.stages[1].units[0]
+    assert " .. " in h.stages[0].label
+    captured = capsys.readouterr()
+    assert f"wrote {out}" in captured.out
+    for step in ("trace", "partition", "schedule", "lower", "verify"):
+        assert step in captured.err
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.tpir"]  # no temporary left behind
+
+
+@needs_frontend
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "terapipe"])
+def test_compile_each_schedule(schedule):
+    plan = compile_plan(TINY, stages="2", microbatches=2, seq_len=8, batch=2, slices="5,3",
+                        schedule=schedule, quiet=True)  # fmt: skip
+    assert plan.header.schedule.name == schedule
+    assert plan.header.microbatches[0].slices == ((0, 5), (5, 8))
+
+
+@needs_frontend
+def test_cli_compile_then_verify(tmp_path, capsys):
+    from tpc.compiler.cli import main
+
+    out = tmp_path / "plan.tpir"
+    argv = ["compile", TINY, "-o", str(out), "--stages", "2", "--microbatches", "2",
+            "--seq-len", "16", "--batch", "4", "--slices", "2", "-q"]  # fmt: skip
+    assert main(argv) == 0
+    assert capsys.readouterr().out == ""  # quiet
+    assert main(["verify", str(out)]) == 0
+    assert "ok" in capsys.readouterr().out
+
+
+def test_cli_bad_slices_is_a_clear_error(tmp_path, capsys):
+    from tpc.compiler.cli import main
+
+    out = tmp_path / "plan.tpir"
+    argv = ["compile", TINY, "-o", str(out), "--stages", "2", "--seq-len", "16", "--batch", "4",
+            "--slices", "8,4"]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "sum to 12, not to the sequence length 16" in err and "hint:" in err
+    assert "Traceback" not in err
+    assert not out.exists()
+
+
+@needs_frontend
+def test_a_failed_compile_leaves_an_existing_plan_untouched(tmp_path):
+    out = tmp_path / "plan.tpir"
+    out.write_text("previous plan\n")
+    with pytest.raises(TpirError):
+        compile_to_file(TINY, str(out), stages="9", microbatches=1, seq_len=8, batch=1, quiet=True)
+    assert out.read_text() == "previous plan\n"
+    assert os.listdir(tmp_path) == ["plan.tpir"]
