@@ -170,13 +170,14 @@ def insert_comm(header: Header, streams: Streams) -> Streams:
 
 
 def insert_free_kv(header: Header, streams: Streams) -> Streams:
-    """`free-kv stage S mb M` after the last compute of (S, M) on its rank and that compute's
-    sends: the KV cache and its gradients are needed until the last slice's backward."""
+    """`free-kv stage S mb M` after the last instruction about (S, M) on its rank: its last
+    compute (the KV cache and its gradients are needed until the last slice's backward) and
+    any send of its results, which `insert_comm` may have delayed past later computes."""
     out: Streams = {}
     for rank, stream in streams.items():
         last: dict[tuple[int, int], int] = {}
         for p, instr in enumerate(stream):
-            if _is_compute(instr):
+            if _is_compute(instr) or instr.op in (Op.SEND, Op.RECV):
                 last[(instr.stage, instr.mb)] = p
         at: dict[int, list[Instr]] = defaultdict(list)
         for (s, m), p in sorted(last.items(), key=lambda kv: kv[1]):

@@ -8,8 +8,10 @@ Two ways of building one appear in the builders:
 
 * a single global order of every compute instruction that respects the dependencies of
   DESIGN.md section 4, projected onto each rank (`project`). Any projection of one valid
-  sequential execution is deadlock-free with buffered sends and agrees on the message order
-  between every pair of ranks, whatever ranks hold whatever stages;
+  sequential execution is deadlock-free with buffered sends, whatever ranks hold whatever
+  stages. (With several stages per rank, two ranks may need a channel's messages in another
+  order than they are produced; `insert_comm` then delays sends into the receiver's order,
+  which keeps the global execution valid: every send still precedes its receive.)
 * a per-stage order computed from the stage's position in the pipeline (1F1B-style warm-up),
   which needs exactly one stage per rank (`one_stage_per_rank`).
 """

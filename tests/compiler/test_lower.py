@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tpc.compiler import lower as L
 from tpc.compiler.schedules import build_schedule
@@ -15,7 +18,7 @@ from tpc.ir.parse import parse
 from tpc.ir.printer import print_plan
 from tpc.ir.verify import check
 
-from . import make_header
+from . import SEQ, make_header
 
 F, B = Op.FORWARD, Op.BACKWARD
 
@@ -276,3 +279,49 @@ def test_golden_plan(case):
     want = path.read_text(encoding="utf-8")
     assert text == want, f"{path} differs from the lowering's output (TPC_REGEN_GOLDEN=1 rewrites it)"
     assert check(parse(want, file=str(path))) == parse(text)
+
+
+# ------------------------------------------------------------- any valid order, any mapping
+
+
+@st.composite
+def _random_plan_inputs(draw):
+    """A header with any stage-to-rank mapping and per-mb slice counts, and the projection of a
+    random topological order of the forward/backward dependency graph onto its ranks."""
+    K = draw(st.integers(1, 4))
+    ranks = tuple(draw(st.lists(st.integers(0, 2), min_size=K, max_size=K)))
+    used = sorted(set(ranks))
+    ranks = tuple(used.index(r) for r in ranks)  # every rank holds a stage
+    M = draw(st.integers(1, 3))
+    counts = draw(st.lists(st.integers(1, 3), min_size=M, max_size=M))
+    dp = draw(st.integers(1, 2))
+    header = make_header(K, slices=1, mbs=M, dp=dp, stage_ranks=ranks, ties=(("t", (0, K - 1)),) if K > 1 else ())
+    mbs = tuple(
+        dataclasses.replace(mb, slices=tuple((round(i * SEQ / n), round((i + 1) * SEQ / n)) for i in range(n)))
+        for mb, n in zip(header.microbatches, counts)
+    )
+    header = dataclasses.replace(header, microbatches=mbs)
+
+    def deps(op, s, m, i):
+        if op is F:
+            return [(F, s, m, i - 1)] * (i > 0) + [(F, s - 1, m, i)] * (s > 0)
+        return [(F, s, m, i)] + [(B, s, m, i + 1)] * (i + 1 < counts[m]) + [(B, s + 1, m, i)] * (s + 1 < K)
+
+    todo = {(op, s, m, i) for op in (F, B) for s in range(K) for m in range(M) for i in range(counts[m])}
+    done, order = set(), []
+    while todo:
+        ready = sorted(u for u in todo if all(d in done for d in deps(*u)))
+        u = ready[draw(st.integers(0, len(ready) - 1))]
+        todo.remove(u)
+        done.add(u)
+        order.append(_c(*u))
+    compute = {r: tuple(i for i in order if ranks[i.stage] == r) for r in range(max(ranks) + 1)}
+    return header, compute
+
+
+@settings(max_examples=60, deadline=None)
+@given(_random_plan_inputs())
+def test_any_valid_order_on_any_mapping_lowers_to_a_verified_plan(inputs):
+    header, compute = inputs
+    plan = L.lower(header, compute)
+    assert tuple(i for i in plan.ranks[0].instrs if i.op in (F, B)) == compute[0]
