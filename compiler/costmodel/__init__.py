@@ -1,0 +1,22 @@
+"""Cost models: how long a token slice takes on a pipeline stage, and how many bytes it moves.
+
+`CostModel` is the protocol the optimiser, the simulator and compile use; `AnalyticCostModel`
+prices a model from its shapes and a `DeviceSpec`; `ProfiledCostModel` from a measured profile
+(`tpc profile`). `load_cost_model` builds either from the command-line options.
+"""
+
+from tpc.compiler.costmodel.analytic import AnalyticCostModel, ModelShapes, even_layers
+from tpc.compiler.costmodel.base import CostModel, slice_times_of, slot_times
+from tpc.compiler.costmodel.devices import PRESETS, DeviceSpec, load_device_spec
+
+__all__ = [
+    "AnalyticCostModel",
+    "CostModel",
+    "DeviceSpec",
+    "ModelShapes",
+    "PRESETS",
+    "even_layers",
+    "load_device_spec",
+    "slice_times_of",
+    "slot_times",
+]

@@ -1,0 +1,118 @@
+"""Accelerator and cluster specifications for the analytic cost model.
+
+A `DeviceSpec` is a handful of public numbers about one GPU and the links around it. The
+presets quote vendor data sheets (peak dense fp16/bf16 tensor FLOP/s, HBM bandwidth) and the
+fabric of the usual cloud node; the achieved fractions are deliberately the same for every
+preset (what large fp16 GEMMs and streaming kernels reach in an eager PyTorch training step),
+so that no preset is tuned to a result. A spec can also come from a small JSON file with the
+same field names, for a machine the presets do not describe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tpc.ir.diagnostics import Diagnostic, TpirError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    # dense fp16/bf16 tensor-core peak of one GPU (FLOP/s)
+    peak_flops: float
+    # HBM bandwidth of one GPU (bytes/s)
+    mem_bandwidth: float
+    # fraction of peak FLOP/s a large GEMM reaches inside a training step (cuBLAS + framework)
+    flops_efficiency: float = 0.6
+    # fraction of HBM bandwidth a streaming (elementwise, weight-read) kernel reaches
+    mem_efficiency: float = 0.8
+    # fixed cost of one kernel: host dispatch in eager PyTorch plus launch (s)
+    launch_overhead: float = 10e-6
+    # GPUs in one node, joined by NVLink/NVSwitch
+    gpus_per_node: int = 8
+    # NCCL all-reduce bus bandwidth inside a node (bytes/s)
+    intra_node_bandwidth: float = 130 * GB
+    # the node's network bandwidth to other nodes (bytes/s), shared by its GPUs
+    inter_node_bandwidth: float = 25e9 / 8
+    # one message's fixed latency inside a node and between nodes (s)
+    intra_node_latency: float = 10e-6
+    inter_node_latency: float = 30e-6
+    # HBM capacity of one GPU (bytes)
+    memory: float = 32 * GB
+
+    def __post_init__(self):
+        positive = ("peak_flops", "mem_bandwidth", "flops_efficiency", "mem_efficiency",
+                    "intra_node_bandwidth", "inter_node_bandwidth", "memory")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"device spec: {name} must be > 0")
+        if not (0 < self.flops_efficiency <= 1 and 0 < self.mem_efficiency <= 1):
+            raise ValueError("device spec: efficiencies must be in (0, 1]")
+        if self.gpus_per_node < 1:
+            raise ValueError("device spec: gpus_per_node must be >= 1")
+        if min(self.launch_overhead, self.intra_node_latency, self.inter_node_latency) < 0:
+            raise ValueError("device spec: latencies must be >= 0")
+
+
+# AWS p3.16xlarge: 8 V100-SXM2 (NVLink hybrid cube mesh), 25 Gbit/s Ethernet between nodes.
+V100 = DeviceSpec(name="v100", peak_flops=125e12, mem_bandwidth=900 * GB, memory=32 * GB,
+                  intra_node_bandwidth=130 * GB, inter_node_bandwidth=25e9 / 8)
+# p4d.24xlarge: 8 A100-SXM4 40GB (NVSwitch), 4 x 100 Gbit/s EFA.
+A100 = DeviceSpec(name="a100", peak_flops=312e12, mem_bandwidth=1555 * GB, memory=40 * GB,
+                  intra_node_bandwidth=230 * GB, inter_node_bandwidth=400e9 / 8)
+# p5.48xlarge: 8 H100-SXM (NVSwitch), 32 x 100 Gbit/s EFA.
+H100 = DeviceSpec(name="h100", peak_flops=989e12, mem_bandwidth=3350 * GB, memory=80 * GB,
+                  intra_node_bandwidth=450 * GB, inter_node_bandwidth=3200e9 / 8)
+# p5e.48xlarge: 8 H200 (NVSwitch), 32 x 100 Gbit/s EFA.
+H200 = DeviceSpec(name="h200", peak_flops=989e12, mem_bandwidth=4800 * GB, memory=141 * GB,
+                  intra_node_bandwidth=450 * GB, inter_node_bandwidth=3200e9 / 8)
+
+PRESETS: dict[str, DeviceSpec] = {d.name: d for d in (V100, A100, H100, H200)}
+
+
+def load_device_spec(name_or_path: str) -> DeviceSpec:
+    """A preset by name (v100|a100|h100|h200) or a JSON spec file with DeviceSpec's fields."""
+    key = name_or_path.strip().lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise TpirError(Diagnostic(
+            f"unknown device model {name_or_path!r}",
+            hint=f"use one of {', '.join(sorted(PRESETS))}, or the path of a JSON file with "
+                 "the fields peak_flops and mem_bandwidth (and optionally "
+                 + ", ".join(f.name for f in dataclasses.fields(DeviceSpec)[3:]) + ")"))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise TpirError(Diagnostic(f"cannot read device spec {path}: {e}", where=str(path),
+                                   hint="write a JSON object such as "
+                                        '{"name": "mygpu", "peak_flops": 1e14, "mem_bandwidth": 1e12}'))
+    return device_spec_from_dict(data, where=str(path))
+
+
+def device_spec_from_dict(data: object, where: str = "<spec>") -> DeviceSpec:
+    known = {f.name for f in dataclasses.fields(DeviceSpec)}
+    if not isinstance(data, dict):
+        raise TpirError(Diagnostic("a device spec must be a JSON object", where=where,
+                                   hint='e.g. {"name": "mygpu", "peak_flops": 1e14, "mem_bandwidth": 1e12}'))
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise TpirError(Diagnostic(f"unknown device spec field(s): {', '.join(unknown)}", where=where,
+                                   hint=f"the fields are: {', '.join(sorted(known))}"))
+    missing = [k for k in ("peak_flops", "mem_bandwidth") if k not in data]
+    if missing:
+        raise TpirError(Diagnostic(f"device spec lacks {', '.join(missing)}", where=where,
+                                   hint="give peak FLOP/s and memory bandwidth in bytes/s"))
+    fields = dict(data)
+    fields.setdefault("name", Path(where).stem or "custom")
+    try:
+        return DeviceSpec(**fields)
+    except (TypeError, ValueError) as e:
+        raise TpirError(Diagnostic(f"bad device spec: {e}", where=where,
+                                   hint="numbers must be positive; efficiencies in (0, 1]"))
