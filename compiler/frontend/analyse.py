@@ -1,0 +1,101 @@
+"""Token-independence analysis: refuse every value that mixes tokens other than through a
+recognised causal attention.
+
+Runs after the attention pass, so what remains must be per-token (or static). A value mixes
+tokens when an op reduces, scans or reorders along a token axis (mean over the sequence,
+cumsum, softmax over keys, flip ...) or contracts a token axis (a matmul over tokens). Each
+refusal names the op and the model source line. A final numeric check (in `sliced.py`) compares
+sliced with unsliced outputs to catch anything these rules do not know.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from tpc.compiler.frontend.axes import node_token_axes
+from tpc.compiler.frontend.locate import loc_of_node, where_of_node
+from tpc.ir.diagnostics import Diagnostic, TpirError
+
+_ALONG_DIM = {
+    "sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "cumsum", "cumprod", "cummax",
+    "cummin", "logcumsumexp", "softmax", "_softmax", "log_softmax", "_log_softmax", "logsumexp",
+    "var", "std", "var_mean", "std_mean", "norm", "linalg_vector_norm", "prod", "any", "all", "sort",
+    "topk", "flip", "roll", "median", "nansum", "count_nonzero", "kthvalue", "mode", "nanmean",
+    "diff", "unbind", "narrow", "index_select", "gather", "scatter", "scatter_add",
+}
+_CONTRACT = {"matmul", "bmm", "mm", "baddbmm", "addmm", "einsum", "tensordot"}
+
+
+def _op_name(n: fx.Node) -> str:
+    t = n.target
+    if hasattr(t, "_schema"):
+        return t._schema.name.split("::")[-1]
+    return getattr(t, "__name__", str(t))
+
+
+def _dims(n: fx.Node, rank: int):
+    """The dims an op works along, or None for all of them."""
+    names = [a.name for a in n.target._schema.arguments] if hasattr(n.target, "_schema") else []
+    a = dict(zip(names, n.args))
+    a.update(n.kwargs)
+    if "dims" in a:
+        d = a["dims"]
+    elif "dim" in a:
+        d = a["dim"]
+    else:
+        return None
+    if d is None:
+        return None
+    d = [d] if isinstance(d, int) else list(d)
+    if not d:
+        return None
+    return {x % rank for x in d}
+
+
+def _elementwise(n: fx.Node) -> bool:
+    """Binary overloads such as max.other have no dim: they compare two tensors elementwise."""
+    if not hasattr(n.target, "_schema"):
+        return False
+    names = {a.name for a in n.target._schema.arguments}
+    return "other" in names and "dim" not in names
+
+
+def mixing_reason(n: fx.Node, seq_sym) -> str | None:
+    """Why this node mixes tokens, or None."""
+    if n.op != "call_function" or n.meta.get("tpc_kind") == "attention":
+        return None
+    name = _op_name(n)
+    ins = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    if not ins:
+        return None
+    x = ins[0]
+    axes = node_token_axes(x, seq_sym)
+    if name in _ALONG_DIM and axes and not _elementwise(n):
+        dims = _dims(n, x.meta["val"].dim())
+        if dims is None or dims & set(axes):
+            return f"`{name}` along the sequence axis"
+    if name in _CONTRACT and len(ins) >= 2 and axes:
+        a_rank = x.meta["val"].dim()
+        if (a_rank - 1) in axes:
+            return f"`{name}` contracting the sequence axis"
+    if name == "scaled_dot_product_attention":
+        return "an attention the front end did not recognise as causal"
+    if len(node_token_axes(n, seq_sym)) > 1:
+        return f"`{name}` produces a (tokens x tokens) value"
+    return None
+
+
+def check_token_independence(graph: fx.Graph, ctx) -> None:
+    for n in graph.nodes:
+        if n in ctx.static:
+            continue
+        why = mixing_reason(n, ctx.seq_sym)
+        if why is not None:
+            loc = loc_of_node(n, ctx.model_file)
+            raise TpirError(Diagnostic(
+                f"the model mixes tokens: {why} (node {n.name}, op {n.target}); token slices would "
+                "get a silently wrong gradient",
+                loc=loc, where="" if loc else where_of_node(n),
+                hint="only per-token ops and causal attention can be sliced: reduce over the hidden "
+                     "axis (dim=-1) instead, or use causal attention (is_causal=True)"))

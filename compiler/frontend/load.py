@@ -1,0 +1,84 @@
+"""Loading a model file: import it under a unique module name and call its factory.
+
+Every way this can go wrong is the user's to fix, so each is a located `TpirError`: the file is
+missing, does not parse, has no such callable, the callable raises, or returns no `nn.Module`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import itertools
+import os
+import sys
+
+import torch.nn as nn
+
+from tpc.compiler.frontend.locate import loc_at, loc_from_traceback
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import Loc
+
+_counter = itertools.count()
+
+
+def file_sha256(path: str) -> str:
+    """Hex SHA-256 of the file's bytes (plans record it so `tpc run` can refuse a changed model)."""
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def import_model_file(path: str):
+    """Import `path` as a fresh module (a unique name, so two files called model.py never clash)."""
+    if not os.path.isfile(path):
+        raise TpirError(Diagnostic(f"no such model file: {path}",
+                                   hint="give the path of a Python file that defines `model()`"))
+    name = f"tpc_model_{next(_counter)}_{os.path.splitext(os.path.basename(path))[0]}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses and pickling look the module up by name while it executes
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        sys.modules.pop(name, None)
+        loc = Loc(path, e.lineno or 1, e.offset or 1)
+        raise TpirError(Diagnostic(f"syntax error in model file: {e.msg}", loc=loc,
+                                   hint="fix the Python syntax at the caret")) from None
+    except Exception as e:
+        sys.modules.pop(name, None)
+        loc = loc_from_traceback(e.__traceback__, path) or Loc(path, 1, 1)
+        raise TpirError(Diagnostic(f"importing the model file raised {type(e).__name__}: {e}", loc=loc,
+                                   hint="the file must import cleanly; fix the error at this line")) from None
+    return module
+
+
+def load_model(path: str, factory: str = "model") -> nn.Module:
+    """Import the model file and return `factory()`, which must be an `nn.Module`."""
+    module = import_model_file(path)
+    fn = getattr(module, factory, None)
+    if fn is None or not callable(fn):
+        found = sorted(n for n, v in vars(module).items()
+                       if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__)
+        listing = ", ".join(found) if found else "none"
+        raise TpirError(Diagnostic(
+            f"model file defines no callable named `{factory}`", loc=Loc(path, 1, 1),
+            hint=f"define `def {factory}(): return MyModel(...)` or pass --factory NAME; callables found: {listing}"))
+    try:
+        net = fn()
+    except Exception as e:
+        loc = loc_from_traceback(e.__traceback__, path) or _def_loc(fn, path)
+        raise TpirError(Diagnostic(f"`{factory}()` raised {type(e).__name__}: {e}", loc=loc,
+                                   hint=f"`{factory}` is called with no arguments and must build the model")) from None
+    if not isinstance(net, nn.Module):
+        raise TpirError(Diagnostic(
+            f"`{factory}()` returned {type(net).__name__}, not a torch.nn.Module", loc=_def_loc(fn, path),
+            hint=f"return the model itself, e.g. `def {factory}(): return GPT(GPTConfig())`"))
+    return net
+
+
+def _def_loc(fn, path: str) -> Loc:
+    try:
+        return loc_at(path, inspect.getsourcelines(fn)[1])
+    except (OSError, TypeError):
+        return Loc(path, 1, 1)

@@ -1,0 +1,35 @@
+"""Functions the rewritten graphs call at run time.
+
+`causal_attention` is what every recognised attention becomes: this slice's queries attend to
+the cached prefix of keys/values plus this slice's own, under a causal mask aligned bottom-right
+(query q, at absolute position off+q, sees keys at positions <= off+q). SDPA's `is_causal=True`
+aligns the mask top-left, which is right only when there is no prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_attention(q, k, v, k_prefix, v_prefix, scale=None, dropout_p=0.0, rep=1, enable_gqa=False):
+    """Attention of a slice. k/v are this slice's keys/values, (B, Hkv, l, D); the prefix is the
+    same layout with the earlier tokens. `rep` > 1 repeats key/value heads after the cache (GQA
+    written with repeat_interleave), so the cache holds the un-repeated heads."""
+    kf = torch.cat([k_prefix, k], dim=-2)  # (B, Hkv, off+l, D)
+    vf = torch.cat([v_prefix, v], dim=-2)  # (B, Hkv, off+l, D)
+    if rep != 1:
+        kf = kf.repeat_interleave(rep, dim=1)  # (B, H, off+l, D)
+        vf = vf.repeat_interleave(rep, dim=1)
+    lq, lk = q.size(-2), kf.size(-2)
+    extra = {"enable_gqa": True} if enable_gqa else {}
+    if lq == lk:
+        return F.scaled_dot_product_attention(q, kf, vf, dropout_p=dropout_p, is_causal=True, scale=scale, **extra)
+    mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)  # (l, off+l)
+    return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
+
+
+def sum_token_loss(logits, targets):
+    """Next-token cross-entropy summed over the slice's tokens (the runtime divides by the total
+    token count of the global batch, so slices add up to the mean)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), reduction="sum")

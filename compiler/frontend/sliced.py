@@ -1,0 +1,232 @@
+"""`SlicedModel`: capture, analyse and rewrite a model once; cut it into stages on demand.
+
+Pipeline of passes (each ends with `graph.lint()`):
+  capture -> output check -> attention (sliced, KV cache) -> token-independence check
+  -> positions (window [offset, offset + l)) -> units -> numeric self-check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from tpc.compiler.frontend.analyse import check_token_independence
+from tpc.compiler.frontend.attention import rewrite_attention
+from tpc.compiler.frontend.axes import size_expr
+from tpc.compiler.frontend.capture import capture
+from tpc.compiler.frontend.locate import loc_of_node
+from tpc.compiler.frontend.partition import _is_residual, make_units, partition_balanced
+from tpc.compiler.frontend.positions import rewrite_positions
+from tpc.compiler.frontend.stage import StageModule, build_stage_graph
+from tpc.compiler.frontend.static import prune_dead, static_nodes
+from tpc.ir.diagnostics import Diagnostic, TpirError
+
+
+@dataclass
+class _Ctx:
+    ids: fx.Node
+    batch_sym: object
+    seq_sym: object
+    model_file: str | None
+    fetch: object
+    static: set = field(default_factory=set)
+
+
+class SlicedModel:
+    """A model made token-sliceable, numbered into partition units."""
+
+    @classmethod
+    def from_model(cls, model: nn.Module, seq_len: int, vocab: int) -> "SlicedModel":
+        return cls(model, seq_len, vocab)
+
+    def __init__(self, model: nn.Module, seq_len: int, vocab: int):
+        self.model, self.seq_len, self.vocab = model, seq_len, vocab
+        cap = capture(model, seq_len)
+        self._gm, graph = cap.gm, cap.graph
+        self._batch_sym, self._seq_sym = cap.batch_sym, cap.seq_sym
+        named = dict(model.named_parameters())
+        named_buf = dict(model.named_buffers())
+        self._param_names = set(named)
+
+        def fetch(name):
+            if name in named:
+                return named[name]
+            if name in named_buf:
+                return named_buf[name]
+            obj = self._gm
+            for p in name.split("."):
+                obj = getattr(obj, p)
+            return obj
+
+        self._fetch = fetch
+        ctx = _Ctx(cap.ids, cap.batch_sym, cap.seq_sym, cap.model_file, fetch)
+        ctx.static = static_nodes(graph, cap.batch_sym, cap.seq_sym, {cap.ids})
+        out_val = self._check_output(graph, ctx)
+        sites = rewrite_attention(graph, ctx)
+        kv_in = {s.k_prefix for s in sites} | {s.v_prefix for s in sites}
+        ctx.static = static_nodes(graph, cap.batch_sym, cap.seq_sym, {cap.ids} | kv_in)
+        check_token_independence(graph, ctx)
+        self._offset = rewrite_positions(graph, ctx)
+        prune_dead(graph)
+        graph.lint()
+        self._static = static_nodes(graph, cap.batch_sym, cap.seq_sym, {cap.ids} | kv_in)
+        self._graph, self._sites = graph, sites
+        output = next(n for n in graph.nodes if n.op == "output")
+        data = [n for n in graph.nodes if n not in self._static and n.op != "output" and n not in kv_in]
+        self._units = make_units(data, out_val, output, cap.batch_sym, cap.seq_sym)
+        pos = {n: i for i, u in enumerate(self._units) for n in u.nodes}
+        self._site_units = [pos[s.node] for s in sites]
+        self._unit_attrs = [self._attrs_used(u.nodes) for u in self._units]
+        self.hidden_size = self._hidden(data)
+        self._self_check()
+
+    # ---------------------------------------------------------------- public API
+
+    @property
+    def num_units(self) -> int:
+        return len(self._units)
+
+    @property
+    def unit_labels(self) -> list[str]:
+        return [u.label for u in self._units]
+
+    @property
+    def unit_param_counts(self) -> list[int]:
+        """Parameters each unit uses (a tied parameter counts in every unit that uses it)."""
+        named = dict(self.model.named_parameters())
+        return [sum(named[a].numel() for a in attrs if a in named) for attrs in self._unit_attrs]
+
+    def partition_by_params(self, n_stages: int) -> list[tuple[int, int]]:
+        """Contiguous unit ranges, one per stage, balancing parameter counts."""
+        self._check_stages(n_stages)
+        return partition_balanced(self.unit_param_counts, n_stages)
+
+    def ties(self, ranges) -> list[tuple[str, tuple[int, ...]]]:
+        """Parameters used by several stages (weight tying), with the stages that use them."""
+        users: dict[str, list[int]] = {}
+        for s, (lo, hi) in enumerate(ranges):
+            for u in range(lo, hi):
+                for a in self._unit_attrs[u]:
+                    if a in self._param_names and s not in users.setdefault(a, []):
+                        users[a].append(s)
+        return [(name, tuple(st)) for name, st in sorted(users.items()) if len(st) >= 2]
+
+    def stage_module(self, lo: int, hi: int, params_from: nn.Module | None = None,
+                     with_loss: bool = True) -> StageModule:
+        if not (0 <= lo < hi <= self.num_units):
+            raise ValueError(f"unit range {lo}:{hi} is not inside 0:{self.num_units}")
+        graph, sites = build_stage_graph(self, lo, hi, with_loss)
+        src = params_from if params_from is not None else self.model
+        params = dict(src.named_parameters())
+        buffers = dict(src.named_buffers())
+        attrs = {}
+        for n in graph.nodes:
+            if n.op != "get_attr":
+                continue
+            t = n.target
+            if t in params:
+                attrs[t] = ("param", params[t])
+            elif t in buffers:
+                attrs[t] = ("buffer", buffers[t])
+            else:
+                attrs[t] = ("const", self._fetch(t))
+        kv_dims, shapes, dtypes = [], [], []
+        for s in sites:
+            for node, d in ((s.k, s.kv_dims[0]), (s.v, s.kv_dims[1])):
+                kv_dims.append(d)
+                shapes.append(self._shape_fn(node.meta["val"]))
+                dtypes.append(node.meta["val"].dtype)
+        label = self.unit_labels[lo] if hi - lo == 1 else f"{self.unit_labels[lo]} .. {self.unit_labels[hi - 1]}"
+        return StageModule(graph, attrs, lo, hi, self.num_units, kv_dims, shapes, dtypes, label, with_loss)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _shape_fn(self, val):
+        exprs = [size_expr(d) for d in val.shape]
+        b, t = self._batch_sym, self._seq_sym
+        return lambda batch: tuple(int(e.subs({b: batch, t: 0})) for e in exprs)
+
+    def _check_stages(self, n_stages: int) -> None:
+        if not isinstance(n_stages, int) or n_stages < 1 or n_stages > self.num_units:
+            raise TpirError(Diagnostic(
+                f"cannot cut the model into {n_stages} pipeline stages: it has {self.num_units} units "
+                f"({', '.join(self.unit_labels)})",
+                where=type(self.model).__name__,
+                hint=f"choose between 1 and {self.num_units} stages"))
+
+    def _check_output(self, graph: fx.Graph, ctx) -> fx.Node:
+        out = next(n for n in graph.nodes if n.op == "output")
+        vals = out.args[0]
+        vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+        producer = vals[0] if vals and isinstance(vals[0], fx.Node) else None
+        v = producer.meta.get("val") if producer is not None else None
+        ok = (len(vals) == 1 and isinstance(v, torch.Tensor) and v.dim() == 3
+              and size_expr(v.shape[0]) == ctx.batch_sym and size_expr(v.shape[1]) == ctx.seq_sym
+              and size_expr(v.shape[2]) == self.vocab)
+        if not ok:
+            got = tuple(v.shape) if isinstance(v, torch.Tensor) else f"{len(vals)} values"
+            loc = loc_of_node(producer, ctx.model_file) if producer is not None else None
+            raise TpirError(Diagnostic(
+                f"the model must return logits of shape (batch, seq, vocab={self.vocab}); it returns {got}",
+                loc=loc, where="" if loc else type(self.model).__name__,
+                hint="forward(ids: (B, T) int64) must return one tensor (B, T, V); compute the loss outside "
+                     "the model (tpc adds next-token cross-entropy itself)"))
+        return producer
+
+    def _attrs_used(self, nodes) -> list[str]:
+        seen, out, stack = set(), [], [a for n in nodes for a in n.all_input_nodes]
+        while stack:
+            a = stack.pop()
+            if a in seen or a not in self._static:
+                continue
+            seen.add(a)
+            if a.op == "get_attr":
+                out.append(a.target)
+            stack.extend(a.all_input_nodes)
+        return sorted(set(out))
+
+    def _hidden(self, data) -> int:
+        for u in self._units[:-1]:
+            return int(u.output.meta["val"].shape[2])
+        for n in data:
+            if _is_residual(n, self._batch_sym, self._seq_sym):
+                return int(n.meta["val"].shape[2])
+        return 0
+
+    def _self_check(self) -> None:
+        """Run the whole model sliced and unsliced on a few random tokens; they must agree.
+        This catches token mixing the rules of analyse.py do not know about."""
+        if any(n.target is torch.ops.aten.dropout.default and n.args[1] and n.args[2]
+               for n in self._graph.nodes if n.op == "call_function"):
+            return  # random masks differ between the two runs; nothing to compare
+        t = min(self.seq_len, 7)
+        lens = [1, 2, t - 3] if t >= 4 else [t]
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, self.vocab, (2, t), generator=gen)
+        full = self.stage_module(0, self.num_units, with_loss=False)
+        with torch.no_grad():
+            ref = self.model(ids)
+            kv_parts: list[list] = [[] for _ in range(full.num_kv)]
+            outs, off = [], 0
+            for ln in lens:
+                prefix = [torch.cat([e, *p], dim=d) if p else e
+                          for e, p, d in zip(full.empty_kv(2), kv_parts, full.kv_dims)]
+                y, kv = full(ids[:, off:off + ln], off, prefix)
+                for parts, k in zip(kv_parts, kv):
+                    parts.append(k)
+                outs.append(y)
+                off += ln
+            got = torch.cat(outs, dim=1)
+        err = (got - ref).abs()
+        tol = 1e-4 * (1.0 + ref.abs().max().item())
+        if err.max().item() > tol:
+            bad = int(err.amax(dim=(0, 2)).gt(tol).nonzero()[0])
+            raise TpirError(Diagnostic(
+                f"slicing changes the model's output (first at token {bad}): the model mixes tokens in "
+                "a way the front end does not recognise",
+                where=type(self.model).__name__,
+                hint="use only per-token operations and causal attention "
+                     "(scaled_dot_product_attention(is_causal=True))"))

@@ -1,0 +1,121 @@
+"""Stage graphs and `StageModule`: units [lo, hi) of the rewritten graph as one runnable slice
+function.
+
+A stage graph takes (x, offset, k_prefix_0, v_prefix_0, ..., [targets]) and returns
+(y, k_0, v_0, ...): x is the token ids on the first stage, else the residual stream entering
+unit lo; y is the residual leaving unit hi-1, or on the last stage the summed token loss. Static
+values the stage needs (weight views, position tables) are recomputed inside it; the batch and
+sequence sizes are re-read from x.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from tpc.compiler.frontend import ops
+from tpc.compiler.frontend.axes import size_expr
+from tpc.compiler.frontend.static import is_size_root, prune_dead
+
+
+def build_stage_graph(sm, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, list]:
+    """Extract units [lo, hi) of `sm` (a SlicedModel) into a new graph; returns it and its sites."""
+    units = sm._units[lo:hi]
+    sites = [s for s, u in zip(sm._sites, sm._site_units) if lo <= u < hi]
+    g = fx.Graph()
+    x = g.placeholder("x")
+    off = g.placeholder("offset")
+    env: dict[fx.Node, fx.Node] = {units[0].input: x, sm._offset: off}
+    for i, s in enumerate(sites):
+        env[s.k_prefix] = g.placeholder(f"k_prefix_{i}")
+        env[s.v_prefix] = g.placeholder(f"v_prefix_{i}")
+    targets = g.placeholder("targets") if (with_loss and hi == sm.num_units) else None
+
+    def get(n: fx.Node) -> fx.Node:
+        if n in env:
+            return env[n]
+        if is_size_root(n, sm._batch_sym, sm._seq_sym):
+            dim = 0 if size_expr(n.meta["val"]) == sm._batch_sym else 1
+            new = g.call_function(torch.ops.aten.sym_size.int, (x, dim))
+        elif n in sm._static:
+            new = g.get_attr(n.target) if n.op == "get_attr" else g.node_copy(n, get)
+            new.meta = dict(n.meta)
+        else:
+            raise RuntimeError(f"internal: value {n.name} crosses the stage cut before unit {lo}")
+        env[n] = new
+        return new
+
+    for u in units:
+        for n in u.nodes:
+            if n.op == "placeholder":
+                continue
+            env[n] = g.node_copy(n, get)
+    y = get(units[-1].output)
+    if targets is not None:
+        y = g.call_function(ops.sum_token_loss, (y, targets))
+    outs = [y]
+    for s in sites:
+        outs += [get(s.k), get(s.v)]
+    g.output(tuple(outs))
+    prune_dead(g)
+    g.lint()
+    return g, sites
+
+
+def _set_attr(root: nn.Module, name: str, value, kind: str) -> None:
+    *path, field = name.split(".")
+    mod = root
+    for p in path:
+        if not hasattr(mod, p):
+            mod.add_module(p, nn.Module())
+        mod = getattr(mod, p)
+    if kind == "param":
+        mod.register_parameter(field, value)
+    elif kind == "buffer":
+        mod.register_buffer(field, value)
+    else:
+        setattr(mod, field, value)
+
+
+class StageModule(nn.Module):
+    """Units [lo, hi) of a sliced model, run one token slice at a time.
+
+    forward(x, offset, kv_prefix, targets=None) -> (y, kv_new). Parameters keep the original
+    model's names, so optimizers, tying and checkpoints can match them."""
+
+    def __init__(self, graph: fx.Graph, attrs: dict, lo: int, hi: int, num_units: int,
+                 kv_dims: list[int], kv_shapes: list, kv_dtypes: list, label: str = "", has_loss: bool = True):
+        super().__init__()
+        for name, (kind, value) in sorted(attrs.items()):
+            _set_attr(self, name, value, kind)
+        self.lo, self.hi, self.num_units = lo, hi, num_units
+        self.is_first, self.is_last = lo == 0, hi == num_units
+        self.kv_dims = list(kv_dims)
+        self.num_kv = len(kv_dims)
+        self.label = label
+        self.has_loss = has_loss and self.is_last
+        self._kv_shapes, self._kv_dtypes = kv_shapes, kv_dtypes
+        self.graph = graph
+        code = graph.python_code(root_module="self")
+        glb = dict(code.globals)
+        exec(compile(code.src, f"<tpc stage {lo}:{hi}>", "exec"), glb)
+        self._fn = glb["forward"]
+        self.code = code.src
+
+    def forward(self, x, offset: int, kv_prefix: list, targets=None):
+        if len(kv_prefix) != self.num_kv:
+            raise ValueError(f"stage {self.lo}:{self.hi} takes {self.num_kv} cached tensors, got {len(kv_prefix)}")
+        args = [x, int(offset), *kv_prefix]
+        if self.has_loss:
+            if targets is None:
+                raise ValueError("the last stage needs targets (B, l) int64 to compute the loss")
+            args.append(targets)
+        out = self._fn(self, *args)
+        return out[0], list(out[1:])
+
+    def empty_kv(self, batch: int) -> list:
+        """Zero-length prefixes (slice 0 has no cached tokens)."""
+        dev = next(iter(self.parameters()), None)
+        dev = dev.device if dev is not None else torch.device("cpu")
+        return [torch.zeros(shape(batch), dtype=dt, device=dev) for shape, dt in zip(self._kv_shapes, self._kv_dtypes)]
