@@ -102,48 +102,53 @@ def stash_bytes(costs: MemoryCosts, stage: int, l: int, c: int, mb_size: int) ->
     return own(stage, l, c, mb_size) if own is not None else costs.activation_bytes(l, mb_size)
 
 
+class _Held:
+    """Named allocations of one kind with a running total (summing the dicts at every
+    instruction would make long streams quadratic)."""
+
+    def __init__(self):
+        self.items: dict[tuple, float] = {}
+        self.total = 0.0
+
+    def add(self, key: tuple, nbytes: float) -> None:
+        if key not in self.items:
+            self.items[key] = nbytes
+            self.total += nbytes
+
+    def drop(self, key: tuple) -> None:
+        self.total -= self.items.pop(key, 0.0)
+
+
 def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: MemoryCosts) -> RankMemory:
     """Walk one rank's stream and account its memory (see the module docstring)."""
     params = sum(costs.param_bytes(s) for s in header.stages_of_rank(rank))
     static = dict(params=params, grads=params, optimizer=2 * params)
-    acts: dict[tuple[int, int, int], float] = {}
-    kv: dict[tuple[int, int], dict[int, float]] = {}
-    kv_grads: dict[tuple[int, int], dict[int, float]] = {}
-
-    def now() -> Memory:
-        return Memory(
-            **static,
-            activations=sum(acts.values()),
-            kv=sum(sum(d.values()) for d in kv.values()),
-            kv_grads=sum(sum(d.values()) for d in kv_grads.values()),
-        )
+    acts, kv, kv_grads = _Held(), _Held(), _Held()  # keyed (stage, mb, slice)
+    kv_slices: dict[tuple[int, int], list[int]] = {}  # (stage, mb) -> slices with a KV cache
 
     during: list[Memory] = []
     for instr in instrs:
-        release: list[tuple[int, int, int]] = []
+        owner = (instr.stage, instr.mb)
         if instr.op in (Op.FORWARD, Op.RECOMPUTE):
             l, c, size = slice_extent(header, instr)
-            if instr.op is Op.FORWARD:
-                kv.setdefault((instr.stage, instr.mb), {})[instr.slice] = costs.kv_bytes(
-                    instr.stage, l, size
-                )
+            if instr.op is Op.FORWARD and instr.key not in kv.items:
+                kv.add(instr.key, costs.kv_bytes(instr.stage, l, size))
+                kv_slices.setdefault(owner, []).append(instr.slice)
             if not instr.checkpoint:
-                acts[instr.key] = stash_bytes(costs, instr.stage, l, c, size)
+                acts.add(instr.key, stash_bytes(costs, instr.stage, l, c, size))
         elif instr.op in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
             slice_extent(header, instr)  # a located error for a slice the header lacks
-            owned = kv.get((instr.stage, instr.mb), {})
-            grads = kv_grads.setdefault((instr.stage, instr.mb), {})
-            for j, nbytes in owned.items():
+            for j in kv_slices.get(owner, ()):
                 if j < instr.slice:
-                    grads.setdefault(j, nbytes)
-            if instr.op is not Op.BACKWARD_INPUT:
-                release.append(instr.key)
-        during.append(now())
-        for key in release:
-            acts.pop(key, None)
-        if instr.op is Op.FREE_KV:
-            kv.pop((instr.stage, instr.mb), None)
-            kv_grads.pop((instr.stage, instr.mb), None)
+                    kv_grads.add((*owner, j), kv.items[(*owner, j)])
+        during.append(Memory(**static, activations=acts.total, kv=kv.total,
+                             kv_grads=kv_grads.total))
+        if instr.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
+            acts.drop(instr.key)
+        elif instr.op is Op.FREE_KV:
+            for j in kv_slices.pop(owner, ()):
+                kv.drop((*owner, j))
+                kv_grads.drop((*owner, j))
 
     if not during:
         return RankMemory(during=(), peak=Memory(**static), peak_index=-1)
