@@ -343,7 +343,8 @@ def compile_to_file(model_path: str, output: str, **options) -> Plan:
         h = plan.header
         n = sum(len(p.instrs) for p in plan.ranks)
         print(
-            f"wrote {output}: {h.num_stages} stages x {h.mesh.data} replicas, "
+            f"wrote {output}: {h.num_stages} stage{'s' * (h.num_stages != 1)} x "
+            f"{h.mesh.data} replica{'s' * (h.mesh.data != 1)}, "
             f"{len(h.microbatches)} micro-batches x {len(h.microbatches[0].slices)} slices, "
             f"schedule {h.schedule.name}, {n} instructions"
         )

@@ -101,20 +101,6 @@ def test_options_mistakes_surface_from_compile_without_loading_the_model(tmp_pat
 # -------------------------------------------------------------------------- end to end
 
 
-def _frontend_ready() -> bool:
-    try:
-        from tpc.compiler.frontend import SlicedModel, file_sha256, load_model  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_frontend = pytest.mark.skipif(
-    not _frontend_ready(), reason="the front end (tpc.compiler.frontend.SlicedModel) is not in the tree"
-)
-
-
-@needs_frontend
 def test_compile_tiny_gpt_to_file_and_verify(tmp_path, capsys):
     from tpc.compiler.frontend import file_sha256
     from tpc.ir.parse import parse
@@ -142,7 +128,6 @@ def test_compile_tiny_gpt_to_file_and_verify(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["plan.tpir"]  # no temporary left behind
 
 
-@needs_frontend
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "terapipe"])
 def test_compile_each_schedule(schedule):
     plan = compile_plan(TINY, stages="2", microbatches=2, seq_len=8, batch=2, slices="5,3",
@@ -151,7 +136,6 @@ def test_compile_each_schedule(schedule):
     assert plan.header.microbatches[0].slices == ((0, 5), (5, 8))
 
 
-@needs_frontend
 def test_cli_compile_then_verify(tmp_path, capsys):
     from tpc.compiler.cli import main
 
@@ -177,7 +161,6 @@ def test_cli_bad_slices_is_a_clear_error(tmp_path, capsys):
     assert not out.exists()
 
 
-@needs_frontend
 def test_a_failed_compile_leaves_an_existing_plan_untouched(tmp_path):
     out = tmp_path / "plan.tpir"
     out.write_text("previous plan\n")
