@@ -91,12 +91,24 @@ from tpc.ir.nodes import FORMAT_VERSION, Instr, Loc, Op, Payload, Plan
 __all__ = ["verify", "check", "verify_file"]
 
 ACT, GRAD = Payload.ACT, Payload.GRAD
+
+
+class _O:
+    """The members of `Op` as plain class attributes. Reading an Enum member is a descriptor
+    call in Python 3.11, and the verifier reads them a few times per instruction."""
+
+    LOAD, FORWARD, RECOMPUTE, STEP = Op.LOAD, Op.FORWARD, Op.RECOMPUTE, Op.STEP
+    BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+    SEND, RECV, FREE_KV = Op.SEND, Op.RECV, Op.FREE_KV
+    ALLREDUCE, REDUCE_TIED = Op.ALLREDUCE, Op.REDUCE_TIED
+
+
 # ops whose instructions are about one (stage, mb, slice)
-_SLICE_OPS = (Op.FORWARD, Op.RECOMPUTE, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)
+_SLICE_OPS = (_O.FORWARD, _O.RECOMPUTE, _O.BACKWARD, _O.BACKWARD_INPUT, _O.BACKWARD_WEIGHT)
 # ops that read or write parameters or their gradients: `step` must come after all of them
-_PARAM_OPS = frozenset(_SLICE_OPS) | {Op.ALLREDUCE, Op.REDUCE_TIED}
+_PARAM_OPS = frozenset(_SLICE_OPS) | {_O.ALLREDUCE, _O.REDUCE_TIED}
 # ops that add to a stage's weight gradients: allreduce and reduce-tied come after them
-_WEIGHT_GRAD_OPS = frozenset({Op.BACKWARD, Op.BACKWARD_WEIGHT})
+_WEIGHT_GRAD_OPS = frozenset({_O.BACKWARD, _O.BACKWARD_WEIGHT})
 
 
 # ------------------------------------------------------------------------------ public API
@@ -396,6 +408,8 @@ class _Index:
     occ: dict[tuple, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
     # per rank, the positions of the instructions that passed the operand rules
     valid: list[list[bool]] = field(default_factory=list)
+    # per rank, each instruction's key (None for those that failed the operand rules)
+    keys: list[list[tuple | None]] = field(default_factory=list)
     # (stage, mb) -> last position of an instruction about them other than free-kv
     last_about: dict[tuple[int, int], int] = field(default_factory=dict)
     # stage -> last position of a backward or backward-weight of it
@@ -410,21 +424,21 @@ class _Index:
 
     def backward(self, s: int, m: int, i: int) -> int | None:
         """Position of the backward or backward-input of (s, m, i), whichever exists."""
-        p = self.first((Op.BACKWARD, None, s, m, i))
-        return p if p is not None else self.first((Op.BACKWARD_INPUT, None, s, m, i))
+        p = self.first((_O.BACKWARD, None, s, m, i))
+        return p if p is not None else self.first((_O.BACKWARD_INPUT, None, s, m, i))
 
 
 def _key(ins: Instr, r: int) -> tuple:
     op = ins.op
-    if op is Op.LOAD:
+    if op is _O.LOAD:
         return (op, r, ins.mb)
-    if op is Op.REDUCE_TIED:
+    if op is _O.REDUCE_TIED:
         return (op, r, ins.tie)
-    if op is Op.STEP:
+    if op is _O.STEP:
         return (op, r)
-    if op is Op.FREE_KV:
+    if op is _O.FREE_KV:
         return (op, ins.stage, ins.mb)
-    if op is Op.ALLREDUCE:
+    if op is _O.ALLREDUCE:
         return (op, ins.stage)
     return (op, ins.payload, ins.stage, ins.mb, ins.slice)
 
@@ -434,12 +448,15 @@ def _build_index(plan: Plan, valid: list[list[bool]]) -> _Index:
     occ, last_about, last_wgrad, last_param = idx.occ, idx.last_about, idx.last_wgrad, idx.last_param
     for r, rp in enumerate(plan.ranks):
         ok = valid[r]
+        keys: list[tuple | None] = [None] * len(rp.instrs)
+        idx.keys.append(keys)
         for p, ins in enumerate(rp.instrs):
             if not ok[p]:
                 continue
-            occ[_key(ins, r)].append((r, p))
+            key = keys[p] = _key(ins, r)
+            occ[key].append((r, p))
             op = ins.op
-            if ins.stage is not None and ins.mb is not None and op is not Op.FREE_KV:
+            if ins.stage is not None and ins.mb is not None and op is not _O.FREE_KV:
                 last_about[(ins.stage, ins.mb)] = p
             if op in _WEIGHT_GRAD_OPS:
                 last_wgrad[ins.stage] = p
@@ -514,7 +531,7 @@ def _check_operands(plan: Plan, shape: _Shape, rep: _Report) -> list[list[bool]]
 
 def _operand_problem(ins: Instr, r: int, shape: _Shape) -> tuple[str, str, bool] | None:
     """(message, hint, breaks pairing) for the first operand rule `ins` breaks, or None."""
-    comm = ins.op in (Op.SEND, Op.RECV, Op.REDUCE_TIED)
+    comm = ins.op in (_O.SEND, _O.RECV, _O.REDUCE_TIED)
     k, m_count = shape.k, len(shape.nslices)
     if ins.stage is not None and ins.stage >= k:
         return f"stage {ins.stage} does not exist", f"the plan has stages 0..{k - 1}", comm
@@ -532,23 +549,23 @@ def _operand_problem(ins: Instr, r: int, shape: _Shape) -> tuple[str, str, bool]
         owner = shape.stage_rank[ins.stage]
         return (f"stage {ins.stage} is held by rank {owner}, not by rank {r}",
                 f"move this line to the section of rank {owner}", comm)
-    if ins.op is Op.LOAD and r not in shape.ends:
+    if ins.op is _O.LOAD and r not in shape.ends:
         return (f"rank {r} holds neither the first nor the last stage: it loads nothing",
                 "remove this line; only the ranks of the first stage (token ids) and of the "
                 "last stage (targets) load micro-batches", False)
-    if ins.op in (Op.SEND, Op.RECV):
+    if ins.op in (_O.SEND, _O.RECV):
         return _peer_problem(ins, r, shape)
-    if ins.op is Op.ALLREDUCE and shape.data == 1:
+    if ins.op is _O.ALLREDUCE and shape.data == 1:
         return ("allreduce with `mesh data 1`: there is no data-parallel group to reduce over",
                 "remove this line, or raise `mesh data`", False)
-    if ins.op is Op.REDUCE_TIED:
+    if ins.op is _O.REDUCE_TIED:
         return _tie_problem(ins, r, shape)
     return None
 
 
 def _peer_problem(ins: Instr, r: int, shape: _Shape) -> tuple[str, str, bool] | None:
     s, last = ins.stage, shape.k - 1
-    sends = ins.op is Op.SEND
+    sends = ins.op is _O.SEND
     if ins.payload is ACT:
         nb = s + 1 if sends else s - 1
     else:
@@ -600,7 +617,7 @@ def _check_duplicates(idx: _Index, rep: _Report) -> None:
         if len(at) < 2:
             continue
         r0, p0 = at[0]
-        comm = key[0] in (Op.SEND, Op.RECV, Op.REDUCE_TIED)
+        comm = key[0] in (_O.SEND, _O.RECV, _O.REDUCE_TIED)
         for r, p in at[1:]:
             rep.instr(r, p, f"duplicate instruction: the same one is at {rep.ref(r0, p0)}",
                       "remove one of the two", comm=comm)
@@ -614,12 +631,12 @@ def _check_compute_complete(plan: Plan, shape: _Shape, idx: _Index, rep: _Report
         for m, n in enumerate(shape.nslices):
             for i in range(n):
                 what = f"stage {s} mb {m} slice {i}"
-                fwd = occ.get((Op.FORWARD, None, s, m, i))
+                fwd = occ.get((_O.FORWARD, None, s, m, i))
                 if not fwd:
-                    after = first((Op.FORWARD, None, s, m, i - 1)) if i else None
+                    after = first((_O.FORWARD, None, s, m, i - 1)) if i else None
                     place = f", below {rep.ref(r, after)}" if after is not None else ""
                     rep.section(r, f"no forward of {what}",
-                                f"add {_text(Op.FORWARD, s, m, i)} to rank {r}{place}")
+                                f"add {_text(_O.FORWARD, s, m, i)} to rank {r}{place}")
                 _check_backward_complete(shape, idx, rep, s, m, i)
                 if fwd:
                     _check_recompute(rep, idx, fwd[0], s, m, i)
@@ -629,9 +646,9 @@ def _check_backward_complete(shape: _Shape, idx: _Index, rep: _Report, s: int, m
                              i: int) -> None:
     occ = idx.occ
     r = shape.stage_rank[s]
-    full = occ.get((Op.BACKWARD, None, s, m, i), ())
-    bin_ = occ.get((Op.BACKWARD_INPUT, None, s, m, i), ())
-    bw = occ.get((Op.BACKWARD_WEIGHT, None, s, m, i), ())
+    full = occ.get((_O.BACKWARD, None, s, m, i), ())
+    bin_ = occ.get((_O.BACKWARD_INPUT, None, s, m, i), ())
+    bw = occ.get((_O.BACKWARD_WEIGHT, None, s, m, i), ())
     what = f"stage {s} mb {m} slice {i}"
     if full and (bin_ or bw):
         r2, p2 = (bin_ or bw)[0]
@@ -640,18 +657,18 @@ def _check_backward_complete(shape: _Shape, idx: _Index, rep: _Report, s: int, m
                   "not both")
     elif not full and not bin_ and not bw:
         place = ""
-        after = idx.first((Op.FORWARD, None, s, m, i))
+        after = idx.first((_O.FORWARD, None, s, m, i))
         if after is not None:
             place = f", below {rep.ref(r, after)}"
         rep.section(r, f"no backward of {what}",
-                    f"add {_text(Op.BACKWARD, s, m, i)} to rank {r}{place}")
+                    f"add {_text(_O.BACKWARD, s, m, i)} to rank {r}{place}")
     elif bin_ and not bw:
         rep.instr(*bin_[0], f"backward-input of {what} has no backward-weight",
-                  f"add {_text(Op.BACKWARD_WEIGHT, s, m, i)} below this line, or make this a "
+                  f"add {_text(_O.BACKWARD_WEIGHT, s, m, i)} below this line, or make this a "
                   "full `backward`")
     elif bw and not bin_ and not full:
         rep.instr(*bw[0], f"backward-weight of {what} has no backward-input",
-                  f"add {_text(Op.BACKWARD_INPUT, s, m, i)} above this line, or make this a "
+                  f"add {_text(_O.BACKWARD_INPUT, s, m, i)} above this line, or make this a "
                   "full `backward`")
 
 
@@ -659,12 +676,12 @@ def _check_recompute(rep: _Report, idx: _Index, fwd_at: tuple[int, int], s: int,
                      i: int) -> None:
     r, p = fwd_at
     checkpointed = rep.plan.ranks[r].instrs[p].checkpoint
-    rec = idx.occ.get((Op.RECOMPUTE, None, s, m, i))
+    rec = idx.occ.get((_O.RECOMPUTE, None, s, m, i))
     if checkpointed and not rec:
         bwd = idx.backward(s, m, i)
         place = f" above {rep.ref(r, bwd)}" if bwd is not None else " before its backward"
         rep.instr(r, p, f"checkpoint forward of stage {s} mb {m} slice {i} is never recomputed",
-                  f"a checkpoint forward keeps no graph: add {_text(Op.RECOMPUTE, s, m, i)}"
+                  f"a checkpoint forward keeps no graph: add {_text(_O.RECOMPUTE, s, m, i)}"
                   f"{place}, or drop `checkpoint`")
     elif rec and not checkpointed:
         rep.instr(*rec[0], f"recompute of stage {s} mb {m} slice {i}, whose forward "
@@ -687,15 +704,17 @@ def _check_comm_complete(shape: _Shape, idx: _Index, rep: _Report) -> None:
 def _check_pair(idx: _Index, rep: _Report, payload: Payload, s_from: int, s_to: int, m: int,
                 i: int, src: int, dst: int) -> None:
     """One message (from stage s_from on rank src to stage s_to on rank dst) is sent and received."""
-    send = idx.occ.get((Op.SEND, payload, s_from, m, i))
-    recv = idx.occ.get((Op.RECV, payload, s_to, m, i))
-    send_text = _text(Op.SEND, s_from, m, i, payload, dst)
-    recv_text = _text(Op.RECV, s_to, m, i, payload, src)
+    send = idx.occ.get((_O.SEND, payload, s_from, m, i))
+    recv = idx.occ.get((_O.RECV, payload, s_to, m, i))
+    if send and recv:
+        return  # duplicates are reported by _check_duplicates
+    send_text = _text(_O.SEND, s_from, m, i, payload, dst)
+    recv_text = _text(_O.RECV, s_to, m, i, payload, src)
     # where the send belongs: after the compute producing the message; the receive: before
     # the compute consuming it
     if payload is ACT:
-        produce = idx.first((Op.FORWARD, None, s_from, m, i))
-        consume = idx.first((Op.FORWARD, None, s_to, m, i))
+        produce = idx.first((_O.FORWARD, None, s_from, m, i))
+        consume = idx.first((_O.FORWARD, None, s_to, m, i))
     else:
         produce = idx.backward(s_from, m, i)
         consume = idx.backward(s_to, m, i)
@@ -724,26 +743,26 @@ def _check_once_per_rank(plan: Plan, shape: _Shape, idx: _Index, rep: _Report) -
             continue
         if r in shape.ends:
             for m in range(len(shape.nslices)):
-                if not occ.get((Op.LOAD, r, m)):
+                if not occ.get((_O.LOAD, r, m)):
                     end_stage = 0 if shape.stage_rank[0] == r else shape.k - 1
-                    use = idx.first((Op.FORWARD, None, end_stage, m, 0))
+                    use = idx.first((_O.FORWARD, None, end_stage, m, 0))
                     place = f" above {rep.ref(r, use)}" if use is not None else ""
                     rep.section(r, f"rank {r} never loads micro-batch {m}",
-                                f"add {_text(Op.LOAD, mb=m)}{place}")
+                                f"add {_text(_O.LOAD, mb=m)}{place}")
         if shape.data > 1:
             for s in held:
-                if not occ.get((Op.ALLREDUCE, s)):
+                if not occ.get((_O.ALLREDUCE, s)):
                     rep.section(r, f"stage {s} is never all-reduced over the {shape.data} "
                                 "data-parallel replicas",
-                                f"add {_text(Op.ALLREDUCE, s)} to rank {r} after the last "
+                                f"add {_text(_O.ALLREDUCE, s)} to rank {r} after the last "
                                 f"backward of stage {s}, before `step`")
         for name in sorted(shape.ties):
             ranks = shape.tie_ranks[name]
-            if len(ranks) > 1 and r in ranks and not occ.get((Op.REDUCE_TIED, r, name)):
+            if len(ranks) > 1 and r in ranks and not occ.get((_O.REDUCE_TIED, r, name)):
                 rep.section(r, f"rank {r} never reduces tie \"{name}\"",
-                            f"add {_text(Op.REDUCE_TIED, tie=name)} to rank {r} after the last "
+                            f"add {_text(_O.REDUCE_TIED, tie=name)} to rank {r} after the last "
                             "backward of its tied stages, before `step`", comm=True)
-        if not occ.get((Op.STEP, r)):
+        if not occ.get((_O.STEP, r)):
             rep.section(r, f"rank {r} never runs `step`",
                         "add `step` as the last instruction that touches parameters")
 
@@ -754,68 +773,68 @@ def _check_once_per_rank(plan: Plan, shape: _Shape, idx: _Index, rep: _Report) -
 def _check_order(plan: Plan, shape: _Shape, idx: _Index, rep: _Report) -> None:
     """R1-R11: each instruction comes after what it needs, on its own rank."""
     for r, rp in enumerate(plan.ranks):
-        ok = idx.valid[r]
-        seen_first: set[tuple] = set()
+        keys = idx.keys[r]
         for p, ins in enumerate(rp.instrs):
-            if not ok[p]:
-                continue
-            key = _key(ins, r)
-            if key in seen_first:
-                continue  # an extra copy: reported as a duplicate, its order is moot
-            seen_first.add(key)
+            key = keys[p]
+            if key is None or idx.occ[key][0][1] != p:
+                continue  # failed an operand rule, or an extra copy (a duplicate): order is moot
             for need, why in _needs(ins, r, shape, idx, plan):
                 if need > p:
+                    reason = why[0].format(*why[1:])
                     rep.instr(r, p, f"{ins} runs before {rep.ref(r, need)}",
-                              f"{why}; move this line below {rep.at(r, need)}")
+                              f"{reason}; move this line below {rep.at(r, need)}")
             _check_after_all(ins, r, p, shape, idx, rep)
 
 
 def _needs(ins: Instr, r: int, shape: _Shape, idx: _Index, plan: Plan):
-    """(position, why) of each instruction on rank r that `ins` needs before it (R1-R7)."""
+    """(position, why) of each instruction on rank r that `ins` needs before it (R1-R7).
+
+    `why` is a format string and its arguments, formatted only for an error: this runs for
+    every instruction of a plan, and most plans are valid."""
     op, s, m, i = ins.op, ins.stage, ins.mb, ins.slice
     first = idx.first
-    out: list[tuple[int | None, str]] = []
-    if op is Op.FORWARD:
+    out: list[tuple[int | None, tuple]] = []
+    if op is _O.FORWARD:
         if i > 0:
-            out.append((first((Op.FORWARD, None, s, m, i - 1)),
-                        f"slice {i} attends to the KV cache of slice {i - 1}"))
+            out.append((first((_O.FORWARD, None, s, m, i - 1)),
+                        ("slice {} attends to the KV cache of slice {}", i, i - 1)))
         if s > 0:
             if shape.stage_rank[s - 1] == r:
-                out.append((first((Op.FORWARD, None, s - 1, m, i)),
-                            f"its input is the output of stage {s - 1}"))
+                out.append((first((_O.FORWARD, None, s - 1, m, i)),
+                            ("its input is the output of stage {}", s - 1)))
             else:
-                out.append((first((Op.RECV, ACT, s, m, i)), "its input arrives with that receive"))
+                out.append((first((_O.RECV, ACT, s, m, i)), ("its input arrives with that receive",)))
         if s == 0:
-            out.append((first((Op.LOAD, r, m)), "the first stage reads the micro-batch's token ids"))
+            out.append((first((_O.LOAD, r, m)), ("the first stage reads the micro-batch's token ids",)))
         elif s == shape.k - 1:
-            out.append((first((Op.LOAD, r, m)), "the last stage reads the micro-batch's targets"))
-    elif op is Op.RECOMPUTE:
-        out.append((first((Op.FORWARD, None, s, m, i)), "it rebuilds the graph of that forward"))
-    elif op in (Op.BACKWARD, Op.BACKWARD_INPUT):
-        fwd = first((Op.FORWARD, None, s, m, i))
-        out.append((fwd, "a slice is back-propagated after its forward"))
+            out.append((first((_O.LOAD, r, m)), ("the last stage reads the micro-batch's targets",)))
+    elif op is _O.RECOMPUTE:
+        out.append((first((_O.FORWARD, None, s, m, i)), ("it rebuilds the graph of that forward",)))
+    elif op in (_O.BACKWARD, _O.BACKWARD_INPUT):
+        fwd = first((_O.FORWARD, None, s, m, i))
+        out.append((fwd, ("a slice is back-propagated after its forward",)))
         if fwd is not None and plan.ranks[r].instrs[fwd].checkpoint:
-            out.append((first((Op.RECOMPUTE, None, s, m, i)),
-                        "a checkpoint forward keeps no graph: it is recomputed first"))
+            out.append((first((_O.RECOMPUTE, None, s, m, i)),
+                        ("a checkpoint forward keeps no graph: it is recomputed first",)))
         if i + 1 < shape.nslices[m]:
             out.append((idx.backward(s, m, i + 1),
-                        f"slices are back-propagated in reverse token order: slice {i + 1} "
-                        f"sends gradients into the keys and values of slice {i}"))
+                        ("slices are back-propagated in reverse token order: slice {} sends gradients "
+                         "into the keys and values of slice {}", i + 1, i)))
         if s < shape.k - 1:
             if shape.stage_rank[s + 1] == r:
                 out.append((idx.backward(s + 1, m, i),
-                            f"the gradient of its output comes from stage {s + 1}"))
+                            ("the gradient of its output comes from stage {}", s + 1)))
             else:
-                out.append((first((Op.RECV, GRAD, s, m, i)),
-                            "the gradient of its output arrives with that receive"))
-    elif op is Op.BACKWARD_WEIGHT:
-        out.append((first((Op.BACKWARD_INPUT, None, s, m, i)),
-                    "the weight gradient comes after the input gradient of the same slice"))
-    elif op is Op.SEND:
+                out.append((first((_O.RECV, GRAD, s, m, i)),
+                            ("the gradient of its output arrives with that receive",)))
+    elif op is _O.BACKWARD_WEIGHT:
+        out.append((first((_O.BACKWARD_INPUT, None, s, m, i)),
+                    ("the weight gradient comes after the input gradient of the same slice",)))
+    elif op is _O.SEND:
         if ins.payload is ACT:
-            out.append((first((Op.FORWARD, None, s, m, i)), "it sends that forward's output"))
+            out.append((first((_O.FORWARD, None, s, m, i)), ("it sends that forward's output",)))
         else:
-            out.append((idx.backward(s, m, i), "it sends that backward's input gradient"))
+            out.append((idx.backward(s, m, i), ("it sends that backward's input gradient",)))
     return [(p, why) for p, why in out if p is not None]
 
 
@@ -823,18 +842,18 @@ def _check_after_all(ins: Instr, r: int, p: int, shape: _Shape, idx: _Index,
                      rep: _Report) -> None:
     """R8-R11: instructions that must follow every instruction of some kind on their rank."""
     op = ins.op
-    if op is Op.FREE_KV:
+    if op is _O.FREE_KV:
         last = idx.last_about.get((ins.stage, ins.mb))
         what = f"the KV cache of stage {ins.stage} mb {ins.mb}, which {{}} still uses"
-    elif op is Op.ALLREDUCE:
+    elif op is _O.ALLREDUCE:
         last = idx.last_wgrad.get(ins.stage)
         what = f"the gradients of stage {ins.stage}, to which {{}} still adds"
-    elif op is Op.REDUCE_TIED:
+    elif op is _O.REDUCE_TIED:
         tied = [s for s in shape.ties.get(ins.tie, ()) if shape.stage_rank[s] == r]
         lasts = [idx.last_wgrad[s] for s in tied if s in idx.last_wgrad]
         last = max(lasts) if lasts else None
         what = f"the gradient of tie \"{ins.tie}\", to which {{}} still adds"
-    elif op is Op.STEP:
+    elif op is _O.STEP:
         last = idx.last_param.get(r)
         what = f"the parameters of rank {r}, which {{}} still uses"
     else:
@@ -849,7 +868,7 @@ def _check_after_all(ins: Instr, r: int, p: int, shape: _Shape, idx: _Index,
 
 def _message(ins: Instr, r: int) -> tuple[int, int, tuple]:
     """(sender rank, receiver rank, message id) of a send or receive."""
-    if ins.op is Op.SEND:
+    if ins.op is _O.SEND:
         to_stage = ins.stage + 1 if ins.payload is ACT else ins.stage - 1
         return r, ins.peer, (ins.payload, to_stage, ins.mb, ins.slice)
     return ins.peer, r, (ins.payload, ins.stage, ins.mb, ins.slice)
@@ -861,9 +880,9 @@ def _channels(plan: Plan, idx: _Index):
     for r, rp in enumerate(plan.ranks):
         ok = idx.valid[r]
         for p, ins in enumerate(rp.instrs):
-            if ok[p] and ins.op in (Op.SEND, Op.RECV):
+            if ok[p] and ins.op in (_O.SEND, _O.RECV):
                 src, dst, msg = _message(ins, r)
-                chans[(src, dst)][ins.op is Op.RECV].append((p, msg))
+                chans[(src, dst)][ins.op is _O.RECV].append((p, msg))
     return chans
 
 
@@ -898,8 +917,8 @@ def _check_deadlock(plan: Plan, shape: _Shape, idx: _Index, rep: _Report) -> Non
     n_ranks = len(plan.ranks)
     streams = [
         [(p, ins) for p, ins in enumerate(rp.instrs)
-         if idx.valid[r][p] and ins.op in (Op.SEND, Op.RECV, Op.REDUCE_TIED)
-         and (ins.op is not Op.REDUCE_TIED or ins.tie in shape.ties)]
+         if idx.valid[r][p] and ins.op in (_O.SEND, _O.RECV, _O.REDUCE_TIED)
+         and (ins.op is not _O.REDUCE_TIED or ins.tie in shape.ties)]
         for r, rp in enumerate(plan.ranks)
     ]
     ptr = [0] * n_ranks
@@ -914,12 +933,12 @@ def _check_deadlock(plan: Plan, shape: _Shape, idx: _Index, rep: _Report) -> Non
         stream = streams[r]
         while ptr[r] < len(stream):
             _, ins = stream[ptr[r]]
-            if ins.op is Op.SEND:
+            if ins.op is _O.SEND:
                 msg = _message(ins, r)[2]
                 sent.add(msg)
                 if msg in waiting_msg:
                     ready.append(waiting_msg.pop(msg))
-            elif ins.op is Op.RECV:
+            elif ins.op is _O.RECV:
                 msg = _message(ins, r)[2]
                 if msg not in sent:
                     waiting_msg[msg] = r
@@ -943,7 +962,7 @@ def _report_deadlock(plan, shape, idx, rep, streams, ptr, stuck, arrived) -> Non
     waits_for: dict[int, list[int]] = {}
     for r in stuck:
         ins = plan.ranks[r].instrs[blocked[r]]
-        if ins.op is Op.RECV:
+        if ins.op is _O.RECV:
             waits_for[r] = [ins.peer]
         else:
             waits_for[r] = sorted(shape.tie_ranks[ins.tie] - arrived[ins.tie])
@@ -951,7 +970,7 @@ def _report_deadlock(plan, shape, idx, rep, streams, ptr, stuck, arrived) -> Non
     for r in stuck:
         chain = _wait_chain(r, waits_for, blocked, rep)
         ins = plan.ranks[r].instrs[blocked[r]]
-        if ins.op is Op.RECV:
+        if ins.op is _O.RECV:
             src = ins.peer
             sp = send_at.get(_message(ins, r)[2])
             message = (f"deadlock: rank {r} waits here forever for rank {src}, which never "
@@ -972,7 +991,7 @@ def _send_positions(plan: Plan, idx: _Index) -> dict[tuple, int]:
     out: dict[tuple, int] = {}
     for r, rp in enumerate(plan.ranks):
         for p, ins in enumerate(rp.instrs):
-            if idx.valid[r][p] and ins.op is Op.SEND:
+            if idx.valid[r][p] and ins.op is _O.SEND:
                 out.setdefault(_message(ins, r)[2], p)
     return out
 
