@@ -456,6 +456,18 @@ def format_report(result: SimResult, name: str, costs_text: str) -> str:
     return "\n".join(lines)
 
 
+def _writing(option: str, path: str, write) -> None:
+    """Run `write`; a file that cannot be written is the user's error, not a traceback."""
+    try:
+        write()
+    except OSError as e:
+        raise TpirError(Diagnostic(
+            f"cannot write {path}: {e.strerror or e}",
+            where=option,
+            hint="give a path in a folder that exists and that you may write to",
+        )) from None
+
+
 def simulate_from_cli(args) -> int:
     """`tpc simulate PLAN [--cost F | --device-model N | --unit] [--trace J] [--png P]
     [--compare M]`: verify, simulate, print the table, write what was asked."""
@@ -468,10 +480,10 @@ def simulate_from_cli(args) -> int:
     describe = getattr(costs, "describe", None)
     print(format_report(result, args.plan, describe() if describe else type(costs).__name__))
     if getattr(args, "trace", None):
-        timeline.write_trace(result, args.trace, plan_name=args.plan)
+        _writing("--trace", args.trace, lambda: timeline.write_trace(result, args.trace, args.plan))
         print(f"trace: {args.trace} (open it in https://ui.perfetto.dev)")
     if getattr(args, "png", None):
-        timeline.write_gantt(result, args.png)
+        _writing("--png", args.png, lambda: timeline.write_gantt(result, args.png))
         print(f"timeline: {args.png}")
     if getattr(args, "compare", None):
         rows = timeline.compare(result, timeline.read_trace(args.compare))

@@ -179,3 +179,10 @@ def test_cost_options_without_a_cost_model_loader_are_a_clear_error(plan_file, m
     assert main(["simulate", str(plan_file), "--device-model", "h100"]) == 1
     err = capsys.readouterr().err
     assert "--device-model is not available yet" in err and "--unit" in err
+
+
+def test_an_output_that_cannot_be_written_is_a_clear_error(plan_file, tmp_path, capsys):
+    missing = tmp_path / "no" / "such" / "dir" / "t.png"
+    assert main(["simulate", str(plan_file), "--png", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert f"--png: error: cannot write {missing}" in err and "hint:" in err
