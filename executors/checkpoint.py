@@ -1,0 +1,413 @@
+"""Sharded training checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout of a checkpoint directory DIR:
+
+    DIR/step_000020/            one complete checkpoint: DCP files (.metadata, *.distcp) ...
+    DIR/step_000020/tpc.json    ... and what it belongs to: step, plan hash, mesh, model file
+    DIR/latest                  text file naming the newest complete step directory
+
+What is saved is a dict of *shards*, one per rank, under keys the ranks choose (`shard_key`:
+"rank<global rank>"), each a nested dict of tensors and plain values (see `rank_shard`). Under
+torchrun every process passes only its own shard and DCP writes them in parallel into one
+directory; the interpreter passes every rank's shard from one process (`no_dist`). Both write
+the same format, so a checkpoint written by either can be resumed by the other, and
+`tpc export` reads any of them in one process.
+
+Saving is atomic: the shards go to DIR/.tmp_step_000020, tpc.json is written last, then the
+directory is renamed to step_000020 and `latest` is replaced via a temporary file and
+os.replace. A crash at any point before the rename leaves `latest` naming the previous complete
+checkpoint, which still loads; a stale .tmp_ directory is removed by the next save.
+
+Loading is in place: the caller passes a template with the same structure holding the live
+tensors (parameters, optimizer state) and DCP copies the stored values into them. Plain values
+(step, data position) are replaced in the template dicts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from tpc.ir.diagnostics import Diagnostic, TpirError
+
+FORMAT = 1
+META_FILE = "tpc.json"
+LATEST = "latest"
+_PREFIX = "step_"
+_TMP = ".tmp_"
+
+
+# ------------------------------------------------------------------------------ layout
+
+
+def step_dir_name(step: int) -> str:
+    """`step_000020`: zero-padded so directory listings sort by step."""
+    return f"{_PREFIX}{step:06d}"
+
+
+def shard_key(global_rank: int) -> str:
+    """The key of one rank's shard. Global rank = data rank * pipe + pipe rank, so ranks
+    0 .. pipe-1 are the first data-parallel replica (the one `tpc export` reads)."""
+    return f"rank{global_rank}"
+
+
+def run_meta(header, plan_sha256: str) -> dict:
+    """What tpc.json records about the run, from the plan's header (`tpc.ir.nodes.Header`):
+    the plan hash and mesh (a resume must match them: `resume_expect`), and the model file,
+    factory and file hash (`tpc export` / `tpc sample` rebuild the unsliced model from them).
+    The model path is made absolute: export may run from another directory."""
+    return {
+        "plan_sha256": plan_sha256,
+        "mesh": {"pipe": header.mesh.pipe, "data": header.mesh.data},
+        "model_path": os.path.abspath(header.model.path),
+        "factory": header.model.factory,
+        "sha256": header.model.sha256,
+        "seq": header.shape.seq,
+        "vocab": header.shape.vocab,
+    }
+
+
+def resume_expect(meta: Mapping) -> dict:
+    """The entries of `run_meta` a resumed run must share with the checkpoint."""
+    return {k: meta[k] for k in ("plan_sha256", "mesh")}
+
+
+# ------------------------------------------------------------------------------ saving
+
+
+def save_checkpoint(dir: str | os.PathLike, step: int, shards: dict[str, Any], meta: dict, *,
+                    process_group=None) -> Path:
+    """Write `shards` as checkpoint `step` under `dir` and make it the latest; returns its path.
+
+    Without an initialised process group (the interpreter, tests) one process writes all
+    shards. Under torchrun every rank of `process_group` (default: the world) must call this
+    with its own shards (unique keys) and the same step and meta; group rank 0 publishes.
+    """
+    if step < 0:
+        raise ValueError(f"checkpoint step must be >= 0, got {step}")
+    _check_structure(shards, "")
+    root = Path(dir)
+    final = root / step_dir_name(step)
+    tmp = root / (_TMP + step_dir_name(step))
+    distributed = _distributed(process_group)
+    leader = not distributed or dist.get_rank(process_group) == 0
+
+    if leader:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a save that crashed
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    if distributed:
+        dist.barrier(group=process_group)
+    _write_shards(tmp, shards, process_group, distributed)
+    if leader:
+        _write_meta(tmp, {**meta, "format": FORMAT, "step": step})
+        _publish(root, tmp, final)
+    if distributed:
+        # no rank goes on (and possibly exits) before the checkpoint is complete
+        dist.barrier(group=process_group)
+    return final
+
+
+def _write_shards(tmp: Path, shards: dict, process_group, distributed: bool) -> None:
+    with warnings.catch_warnings():
+        # DCP warns that it assumes a single process when none is initialised: that is intended
+        warnings.simplefilter("ignore")
+        dcp.save(shards, checkpoint_id=str(tmp), process_group=process_group, no_dist=not distributed)
+
+
+def _write_meta(tmp: Path, meta: dict) -> None:
+    """tpc.json goes in last: a step directory with it is complete."""
+    _write_durably(tmp / META_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+def _publish(root: Path, tmp: Path, final: Path) -> None:
+    """Rename the finished directory into place, then point `latest` at it."""
+    old = None
+    if final.exists():  # the same step saved again (a resumed run): keep it until replaced
+        old = root / (_TMP + "old_" + final.name)
+        if old.exists():
+            shutil.rmtree(old)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _write_durably(root / (LATEST + ".tmp"), final.name + "\n")
+    os.replace(root / (LATEST + ".tmp"), root / LATEST)
+    _fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # some file systems cannot open directories; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------ finding
+
+
+def is_complete(step_dir: Path) -> bool:
+    return (step_dir / META_FILE).is_file() and (step_dir / ".metadata").is_file()
+
+
+def latest_checkpoint(dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint under `dir`, or None when there is none.
+
+    `latest` is trusted when it names a complete directory; otherwise (a crash between the two
+    renames of a re-save, a hand-deleted directory) the newest complete step_* directory is."""
+    root = Path(dir)
+    if not root.is_dir():
+        return None
+    pointer = root / LATEST
+    if pointer.is_file():
+        name = pointer.read_text(encoding="utf-8").strip()
+        if name.startswith(_PREFIX) and "/" not in name and is_complete(root / name):
+            return root / name
+    steps = sorted(p for p in root.glob(_PREFIX + "*") if p.is_dir() and is_complete(p))
+    return steps[-1] if steps else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A step directory, given either it or the checkpoint root (then its latest)."""
+    p = Path(path)
+    if not p.exists():
+        raise TpirError(Diagnostic(f"no such checkpoint: {p}",
+                                   hint="give a directory written by `tpc run --checkpoint-dir DIR` "
+                                        "(DIR itself or DIR/step_NNNNNN)"))
+    if p.is_dir() and is_complete(p):
+        return p
+    if p.is_dir() and p.name.startswith(_PREFIX):
+        raise _corrupt(p, f"{META_FILE} or .metadata is missing (the save did not finish)")
+    found = latest_checkpoint(p) if p.is_dir() else None
+    if found is None:
+        raise TpirError(Diagnostic(f"{p}: no complete checkpoint in this directory",
+                                   hint="train with `tpc run --checkpoint-dir DIR --save-every N` first"))
+    return found
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """tpc.json of a checkpoint (root or step directory)."""
+    step_dir = resolve_checkpoint(path)
+    try:
+        meta = json.loads((step_dir / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise _corrupt(step_dir, f"{META_FILE} is unreadable ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("step"), int):
+        raise _corrupt(step_dir, f"{META_FILE} is not a tpc checkpoint description of format {FORMAT}")
+    return meta
+
+
+def stored_entries(path: str | os.PathLike) -> dict[str, Any]:
+    """Flat key -> DCP storage metadata (TensorStorageMetadata has .size and .properties.dtype)."""
+    step_dir = resolve_checkpoint(path)
+    try:
+        return dict(dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
+    except Exception as e:  # DCP raises assorted errors for a damaged .metadata
+        raise _corrupt(step_dir, f"the DCP metadata is unreadable ({type(e).__name__}: {e})") from None
+
+
+# ------------------------------------------------------------------------------ loading
+
+
+def load_checkpoint(path: str | os.PathLike, shards_template: dict[str, Any], *, expect: Mapping | None = None,
+                    process_group=None) -> dict[str, Any]:
+    """Load into `shards_template` in place and return it.
+
+    Tensors in the template receive the stored values (shapes and dtypes must match); plain
+    values are replaced. Keys stored but not in the template are ignored, so each rank loads
+    only its own shard. `expect` holds tpc.json entries that must match (e.g. the plan hash and
+    the mesh): a checkpoint of another plan is refused before anything is read.
+    """
+    step_dir = resolve_checkpoint(path)
+    meta = read_meta(step_dir)
+    if expect:
+        check_meta(meta, expect, step_dir)
+    _check_structure(shards_template, "")
+    _check_against_stored(step_dir, _flatten(shards_template), stored_entries(step_dir))
+    distributed = _distributed(process_group)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(shards_template, checkpoint_id=str(step_dir), process_group=process_group,
+                     no_dist=not distributed)
+    except Exception as e:  # data files damaged or missing although the metadata is fine
+        raise _corrupt(step_dir, f"reading the shards failed ({type(e).__name__}: {_first_line(e)})") from None
+    return shards_template
+
+
+def check_meta(meta: Mapping, expect: Mapping, where: Path) -> None:
+    diffs = [f"{k}: checkpoint has {meta.get(k)!r}, this run {v!r}" for k, v in expect.items() if meta.get(k) != v]
+    if diffs:
+        raise TpirError(Diagnostic(
+            f"{where}: the checkpoint was written by another plan or mesh ({'; '.join(diffs)})",
+            hint="resume with the plan that wrote it, or start fresh with another --checkpoint-dir"))
+
+
+def _check_against_stored(step_dir: Path, flat: dict[str, Any], stored: dict[str, Any]) -> None:
+    problems = []
+    for key, value in flat.items():
+        entry = stored.get(key)
+        if entry is None:
+            problems.append(f"{key} is not in the checkpoint")
+        elif isinstance(value, torch.Tensor):
+            if not isinstance(entry, TensorStorageMetadata):
+                problems.append(f"{key} is stored as a plain value, expected a tensor")
+            elif tuple(entry.size) != tuple(value.shape) or entry.properties.dtype != value.dtype:
+                problems.append(f"{key} is stored as {entry.properties.dtype} {list(entry.size)}, "
+                                f"expected {value.dtype} {list(value.shape)}")
+        elif not isinstance(entry, BytesStorageMetadata):
+            problems.append(f"{key} is stored as a tensor, expected a plain value")
+    if problems:
+        shown = problems[:5] + ([f"... and {len(problems) - 5} more"] if len(problems) > 5 else [])
+        raise TpirError(Diagnostic(f"{step_dir}: the checkpoint does not match this run: " + "; ".join(shown),
+                                   hint="it was written for another model, plan or mesh; "
+                                        "resume with the same plan, or use another --checkpoint-dir"))
+
+
+# ------------------------------------------------------------------------------ rank shards
+
+
+def rank_shard(named_params: Iterable[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer | None,
+               *, step: int, data: Mapping | None = None) -> dict[str, Any]:
+    """One rank's state: parameters under their original names (a parameter shared by two
+    stages of the rank once), the optimizer state by parameter name, the number of completed
+    steps, RNG states and the data position. The tensors are the live ones: the same dict is the
+    thing to save and, after `init_optimizer_state`, the template to load into."""
+    params = _unique(named_params)
+    shard: dict[str, Any] = {
+        "params": {name: p.detach() for name, p in params},
+        "step": int(step),
+        "rng": rng_state(),
+        "data": dict(data or {}),
+    }
+    if optimizer is not None:
+        shard["optim"] = optimizer_state(optimizer, params)
+    return shard
+
+
+def restore_rng(shard: Mapping) -> None:
+    """Set this process's RNG states from a loaded shard."""
+    rng = shard["rng"]
+    torch.set_rng_state(rng["torch_cpu"])
+    if "torch_cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["torch_cuda"])
+    random.setstate(rng["python"])
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch_cpu": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> dict:
+    """The optimizer's per-parameter state keyed by parameter name (torch's own state_dict keys
+    it by position, which differs between a split and a whole model). Hyperparameters are not
+    saved: they come from the command line, and the rate from `lr_at(step)`."""
+    names = {id(p): n for n, p in named_params}
+    out: dict[str, dict] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in optimizer.state:
+                if id(p) not in names:
+                    raise ValueError("optimizer holds a parameter missing from named_params")
+                out[names[id(p)]] = dict(optimizer.state[p])  # same tensors: loads go into them
+    return out
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (AdamW: step, exp_avg, exp_avg_sq) so a fresh
+    optimizer can be the template of a load: one step with zero gradients and rate 0, which
+    changes no weight. No-op when the state exists or the optimizer keeps none (plain SGD)."""
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if any(p.grad is not None for p in params):
+        raise ValueError("init_optimizer_state needs parameters without gradients")
+    saved = [g["lr"] for g in optimizer.param_groups]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, saved):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _unique(named_params):
+    seen: set[int] = set()
+    out = []
+    for name, p in named_params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
+def _distributed(process_group) -> bool:
+    return process_group is not None or (dist.is_available() and dist.is_initialized())
+
+
+def _check_structure(tree: Any, prefix: str) -> None:
+    """Shards are nested dicts with str keys; DCP stores a list holding tensors differently from
+    a dict, so lists and tuples may hold plain values only. A programming error, not user input."""
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            if not isinstance(k, str):
+                raise TypeError(f"checkpoint keys must be str, got {k!r} under {prefix or 'the root'}")
+            _check_structure(v, f"{prefix}.{k}" if prefix else k)
+    elif isinstance(tree, (list, tuple)) and any(isinstance(v, (torch.Tensor, Mapping)) for v in tree):
+        raise TypeError(f"{prefix}: tensors and dicts inside lists are not supported; use a dict")
+
+
+def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    """Flat keys the way DCP names them: nested dict keys joined with '.'."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def _corrupt(step_dir: Path, what: str) -> TpirError:
+    return TpirError(Diagnostic(f"{step_dir}: corrupt checkpoint: {what}",
+                                hint="resume from an earlier step directory, or delete this one "
+                                     "(`latest` falls back to the newest complete checkpoint)"))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else ""
