@@ -277,3 +277,34 @@ def test_rendered_error_shows_the_line_and_a_caret():
     assert "plan.tpir:25:3: error:" in text
     assert "   25 |   stpe\n      |   ^" in text
     assert "hint: did you mean 'step'?" in text
+
+
+def test_comment_spelling_is_normalised():
+    text = DOCS_EXAMPLE.replace("  step\n", "  step  #tight   \n", 1)
+    plan = parse(text)
+    assert plan.ranks[0].instrs[-1].note == "tight"
+    assert "  step  # tight\n" in print_plan(plan)
+
+
+def test_control_characters_are_errors_not_crashes():
+    for bad in ("\f", "\x00", "\u2028", "\r\r"):  # (one "\r" before "\n" is a CRLF)
+        d = _error(DOCS_EXAMPLE.replace("  step\n", f"  step {bad}\n", 1))
+        assert (d.loc.line, d.loc.col) == (25, 8)
+
+
+# ------------------------------------------------------------------------------- tpc fmt
+
+
+def test_cli_fmt_check_and_rewrite(tmp_path, capsys):
+    from tpc.compiler.cli import main
+
+    good = tmp_path / "good.tpir"
+    good.write_text(DOCS_EXAMPLE)
+    messy = tmp_path / "messy.tpir"
+    messy.write_text(DOCS_EXAMPLE.replace("  load mb 0", "load   mb 0 #x"))
+    assert main(["fmt", "--check", str(good)]) == 0
+    assert main(["fmt", "--check", str(messy)]) == 1
+    assert "not canonical" in capsys.readouterr().out
+    assert main(["fmt", str(messy)]) == 0
+    assert messy.read_text() == DOCS_EXAMPLE.replace("  load mb 0", "  load mb 0  # x")
+    assert main(["fmt", "--check", str(messy)]) == 0
