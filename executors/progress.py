@@ -1,0 +1,168 @@
+"""What a training run shows and records per step: a progress line on rank 0, and a JSONL file.
+
+On a terminal the line is redrawn in place (carriage return), with a bar:
+
+    [########------------]  40/100  loss 2.3141  lr 3.00e-04  51.2k tok/s  0.160 s/step  ETA 0:00:09
+
+Into a file or pipe (a CI log, `| tee`), in-place redraws would be noise, so plain lines are
+written every `every` steps and at the last one:
+
+    step 40/100  loss 2.3141  lr 3.00e-04  51.2k tok/s  0.160 s/step  ETA 0:00:09
+
+The ETA is the remaining steps times the mean time of the last few steps (the first steps of a
+run are slower: allocation, warm caches, so a run-long mean would overestimate).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections import deque
+from typing import IO, Any
+
+_BAR = 20
+_RECENT = 10
+
+
+def format_eta(seconds: float) -> str:
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def format_rate(tokens_per_s: float) -> str:
+    """Tokens per second with a k/M suffix: 51234 -> '51.2k'."""
+    if tokens_per_s >= 1e6:
+        return f"{tokens_per_s / 1e6:.1f}M"
+    if tokens_per_s >= 1e3:
+        return f"{tokens_per_s / 1e3:.1f}k"
+    return f"{tokens_per_s:.0f}"
+
+
+def format_stats(*, loss: float, tokens_per_s: float, step_time: float, eta: float, lr: float | None = None,
+                 grad_norm: float | None = None) -> str:
+    parts = [f"loss {loss:.4f}"]
+    if lr is not None:
+        parts.append(f"lr {lr:.2e}")
+    if grad_norm is not None:
+        parts.append(f"|g| {grad_norm:.3f}")
+    parts += [f"{format_rate(tokens_per_s)} tok/s", f"{step_time:.3f} s/step", f"ETA {format_eta(eta)}"]
+    return "  ".join(parts)
+
+
+def format_bar(done: int, total: int) -> str:
+    filled = _BAR if total <= 0 else min(_BAR, _BAR * done // total)
+    return "[" + "#" * filled + "-" * (_BAR - filled) + "]"
+
+
+class Progress:
+    """`update(...)` after each step. Prints only on rank 0 and when not quiet.
+
+    `step` counts completed steps from 1 and may start above 1 in a resumed run; `total_steps`
+    is the step the run ends at. `every` (plain-line mode) defaults to about 20 lines a run.
+    """
+
+    def __init__(self, total_steps: int, quiet: bool = False, stream: IO[str] | None = None, *, rank: int = 0,
+                 every: int | None = None, tty: bool | None = None):
+        self.total = total_steps
+        self.stream = stream if stream is not None else sys.stdout
+        self.enabled = not quiet and rank == 0
+        self.tty = _isatty(self.stream) if tty is None else tty
+        self.every = every if every is not None else max(1, total_steps // 20)
+        self._recent: deque[float] = deque(maxlen=_RECENT)
+        self._width = 0  # length of the line on screen, to blank out a longer previous one
+
+    def eta(self, step: int) -> float:
+        if not self._recent:
+            return math.nan
+        return (self.total - step) * sum(self._recent) / len(self._recent)
+
+    def update(self, step: int, *, loss: float, tokens: int, step_time: float, lr: float | None = None,
+               grad_norm: float | None = None) -> None:
+        self._recent.append(step_time)
+        if not self.enabled:
+            return
+        stats = format_stats(loss=loss, tokens_per_s=tokens / step_time if step_time > 0 else math.inf,
+                             step_time=step_time, eta=self.eta(step), lr=lr, grad_norm=grad_norm)
+        width = len(str(self.total))
+        if self.tty:
+            line = f"{format_bar(step, self.total)} {step:>{width}}/{self.total}  {stats}"
+            self._draw(line)
+            if step >= self.total:
+                self.close()
+        elif step % self.every == 0 or step >= self.total or step == 1:
+            self.stream.write(f"step {step:>{width}}/{self.total}  {stats}\n")
+            self.stream.flush()
+
+    def message(self, text: str) -> None:
+        """A line of its own (e.g. "saved checkpoint ..."), above the bar on a terminal."""
+        if not self.enabled:
+            return
+        if self.tty and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self._width = 0
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End the in-place line so later output starts on a fresh one."""
+        if self.enabled and self.tty and self._width:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._width = 0
+
+    def _draw(self, line: str) -> None:
+        pad = " " * max(0, self._width - len(line))
+        self.stream.write("\r" + line + pad)
+        self.stream.flush()
+        self._width = len(line)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+class MetricsWriter:
+    """One JSON object per line per step, flushed at once (a crashed run keeps what it logged):
+
+        {"step": 1, "loss": 5.54, "lr": 3e-05, "grad_norm": 1.2, "tokens_per_s": 5120.0, "step_time": 0.2}
+
+    Keys in that order, then any extras in the order given. A non-finite number (a diverged
+    loss) is written as null, since JSON has no NaN. `append=True` continues an existing file
+    (a resumed run); otherwise the file is started afresh.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, append: bool = False):
+        self.path = os.fspath(path)
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        self._f = open(self.path, "a" if append else "w", encoding="utf-8")
+
+    def write(self, step: int, *, loss: float, lr: float, grad_norm: float | None, tokens_per_s: float,
+              step_time: float, **extra: Any) -> None:
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                  "step_time": step_time, **extra}
+        self._f.write(json.dumps({k: _finite(v) for k, v in record.items()}) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _finite(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
