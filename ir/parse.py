@@ -24,7 +24,6 @@ from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import (
     LarkError,
     UnexpectedCharacters,
-    UnexpectedEOF,
     UnexpectedInput,
     UnexpectedToken,
     VisitError,
@@ -581,7 +580,7 @@ def _syntax_diagnostic(e: UnexpectedInput, text: str, file: str) -> Diagnostic:
         else:
             start = pos
             found = repr(text[pos])
-    else:  # the end of the file ($END token, or UnexpectedEOF)
+    else:  # the end of the file ($END token, or lark's UnexpectedEOF)
         expected = set(getattr(e, "accepts", None) or getattr(e, "expected", None) or ())
         start = len(text.rstrip("\n"))
         found = "the end of the file"
