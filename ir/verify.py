@@ -10,7 +10,8 @@ valid plan is. The rules, in the order they are checked:
 
 Header (a broken numbering of stages, micro-batches or rank sections makes every later rule
 meaningless, so those stop verification after the header):
-  H1  `tpir 1`: the format version this module knows.
+  H1  `tpir 1`: the format version this module knows; the model's sha256 is 64 hex digits;
+      the dtype is one of `DTYPES`.
   H2  stages are listed as stage 0, 1, ..., K-1 (K >= 1), each on a pipeline rank 0..pipe-1;
       every pipeline rank holds at least one stage; several stages may share a rank.
   H3  the stages' unit ranges tile [0, units) in stage order: no gap, no overlap, none empty.
@@ -81,6 +82,7 @@ Communication across ranks:
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,7 +90,11 @@ from pathlib import Path
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import FORMAT_VERSION, Instr, Loc, Op, Payload, Plan
 
-__all__ = ["verify", "check", "verify_file"]
+__all__ = ["verify", "check", "verify_file", "DTYPES"]
+
+# parameter dtypes a plan may name (`shape ... dtype D`); the executors map them to torch dtypes
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 
 ACT, GRAD = Payload.ACT, Payload.GRAD
 
@@ -213,12 +219,25 @@ def _check_header(plan: Plan, rep: _Report) -> bool:
     if h.version != FORMAT_VERSION:
         rep.add(h.version_loc, "header (tpir)", (0, 0), f"unknown format version {h.version}",
                 f"this tpc reads `tpir {FORMAT_VERSION}`")
+    _check_model_and_dtype(plan, rep)
     ok &= _check_stages(plan, rep)
     _check_units(plan, rep)
     _check_ties(plan, rep)
     ok &= _check_microbatches(plan, rep)
     ok &= _check_sections(plan, rep)
     return ok
+
+
+def _check_model_and_dtype(plan: Plan, rep: _Report) -> None:
+    h = plan.header
+    if not _SHA256.fullmatch(h.model.sha256):
+        rep.add(h.model.loc, "header (model)", (0, 1),
+                f"\"{h.model.sha256}\" is not a SHA-256 digest",
+                "write the 64 hex digits of the model file's SHA-256 (`sha256sum FILE`); "
+                "`tpc run` compares it with the file")
+    if h.shape.dtype not in DTYPES:
+        rep.add(h.shape.loc, "header (shape)", (0, 2), f"unknown dtype {h.shape.dtype}",
+                "use one of " + ", ".join(DTYPES))
 
 
 def _check_stages(plan: Plan, rep: _Report) -> bool:

@@ -282,6 +282,11 @@ def test_golden_files_verify_clean(path):
 # ------------------------------------------------------------------------------ header rules
 
 
+def test_model_digest_and_dtype():
+    expect(EXAMPLE.replace('sha256 "6b86', 'sha256 "zz86'), (3, "is not a SHA-256 digest"))
+    expect(EXAMPLE.replace("dtype float32", "dtype float31"), (4, "unknown dtype float31"))
+
+
 def test_stage_numbered_out_of_order():
     got = expect(replace(EXAMPLE, 9, 'stage 2 rank 1 units 3:6 "x"'),
                  (9, "stage 2 is listed where stage 1 belongs"))
