@@ -45,23 +45,40 @@ def positions(L: int, granularity: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class SlotTables:
-    """Slice times for every (end position j, length k+1 granules) and micro-batch size.
+    """Slice times for every (end position, length) and micro-batch size, in a ragged layout.
 
-    `times[i, j, k]` is the slot time of the slice [pos[j-k-1], pos[j]) of a micro-batch of
-    `sizes[i]` sequences, inf where the slice would start before 0 or exceeds the cap.
+    Size `sizes[i]` may use slices of 1..widths[i] granules (longer ones exceed the cap).
+    Column r of `times` is the pair (size_idx[r], k_idx[r]) and `times[j, r]` is the slot time
+    of the slice [pos[j-k-1], pos[j]) for k = k_idx[r], inf where it would start before 0 or
+    is slower than the cap. Columns of one size are contiguous, starting at starts[i]: sizes
+    with a big micro-batch reach the cap at short slices, so a ragged table is several times
+    smaller than a rectangular one.
     """
 
     pos: np.ndarray
     sizes: tuple[int, ...]
-    times: np.ndarray  # (len(sizes), n + 1, width)
+    widths: np.ndarray
+    times: np.ndarray  # (n + 1, R)
 
     @property
     def n(self) -> int:
         return len(self.pos) - 1
 
     @property
-    def width(self) -> int:
-        return self.times.shape[2]
+    def starts(self) -> np.ndarray:
+        return np.concatenate(([0], np.cumsum(self.widths)[:-1])).astype(np.int64)
+
+    @property
+    def size_idx(self) -> np.ndarray:
+        return np.repeat(np.arange(len(self.sizes)), self.widths)
+
+    @property
+    def k_idx(self) -> np.ndarray:
+        return np.concatenate([np.arange(w) for w in self.widths])
+
+    def column(self, size_index: int) -> slice:
+        st = int(self.starts[size_index])
+        return slice(st, st + int(self.widths[size_index]))
 
 
 def build_tables(slot_fn, L: int, granularity: int, sizes, t_cap: float = INF) -> SlotTables:
@@ -69,65 +86,67 @@ def build_tables(slot_fn, L: int, granularity: int, sizes, t_cap: float = INF) -
     pos = positions(L, granularity)
     n = len(pos) - 1
     sizes = tuple(int(b) for b in sizes)
-    # widest slice any size may use: slot(l, 0, b) <= t_cap, growing l from one granule
-    lengths = pos[1:]  # slice [0, pos[k+1]) has k+1 granules
-    width = 1
+    lengths = pos[1:]  # the slice [0, pos[k+1]) has k+1 granules
+    widths = np.full(len(sizes), n, dtype=np.int64)
     if np.isfinite(t_cap):
-        for b in sizes:
+        # the widest slice a size may use: slot(l, 0, b) <= t_cap (context only adds time)
+        for i, b in enumerate(sizes):
             t0 = slot_fn(lengths, np.zeros_like(lengths), np.full_like(lengths, b))
             ok = np.nonzero(t0 <= t_cap)[0]
-            if len(ok):
-                width = max(width, int(ok[-1]) + 1)
-    else:
-        width = n
+            widths[i] = int(ok[-1]) + 1 if len(ok) else 1
+    size_idx = np.repeat(np.arange(len(sizes)), widths)
+    k_idx = np.concatenate([np.arange(w) for w in widths])
     j = np.arange(n + 1)[:, None]
-    k = np.arange(width)[None, :]
-    start = j - k - 1
+    start = j - k_idx[None, :] - 1
     valid = start >= 0
-    s_idx = np.where(valid, start, 0)
-    lo = pos[s_idx]
-    hi = pos[j].repeat(width, axis=1)
-    length = np.where(valid, hi - lo, 1)
-    times = np.full((len(sizes), n + 1, width), INF)
-    for i, b in enumerate(sizes):
-        t = slot_fn(length[valid], lo[valid], np.full(int(valid.sum()), b))
-        t = np.where(t <= t_cap, t, INF)
-        times[i][valid] = t
-    return SlotTables(pos=pos, sizes=sizes, times=times)
+    lo = pos[np.where(valid, start, 0)]
+    hi = np.broadcast_to(pos[j], valid.shape)
+    b = np.broadcast_to(np.asarray(sizes)[size_idx][None, :], valid.shape)
+    times = np.full(valid.shape, INF)
+    t = slot_fn(hi[valid] - lo[valid], lo[valid], b[valid])
+    times[valid] = np.where(t <= t_cap, t, INF)
+    return SlotTables(pos=pos, sizes=sizes, widths=widths, times=times)
 
 
-def prefix_dp(tables: SlotTables, thresholds: np.ndarray, with_choice: bool = False):
-    """S[m, i] = least sum of slot times slicing one sequence of micro-batch size sizes[i]
-    with every slice <= thresholds[m]; and, if asked, the argmin length per (m, i, j)."""
-    thr = np.asarray(thresholds, dtype=np.float64)
-    m, nb, n, w = len(thr), len(tables.sizes), tables.n, tables.width
-    S = np.full((m, nb, n + 1), INF)
-    S[:, :, 0] = 0.0
-    choice = np.zeros((m, nb, n + 1), dtype=np.int64) if with_choice else None
-    cap = thr[:, None, None]
+def prefix_dp(tables: SlotTables, thresholds: np.ndarray) -> np.ndarray:
+    """S[m, i] = least sum of slot times slicing one sequence of a micro-batch of sizes[i]
+    with every slice <= thresholds[m] (inf when no slicing fits)."""
+    thr = np.asarray(thresholds, dtype=np.float64)[:, None]
+    m, nb, n = len(thr), len(tables.sizes), tables.n
+    w = int(tables.widths.max())
+    # S_pad[:, i, w + x] = S_i(x); the w leading columns are the (impossible) negative prefixes
+    S_pad = np.full((m, nb, w + n + 1), INF)
+    S_pad[:, :, w] = 0.0
+    size_idx, k_idx, starts = tables.size_idx, tables.k_idx, tables.starts
     for j in range(1, n + 1):
-        k = min(w, j)
-        prev = S[:, :, j - k:j][:, :, ::-1]  # prev[..., kk] = S[j - 1 - kk]
-        t = tables.times[:, j, :k][None]
-        total = prev + np.where(t <= cap, t, INF)
-        if with_choice:
-            best = total.argmin(-1)
-            choice[:, :, j] = best
-            S[:, :, j] = np.take_along_axis(total, best[..., None], -1)[..., 0]
-        else:
-            S[:, :, j] = total.min(-1)
-    return S[:, :, n], choice
+        t = tables.times[j]
+        prev = S_pad[:, size_idx, w + j - 1 - k_idx]  # (m, R)
+        total = prev + np.where(t <= thr, t, INF)
+        S_pad[:, :, w + j] = np.minimum.reduceat(total, starts, axis=1)
+    return S_pad[:, :, w + n]
 
 
-def slicing_from_choice(pos: np.ndarray, choice_row: np.ndarray) -> tuple[tuple[int, int], ...]:
-    """Walk the argmin lengths back from L to 0: the slices in token order."""
+def best_prefix_slicing(tables: SlotTables, size_index: int, threshold: float):
+    """The slices (token order) achieving S[size_index] under `threshold`, and their sum."""
+    n = tables.n
+    col = tables.column(size_index)
+    t_all = tables.times[:, col]
+    t_all = np.where(t_all <= threshold, t_all, INF)
+    S = np.full(n + 1, INF)
+    S[0] = 0.0
+    arg = np.zeros(n + 1, dtype=np.int64)
+    for j in range(1, n + 1):
+        k = min(t_all.shape[1], j)
+        total = S[j - k:j][::-1] + t_all[j, :k]
+        arg[j] = int(total.argmin())
+        S[j] = total[arg[j]]
     out = []
-    j = len(pos) - 1
+    j = n
     while j > 0:
-        i = j - int(choice_row[j]) - 1
-        out.append((int(pos[i]), int(pos[j])))
+        i = j - int(arg[j]) - 1
+        out.append((int(tables.pos[i]), int(tables.pos[j])))
         j = i
-    return tuple(reversed(out))
+    return tuple(reversed(out)), float(S[n])
 
 
 def knapsack(seq_cost: np.ndarray, sizes, batch: int, count: int | None = None):
@@ -186,8 +205,14 @@ class DPResult:
 
 
 def search(tables: SlotTables, K: int, batch: int, count: int | None = None,
-           chunk: int = 16) -> DPResult | None:
-    """Exact minimum of Q(batch; t_max) + (K-1) t_max over the candidate t_max values."""
+           split: int = 8, chunk: int = 64) -> DPResult | None:
+    """Exact minimum of Q(batch; t_max) + (K-1) t_max over the candidate t_max values.
+
+    Branch and bound over index intervals of the sorted candidates: an interval [a, b] whose
+    bound Q(t_b) + (K-1) t_a cannot beat the best total is dropped, one on which Q is constant
+    is settled by its left end, and the rest are cut into `split` parts whose inner points the
+    next round evaluates together (few rounds, wide vectorised DP calls).
+    """
     times = tables.times
     cands = np.unique(times[np.isfinite(times)])
     if len(cands) == 0:
@@ -195,10 +220,10 @@ def search(tables: SlotTables, K: int, batch: int, count: int | None = None,
     memo: dict[int, float] = {}
 
     def evaluate(idxs):
-        todo = sorted({i for i in idxs if i not in memo})
+        todo = sorted({int(i) for i in idxs if int(i) not in memo})
         for s in range(0, len(todo), chunk):
             part = todo[s:s + chunk]
-            seq_cost, _ = prefix_dp(tables, cands[part])
+            seq_cost = prefix_dp(tables, cands[part])
             q, _ = knapsack(seq_cost, tables.sizes, batch, count)
             memo.update(zip(part, q.tolist()))
 
@@ -206,12 +231,13 @@ def search(tables: SlotTables, K: int, batch: int, count: int | None = None,
         return memo[i] + (K - 1) * cands[i]
 
     last = len(cands) - 1
-    evaluate([0, last])
-    best_i = min((0, last), key=total)
+    grid = np.unique(np.linspace(0, last, min(len(cands), 4 * split)).round().astype(int))
+    evaluate(grid)
+    best_i = min(grid.tolist(), key=total)
     best = total(best_i)
-    frontier = [(0, last)]
+    frontier = list(zip(grid[:-1].tolist(), grid[1:].tolist()))
     while frontier:
-        nxt = []
+        keep = []
         for a, b in frontier:
             if memo[b] + (K - 1) * cands[a] >= best:
                 continue  # no threshold in [a, b] can beat the best
@@ -220,26 +246,31 @@ def search(tables: SlotTables, K: int, batch: int, count: int | None = None,
                     if total(i) < best:
                         best, best_i = total(i), i
                 continue
-            nxt.append((a, b))
-        evaluate([(a + b) // 2 for a, b in nxt])
+            keep.append((a, b))
+        cuts = [np.unique(np.linspace(a, b, split + 1).round().astype(int)) for a, b in keep]
+        evaluate([i for c in cuts for i in c[1:-1]])
         frontier = []
-        for a, b in nxt:
-            mid = (a + b) // 2
-            frontier += [(a, mid), (mid, b)]
+        for c in cuts:
+            for a, b in zip(c[:-1].tolist(), c[1:].tolist()):
+                for i in (a, b):
+                    if total(i) < best:
+                        best, best_i = total(i), i
+                frontier.append((a, b))
     if not np.isfinite(best):
         return None
     return _reconstruct(tables, K, batch, count, cands[best_i], len(cands), len(memo))
 
 
 def _reconstruct(tables, K, batch, count, thr, n_cands, n_eval) -> DPResult:
-    seq_cost, choice = prefix_dp(tables, np.array([thr]), with_choice=True)
+    seq_cost = prefix_dp(tables, np.array([thr]))
     _, arg = knapsack(seq_cost, tables.sizes, batch, count)
     picks = knapsack_choice(arg, tables.sizes, batch, count)
     picks.sort(key=lambda i: -tables.sizes[i])
+    per_size = {i: best_prefix_slicing(tables, i, thr) for i in set(picks)}
     mb_sizes = tuple(tables.sizes[i] for i in picks)
-    slices = tuple(slicing_from_choice(tables.pos, choice[0, i]) for i in picks)
-    t_sum = float(seq_cost[0, picks].sum())
-    t_max = max(_slice_time(tables, i, sl) for i, sls in zip(picks, slices) for sl in sls)
+    slices = tuple(per_size[i][0] for i in picks)
+    t_sum = float(sum(per_size[i][1] for i in picks))
+    t_max = max(_slice_time(tables, i, sl) for i in set(picks) for sl in per_size[i][0])
     return DPResult(mb_sizes=mb_sizes, slices=slices, total=t_sum + (K - 1) * t_max,
                     t_max=t_max, candidates=n_cands, evaluated=n_eval)
 
@@ -247,4 +278,4 @@ def _reconstruct(tables, K, batch, count, thr, n_cands, n_eval) -> DPResult:
 def _slice_time(tables: SlotTables, size_index: int, sl: tuple[int, int]) -> float:
     i = int(np.searchsorted(tables.pos, sl[0]))
     j = int(np.searchsorted(tables.pos, sl[1]))
-    return float(tables.times[size_index, j, j - i - 1])
+    return float(tables.times[j, tables.column(size_index)][j - i - 1])

@@ -82,9 +82,10 @@ def batch_only(cost: CostModel, K: int, L: int, batch: int, microbatches: int | 
     sizes = tuple(range(1, (max_mb_size or batch) + 1))
     t = slot_times(cost, np.full(len(sizes), L), np.zeros(len(sizes)), np.array(sizes))
     pos = np.array([0, L])
-    times = np.full((len(sizes), 2, 1), np.inf)
-    times[:, 1, 0] = t
-    tables = dp.SlotTables(pos=pos, sizes=sizes, times=times)
+    times = np.full((2, len(sizes)), np.inf)
+    times[1] = t
+    tables = dp.SlotTables(pos=pos, sizes=sizes, widths=np.ones(len(sizes), dtype=np.int64),
+                           times=times)
     res = dp.search(tables, K, batch, microbatches)
     if res is None:
         raise TpirError(Diagnostic(
@@ -141,7 +142,7 @@ def optimise(cost: CostModel, K: int, L: int, batch: int, microbatches: int | No
         best = dp.search(tables, K, batch, microbatches) or base
         if best.total > base.total:  # cannot happen with exact search; keep the better
             best = base
-        notes.append(f"slices up to {tables.width * granularity} tokens priced "
+        notes.append(f"slices up to {int(tables.widths.max()) * granularity} tokens priced "
                      f"(cap {cap * 1e3:.3f} ms per slot from a known total of {bound:.4f} s)")
     return Choice(mb_sizes=best.mb_sizes, slices=best.slices, predicted_time=best.total + sync,
                   unsliced_time=base.total + sync, t_max=best.t_max, candidates=best.candidates,

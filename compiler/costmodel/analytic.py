@@ -169,6 +169,14 @@ class AnalyticCostModel:
         ef, eb = self._edge_times(stage, l, c, mb)
         return n * lf + ef, n * lb + eb
 
+    def distinct_stages(self) -> tuple[int, ...]:
+        """One stage per distinct (layer count, first, last): the others cost the same."""
+        seen = {}
+        last = self.num_stages - 1
+        for st, n in enumerate(self.stage_layers):
+            seen.setdefault((n, st == 0, st == last), st)
+        return tuple(sorted(seen.values()))
+
     def slice_time(self, stage: int, l: int, c: int, mb_size: int) -> tuple[float, float]:
         f, b = self.slice_times(stage, l, c, mb_size)
         return float(f), float(b)

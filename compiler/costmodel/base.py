@@ -67,7 +67,7 @@ def slot_times(cost: CostModel, l, c, mb) -> np.ndarray:
     l = np.asarray(l)
     mb = np.asarray(mb)
     worst = None
-    for s in range(cost.num_stages):
+    for s in representative_stages(cost):
         f, b = slice_times_of(cost, s, l, c, mb)
         t = f + b
         worst = t if worst is None else np.maximum(worst, t)
@@ -75,6 +75,13 @@ def slot_times(cost: CostModel, l, c, mb) -> np.ndarray:
         nbytes = _activation_bytes_of(cost, l, mb)
         worst = worst + 2 * _p2p_times_of(cost, nbytes)
     return worst
+
+
+def representative_stages(cost: CostModel) -> tuple[int, ...]:
+    """Stages whose costs cover all others: a model may say which are alike (`distinct_stages`),
+    so the bottleneck over 96 identical stages is priced once, not 96 times."""
+    fn = getattr(cost, "distinct_stages", None)
+    return tuple(fn()) if fn is not None else tuple(range(cost.num_stages))
 
 
 def _activation_bytes_of(cost: CostModel, l, mb) -> np.ndarray:
