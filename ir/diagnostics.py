@@ -55,9 +55,10 @@ def _source_line(loc: Loc, source: str | None) -> str | None:
                 source = f.read()
         except OSError:
             return None
-    lines = source.splitlines()
+    # count lines as the lexer does: at "\n" only (str.splitlines also breaks at \x0c, \u2028, ...)
+    lines = source.split("\n")
     if 1 <= loc.line <= len(lines):
-        return lines[loc.line - 1]
+        return lines[loc.line - 1].rstrip("\r")
     return None
 
 

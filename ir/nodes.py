@@ -327,5 +327,13 @@ class Plan:
 
 
 def quote(text: str) -> str:
-    """A string literal as the printer writes it (double quotes, backslash escapes)."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """A string literal as the printer writes it: double quotes; backslash escapes for
+    backslash, double quote, newline, carriage return and tab (one line, always)."""
+    escaped = (
+        text.replace("\\", "\\\\")
+        .replace('"', '\\"')
+        .replace("\n", "\\n")
+        .replace("\r", "\\r")
+        .replace("\t", "\\t")
+    )
+    return '"' + escaped + '"'
