@@ -38,6 +38,11 @@ def import_model_file(path: str):
     module = importlib.util.module_from_spec(spec)
     # dataclasses and pickling look the module up by name while it executes
     sys.modules[name] = module
+    # a model file may import helpers that sit beside it
+    folder = os.path.dirname(os.path.abspath(path))
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
     try:
         spec.loader.exec_module(module)
     except SyntaxError as e:
@@ -50,6 +55,9 @@ def import_model_file(path: str):
         loc = loc_from_traceback(e.__traceback__, path) or Loc(path, 1, 1)
         raise TpirError(Diagnostic(f"importing the model file raised {type(e).__name__}: {e}", loc=loc,
                                    hint="the file must import cleanly; fix the error at this line")) from None
+    finally:
+        if added and folder in sys.path:
+            sys.path.remove(folder)
     return module
 
 

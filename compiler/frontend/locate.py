@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sysconfig
 import traceback
 from types import TracebackType
 
@@ -38,11 +39,31 @@ def loc_at(file: str, line: int) -> Loc:
     return Loc(file, line, col)
 
 
+_LIBRARY_DIRS = tuple(
+    os.path.abspath(p) + os.sep
+    for p in {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+) + tuple(
+    # tpc's own installed folders (compiler/, ir/, executors/), not the folders beside them
+    os.path.abspath(os.path.join(os.path.dirname(__file__), *rel)) + os.sep
+    for rel in ((os.pardir,), (os.pardir, os.pardir, "ir"), (os.pardir, os.pardir, "executors"))
+)
+
+
+def _is_user_file(path: str) -> bool:
+    """Not torch, not the standard library, not tpc itself: code the user wrote."""
+    p = os.path.abspath(path)
+    return not p.startswith(_LIBRARY_DIRS) and not p.startswith("<")
+
+
 def loc_from_stack_trace(stack_trace: str | None, model_file: str | None) -> Loc | None:
-    """The innermost frame of an fx node's stack trace that lies in the model file."""
+    """The innermost user frame of an fx node's stack trace (the model file, or a helper module
+    it imports), so the caret lands on the line that built the offending value."""
     if not stack_trace:
         return None
     frames = [(m["file"], int(m["line"])) for m in _FRAME.finditer(stack_trace)]
+    user = [f for f in frames if _is_user_file(f[0])]
+    if user:
+        return loc_at(*user[-1])
     if model_file:
         mine = [f for f in frames if _same_file(f[0], model_file)]
         if mine:

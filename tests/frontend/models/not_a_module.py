@@ -1,0 +1,2 @@
+def model():
+    return {"not": "a module"}

@@ -1,0 +1,5 @@
+import torch.nn as nn
+
+
+def model():
+    return nn.Linear(4, 4
