@@ -790,3 +790,149 @@ def test_single_line_mutations_give_located_diagnostics_or_verify_clean(kind, a,
         assert d.loc is not None and d.loc.file == FILE, d
         assert 1 <= d.loc.line <= max(len(lines), 1), d
         assert d.message and d.hint, d
+
+
+# ------------------------------------------------------- an independent oracle: execution
+
+
+def runs_cleanly(plan: Plan) -> bool:
+    """Execute a plan's streams on abstract state, the way an executor would, and say whether
+    every instruction finds what it needs: the KV cache alive, its input and output gradient
+    present, the message it receives at the head of its FIFO channel, and parameters not yet
+    reduced or stepped. Written as state, not as the verifier's rules, so that the two views
+    of the format can be compared. For plans whose instruction multiset is complete."""
+    h = plan.header
+    k = h.num_stages
+    rank_of = [st.rank for st in h.stages]
+    tie_ranks = {t.name: {rank_of[s] for s in t.stages} for t in h.ties}
+    # (rank, stage) -> the ties across ranks that stage's weight gradient feeds
+    ties_of = {}
+    for t in h.ties:
+        if len(tie_ranks[t.name]) > 1:
+            for s in t.stages:
+                ties_of.setdefault((rank_of[s], s), []).append(t.name)
+    done: set = set()  # ("f"|"r"|"b"|"bi"|"bw", s, m, i)
+    have: set = set()  # ("act"|"grad", s, m, i): the input / output gradient of (s, m, i) is here
+    loaded, freed, reduced, stepped, tie_done = set(), set(), set(), set(), set()
+    arrived: dict = {}
+    chan: dict = {}  # (src, dst) -> list of messages in flight
+    ptr = [0] * len(plan.ranks)
+    nslices = [len(mb.slices) for mb in h.microbatches]
+
+    def weights_open(r, s):
+        return s not in reduced and r not in stepped and not any(
+            (r, t) in tie_done for t in ties_of.get((r, s), ()))
+
+    def step_once(r) -> str:
+        """'ok' (ran), 'wait' (blocked), or 'bad' (a precondition does not hold)."""
+        ins = plan.ranks[r].instrs[ptr[r]]
+        op, s, m, i = ins.op, ins.stage, ins.mb, ins.slice
+        if s is not None and m is not None and (s, m) in freed:
+            return "bad"
+        if op is Op.LOAD:
+            loaded.add((r, m))
+        elif op is Op.FORWARD:
+            if r in stepped or (i and ("f", s, m, i - 1) not in done):
+                return "bad"
+            if (s == 0 or s == k - 1) and (r, m) not in loaded:
+                return "bad"
+            if s > 0 and ("act", s, m, i) not in have:
+                return "bad"
+            done.add(("f", s, m, i))
+            if s + 1 < k and rank_of[s + 1] == r:
+                have.add(("act", s + 1, m, i))
+        elif op is Op.RECOMPUTE:
+            if ("f", s, m, i) not in done or r in stepped:
+                return "bad"
+            done.add(("r", s, m, i))
+        elif op in (Op.BACKWARD, Op.BACKWARD_INPUT):
+            fwd = next(x for x in plan.ranks[r].instrs if x.op is Op.FORWARD and x.key == (s, m, i))
+            if ("f", s, m, i) not in done or (fwd.checkpoint and ("r", s, m, i) not in done):
+                return "bad"
+            if i + 1 < nslices[m] and ("b", s, m, i + 1) not in done:
+                return "bad"
+            if s < k - 1 and ("grad", s, m, i) not in have:
+                return "bad"
+            if op is Op.BACKWARD and not weights_open(r, s) or r in stepped:
+                return "bad"
+            done.add(("b", s, m, i))
+            if s > 0 and rank_of[s - 1] == r:
+                have.add(("grad", s - 1, m, i))
+        elif op is Op.BACKWARD_WEIGHT:
+            if ("b", s, m, i) not in done or not weights_open(r, s):
+                return "bad"
+        elif op is Op.SEND:
+            if ins.payload is Payload.ACT:
+                if ("f", s, m, i) not in done:
+                    return "bad"
+                msg = ("act", s + 1, m, i)
+            else:
+                if ("b", s, m, i) not in done:
+                    return "bad"
+                msg = ("grad", s - 1, m, i)
+            chan.setdefault((r, ins.peer), []).append(msg)
+        elif op is Op.RECV:
+            queue = chan.get((ins.peer, r), [])
+            if not queue:
+                return "wait"
+            if queue[0] != (ins.payload.value, s, m, i):
+                return "bad"  # the message at the head is another one: channels are FIFO
+            have.add(queue.pop(0))
+        elif op is Op.FREE_KV:
+            freed.add((s, m))
+        elif op is Op.ALLREDUCE:
+            if r in stepped:
+                return "bad"
+            reduced.add(s)
+        elif op is Op.REDUCE_TIED:
+            if r in stepped:
+                return "bad"
+            arrived.setdefault(ins.tie, set()).add(r)
+            if arrived[ins.tie] != tie_ranks[ins.tie]:
+                return "wait"
+            tie_done.add((r, ins.tie))
+        elif op is Op.STEP:
+            stepped.add(r)
+        return "ok"
+
+    progress = True
+    while progress:
+        progress = False
+        for r, rp in enumerate(plan.ranks):
+            while ptr[r] < len(rp.instrs):
+                outcome = step_once(r)
+                if outcome == "bad":
+                    return False
+                if outcome == "wait":
+                    break
+                ptr[r] += 1
+                progress = True
+    return all(ptr[r] == len(rp.instrs) for r, rp in enumerate(plan.ranks))
+
+
+ORACLE_BASES = [
+    build_plan(placement=(0, 1, 0), mbs=2, slices=((0, 3), (3, 8)), split=True, ties=(("emb", (0, 1)),)),
+    build_plan(placement=(0, 1), mbs=2, slices=((0, 2), (2, 5), (5, 8)), checkpoint=True, data=2),
+]
+
+
+@pytest.mark.parametrize("plan", ORACLE_BASES, ids=["interleaved-split-tied", "checkpoint-dp2"])
+def test_oracle_accepts_the_valid_base_plans(plan):
+    assert verify(plan) == [] and runs_cleanly(plan)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(base=st.sampled_from(range(len(ORACLE_BASES))), data=st.data())
+def test_verifier_agrees_with_execution_on_reordered_plans(base, data):
+    """Move a few instructions a short way within their rank: the verifier finds no error
+    exactly when the plan executes cleanly."""
+    plan = ORACLE_BASES[base]
+    streams = [list(rp.instrs) for rp in plan.ranks]
+    for _ in range(data.draw(st.integers(1, 3))):
+        r = data.draw(st.integers(0, len(streams) - 1))
+        src = data.draw(st.integers(0, len(streams[r]) - 1))
+        dst = min(len(streams[r]) - 1, max(0, src + data.draw(st.integers(-4, 4))))
+        streams[r].insert(dst, streams[r].pop(src))
+    moved = dataclasses.replace(plan, ranks=tuple(
+        dataclasses.replace(rp, instrs=tuple(s)) for rp, s in zip(plan.ranks, streams)))
+    assert (verify(moved) == []) == runs_cleanly(moved)
