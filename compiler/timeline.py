@@ -266,6 +266,11 @@ def _title(result) -> str:
             f"{slices_summary(h)}\niteration {when}, bubble {result.bubble:.1%}")
 
 
+def box_label(instr) -> str:
+    """'mb.slice' inside a box; a checkpointed forward is marked '*' as `tpc show` marks it."""
+    return f"{instr.mb}.{instr.slice}" + ("*" if instr.checkpoint else "")
+
+
 def _label_size(result, px_per_unit: float) -> float:
     """One font size for every 'mb.slice' label, 0 for none: labels on some boxes only would
     read as a pattern that is not there."""
@@ -273,7 +278,7 @@ def _label_size(result, px_per_unit: float) -> float:
     if not boxes:
         return 0
     narrowest = min(e.work for e in boxes) * px_per_unit
-    longest = max(len(f"{e.instr.mb}.{e.instr.slice}") for e in boxes)
+    longest = max(len(box_label(e.instr)) for e in boxes)
     for size, px_per_char in ((8, 7.5), (6, 5.5)):
         if narrowest >= px_per_char * longest:
             return size
@@ -312,13 +317,13 @@ def write_gantt(result, path: str, width_in: float = 12.0) -> None:
                        edgecolor="white", linewidth=0.6,
                        hatch="//" if e.instr.op is Op.RECOMPUTE else None)
         if e.instr.slice is not None and fontsize:
-            ax.text(x + dur / 2, y, f"{e.instr.mb}.{e.instr.slice}", ha="center", va="center",
-                    fontsize=fontsize, color="white")
+            ax.text(x + dur / 2, y, box_label(e.instr), ha="center", va="center",
+                    fontsize=fontsize, color="black" if e.instr.op is Op.RECOMPUTE else "white")
     ax.set_yticks(range(P))
     ax.set_yticklabels([f"rank {P - 1 - y}" for y in range(P)])
     ax.set_ylim(-0.6, P - 0.4)
     ax.set_xlim(0, T)
-    ax.set_xlabel(xlabel + ("   (labels: micro-batch.slice)" if fontsize else ""))
+    ax.set_xlabel(xlabel + ("   (labels: micro-batch.slice, * checkpointed)" if fontsize else ""))
     ax.set_title(_title(result), fontsize=10)
     ax.spines[["top", "right", "left"]].set_visible(False)
     ax.tick_params(axis="y", length=0)
