@@ -221,10 +221,10 @@ class RankEngine:
         """Run the instruction at the program counter and advance; `Blocked` leaves it there."""
         index = self.pc
         instr = self.instrs[index]
-        if self.options.before_instr is not None:
-            self.options.before_instr(self, index)
         start = time.perf_counter()
         try:
+            if self.options.before_instr is not None:
+                self.options.before_instr(self, index)
             self._dispatch[instr.op](instr)
         except Blocked:
             raise
@@ -262,7 +262,7 @@ class RankEngine:
         return f"rank {self.rank_name}, {pos}: {instr}"
 
     def locate(self, index: int, cause: str, hint: str = "") -> TpirError:
-        step = f" (step {self.step})" if self.step > 0 else ""
+        step = f" (step {self.step})" if self.step >= 0 else ""
         err = TpirError(Diagnostic(
             f"{self.where(index)}: {cause}{step}", loc=self.instrs[index].loc, where=self.plan.source,
             hint=hint or "run `tpc verify` on the plan; with --debug the Python traceback is shown"))

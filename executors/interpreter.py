@@ -51,6 +51,8 @@ class RunResult:
     peak_live: list[int]
     state_dict: dict[str, torch.Tensor]
     events: list[TraceEvent] = field(default_factory=list)
+    # the first step's gradients (the step where the weights are still the initial ones)
+    first_grads: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class _Hub:
@@ -245,6 +247,8 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
         run_cooperatively(engines)
         loss = sum(e.end_step() for e in engines)
         losses.append(loss)
+        if step == 0:
+            first_grads = _gather(engines, lambda e: e.grads.items())
         if on_step is not None:
             on_step(step, loss)
     return RunResult(
@@ -253,6 +257,7 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
         peak_live=[max(e.peak_live for e in engines if e.pipe_rank == p) for p in range(header.mesh.pipe)],
         state_dict=_state_dict(model, engines),
         events=[ev for e in engines for ev in e.events],
+        first_grads=first_grads,
     )
 
 

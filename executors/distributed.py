@@ -1,0 +1,471 @@
+"""The distributed executor: one process per rank under torchrun (gloo on CPU, NCCL on CUDA).
+
+Every process reads the plan and the model file itself and refuses to start, before any
+communication, when the world does not match the plan's mesh or the model file is not the one
+the plan was compiled from (all ranks see the same files, so all refuse alike).
+
+Communication follows the plan's semantics with torch.distributed:
+
+- point-to-point: receives are posted early (`irecv` into a buffer of the shape the plan implies,
+  for every `recv` up to the compute after the next one) and waited on just before the
+  instruction that needs them; sends are `isend`s whose work handles are kept and waited on before
+  `step` at the latest. Messages between two ranks in one direction are received in the order
+  they were sent (the verifier checks it); on gloo the n-th message of a channel also carries tag
+  n, so a mismatch could never be matched silently;
+- `allreduce stage S`: one flat buffer per stage (not one call per parameter) summed over the
+  data-parallel group of this pipeline rank;
+- `reduce-tied NAME`: the tied gradient summed over the ranks of this replica that hold the tie.
+
+Process groups: one data-parallel group per pipeline rank, one tie group per (tie, replica),
+created on every rank in the same order (torch requires it).
+
+Faults: a rank whose instruction fails prints its located error and leaves with status 1 at
+once (os._exit: no teardown that could wait for peers). A rank waiting for a peer gives up after
+--timeout seconds, or as soon as gloo reports the peer's connection closed, and says which rank,
+step and instruction it was blocked on; a watchdog thread backs this up for any wait that does
+not honour the timeout. So no run hangs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from tpc.executors.engine import DTYPES, EngineOptions, Key, RankEngine, _key_str, stage_factory_from_model
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import COMPUTE_OPS, Op, Plan
+
+
+# ------------------------------------------------------------------------- before anything
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+    local_rank: int
+
+    @staticmethod
+    def from_env() -> "World":
+        """The process's place as torchrun describes it (RANK, WORLD_SIZE, LOCAL_RANK)."""
+        try:
+            return World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                         int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+        except (KeyError, ValueError) as e:
+            raise TpirError(Diagnostic(
+                f"the torchrun environment is incomplete or malformed ({e})",
+                hint="start with `torchrun --nproc-per-node N --no-python tpc run PLAN`, or run "
+                     "`tpc run --interpret PLAN` in one process")) from None
+
+
+def check_world(plan: Plan, world: World) -> None:
+    """Refuse a world that does not match the plan's mesh."""
+    mesh = plan.header.mesh
+    if world.size != mesh.pipe * mesh.data:
+        raise TpirError(Diagnostic(
+            f"the plan needs {mesh.pipe * mesh.data} processes (mesh pipe {mesh.pipe} data "
+            f"{mesh.data}), but torchrun started {world.size}",
+            loc=plan.header.mesh.loc, where=plan.source,
+            hint=f"run `torchrun --nproc-per-node {mesh.pipe * mesh.data} ...`, or compile a plan "
+                 f"for {world.size} ranks"))
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_model_file(plan: Plan) -> None:
+    """Refuse a model file that is missing or differs from the one the plan was compiled from."""
+    line = plan.header.model
+    path = Path(line.path)
+    if not path.is_file():
+        raise TpirError(Diagnostic(
+            f"the plan's model file {line.path!r} does not exist", loc=line.loc, where=plan.source,
+            hint="run from the directory the plan was compiled in, or fix the path on the model line"))
+    actual = file_sha256(path)
+    if actual != line.sha256:
+        raise TpirError(Diagnostic(
+            f"the model file {line.path!r} has changed since the plan was compiled "
+            f"(sha256 {actual[:12]}..., the plan says {line.sha256[:12]}...)",
+            loc=line.loc, where=plan.source,
+            hint=f"recompile: `tpc compile {line.path} -o PLAN ...`, or restore the file the plan was made from"))
+
+
+def choose_device(name: str, world: World) -> torch.device:
+    """cpu, or cuda:LOCAL_RANK ('auto': CUDA when present)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise TpirError(Diagnostic("--device cuda, but CUDA is not available", where="--device",
+                                       hint="use --device cpu (gloo), or run on a machine with GPUs"))
+        return torch.device("cuda", world.local_rank)
+    raise TpirError(Diagnostic(f"unknown device {name!r}", where="--device", hint="use cpu, cuda or auto"))
+
+
+# ------------------------------------------------------------------------------ the groups
+
+
+@dataclass
+class Groups:
+    """This rank's process groups (None where a group would have one member)."""
+
+    dp: object | None
+    ties: dict[str, object | None] = field(default_factory=dict)
+
+
+def make_groups(plan: Plan, world: World, timeout: float) -> Groups:
+    """Every group, created by every rank in the same order; this rank keeps its own."""
+    h = plan.header
+    pipe, data = h.mesh.pipe, h.mesh.data
+    me_p, me_d = world.rank % pipe, world.rank // pipe
+    groups = Groups(dp=None)
+    t = timedelta(seconds=timeout)
+    if data > 1:
+        for p in range(pipe):
+            g = dist.new_group([d * pipe + p for d in range(data)], timeout=t)
+            if p == me_p:
+                groups.dp = g
+    for tie in h.ties:
+        ranks = sorted({h.stage_rank(s) for s in tie.stages})
+        for d in range(data):
+            members = [d * pipe + r for r in ranks]
+            g = dist.new_group(members, timeout=t) if len(members) > 1 else None
+            if d == me_d and me_p in ranks:
+                groups.ties[tie.name] = g
+    return groups
+
+
+# --------------------------------------------------------------------------- the transport
+
+
+class DistTransport:
+    """Point-to-point and collectives over torch.distributed for one rank's engine."""
+
+    LOOKAHEAD_COMPUTES = 2  # receives are posted up to the compute after the next one
+
+    def __init__(self, plan: Plan, world: World, groups: Groups, *, device: torch.device,
+                 hidden_size: int, dtype: torch.dtype, timeout: float, tags: bool):
+        self.plan, self.header = plan, plan.header
+        self.pipe = plan.header.mesh.pipe
+        self.pipe_rank, self.data_rank = world.rank % self.pipe, world.rank // self.pipe
+        self.instrs = plan.program(self.pipe_rank).instrs
+        self.groups, self.device, self.timeout = groups, device, timeout
+        self.hidden_size, self.dtype, self.tags = hidden_size, dtype, tags
+        self.posted: dict[int, tuple[object, torch.Tensor]] = {}
+        self.next_post = 0
+        self.sends: list[tuple[object, torch.Tensor, str]] = []
+        self.sent: dict[int, int] = {}  # messages sent per destination (the tag of the next)
+        self.received: dict[int, int] = {}  # receives posted per source
+        self.waiting: tuple[str, float] | None = None  # what this rank waits for, since when
+
+    def _global(self, pipe_rank: int) -> int:
+        return self.data_rank * self.pipe + pipe_rank
+
+    def start_step(self) -> None:
+        self.posted.clear()
+        self.next_post = 0
+
+    # ---------------------------------------------------------------------- receives
+
+    def ahead(self, index: int) -> None:
+        """About to run instruction `index`: post every receive up to the compute after the
+        next one, in program order (so each channel's receives are posted in order)."""
+        computes, j = 0, max(self.next_post, index)
+        # count the computes between index and where posting stopped last time
+        for k in range(index, j):
+            computes += self.instrs[k].op in COMPUTE_OPS
+        while j < len(self.instrs) and computes < self.LOOKAHEAD_COMPUTES:
+            ins = self.instrs[j]
+            if ins.op is Op.RECV:
+                self._post(j)
+            elif ins.op in COMPUTE_OPS:
+                computes += 1
+            elif ins.op in (Op.ALLREDUCE, Op.REDUCE_TIED, Op.STEP):
+                break  # nothing is received past a collective until it is reached
+            j += 1
+        self.next_post = max(self.next_post, j)
+
+    def _post(self, index: int) -> None:
+        ins = self.instrs[index]
+        m, i = ins.mb, ins.slice
+        lo, hi = self.header.microbatches[m].slices[i]
+        buf = torch.empty((self.header.microbatches[m].size, hi - lo, self.hidden_size),
+                          dtype=self.dtype, device=self.device)
+        src = self._global(ins.peer)
+        tag = self.received.get(src, 0)
+        self.received[src] = tag + 1
+        work = dist.irecv(buf, src=src, tag=tag if self.tags else 0)
+        self.posted[index] = (work, buf)
+
+    def recv(self, key: Key, src: int, shape, dtype, index: int) -> torch.Tensor:
+        if index not in self.posted:
+            self.ahead(index)
+        work, buf = self.posted.pop(index)
+        self._wait(work, f"the message {_key_str(key)} from rank {self._global(src)}")
+        return buf
+
+    # ------------------------------------------------------------------------- sends
+
+    def send(self, key: Key, tensor: torch.Tensor, dst: int, index: int) -> None:
+        dst_g = self._global(dst)
+        tag = self.sent.get(dst_g, 0)
+        self.sent[dst_g] = tag + 1
+        work = dist.isend(tensor, dst=dst_g, tag=tag if self.tags else 0)
+        self.sends.append((work, tensor, f"the send of {_key_str(key)} to rank {dst_g}"))
+        # drop finished sends now and then, so their buffers are freed during the step
+        if len(self.sends) > 16:
+            self.sends = [s for s in self.sends if not s[0].is_completed()]
+
+    def flush(self) -> None:
+        """Wait for every send of this rank (before `step` and at the end of the stream)."""
+        sends, self.sends = self.sends, []
+        for work, _tensor, what in sends:
+            self._wait(work, what)
+
+    # ------------------------------------------------------------------------ collectives
+
+    def allreduce(self, stage: int, tensors: list[torch.Tensor]) -> None:
+        if self.groups.dp is None or not tensors:
+            return
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        work = dist.all_reduce(flat, group=self.groups.dp, async_op=True)
+        self._wait(work, f"the gradients of stage {stage} from the other data-parallel replicas")
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+    def reduce_tied(self, name: str, tensor: torch.Tensor) -> None:
+        group = self.groups.ties.get(name)
+        if group is None:
+            return
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        self._wait(work, f"the gradient of tie {name!r} from the other ranks holding it")
+
+    # ---------------------------------------------------------------------------- waits
+
+    def _wait(self, work, what: str) -> None:
+        self.waiting = (what, time.monotonic())
+        try:
+            work.wait(timeout=timedelta(seconds=self.timeout))
+        except Exception as e:  # noqa: BLE001 - a failed peer surfaces as whatever the backend raises
+            cause = backend_cause(e)
+            raise TpirError(Diagnostic(
+                f"gave up waiting for {what}: {cause}",
+                hint="that rank failed or is stuck: see its own error above; if it is merely "
+                     "slow, raise --timeout")) from None
+        finally:
+            self.waiting = None
+
+
+def backend_cause(e: Exception) -> str:
+    """The useful words of a backend error: gloo's "[.../pair.cc:537] Read error [addr]:port:
+    Connection reset by peer. This is typically caused by..." becomes "Connection reset by peer"."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # the source position of the backend
+    text = text.split(". This is typically")[0]
+    if text.startswith("Read error") or text.startswith("Write error"):
+        text = text.split(": ", 1)[-1] if ": " in text else text
+    return text
+
+
+# ------------------------------------------------------------------------------ the watchdog
+
+
+class Watchdog(threading.Thread):
+    """Ends the process when its rank has waited on one message or collective far longer than
+    --timeout: the backstop for a wait the backend does not time out itself."""
+
+    def __init__(self, engine: RankEngine, transport: DistTransport, timeout: float):
+        super().__init__(daemon=True, name="tpc-watchdog")
+        self.engine, self.transport = engine, transport
+        self.limit = timeout * 1.5 + 5.0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(min(1.0, self.limit / 10)):
+            waiting = self.transport.waiting
+            if waiting is not None and time.monotonic() - waiting[1] > self.limit:
+                e = self.engine
+                where = e.where(e.pc) if not e.done else f"rank {e.rank_name}, end of the stream"
+                fail(f"{where} (step {e.step}): no progress for {self.limit:.0f} s waiting for {waiting[0]}",
+                     hint="a peer failed or is stuck: see its own error; if it is merely slow, raise --timeout")
+
+
+def fail(message: str | TpirError, hint: str = "") -> None:
+    """Print the error and leave at once with status 1 (no teardown that might wait on peers)."""
+    text = message.render() if isinstance(message, TpirError) else TpirError(Diagnostic(message, hint=hint)).render()
+    try:
+        sys.stdout.flush()
+        print(text, file=sys.stderr, flush=True)
+    finally:
+        os._exit(1)
+
+
+# --------------------------------------------------------------------------------- running
+
+
+@dataclass
+class RankOutcome:
+    """What one rank's run produced: losses per step (the global loss, the same on every rank),
+    the gradients of the first step before its update (this rank's parameters, by name), the
+    rank's parameters after the last step, and its trace events."""
+
+    losses: list[float]
+    first_grads: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+    peak_live: int
+    events: list
+
+
+def init(world: World, device: torch.device, timeout: float) -> None:
+    """Join the process group (gloo on CPU, NCCL on CUDA)."""
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=world.rank,
+                            world_size=world.size, timeout=timedelta(seconds=timeout))
+
+
+def run_plan(plan: Plan, world: World, *, model: torch.nn.Module, sliced=None, stage_factory=None,
+             hidden_size: int | None = None, batches, steps: int, options: EngineOptions,
+             timeout: float, on_step=None) -> RankOutcome:
+    """Run this rank's stream `steps` times in an initialised process group. A failure of this
+    rank's instruction raises (located); the caller decides how to leave."""
+    pipe = plan.header.mesh.pipe
+    pipe_rank, data_rank = world.rank % pipe, world.rank // pipe
+    if stage_factory is None:
+        stage_factory = stage_factory_from_model(sliced, model)
+        hidden_size = sliced.hidden_size
+    groups = make_groups(plan, world, timeout)
+    dtype = DTYPES.get(plan.header.shape.dtype, torch.float32)
+    transport = DistTransport(plan, world, groups, device=options.device, hidden_size=hidden_size,
+                              dtype=dtype, timeout=timeout, tags=dist.get_backend() == "gloo")
+    engine = RankEngine(plan, pipe_rank, data_rank, transport, stage_factory, hidden_size=hidden_size,
+                        options=options)
+    hook = options.before_instr
+
+    def before(e: RankEngine, index: int) -> None:
+        transport.ahead(index)
+        if hook is not None:
+            hook(e, index)
+
+    engine.options = _with_hook(options, before)
+    watchdog = Watchdog(engine, transport, timeout)
+    watchdog.start()
+    losses, first_grads = [], {}
+    try:
+        dist.barrier()
+        engine.epoch = time.perf_counter()  # trace times count from a common start
+        for step in range(steps):
+            transport.start_step()
+            engine.run_step(step, batches.get(step))
+            total = torch.tensor([engine.step_loss], dtype=torch.float64, device=options.device)
+            transport.waiting = ("the loss of the other ranks", time.monotonic())
+            dist.all_reduce(total)
+            transport.waiting = None
+            losses.append(float(total))
+            if step == 0:
+                first_grads = dict(engine.grads)
+            if on_step is not None:
+                on_step(step, losses[-1])
+    finally:
+        watchdog.stop.set()
+    return RankOutcome(losses, first_grads, {n: p.detach().cpu().clone() for n, p in engine.named_parameters},
+                       engine.peak_live, engine.events)
+
+
+def _with_hook(options: EngineOptions, hook) -> EngineOptions:
+    from dataclasses import replace
+
+    return replace(options, before_instr=hook)
+
+
+def main(plan_path: str, settings) -> int:
+    """`tpc run` under torchrun: this process runs one rank. Returns the exit status (the same
+    on every rank); a failure ends the process with status 1 (see `fail`)."""
+    import copy
+
+    from tpc.executors.interpreter import load_plan_model, slice_model
+    from tpc.executors.launch import (
+        batch_source,
+        check_bf16,
+        compare_grads,
+        print_step,
+        reference_gradients,
+        report_check,
+        write_trace,
+    )
+    from tpc.ir.verify import verify_file
+
+    torch.set_num_threads(1)
+    world = World.from_env()
+    # every rank checks the same files: all refuse alike, before any communication
+    plan = verify_file(plan_path)
+    check_world(plan, world)
+    check_model_file(plan)
+    device = choose_device(settings.device, world)
+    check_bf16(settings, device)
+    model = load_plan_model(plan, settings.seed)
+    reference = copy.deepcopy(model) if settings.verify_grads else None
+    sliced = slice_model(model, plan)
+    model.to(device)
+    batches = batch_source(plan, settings)
+    init(world, device, settings.timeout)
+    options = EngineOptions(device=device, optim=settings.optim, trace=bool(settings.trace),
+                            bf16=settings.bf16, record_grads=settings.verify_grads)
+    show = print_step(settings.steps) if world.rank == 0 and not settings.quiet else None
+    try:
+        outcome = run_plan(plan, world, model=model, sliced=sliced, batches=batches, steps=settings.steps,
+                           options=options, timeout=settings.timeout, on_step=show)
+    except TpirError as e:
+        fail(e)
+    except Exception as e:  # noqa: BLE001 - outside an instruction (setup): still report and leave
+        fail(f"rank {world.rank}: {type(e).__name__}: {e}")
+    status = 0
+    if settings.trace:
+        gathered = [None] * world.size if world.rank == 0 else None
+        dist.gather_object(outcome.events, gathered, dst=0)
+        if world.rank == 0:
+            write_trace(settings.trace, [ev for evs in gathered for ev in evs])
+    if settings.verify_grads:
+        status = _check_gradients(plan, world, outcome, reference, batches, settings, compare_grads,
+                                  reference_gradients, report_check)
+    dist.barrier()
+    dist.destroy_process_group()
+    return status
+
+
+def _check_gradients(plan, world, outcome, reference, batches, settings, compare_grads,
+                     reference_gradients, report_check) -> int:
+    """Every rank compares its own parameters' first-step gradients with plain autograd; the
+    worst error over all ranks decides, the same on every rank; rank 0 prints it."""
+    ref_loss, ref_grads = reference_gradients(reference, batches.get(0))
+    mine = {n: ref_grads[n] for n in outcome.first_grads if n in ref_grads}
+    worst, name = compare_grads(outcome.first_grads, mine)
+    everyone = [None] * world.size
+    dist.all_gather_object(everyone, (worst, name, sorted(outcome.first_grads)))
+    worst, name, _ = max(everyone, key=lambda t: t[0])
+    held = set().union(*(set(names) for _, _, names in everyone))
+    missing = sorted(set(ref_grads) - held)
+    if missing:
+        worst, name = float("inf"), f"{missing[0]} is held by no stage"
+    return report_check(outcome.losses[0], ref_loss, worst, name, settings.tolerance, show=world.rank == 0)

@@ -1,0 +1,195 @@
+"""`tpc run`: verify the plan, then run it with the reference interpreter (`--interpret`) or, under
+torchrun, with the distributed executor; optionally compare with plain autograd.
+
+`--verify-grads` checks the first step, where both runs start from the same weights: the loss
+and every parameter's gradient of the plan against plain single-process autograd on the
+unsliced model with the same weights and batch. It prints the largest relative gradient error
+(max |a - b| / max |b| per parameter) and the loss difference, and exits 1 above --tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tpc.executors.optim import OptimSpec
+from tpc.ir.diagnostics import Diagnostic, TpirError
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The options of `tpc run` this executor acts on."""
+
+    steps: int = 1
+    seed: int = 0
+    optim: OptimSpec = OptimSpec()
+    device: str = "auto"
+    bf16: bool = False
+    timeout: float = 120.0
+    trace: str | None = None
+    data: str | None = None
+    verify_grads: bool = False
+    tolerance: float = 1e-5
+    quiet: bool = False
+
+
+# options of `tpc run` that belong to later work, with the value that means "not asked for"
+_NOT_YET = {
+    "warmup": (0, "--warmup"),
+    "grad_clip": (0.0, "--grad-clip"),
+    "metrics": (None, "--metrics"),
+    "checkpoint_dir": (None, "--checkpoint-dir"),
+    "save_every": (0, "--save-every"),
+    "resume": (False, "--resume"),
+}
+
+
+def settings_from_args(args) -> RunSettings:
+    """RunSettings from parsed `tpc run` arguments; options not supported yet are refused
+    rather than silently ignored."""
+    for attr, (off, flag) in _NOT_YET.items():
+        value = getattr(args, attr, off)
+        if value is not None and value != off:
+            raise TpirError(Diagnostic(f"{flag} is not supported yet by `tpc run`", where=flag,
+                                       hint=f"run without {flag}"))
+    if args.steps < 1:
+        raise TpirError(Diagnostic(f"--steps must be >= 1, got {args.steps}", where="--steps", hint="e.g. --steps 10"))
+    if args.timeout <= 0:
+        raise TpirError(Diagnostic(f"--timeout must be > 0, got {args.timeout}", where="--timeout",
+                                   hint="seconds a rank waits for a peer, e.g. --timeout 120"))
+    if args.tolerance <= 0:
+        raise TpirError(Diagnostic(f"--tolerance must be > 0, got {args.tolerance}", where="--tolerance",
+                                   hint="e.g. --tolerance 1e-5"))
+    return RunSettings(
+        steps=args.steps, seed=args.seed,
+        optim=OptimSpec(kind=args.optimizer, lr=args.lr, weight_decay=args.weight_decay),
+        device=args.device, bf16=args.bf16, timeout=args.timeout, trace=args.trace, data=args.data,
+        verify_grads=args.verify_grads, tolerance=args.tolerance, quiet=args.quiet)
+
+
+def run_from_cli(args) -> int:
+    """`tpc run`: the exit status (0 ok; 1 on a refused plan or failed gradient check)."""
+    from tpc.ir.verify import verify_file
+
+    settings = settings_from_args(args)
+    if args.interpret:
+        plan = verify_file(args.plan)
+        return interpret_plan(plan, settings)
+    if "WORLD_SIZE" in os.environ:
+        from tpc.executors.distributed import main
+
+        return main(args.plan, settings)
+    raise TpirError(Diagnostic(
+        "`tpc run` needs torchrun (one process per rank) or --interpret (all ranks in this process)",
+        where=args.plan,
+        hint=f"torchrun --nproc-per-node N --no-python tpc run {args.plan}   (N = pipe x data of the plan's mesh)\n"
+             f"or: tpc run --interpret {args.plan}"))
+
+
+def batch_source(plan, settings: RunSettings):
+    """Token-file batches with --data, else random tokens seeded by --seed."""
+    shape = plan.header.shape
+    if settings.data:
+        from tpc.executors.tokens import TokenFileBatches
+
+        return TokenFileBatches(settings.data, seed=settings.seed, batch=shape.batch, seq=shape.seq,
+                                vocab=shape.vocab)
+    from tpc.executors.data import RandomTokens
+
+    return RandomTokens(settings.seed, shape.batch, shape.seq, shape.vocab)
+
+
+def check_bf16(settings: RunSettings, device: torch.device) -> None:
+    if settings.bf16 and device.type != "cuda":
+        raise TpirError(Diagnostic("--bf16 needs CUDA", where="--bf16",
+                                   hint="drop --bf16 on CPU (training runs in fp32 there)"))
+
+
+def interpret_plan(plan, settings: RunSettings) -> int:
+    """Run a verified plan with the reference interpreter; print losses; check; trace."""
+    from tpc.executors.distributed import check_model_file
+    from tpc.executors.interpreter import interpret, load_plan_model
+
+    check_model_file(plan)
+    device = torch.device("cuda" if settings.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+    if settings.device == "cuda" and device.type != "cuda":
+        raise TpirError(Diagnostic("--device cuda, but CUDA is not available", where="--device",
+                                   hint="use --device cpu"))
+    check_bf16(settings, device)
+    model = load_plan_model(plan, settings.seed)
+    reference = copy.deepcopy(model) if settings.verify_grads else None
+    batches = batch_source(plan, settings)
+    result = interpret(plan, steps=settings.steps, model=model, batches=batches, optim=settings.optim,
+                       device=device, trace=bool(settings.trace), verify=False,
+                       on_step=None if settings.quiet else print_step(settings.steps))
+    if settings.trace:
+        write_trace(settings.trace, result.events)
+    if not settings.verify_grads:
+        return 0
+    loss, grads = result.losses[0], result.first_grads
+    ref_loss, ref_grads = reference_gradients(reference, batches.get(0))
+    worst, name = compare_grads(grads, ref_grads)
+    return report_check(loss, ref_loss, worst, name, settings.tolerance)
+
+
+def print_step(steps: int):
+    width = len(str(steps))
+
+    def show(step: int, loss: float) -> None:
+        print(f"step {step + 1:>{width}}/{steps}  loss {loss:.6f}", flush=True)
+
+    return show
+
+
+def reference_gradients(model: torch.nn.Module, tokens: torch.Tensor):
+    """Loss and gradients (by parameter name) of plain autograd on the unsliced model."""
+    from tpc.executors.oracle import reference_step
+
+    ids, targets = tokens[:, :-1], tokens[:, 1:]
+    loss, grads = reference_step(model, ids, targets)
+    return float(loss), {n: g.detach().cpu() for n, g in dict(grads).items()}
+
+
+def compare_grads(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """The largest relative error over parameters, max |a - b| / max |b| of each, and the name
+    of the worst; a parameter missing on either side is an infinite error."""
+    worst, worst_name = 0.0, ""
+    for name in sorted(set(got) | set(want)):
+        if name not in got or name not in want:
+            return float("inf"), name
+        a, b = got[name].detach().double().cpu(), want[name].detach().double().cpu()
+        scale = float(b.abs().max()) if b.numel() else 0.0
+        diff = float((a - b).abs().max()) if b.numel() else 0.0
+        err = diff / scale if scale > 0 else diff
+        if err > worst or not worst_name:
+            worst, worst_name = err, name
+    return worst, worst_name
+
+
+def report_check(loss: float, ref_loss: float, worst: float, name: str, tolerance: float,
+                 show: bool = True) -> int:
+    """The comparison with plain autograd: 1 when an error exceeds the tolerance; printed unless
+    `show` is false (the other ranks of a distributed run)."""
+    loss_diff = abs(loss - ref_loss)
+    loss_rel = loss_diff / abs(ref_loss) if ref_loss else loss_diff
+    ok = worst <= tolerance and loss_rel <= tolerance
+    if show:
+        print(f"verify-grads: loss {loss:.8f} vs autograd {ref_loss:.8f} (difference {loss_diff:.3e}); "
+              f"largest relative gradient error {worst:.3e} ({name}); tolerance {tolerance:g}: "
+              f"{'ok' if ok else 'FAILED'}", flush=True)
+    return 0 if ok else 1
+
+
+def write_trace(path: str, events) -> None:
+    from tpc.executors.engine import chrome_trace
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(chrome_trace(events)), encoding="utf-8")
+    print(f"trace: {path} ({len(events)} instructions)", file=sys.stderr)

@@ -1,0 +1,59 @@
+"""Process targets for the distributed tests on the fake LM (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from tests.executors.fake import FakeLM, fake_factory, fake_plan
+from tpc.executors.data import RandomTokens
+from tpc.executors.distributed import World, fail, init, run_plan
+from tpc.executors.engine import EngineOptions
+from tpc.executors.optim import OptimSpec
+
+
+def _run(case: dict, world: World, timeout: float, hook=None):
+    plan = fake_plan(**case["plan"])
+    torch.manual_seed(0)
+    model = FakeLM(n_layer=case["plan"].get("n_layer", 2), tie=case["plan"].get("tie", False))
+    h = plan.header.shape
+    options = EngineOptions(optim=OptimSpec(*case.get("optim", ("sgd", 0.1))), record_grads=True,
+                            before_instr=hook)
+    return run_plan(plan, world, model=model, stage_factory=fake_factory(model), hidden_size=8,
+                    batches=RandomTokens(0, h.batch, h.seq, h.vocab), steps=case.get("steps", 1),
+                    options=options, timeout=timeout)
+
+
+def run_cases(rank: int, out_dir: str, cases: list[dict], timeout: float) -> None:
+    """Run each case in turn in one process group; save each rank's outcome."""
+    world = World.from_env()
+    init(world, torch.device("cpu"), timeout)
+    for i, case in enumerate(cases):
+        try:
+            outcome = _run(case, world, timeout)
+        except Exception as e:  # noqa: BLE001 - report like the executor does
+            fail(str(e))
+        torch.save({"losses": outcome.losses, "first_grads": outcome.first_grads, "params": outcome.params},
+                   Path(out_dir) / f"case{i}_rank{rank}.pt")
+
+
+def run_with_fault(rank: int, out_dir: str, case: dict, victim: int, index: int, kind: str,
+                   timeout: float) -> None:
+    """Rank `victim` dies (kind "kill": SIGKILL) or fails (kind "raise") at instruction `index`."""
+    world = World.from_env()
+    init(world, torch.device("cpu"), timeout)
+
+    def hook(engine, at):
+        if rank == victim and at == index:
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("injected failure")
+
+    try:
+        _run(case, world, timeout, hook)
+    except Exception as e:  # noqa: BLE001
+        fail(e if hasattr(e, "render") else str(e))
+    os._exit(0)

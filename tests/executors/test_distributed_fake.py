@@ -1,0 +1,130 @@
+"""The distributed executor (gloo on 127.0.0.1, one process per rank) on the fake LM: the same
+loss and gradients as the interpreter and as plain autograd, the same weights as plain training
+after several steps, and bounded, explained exits when a rank dies or fails."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+
+from tests.executors.dist_harness import launch
+from tests.executors.fake import FakeLM, fake_factory, fake_plan, reference
+from tests.executors.fake_ranks import run_cases, run_with_fault
+from tpc.executors.data import RandomTokens
+from tpc.executors.interpreter import interpret
+from tpc.executors.optim import OptimSpec, build_optimizer
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-5
+TIMEOUT = 20.0
+
+TWO_RANKS = [dict(plan=dict(schedule=s, stages=2, slices="2,7,3", microbatches=2, tie=True))
+             for s in ("1f1b", "terapipe", "seq1f1b")]
+TWO_RANKS.append(dict(plan=dict(schedule="seq1f1b", stages=2, slices="3", microbatches=2, tie=True),
+                      steps=3, optim=("adamw", 1e-2, 0.1)))
+FOUR_RANKS = [dict(plan=dict(schedule=s, stages=2, slices="3", microbatches=2, dp=2, batch=8, tie=True))
+              for s in ("1f1b", "terapipe", "seq1f1b")]
+FOUR_RANKS += [dict(plan=dict(schedule=s, stages=4, slices="3", microbatches=4, tie=True))
+               for s in ("1f1b", "terapipe", "seq1f1b")]
+
+
+def rel_err(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _launch_cases(tmp_path_factory, world, cases):
+    out = tmp_path_factory.mktemp(f"world{world}")
+    codes, errs, _ = launch(world, out, run_cases, cases, TIMEOUT, limit=150)
+    assert codes == [0] * world, errs
+    return [[torch.load(out / f"case{i}_rank{r}.pt") for r in range(world)] for i in range(len(cases))]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _launch_cases(tmp_path_factory, 2, TWO_RANKS)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return _launch_cases(tmp_path_factory, 4, FOUR_RANKS)
+
+
+def _interpreted(case):
+    plan = fake_plan(**case["plan"])
+    torch.manual_seed(0)
+    model = FakeLM(n_layer=2, tie=case["plan"].get("tie", False))
+    result = interpret(plan, steps=case.get("steps", 1), model=model, stage_factory_for=fake_factory,
+                       hidden_size=8, optim=OptimSpec(*case.get("optim", ("sgd", 0.1))))
+    return plan, model, result
+
+
+def _check_case(case, ranks):
+    plan, model, interp = _interpreted(case)
+    h = plan.header
+    ref_loss, ref_grads = reference(copy.deepcopy(model), RandomTokens(0, h.shape.batch, h.shape.seq, h.shape.vocab).get(0))
+    for outcome in ranks:
+        # every rank reports the global loss of every step, equal to the interpreter's
+        assert outcome["losses"] == pytest.approx(interp.losses, rel=1e-6)
+        assert abs(outcome["losses"][0] - ref_loss) <= TOL * abs(ref_loss)
+        for name, g in outcome["first_grads"].items():
+            assert rel_err(g, ref_grads[name]) <= TOL, name
+            assert rel_err(g, interp.first_grads[name]) <= 1e-6, name
+    held = set().union(*(o["first_grads"] for o in ranks))
+    assert held == set(ref_grads)
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_two_ranks_gradients(two_ranks, i):
+    _check_case(TWO_RANKS[i], two_ranks[i])
+
+
+def test_two_ranks_weights_after_several_steps(two_ranks):
+    case, ranks = TWO_RANKS[3], two_ranks[3]
+    _check_case(case, ranks)
+    torch.manual_seed(0)
+    ref = FakeLM(n_layer=2, tie=True)
+    start = copy.deepcopy(ref)
+    opt = build_optimizer(ref.named_parameters(), OptimSpec(*case["optim"]))
+    for step in range(case["steps"]):
+        _, grads = reference(ref, RandomTokens(0, 4, 12, 11).get(step))
+        for n, p in ref.named_parameters():
+            p.grad = grads[n]
+        opt.step()
+    final = dict(ref.named_parameters())
+    for outcome in ranks:
+        for name, value in outcome["params"].items():
+            assert rel_err(value, final[name].detach()) <= TOL, name
+    assert rel_err(final["layers.1.w"].detach(), start.layers[1].w.detach()) > 1e-3  # it trained
+
+
+@pytest.mark.parametrize("i", range(len(FOUR_RANKS)))
+def test_four_ranks_gradients(four_ranks, i):
+    _check_case(FOUR_RANKS[i], four_ranks[i])
+
+
+FAULT_CASE = dict(plan=dict(schedule="1f1b", stages=3, slices="3", microbatches=2))
+
+
+def test_killed_rank_makes_the_others_exit_with_a_message(tmp_path):
+    timeout = 10.0
+    codes, errs, elapsed = launch(3, tmp_path, run_with_fault, FAULT_CASE, 1, 6, "kill", timeout, limit=90)
+    assert codes[1] == -9  # the victim, killed mid-step
+    assert codes[0] == 1 and codes[2] == 1, errs  # the others gave up, not hung
+    for r in (0, 2):
+        # names the rank, the instruction it was blocked on and the step
+        assert re.search(rf"rank {r}, instruction \d+: recv \w+ stage \d mb \d slice \d from 1: gave up waiting .* \(step 0\)",
+                         errs[r]), errs[r]
+    assert elapsed < 60  # bounded: the peer's death is noticed, nobody waits forever
+
+
+def test_failing_rank_reports_and_the_others_exit(tmp_path):
+    codes, errs, _ = launch(2, tmp_path, run_with_fault, FAULT_CASE | dict(plan=dict(schedule="1f1b", stages=2, slices="3",
+                                                                                       microbatches=2)),
+                            0, 4, "raise", 10.0, limit=90)
+    assert codes == [1, 1], errs
+    assert re.search(r"rank 0, instruction 4: .*: RuntimeError: injected failure \(step 0\)", errs[0]), errs[0]
+    assert "rank 1, instruction" in errs[1] and "gave up waiting" in errs[1], errs[1]
