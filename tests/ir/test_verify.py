@@ -371,6 +371,12 @@ def test_format_version_and_missing_rank_section_in_memory():
     assert d.loc.line == 5 and "(missing: 1)" in d.message
 
 
+def test_rank_sections_missing_or_extra():
+    expect(delete(EXAMPLE, *range(26, 40)),
+           (5, "the mesh has 2 pipeline ranks, but the plan has 1 rank sections (missing: 1)"))
+    expect(EXAMPLE + "\nrank 2\n  step\n",
+           (41, "rank 2 section, but the mesh has 2 pipeline ranks"))
+
 def test_rank_sections_out_of_order_in_memory():
     plan = build_plan()
     swapped = dataclasses.replace(plan, ranks=(plan.ranks[1], plan.ranks[0]))
@@ -936,3 +942,17 @@ def test_verifier_agrees_with_execution_on_reordered_plans(base, data):
     moved = dataclasses.replace(plan, ranks=tuple(
         dataclasses.replace(rp, instrs=tuple(s)) for rp, s in zip(plan.ranks, streams)))
     assert (verify(moved) == []) == runs_cleanly(moved)
+
+
+def test_cli_verify_prints_located_errors_and_exits_1(tmp_path, capsys):
+    from tpc.compiler.cli import main
+
+    good, bad = tmp_path / "good.tpir", tmp_path / "bad.tpir"
+    good.write_text(EXAMPLE, encoding="utf-8")
+    bad.write_text(delete(EXAMPLE, 25), encoding="utf-8")
+    assert main(["verify", str(good)]) == 0
+    assert "ok (2 ranks, 2 stages, 24 instructions)" in capsys.readouterr().out
+    assert main(["verify", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert f"{bad}:13:1: error: rank 0 never runs `step`" in err
+    assert "   13 | rank 0" in err
