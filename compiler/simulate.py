@@ -486,10 +486,7 @@ def simulate_from_cli(args) -> int:
         _writing("--png", args.png, lambda: timeline.write_gantt(result, args.png))
         print(f"timeline: {args.png}")
     if getattr(args, "compare", None):
-        rows = timeline.compare(result, timeline.read_trace(args.compare))
+        comparison = timeline.compare(result, timeline.read_trace(args.compare))
         print(f"\npredicted vs measured ({args.compare}):")
-        print(timeline.format_comparison(rows, result.time_unit))
-        if result.time_unit != "s":
-            print("note: unit costs predict a shape, not seconds (1 unit is read as 1 ms); "
-                  "use --cost or --device-model for a prediction")
+        print(timeline.format_comparison(comparison))
     return 0

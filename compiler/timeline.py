@@ -34,7 +34,7 @@ A reader (`read_trace`, used by `tpc simulate --compare`) needs only the "X" eve
 `args.rank`, `args.instr` and `ts`/`dur`; everything else is for people.
 
 Under unit costs one unit of time is written as 1 ms (`us_per_unit` 1000), so a unit-cost
-trace is readable in Perfetto; compared with a measured trace it is a shape, not a prediction.
+trace is readable in Perfetto; `compare` fits the unit to the measurement instead.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def read_trace(path: str) -> list[TimedInstr]:
 
 @dataclass(frozen=True)
 class Row:
-    """One line of a comparison: a predicted and a measured time, in the prediction's unit."""
+    """One line of a comparison: a predicted and a measured time, in milliseconds."""
 
     what: str
     predicted: float
@@ -191,40 +191,63 @@ class Row:
         return (self.predicted - self.measured) / self.measured
 
 
-def compare(result, measured: list[TimedInstr]) -> list[Row]:
+@dataclass(frozen=True)
+class Comparison:
+    rows: tuple[Row, ...]
+    # under unit costs, the milliseconds one unit was fitted to; None for a model in seconds
+    ms_per_unit: float | None = None
+
+
+def compare(result, measured: list[TimedInstr]) -> Comparison:
     """Predicted vs measured iteration time and per-rank compute time (forward, recompute,
     backward: what both sides time the same way; a measured receive includes its waiting).
 
     A measured trace may hold several steps; the first is warm-up, so with two or more steps
-    the measured numbers are the means over the steps after the first."""
-    scale = us_per_unit(result.time_unit)
+    the measured numbers are the means over the steps after the first.
+
+    A prediction in seconds is compared as it is. Unit costs know no seconds, so one unit is
+    fitted to the measurement: total measured compute / total predicted compute. The errors
+    then say where the shape differs (a stage slower than its share, waiting the plan does not
+    predict), not how fast the machine is."""
     steps = sorted({t.step for t in measured})
     if len(steps) > 1:
         steps = steps[1:]
     compute_ops = {op.value for op in COMPUTE_OPS}
 
-    def per_step(fn) -> float:
-        return statistics.fmean(fn([t for t in measured if t.step == s]) for s in steps) / scale
+    def per_step_ms(fn) -> float:
+        return statistics.fmean(fn([t for t in measured if t.step == s]) for s in steps) / 1e3
 
     def span(ts):
         return max(t.ts + t.dur for t in ts) - min(t.ts for t in ts)
 
-    rows = [Row("iteration time", result.iteration_time, per_step(span))]
-    for r in result.ranks:
-        meas = per_step(lambda ts, r=r.rank: math.fsum(
+    measured_compute = [
+        per_step_ms(lambda ts, r=r.rank: math.fsum(
             t.dur for t in ts if t.rank == r and t.op in compute_ops))
-        rows.append(Row(f"rank {r.rank} compute", r.compute, meas))
-    return rows
+        for r in result.ranks
+    ]
+    fitted = None
+    if result.time_unit == "s":
+        ms = 1e3
+    else:
+        predicted_total = math.fsum(r.compute for r in result.ranks)
+        fitted = math.fsum(measured_compute) / predicted_total if predicted_total > 0 else 1.0
+        ms = fitted
+    rows = [Row("iteration time", result.iteration_time * ms, per_step_ms(span))]
+    rows += [Row(f"rank {r.rank} compute", r.compute * ms, m)
+             for r, m in zip(result.ranks, measured_compute)]
+    return Comparison(tuple(rows), fitted)
 
 
-def format_comparison(rows: list[Row], unit: str) -> str:
-    """The rows as a table; seconds are shown in ms, the relative error as a percentage."""
-    shown, factor = ("ms", 1e3) if unit == "s" else (unit + "s", 1.0)
-    out = [f"{'':<18}{'predicted':>16}{'measured':>16}{'error':>9}"]
-    for row in rows:
+def format_comparison(comparison: Comparison) -> str:
+    """The rows as a table in milliseconds, the relative error as a percentage."""
+    out = [f"{'':<18}{'predicted':>14}{'measured':>14}{'error':>9}"]
+    for row in comparison.rows:
         err = "n/a" if math.isinf(row.error) else f"{row.error:+.1%}"
-        out.append(f"{row.what:<18}{f'{row.predicted * factor:.3f} {shown}':>16}"
-                   f"{f'{row.measured * factor:.3f} {shown}':>16}{err:>9}")
+        out.append(f"{row.what:<18}{f'{row.predicted:.3f} ms':>14}"
+                   f"{f'{row.measured:.3f} ms':>14}{err:>9}")
+    if comparison.ms_per_unit is not None:
+        out.append(f"unit costs: 1 unit fitted to {comparison.ms_per_unit:.4g} ms (total measured "
+                   "compute / total predicted compute); the errors compare shapes, not speed")
     return "\n".join(out)
 
 

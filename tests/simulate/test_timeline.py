@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 
 import pytest
 
@@ -112,18 +113,40 @@ GPIPE_2x1 = [  # (rank, instr, ts ms, dur ms): measured run of a 2-stage, 1 micr
 ]
 
 
-def test_compare_reports_relative_errors():
-    """Unit costs predict 6 units and 3 of compute per rank; the measured step spans 7.5 ms,
-    rank 0 computes 4.5 ms and rank 1 3.0 ms (1 unit read as 1 ms)."""
-    result = simulate(make_plan("gpipe", 2, 1), UnitCosts())
+def test_compare_fits_the_unit_and_reports_relative_errors():
+    """Unit costs predict 6 units and 3 of compute per rank. The measured step spans 7.5 ms;
+    rank 0 computes 4.5 ms, rank 1 3.0 ms: 7.5 ms of compute for 6 predicted units, so one
+    unit is fitted to 1.25 ms and the prediction reads 7.5 ms, 3.75 ms and 3.75 ms."""
     from tpc.compiler.timeline import TimedInstr
 
+    result = simulate(make_plan("gpipe", 2, 1), UnitCosts())
     measured = [TimedInstr(r, i, ts * 1e3, d * 1e3) for r, i, ts, d in GPIPE_2x1]
-    rows = compare(result, measured)
-    assert [(r.what, r.predicted) for r in rows] == [
-        ("iteration time", 6.0), ("rank 0 compute", 3.0), ("rank 1 compute", 3.0)]
+    comparison = compare(result, measured)
+    assert comparison.ms_per_unit == pytest.approx(1.25)
+    rows = comparison.rows
+    assert [r.what for r in rows] == ["iteration time", "rank 0 compute", "rank 1 compute"]
+    assert [r.predicted for r in rows] == pytest.approx([7.5, 3.75, 3.75])
     assert [r.measured for r in rows] == pytest.approx([7.5, 4.5, 3.0])
-    assert [r.error for r in rows] == pytest.approx([-0.2, -1 / 3, 0.0])
+    assert [r.error for r in rows] == pytest.approx([0.0, 3.75 / 4.5 - 1, 0.25])
+
+
+@dataclass(frozen=True)
+class Seconds(UnitCosts):
+    """Forward 1 ms, backward 2 ms: a cost model in seconds, compared without fitting."""
+
+    forward: float = 1e-3
+    backward: float = 2e-3
+    time_unit: str = "s"
+
+
+def test_compare_takes_a_prediction_in_seconds_as_it_is():
+    from tpc.compiler.timeline import TimedInstr
+
+    result = simulate(make_plan("gpipe", 2, 1), Seconds())
+    measured = [TimedInstr(r, i, ts * 1e3, d * 1e3) for r, i, ts, d in GPIPE_2x1]
+    comparison = compare(result, measured)
+    assert comparison.ms_per_unit is None
+    assert [r.error for r in comparison.rows] == pytest.approx([6 / 7.5 - 1, 3 / 4.5 - 1, 0.0])
 
 
 def test_compare_on_the_cli_skips_the_warm_up_step(tmp_path, capsys):
@@ -136,9 +159,10 @@ def test_compare_on_the_cli_skips_the_warm_up_step(tmp_path, capsys):
     assert main(["simulate", str(plan), "--unit", "--compare", measured]) == 0
     out = capsys.readouterr().out
     table = out[out.index("predicted vs measured"):].splitlines()
-    assert table[2].split() == ["iteration", "time", "6.000", "units", "7.500", "units", "-20.0%"]
-    assert table[3].split() == ["rank", "0", "compute", "3.000", "units", "4.500", "units", "-33.3%"]
-    assert table[4].split() == ["rank", "1", "compute", "3.000", "units", "3.000", "units", "+0.0%"]
+    assert table[2].split() == ["iteration", "time", "7.500", "ms", "7.500", "ms", "+0.0%"]
+    assert table[3].split() == ["rank", "0", "compute", "3.750", "ms", "4.500", "ms", "-16.7%"]
+    assert table[4].split() == ["rank", "1", "compute", "3.750", "ms", "3.000", "ms", "+25.0%"]
+    assert table[5].startswith("unit costs: 1 unit fitted to 1.25 ms")
 
 
 def test_a_file_that_is_not_a_trace_is_a_located_error(tmp_path):
