@@ -18,7 +18,7 @@ it is counted once, as `torch.nn.utils.clip_grad_norm_` on the unsliced model co
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -70,3 +70,24 @@ def apply_clip(params: Iterable[torch.nn.Parameter], coef: float) -> None:
             continue
         seen.add(id(p))
         p.grad.detach().mul_(coef)
+
+
+def tied_copies_not_owned(header, pipe_rank: int) -> frozenset[str]:
+    """The `skip` set of pipeline rank `pipe_rank` for a plan header (`tpc.ir.nodes.Header`):
+    each tie is counted by the rank of its first stage; every other rank holding it skips it.
+    Stages name a tied parameter by the tie's name (its canonical name) on every rank."""
+    return frozenset(t.name for t in header.ties
+                     if header.stage_rank(min(t.stages)) != pipe_rank
+                     and any(header.stage_rank(s) == pipe_rank for s in t.stages))
+
+
+def clip_global(named_params: list[tuple[str, torch.nn.Parameter]], max_norm: float, *,
+                skip: frozenset[str] | set[str] = frozenset(),
+                sum_over_pipeline: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """The three steps in one call, for an executor: this rank's share, summed by
+    `sum_over_pipeline` over the pipeline ranks of this replica (an all_reduce over that group
+    under torchrun; the plain sum of every rank's share in the interpreter), then the scaling.
+    Returns the global gradient norm (before clipping), worth logging even when max_norm is 0."""
+    total = sum_over_pipeline(local_sq_norm(named_params, skip))
+    apply_clip((p for _, p in named_params), clip_coef(total, max_norm))
+    return grad_norm(total)
