@@ -178,6 +178,14 @@ def build_header(
     )
 
 
+def slicing_summary(header: Header) -> str:
+    """"2 micro-batches x 4 slices", or the total when micro-batches are cut differently."""
+    counts = [len(m.slices) for m in header.microbatches]
+    if len(set(counts)) == 1:
+        return f"{len(counts)} micro-batches x {counts[0]} slices"
+    return f"{len(counts)} micro-batches, {sum(counts)} slices"
+
+
 def read_vocab(model, model_path: str) -> int:
     """The vocabulary: the last dimension of the logits of a tiny (1, 2) forward."""
     import torch
@@ -218,6 +226,41 @@ def _logits_of(out):
     if hasattr(out, "logits"):
         return _logits_of(out.logits)
     return None
+
+
+# ------------------------------------------------------------------------------ --slices auto
+
+
+def auto_slices(header: Header, opts: Options, *, cost, device_model, explain: bool, progress) -> Header:
+    """`--slices auto`: the optimiser's micro-batch sizes and token slices under the cost model
+    that --cost / --device-model name; without one (or without the cost-model loader) the
+    equal slices `check_options` chose, said in one line."""
+    import dataclasses
+
+    fallback = f"{len(opts.slices)} equal slices of ~{opts.seq_len // len(opts.slices)} tokens"
+    if not (cost or device_model):
+        progress.say(f"--slices auto: {fallback} (give --cost or --device-model for the optimiser's choice)")
+        return header
+    try:
+        from tpc.compiler.costmodel import load_cost_model
+    except ImportError:
+        progress.say(f"--slices auto: {fallback} (this build has no cost-model loader yet)")
+        return header
+    from tpc.compiler.optimiser import explain as explain_choice
+    from tpc.compiler.optimiser import optimise
+
+    with progress.step("optimise") as d:
+        costs = load_cost_model(cost=cost, device_model=device_model, header=header)
+        choice = optimise(costs, opts.stages, opts.seq_len, opts.batch // opts.dp,
+                          microbatches=opts.microbatches, data=opts.dp)  # fmt: skip
+        d.append(f"{choice.num_slices} slices, predicted step {choice.predicted_time:.4g} s")
+    if explain:
+        progress.say(explain_choice(choice))
+    mbs = tuple(
+        Microbatch(index=m, size=size, slices=tuple(tuple(c) for c in cuts))
+        for m, (size, cuts) in enumerate(zip(choice.mb_sizes, choice.slices))
+    )
+    return dataclasses.replace(header, microbatches=mbs)
 
 
 # ------------------------------------------------------------------------------ progress
@@ -272,15 +315,10 @@ def compile_plan(
         slices=slices, schedule=schedule, dp=dp, ranks=ranks,
     )  # fmt: skip
     progress = _Progress(quiet)
-    if opts.slices_auto:
-        progress.say(
-            f"--slices auto: {len(opts.slices)} equal slices of ~{seq_len // len(opts.slices)} tokens "
-            "(the optimiser's choice is not available yet)"
-        )
     unused = [o for o, v in (("--cost", cost), ("--device-model", device_model),
                              ("--memory-per-rank", memory_per_rank), ("--explain", explain)) if v]
-    if unused:
-        progress.say(f"note: {', '.join(unused)} serve the optimiser's 'auto' choices, which are not available yet; ignored")
+    if unused and not opts.slices_auto:
+        progress.say(f"note: {', '.join(unused)} serve(s) only the optimiser's 'auto' choices; ignored")
 
     with progress.step("trace") as d:
         from tpc.compiler.frontend import SlicedModel, file_sha256, load_model
@@ -304,9 +342,11 @@ def compile_plan(
         model_path=model_path, sha256=sha, factory=factory, opts=opts, vocab=vocab,
         unit_labels=sliced.unit_labels, ranges=ranges, ties=ties,
     )  # fmt: skip
+    if opts.slices_auto:
+        header = auto_slices(header, opts, cost=cost, device_model=device_model, explain=explain, progress=progress)
     with progress.step("schedule") as d:
         compute = build_schedule(opts.schedule, header)
-        d.append(f"{opts.schedule}: {opts.microbatches} micro-batches x {len(opts.slices)} slices")
+        d.append(f"{opts.schedule}: {slicing_summary(header)}")
     with progress.step("lower") as d:
         plan = lower(header, compute, verify=False)
         d.append(f"{sum(len(p.instrs) for p in plan.ranks)} instructions")
@@ -345,7 +385,7 @@ def compile_to_file(model_path: str, output: str, **options) -> Plan:
         print(
             f"wrote {output}: {h.num_stages} stage{'s' * (h.num_stages != 1)} x "
             f"{h.mesh.data} replica{'s' * (h.mesh.data != 1)}, "
-            f"{len(h.microbatches)} micro-batches x {len(h.microbatches[0].slices)} slices, "
+            f"{slicing_summary(h)}, "
             f"schedule {h.schedule.name}, {n} instructions"
         )
     return plan
