@@ -1,0 +1,96 @@
+"""Fitting measured slice times: t(l, c) = t(l, 0) + a0 + a1*l + a2*c + a3*l*c.
+
+The context-free part t(l, 0) is the measured curve itself (interpolated between the measured
+lengths): how a device's efficiency grows with the slice length is irregular (kernel selection,
+tile sizes, cache effects) and a low-degree polynomial would smooth away exactly the short-slice
+overheads the optimiser must see. What the context adds is simple (attention over c + l keys,
+the cache concatenation), so four coefficients fitted by least squares capture it and let the
+model price contexts that were never measured.
+
+The fit keeps a2, a3 >= 0: a slice never gets faster because more tokens precede it, which
+the DP relies on when it skips slices that are too slow even without context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class CurveFit:
+    lengths: tuple[int, ...]  # measured slice lengths, ascending
+    base: tuple[float, ...]  # median t(l, 0) at those lengths (s)
+    coef: tuple[float, float, float, float]  # a0, a1, a2, a3
+    rel_error: float  # root-mean-square relative error of the fit over the samples
+
+    def base_at(self, l) -> np.ndarray:
+        """t(l, 0): linear between measured lengths, linear beyond them (never below 0)."""
+        x = np.asarray(self.lengths, dtype=np.float64)
+        y = np.asarray(self.base, dtype=np.float64)
+        l = np.asarray(l, dtype=np.float64)
+        if len(x) == 1:
+            return np.maximum(y[0] * l / x[0], 0.0)
+        out = np.interp(l, x, y)
+        lo_slope = (y[1] - y[0]) / (x[1] - x[0])
+        hi_slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
+        out = np.where(l < x[0], y[0] + (l - x[0]) * lo_slope, out)
+        out = np.where(l > x[-1], y[-1] + (l - x[-1]) * hi_slope, out)
+        return np.maximum(out, 0.0)
+
+    def __call__(self, l, c) -> np.ndarray:
+        l = np.asarray(l, dtype=np.float64)
+        c = np.asarray(c, dtype=np.float64)
+        a0, a1, a2, a3 = self.coef
+        return np.maximum(self.base_at(l) + a0 + a1 * l + a2 * c + a3 * l * c, 0.0)
+
+    def to_dict(self) -> dict:
+        return {"lengths": list(self.lengths), "base": list(self.base), "coef": list(self.coef),
+                "rel_error": self.rel_error}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CurveFit":
+        return cls(lengths=tuple(int(v) for v in d["lengths"]), base=tuple(float(v) for v in d["base"]),
+                   coef=tuple(float(v) for v in d["coef"]), rel_error=float(d["rel_error"]))
+
+
+def _lstsq_nonneg_tail(A: np.ndarray, y: np.ndarray, tail: tuple[int, ...]) -> np.ndarray:
+    """Least squares with the columns in `tail` constrained >= 0 (drop negative ones, refit)."""
+    active = list(range(A.shape[1]))
+    while True:
+        x = np.zeros(A.shape[1])
+        sol, *_ = np.linalg.lstsq(A[:, active], y, rcond=None)
+        x[active] = sol
+        negative = [i for i in tail if i in active and x[i] < 0]
+        if not negative:
+            return x
+        active.remove(min(negative, key=lambda i: x[i]))
+
+
+def fit_curve(l, c, t) -> CurveFit:
+    """Fit samples t measured at slice lengths l and contexts c (1-d arrays of equal length).
+
+    Every measured length needs at least one sample with c = 0 (the base curve)."""
+    l = np.asarray(l, dtype=np.float64)
+    c = np.asarray(c, dtype=np.float64)
+    t = np.asarray(t, dtype=np.float64)
+    if not (l.shape == c.shape == t.shape) or l.ndim != 1 or len(l) == 0:
+        raise ValueError("l, c and t must be 1-d arrays of the same, non-zero length")
+    lengths = np.unique(l)
+    base = []
+    for x in lengths:
+        at0 = t[(l == x) & (c == 0)]
+        if len(at0) == 0:
+            raise ValueError(f"no sample of length {int(x)} without context")
+        base.append(float(np.median(at0)))
+    fit0 = CurveFit(tuple(int(x) for x in lengths), tuple(base), (0.0, 0.0, 0.0, 0.0), 0.0)
+    residual = t - fit0.base_at(l)
+    A = np.stack([np.ones_like(l), l, c, l * c], axis=1)
+    # scale columns so one least-squares problem is well conditioned for any units
+    scale = np.maximum(np.abs(A).max(axis=0), 1e-300)
+    coef = _lstsq_nonneg_tail(A / scale, residual, tail=(2, 3)) / scale
+    fit = CurveFit(fit0.lengths, fit0.base, tuple(float(v) for v in coef), 0.0)
+    pred = fit(l, c)
+    rel = float(np.sqrt(np.mean(((pred - t) / np.maximum(t, 1e-12)) ** 2)))
+    return CurveFit(fit.lengths, fit.base, fit.coef, rel)

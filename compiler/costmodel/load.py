@@ -1,0 +1,63 @@
+"""`load_cost_model`: the one place that turns `--cost FILE` / `--device-model NAME` into a
+CostModel for a given stage partition."""
+
+from __future__ import annotations
+
+from tpc.compiler.costmodel.analytic import AnalyticCostModel, ModelShapes
+from tpc.compiler.costmodel.devices import load_device_spec
+from tpc.compiler.costmodel.profiled import ProfiledCostModel
+from tpc.compiler.costmodel.store import load_profile
+from tpc.ir.diagnostics import Diagnostic, TpirError
+
+
+def layers_per_stage(stage_units, num_units: int) -> tuple[int, ...]:
+    """Decoder layers per stage when units are [embedding, layer 0, ..., layer n-1, head]."""
+    last = num_units - 1
+    return tuple(sum(1 for u in range(lo, hi) if 0 < u < last) for lo, hi in stage_units)
+
+
+def load_cost_model(cost: str | None = None, device_model: str | None = None,
+                    model_shapes: ModelShapes | None = None, stage_units=None,
+                    num_units: int | None = None, op: int = 1,
+                    model_sha256: str | None = None, device: str | None = None):
+    """A cost model for the stages `stage_units` ([lo, hi) unit ranges, one per stage).
+
+    cost:          a profile from `tpc profile`; refused if `model_sha256` / `device` are given
+                   and differ from what it measured.
+    device_model:  v100 | a100 | h100 | h200 | a JSON spec; needs `model_shapes` and, to map
+                   units to layers, `num_units` (units are embedding, the layers, the head).
+    """
+    if cost and device_model:
+        raise TpirError(Diagnostic("--cost and --device-model both given", where="--cost",
+                                   hint="give one: a measured profile or an analytic device model"))
+    if not cost and not device_model:
+        raise TpirError(Diagnostic("no cost model", where="--cost",
+                                   hint="give --cost FILE (from `tpc profile`) or --device-model "
+                                        "v100|a100|h100|h200|SPEC.json"))
+    if cost:
+        profile = load_profile(cost, model_sha256=model_sha256, device=device)
+        units = stage_units if stage_units is not None else [(0, profile.num_units)]
+        if units[-1][1] != profile.num_units:
+            raise TpirError(Diagnostic(
+                f"the profile has {profile.num_units} units, the stages cover {units[-1][1]}",
+                where="--cost", hint="profile the model at the same sequence length and factory"))
+        return ProfiledCostModel(profile, units)
+    if model_shapes is None:
+        raise TpirError(Diagnostic("--device-model needs the model's shapes", where="--device-model",
+                                   hint="pass layers, hidden, heads and vocab (ModelShapes)"))
+    spec = load_device_spec(device_model)
+    if stage_units is None:
+        stage_layers = (model_shapes.layers,)
+    else:
+        n = num_units if num_units is not None else model_shapes.layers + 2
+        stage_layers = layers_per_stage(stage_units, n)
+        if sum(stage_layers) != model_shapes.layers:
+            raise TpirError(Diagnostic(
+                f"stages hold {sum(stage_layers)} layers, the model has {model_shapes.layers}",
+                where="--device-model",
+                hint="the analytic model expects units [embedding, one per layer, head]"))
+    try:
+        return AnalyticCostModel(spec, model_shapes, stage_layers, op)
+    except ValueError as e:
+        raise TpirError(Diagnostic(str(e), where="--device-model",
+                                   hint="operator parallelism must divide heads and hidden"))

@@ -1,0 +1,185 @@
+"""`tpc profile`: time every unit of a model over slice length x context x micro-batch size.
+
+Each unit runs as a one-unit stage through the same StageRuntime the executors use, so what is
+timed is what a plan runs: forward of a slice whose KV prefix holds `c` tokens (made by an
+untimed forward of a c-token slice first), then its backward (which also sends gradients into
+the prefix). Every point is warmed up, then the median of the repeats is kept. The grid is
+small on purpose (a handful of lengths, contexts 0 / half / all of what precedes) and the fit
+(fit.py) fills in the rest; the profile records the fit error so a poor fit is visible.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from tpc.compiler.costmodel.fit import fit_curve
+from tpc.compiler.costmodel.store import Profile, UnitProfile, save_profile
+from tpc.ir.diagnostics import Diagnostic, TpirError
+
+# a loopback gloo transfer on one host: latency and bandwidth of a memcpy through a socket
+CPU_LINK = (50e-6, 2e9)
+# two GPUs of one host over NVLink/PCIe (not measurable with one GPU; a conservative PCIe figure)
+CUDA_LINK = (10e-6, 20e9)
+
+
+def device_name(kind: str) -> str:
+    """The identity a profile is valid for: the kind and model of the processor."""
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise TpirError(Diagnostic("--device cuda: no CUDA device is visible", where="--device",
+                                       hint="profile with --device cpu, or run on a machine with a GPU"))
+        return f"cuda:{torch.cuda.get_device_name(0)}"
+    if kind == "cpu":
+        return f"cpu:{_cpu_model()}"
+    raise TpirError(Diagnostic(f"unknown device {kind!r}", where="--device", hint="use cpu or cuda"))
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def grid_lengths(L: int) -> list[int]:
+    """Slice lengths to measure: L/16 .. L in powers of two (short slices are where time is
+    least proportional to length, so they get the densest sampling)."""
+    return sorted({max(1, L // d) for d in (16, 8, 4, 2, 1)})
+
+
+def grid_contexts(L: int, l: int) -> list[int]:
+    return sorted({0, (L - l) // 2, L - l})
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats):
+    """Median (forward, backward) seconds of one slice of length l after a c-token prefix."""
+    from_ids = stage.is_first
+
+    def make_input(n):
+        if from_ids:
+            return torch.randint(0, vocab, (b, n), device=dev)
+        return torch.randn(b, n, hidden, device=dev)
+
+    def targets(n):
+        return torch.randint(0, vocab, (b, n), device=dev) if stage.is_last else None
+
+    def grad_out(y):
+        return None if stage.is_last else torch.randn_like(y)
+
+    fs, bs = [], []
+    for rep in range(warmup + repeats):
+        sl = 0
+        if c:
+            rt.forward(0, 0, make_input(c), 0, targets(c))
+            sl = 1
+        x, tg = make_input(l), targets(l)
+        _sync(dev)
+        t0 = time.perf_counter()
+        y = rt.forward(0, sl, x, c, tg)
+        _sync(dev)
+        t1 = time.perf_counter()
+        rt.backward(0, sl, grad_out(y))
+        _sync(dev)
+        t2 = time.perf_counter()
+        if c:
+            rt.backward(0, 0, None if stage.is_last else torch.randn(b, c, hidden, device=dev))
+        rt.free_kv(0)
+        stage.zero_grad(set_to_none=True)
+        if rep >= warmup:
+            fs.append(t1 - t0)
+            bs.append(t2 - t1)
+    return statistics.median(fs), statistics.median(bs)
+
+
+def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu",
+                  factory: str = "model", warmup: int = 1, repeats: int = 3, log=None) -> Profile:
+    """Measure and fit every unit of the model in `model_path`; see the module docstring."""
+    from tpc.compiler.compile import read_vocab
+    from tpc.compiler.frontend import SlicedModel, file_sha256, load_model
+    from tpc.executors.stage_runtime import StageRuntime
+
+    sizes = sorted({int(b) for b in batch_sizes})
+    if not sizes or sizes[0] < 1:
+        raise TpirError(Diagnostic(f"bad micro-batch sizes {batch_sizes}", where="--batch-sizes",
+                                   hint="give positive sizes, e.g. --batch-sizes 1,2,4"))
+    if seq_len < 2:
+        raise TpirError(Diagnostic(f"--seq-len {seq_len} is too short to profile", where="--seq-len",
+                                   hint="profile at the sequence length you will train with"))
+    name = device_name(device)
+    dev = torch.device(device)
+    model = load_model(model_path, factory)
+    vocab = read_vocab(model, model_path)
+    sliced = SlicedModel.from_model(model, seq_len=seq_len, vocab=vocab)
+    model.to(dev)
+    hidden = sliced.hidden_size
+    elem = next(model.parameters()).element_size()
+    lengths = grid_lengths(seq_len)
+    units = []
+    for u in range(sliced.num_units):
+        stage = sliced.stage_module(u, u + 1).to(dev)
+        rt = StageRuntime(stage, 1.0)
+        fwd_fits, bwd_fits, samples = [], [], []
+        for b in sizes:
+            pts = []
+            for l in lengths:
+                for c in grid_contexts(seq_len, l):
+                    tf, tb = _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats)
+                    pts.append((l, c, tf, tb))
+                    samples.append((b, l, c, tf, tb))
+            arr = np.array(pts, dtype=np.float64)
+            fwd_fits.append(fit_curve(arr[:, 0], arr[:, 1], arr[:, 2]))
+            bwd_fits.append(fit_curve(arr[:, 0], arr[:, 1], arr[:, 3]))
+        kv_per_token = sum(_kv_row_bytes(shape, d, dt)
+                           for shape, d, dt in zip(stage._kv_shapes, stage.kv_dims, stage._kv_dtypes))
+        params = sum(p.numel() * p.element_size() for p in stage.parameters())
+        units.append(UnitProfile(label=stage.label, fwd=tuple(fwd_fits), bwd=tuple(bwd_fits),
+                                 kv_bytes_per_token=int(kv_per_token), param_bytes=int(params),
+                                 samples=tuple(samples)))
+        if log:
+            worst = max(f.rel_error for f in fwd_fits + bwd_fits)
+            log(f"unit {u} {stage.label}: {len(samples)} points, fit error {worst:.1%}")
+    link = CUDA_LINK if dev.type == "cuda" else CPU_LINK
+    return Profile(model_path=model_path, model_sha256=file_sha256(model_path), factory=factory,
+                   device=name, seq_len=seq_len, hidden=hidden, batch_sizes=tuple(sizes),
+                   units=tuple(units), act_bytes_per_token=hidden * elem,
+                   link_latency=link[0], link_bandwidth=link[1],
+                   notes=(f"link {link[0] * 1e6:.0f} us + bytes / {link[1] / 1e9:.0f} GB/s is a "
+                          "stated figure, not measured",))
+
+
+def _kv_row_bytes(shape_fn, seq_dim: int, dtype) -> int:
+    """Bytes one token of one sequence adds to a cached tensor: its shape at batch 1 with the
+    sequence dimension set to 1."""
+    shape = list(shape_fn(1))
+    shape[seq_dim] = 1
+    return int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+
+
+def profile_from_cli(args) -> int:
+    try:
+        sizes = [int(v) for v in str(args.batch_sizes).split(",") if v.strip()]
+    except ValueError:
+        raise TpirError(Diagnostic(f"--batch-sizes {args.batch_sizes!r} is not a list of integers",
+                                   where="--batch-sizes", hint="e.g. --batch-sizes 1,2,4"))
+    t0 = time.perf_counter()
+    prof = profile_model(args.model, args.seq_len, sizes, device=args.device, factory=args.factory,
+                         log=print)
+    save_profile(prof, args.output)
+    print(f"{args.output}: {prof.num_units} units x {len(prof.batch_sizes)} micro-batch sizes on "
+          f"{prof.device}, worst fit error {prof.worst_fit_error:.1%}, "
+          f"{time.perf_counter() - t0:.1f} s")
+    return 0

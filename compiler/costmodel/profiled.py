@@ -1,0 +1,92 @@
+"""Cost model from a measured profile: per-unit fits summed over each stage's units.
+
+Micro-batch sizes between measured ones are interpolated linearly; beyond the measured range
+the time scales in proportion to the rows (below the smallest: optimistic about nothing; above
+the largest: assumes the device is already saturated, which is what large micro-batches do).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tpc.compiler.costmodel.store import Profile
+
+
+class ProfiledCostModel:
+    def __init__(self, profile: Profile, stage_units):
+        ranges = [tuple(int(v) for v in r) for r in stage_units]
+        ends = [0] + [hi for _, hi in ranges]
+        if not ranges or ends[-1] != profile.num_units or any(
+                lo != prev or lo >= hi for (lo, hi), prev in zip(ranges, ends)):
+            raise ValueError(f"stage unit ranges {ranges} do not cover units 0:{profile.num_units} in order")
+        self.profile = profile
+        self.stage_units = tuple(ranges)
+        self.num_stages = len(ranges)
+        self._sizes = np.asarray(profile.batch_sizes, dtype=np.float64)
+
+    def _unit_time(self, fits, l, c, mb):
+        """Interpolate one unit's per-size fits at micro-batch sizes `mb` (arrays broadcast)."""
+        sizes = self._sizes
+        per_size = np.stack([np.broadcast_to(f(l, c), np.broadcast(l, c, mb).shape) for f in fits])
+        mb = np.broadcast_to(np.asarray(mb, dtype=np.float64), per_size.shape[1:])
+        if len(sizes) == 1:
+            return per_size[0] * mb / sizes[0]
+        hi = np.clip(np.searchsorted(sizes, mb), 1, len(sizes) - 1)
+        lo = hi - 1
+        t_lo = np.take_along_axis(per_size, lo[None], 0)[0]
+        t_hi = np.take_along_axis(per_size, hi[None], 0)[0]
+        w = (mb - sizes[lo]) / (sizes[hi] - sizes[lo])
+        inside = t_lo + w * (t_hi - t_lo)
+        below = per_size[0] * mb / sizes[0]
+        above = per_size[-1] * mb / sizes[-1]
+        return np.where(mb < sizes[0], below, np.where(mb > sizes[-1], above, inside))
+
+    def slice_times(self, stage, l, c, mb):
+        l = np.asarray(l, dtype=np.float64)
+        c = np.asarray(c, dtype=np.float64)
+        mb = np.asarray(mb, dtype=np.float64)
+        lo, hi = self.stage_units[stage]
+        f = b = 0.0
+        for u in self.profile.units[lo:hi]:
+            f = f + self._unit_time(u.fwd, l, c, mb)
+            b = b + self._unit_time(u.bwd, l, c, mb)
+        return f, b
+
+    def slice_time(self, stage: int, l: int, c: int, mb_size: int) -> tuple[float, float]:
+        f, b = self.slice_times(stage, l, c, mb_size)
+        return float(f), float(b)
+
+    def p2p_times(self, nbytes):
+        p = self.profile
+        return p.link_latency + np.asarray(nbytes, dtype=np.float64) / p.link_bandwidth
+
+    def p2p_time(self, nbytes: int) -> float:
+        return float(self.p2p_times(nbytes))
+
+    def activation_bytes(self, l: int, mb_size: int) -> int:
+        return int(l * mb_size * self.profile.act_bytes_per_token)
+
+    def activation_bytes_array(self, l, mb):
+        return np.asarray(l, dtype=np.float64) * mb * self.profile.act_bytes_per_token
+
+    def kv_bytes(self, stage: int, l: int, mb_size: int) -> int:
+        lo, hi = self.stage_units[stage]
+        return int(sum(u.kv_bytes_per_token for u in self.profile.units[lo:hi]) * l * mb_size)
+
+    def param_bytes(self, stage: int) -> int:
+        lo, hi = self.stage_units[stage]
+        return int(sum(u.param_bytes for u in self.profile.units[lo:hi]))
+
+    def unit_times(self, l: int, c: int, mb: int) -> list[float]:
+        """Forward + backward of every unit for one slice: what a stage partition balances."""
+        out = []
+        for u in self.profile.units:
+            f = self._unit_time(u.fwd, np.float64(l), np.float64(c), np.float64(mb))
+            b = self._unit_time(u.bwd, np.float64(l), np.float64(c), np.float64(mb))
+            out.append(float(f + b))
+        return out
+
+    def describe(self) -> str:
+        p = self.profile
+        return (f"profile of {p.model_path} on {p.device}: {p.num_units} units, "
+                f"worst fit error {p.worst_fit_error:.1%}")

@@ -1,0 +1,130 @@
+"""Measured profiles on disk (msgpack): what `tpc profile` writes and `--cost FILE` reads.
+
+A profile is only valid for the model file it measured (its SHA-256) and the device it ran on;
+loading it for another model or device raises a TpirError that says which and how to refresh
+it, rather than letting the optimiser plan with someone else's timings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+
+from tpc.compiler.costmodel.fit import CurveFit
+from tpc.ir.diagnostics import Diagnostic, TpirError
+
+PROFILE_FORMAT = "tpc-profile"
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class UnitProfile:
+    label: str
+    # per measured micro-batch size (ascending, as in Profile.batch_sizes): forward and backward
+    fwd: tuple[CurveFit, ...]
+    bwd: tuple[CurveFit, ...]
+    kv_bytes_per_token: int  # KV-cache bytes one token of one sequence leaves on this unit
+    param_bytes: int
+    # raw medians: (mb, l, c, t_fwd, t_bwd) per measured point
+    samples: tuple[tuple[int, int, int, float, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Profile:
+    model_path: str
+    model_sha256: str
+    factory: str
+    device: str
+    seq_len: int
+    hidden: int
+    batch_sizes: tuple[int, ...]
+    units: tuple[UnitProfile, ...]
+    act_bytes_per_token: int  # bytes of one token of one sequence's activation between units
+    # point-to-point link between stage ranks: latency (s) and bandwidth (bytes/s)
+    link_latency: float
+    link_bandwidth: float
+    version: int = PROFILE_VERSION
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def num_units(self) -> int:
+        return len(self.units)
+
+    @property
+    def worst_fit_error(self) -> float:
+        return max(f.rel_error for u in self.units for f in u.fwd + u.bwd)
+
+
+def _to_obj(p: Profile) -> dict:
+    return {
+        "format": PROFILE_FORMAT, "version": p.version, "model_path": p.model_path,
+        "model_sha256": p.model_sha256, "factory": p.factory, "device": p.device,
+        "seq_len": p.seq_len, "hidden": p.hidden, "batch_sizes": list(p.batch_sizes),
+        "act_bytes_per_token": p.act_bytes_per_token, "link_latency": p.link_latency,
+        "link_bandwidth": p.link_bandwidth, "notes": list(p.notes),
+        "units": [{"label": u.label, "fwd": [f.to_dict() for f in u.fwd],
+                   "bwd": [f.to_dict() for f in u.bwd], "kv_bytes_per_token": u.kv_bytes_per_token,
+                   "param_bytes": u.param_bytes, "samples": [list(s) for s in u.samples]}
+                  for u in p.units],
+    }
+
+
+def _from_obj(d: dict) -> Profile:
+    units = tuple(UnitProfile(label=u["label"], fwd=tuple(CurveFit.from_dict(f) for f in u["fwd"]),
+                              bwd=tuple(CurveFit.from_dict(f) for f in u["bwd"]),
+                              kv_bytes_per_token=int(u["kv_bytes_per_token"]),
+                              param_bytes=int(u["param_bytes"]),
+                              samples=tuple((int(s[0]), int(s[1]), int(s[2]), float(s[3]), float(s[4]))
+                                            for s in u["samples"]))
+                  for u in d["units"])
+    return Profile(model_path=d["model_path"], model_sha256=d["model_sha256"], factory=d["factory"],
+                   device=d["device"], seq_len=int(d["seq_len"]), hidden=int(d["hidden"]),
+                   batch_sizes=tuple(int(b) for b in d["batch_sizes"]), units=units,
+                   act_bytes_per_token=int(d["act_bytes_per_token"]),
+                   link_latency=float(d["link_latency"]), link_bandwidth=float(d["link_bandwidth"]),
+                   version=int(d["version"]), notes=tuple(d.get("notes", ())))
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    Path(path).write_bytes(msgpack.packb(_to_obj(profile), use_bin_type=True))
+
+
+def load_profile(path: str | Path, model_sha256: str | None = None, device: str | None = None) -> Profile:
+    """Read a profile; refuse one measured for another model file or another device."""
+    path = Path(path)
+    where = str(path)
+    if not path.is_file():
+        raise TpirError(Diagnostic(f"no such cost profile: {path}", where=where,
+                                   hint="write one with `tpc profile MODEL -o FILE --seq-len L`"))
+    try:
+        obj = msgpack.unpackb(path.read_bytes(), raw=False)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise TpirError(Diagnostic(f"{path} is not a cost profile ({e})", where=where,
+                                   hint="give a .msgpack file written by `tpc profile`"))
+    if not isinstance(obj, dict) or obj.get("format") != PROFILE_FORMAT:
+        raise TpirError(Diagnostic(f"{path} is not a cost profile", where=where,
+                                   hint="give a .msgpack file written by `tpc profile`"))
+    if obj.get("version") != PROFILE_VERSION:
+        raise TpirError(Diagnostic(
+            f"cost profile format version {obj.get('version')} is not {PROFILE_VERSION}", where=where,
+            hint="profile the model again with this version of `tpc profile`"))
+    try:
+        profile = _from_obj(obj)
+    except (KeyError, TypeError, ValueError) as e:
+        raise TpirError(Diagnostic(f"cost profile {path} is damaged: missing or bad {e}", where=where,
+                                   hint="profile the model again with `tpc profile`"))
+    if model_sha256 is not None and profile.model_sha256 != model_sha256:
+        raise TpirError(Diagnostic(
+            f"cost profile {path} is stale: it measured {profile.model_path} with sha256 "
+            f"{profile.model_sha256[:12]}..., the model file now has {model_sha256[:12]}...",
+            where=where,
+            hint=f"the model changed since it was profiled; run `tpc profile {profile.model_path} "
+                 f"-o {path} --seq-len {profile.seq_len}` again"))
+    if device is not None and profile.device != device:
+        raise TpirError(Diagnostic(
+            f"cost profile {path} was measured on {profile.device!r}, not on {device!r}", where=where,
+            hint="timings do not carry across devices: profile on the device that will run the "
+                 "plan, or use --device-model for an analytic estimate"))
+    return profile
