@@ -919,8 +919,8 @@ def _check_fifo(plan: Plan, shape: _Shape, idx: _Index, rep: _Report) -> None:
             if sp < top_send:
                 rep.instr(dst, p,
                           f"messages from rank {src} cross: this receive comes after "
-                          f"{rep.ref(dst, top_recv)}, but rank {src} sends this one first "
-                          f"({rep.ref(src, sp)}, then {rep.ref(src, top_send)})",
+                          f"{rep.ref(dst, top_recv)}, but rank {src} sends this one first: "
+                          f"{rep.ref(src, sp)} before {rep.ref(src, top_send)}",
                           f"messages between two ranks arrive in the order they were sent: "
                           f"move this line above {rep.at(dst, top_recv)}, or swap the sends on "
                           f"rank {src}", comm=False)
@@ -996,7 +996,7 @@ def _report_deadlock(plan, shape, idx, rep, streams, ptr, stuck, arrived) -> Non
                        f"reaches its matching send")
             fix = ""
             if sp is not None and src in blocked:
-                fix = (f"; the send ({rep.ref(src, sp)}) must run before rank {src} blocks at "
+                fix = (f"; the send at {rep.ref(src, sp)} must run before rank {src} blocks at "
                        f"{rep.at(src, blocked[src])}: move one of them, or this receive")
         else:
             others = ", ".join(str(q) for q in waits_for[r])

@@ -656,8 +656,8 @@ def test_step_before_the_last_reduction():
 def test_receives_that_cross_their_sends():
     got = expect(move(EXAMPLE, 31, 29),
                  (30, "messages from rank 0 cross: this receive comes after line 29 (recv act "
-                      "stage 1 mb 0 slice 1 from 0), but rank 0 sends this one first (line 16"))
-    assert "then line 18 (send act stage 0 mb 0 slice 1 to 1)" in got[0][1]
+                      "stage 1 mb 0 slice 1 from 0), but rank 0 sends this one first: line 16"))
+    assert "before line 18 (send act stage 0 mb 0 slice 1 to 1)" in got[0][1]
     assert "move this line above line 29" in got[0][2]
 
 
@@ -684,7 +684,7 @@ def test_deadlock_names_every_stuck_rank_and_the_cycle():
                  (29, "deadlock: rank 1 waits here forever for rank 0"))
     assert got[0][2].startswith("rank 0 waits at line 17 for rank 1, which waits at line 29 for rank 0")
     assert got[1][2].startswith("rank 1 waits at line 29 for rank 0, which waits at line 17 for rank 1")
-    assert "the send (line 18 (send act stage 0 mb 0 slice 0 to 1)) must run before rank 0 blocks at line 17" in got[1][2]
+    assert "the send at line 18 (send act stage 0 mb 0 slice 0 to 1) must run before rank 0 blocks at line 17" in got[1][2]
 
 
 def test_deadlock_on_reduce_tied():
