@@ -45,6 +45,8 @@ META_FILE = "tpc.json"
 LATEST = "latest"
 _PREFIX = "step_"
 _TMP = ".tmp_"
+# a template section whose entries may be absent from a checkpoint (see _without_missing_optional)
+_OPTIONAL = "rng"
 
 
 # ------------------------------------------------------------------------------ layout
@@ -240,7 +242,8 @@ def load_checkpoint(path: str | os.PathLike, shards_template: dict[str, Any], *,
 
     Tensors in the template receive the stored values (shapes and dtypes must match); plain
     values are replaced. Keys stored but not in the template are ignored, so each rank loads
-    only its own shard. `expect` holds tpc.json entries that must match (e.g. the plan hash and
+    only its own shard; RNG states the checkpoint lacks (another device kind) are left as they
+    are. `expect` holds tpc.json entries that must match (e.g. the plan hash and
     the mesh): a checkpoint of another plan is refused before anything is read.
     """
     step_dir = resolve_checkpoint(path)
@@ -248,16 +251,43 @@ def load_checkpoint(path: str | os.PathLike, shards_template: dict[str, Any], *,
     if expect:
         check_meta(meta, expect, step_dir)
     _check_structure(shards_template, "")
-    _check_against_stored(step_dir, _flatten(shards_template), stored_entries(step_dir))
+    stored = stored_entries(step_dir)
+    to_load = _without_missing_optional(shards_template, stored)
+    _check_against_stored(step_dir, _flatten(to_load), stored)
     distributed = _distributed(process_group)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.load(shards_template, checkpoint_id=str(step_dir), process_group=process_group,
+            dcp.load(to_load, checkpoint_id=str(step_dir), process_group=process_group,
                      no_dist=not distributed)
     except Exception as e:  # data files damaged or missing although the metadata is fine
         raise _corrupt(step_dir, f"reading the shards failed ({type(e).__name__}: {_first_line(e)})") from None
+    _copy_back(to_load, shards_template)
     return shards_template
+
+
+def _without_missing_optional(tree: Mapping, stored: Mapping, prefix: str = "") -> dict:
+    """A view of the template (the same leaf objects, new dicts) without entries under an
+    optional section ("rng") that the checkpoint lacks: RNG states depend on the device kind, and
+    a CPU run resumed on CUDA has a CUDA generator state to keep, not to load. Loading into the
+    view fills the template's own tensors; plain values are copied back by the caller."""
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, Mapping):
+            out[k] = _without_missing_optional(v, stored, key)
+        elif key in stored or _OPTIONAL not in key.split(".")[:-1]:
+            out[k] = v
+    return out
+
+
+def _copy_back(view: Mapping, tree: dict) -> None:
+    """Plain values loaded into the view go back into the template (tensors were filled in place)."""
+    for k, v in view.items():
+        if isinstance(v, Mapping):
+            _copy_back(v, tree[k])
+        else:
+            tree[k] = v
 
 
 def check_meta(meta: Mapping, expect: Mapping, where: Path) -> None:

@@ -78,6 +78,20 @@ def test_round_trip_restores_weights_optimizer_step_data_and_rng(tmp_path):
         assert torch.equal(a, b), n
 
 
+def test_rng_state_of_another_device_kind_is_optional(tmp_path):
+    net, ranks, opts = _trained()
+    save_checkpoint(tmp_path, 1, _shards(ranks, opts, 1), META)
+    _, _, _, template = _fresh_template()
+    mine = torch.arange(4, dtype=torch.uint8)
+    template["rank0"]["rng"]["torch_cuda"] = mine  # as a CUDA run would have
+    loaded = load_checkpoint(tmp_path, template)
+    assert loaded["rank0"]["rng"]["torch_cuda"] is mine and torch.equal(mine, torch.arange(4, dtype=torch.uint8))
+    assert loaded["rank0"]["step"] == 1 and loaded["rank0"]["data"]["next_step"] == 1
+    template["rank0"]["extra"] = torch.zeros(1)  # outside the optional section: still refused
+    with pytest.raises(TpirError, match="rank0.extra is not in the checkpoint"):
+        load_checkpoint(tmp_path, template)
+
+
 def test_latest_follows_the_newest_and_a_step_can_be_saved_again(tmp_path):
     net, ranks, opts = _trained()
     save_checkpoint(tmp_path, 1, _shards(ranks, opts, 1), META)
