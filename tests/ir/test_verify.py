@@ -299,10 +299,9 @@ def test_stage_on_a_rank_outside_the_mesh():
 
 
 def test_rank_without_stage():
-    text = replace(EXAMPLE, 8, 'stage 0 rank 1 units 0:3 "x"')
-    # stage 0 moved to rank 1: rank 0 holds nothing; rank 0's instructions are misplaced
-    got = found(text)
-    assert (5, "pipeline rank 0 holds no stage") in [(g[0], g[1]) for g in got]
+    text = EXAMPLE.replace("mesh pipe 2", "mesh pipe 3") + "\nrank 2\n  step\n"
+    got = expect(text, (5, "pipeline rank 2 holds no stage"))
+    assert "lower `mesh pipe`" in got[0][2]
 
 
 def test_units_gap_overlap_and_end():
@@ -322,6 +321,8 @@ def test_tie_with_missing_or_single_stage():
            (10, "names stage 5, which does not exist"))
     expect(replace(EXAMPLE, 10, 'tie "transformer.wte.weight" stages 1 1'),
            (10, "fewer than two distinct stages"))
+    twice = EXAMPLE.replace("microbatch 0", 'tie "transformer.wte.weight" stages 0 1\nmicrobatch 0')
+    expect(twice, (11, 'tie "transformer.wte.weight" is declared twice'))
 
 
 def test_microbatch_sizes_and_slices():
@@ -356,9 +357,9 @@ def test_microbatches_numbered_out_of_order():
 
 def test_batch_not_divisible_by_data():
     text = text_of(build_plan(data=2, mbs=1))  # batch 4, data 2
-    expect(re.sub(r"shape batch 4", "shape batch 5", text),
-           (lines_of(text).index("shape batch 5 seq 8 vocab 16 dtype float32".replace("5", "4")) + 1,
-            "batch 5 is not divisible by `mesh data 2`"))
+    n = next(k for k, line in enumerate(lines_of(text), 1) if line.startswith("shape batch 4 "))
+    expect(text.replace("shape batch 4 ", "shape batch 5 "),
+           (n, "batch 5 is not divisible by `mesh data 2`"))
 
 
 def test_format_version_and_missing_rank_section_in_memory():
