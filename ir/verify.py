@@ -344,8 +344,9 @@ def _check_microbatches(plan: Plan, rep: _Report) -> bool:
         where, order = f"header, microbatch line {k}", (0, 9000 + k)
         if mb.index != k:
             ok = False
-            rep.add(mb.loc, where, order, f"microbatch {mb.index} is listed where microbatch {k} "
-                    "belongs", f"number micro-batches 0, 1, 2, ... in order: write `microbatch {k}`")
+            rep.add(mb.loc, where, order,
+                    f"microbatch {mb.index} is listed where microbatch {k} belongs",
+                    f"number micro-batches 0, 1, 2, ... in order: write `microbatch {k}`")
         if mb.size < 1:
             rep.add(mb.loc, where, order, f"microbatch {mb.index} has size {mb.size}",
                     "every micro-batch takes at least one row")
@@ -355,8 +356,8 @@ def _check_microbatches(plan: Plan, rep: _Report) -> bool:
         last = h.microbatches[-1]
         rep.add(last.loc, f"header, microbatch line {len(h.microbatches) - 1}",
                 (0, 9000 + len(h.microbatches) - 1),
-                f"micro-batch sizes sum to {total}, but each replica's batch is {batch // data} rows "
-                f"(batch {batch} / data {data})",
+                f"micro-batch sizes sum to {total}, but each replica's batch is "
+                f"{batch // data} rows (batch {batch} / data {data})",
                 f"make the sizes sum to {batch // data}")
     return ok
 
@@ -464,7 +465,8 @@ def _key(ins: Instr, r: int) -> tuple:
 
 def _build_index(plan: Plan, valid: list[list[bool]]) -> _Index:
     idx = _Index(valid=valid)
-    occ, last_about, last_wgrad, last_param = idx.occ, idx.last_about, idx.last_wgrad, idx.last_param
+    occ, last_about = idx.occ, idx.last_about
+    last_wgrad, last_param = idx.last_wgrad, idx.last_param
     for r, rp in enumerate(plan.ranks):
         ok = valid[r]
         keys: list[tuple | None] = [None] * len(rp.instrs)
@@ -722,7 +724,8 @@ def _check_comm_complete(shape: _Shape, idx: _Index, rep: _Report) -> None:
 
 def _check_pair(idx: _Index, rep: _Report, payload: Payload, s_from: int, s_to: int, m: int,
                 i: int, src: int, dst: int) -> None:
-    """One message (from stage s_from on rank src to stage s_to on rank dst) is sent and received."""
+    """One message, from stage s_from on rank src to stage s_to on rank dst, is sent and
+    received (C4)."""
     send = idx.occ.get((_O.SEND, payload, s_from, m, i))
     recv = idx.occ.get((_O.RECV, payload, s_to, m, i))
     if send and recv:
@@ -822,11 +825,14 @@ def _needs(ins: Instr, r: int, shape: _Shape, idx: _Index, plan: Plan):
                 out.append((first((_O.FORWARD, None, s - 1, m, i)),
                             ("its input is the output of stage {}", s - 1)))
             else:
-                out.append((first((_O.RECV, ACT, s, m, i)), ("its input arrives with that receive",)))
+                out.append((first((_O.RECV, ACT, s, m, i)),
+                            ("its input arrives with that receive",)))
         if s == 0:
-            out.append((first((_O.LOAD, r, m)), ("the first stage reads the micro-batch's token ids",)))
+            out.append((first((_O.LOAD, r, m)),
+                        ("the first stage reads the micro-batch's token ids",)))
         elif s == shape.k - 1:
-            out.append((first((_O.LOAD, r, m)), ("the last stage reads the micro-batch's targets",)))
+            out.append((first((_O.LOAD, r, m)),
+                        ("the last stage reads the micro-batch's targets",)))
     elif op is _O.RECOMPUTE:
         out.append((first((_O.FORWARD, None, s, m, i)), ("it rebuilds the graph of that forward",)))
     elif op in (_O.BACKWARD, _O.BACKWARD_INPUT):
@@ -837,8 +843,8 @@ def _needs(ins: Instr, r: int, shape: _Shape, idx: _Index, plan: Plan):
                         ("a checkpoint forward keeps no graph: it is recomputed first",)))
         if i + 1 < shape.nslices[m]:
             out.append((idx.backward(s, m, i + 1),
-                        ("slices are back-propagated in reverse token order: slice {} sends gradients "
-                         "into the keys and values of slice {}", i + 1, i)))
+                        ("slices are back-propagated in reverse token order: slice {} sends "
+                         "gradients into the keys and values of slice {}", i + 1, i)))
         if s < shape.k - 1:
             if shape.stage_rank[s + 1] == r:
                 out.append((idx.backward(s + 1, m, i),
