@@ -39,6 +39,7 @@ class Captured:
     seq_sym: sympy.Symbol
     model_file: str | None
     param_names: dict[str, str]  # get_attr target -> canonical parameter or buffer name
+    full_range: bool  # captured for lengths 1..L (else 1..L-1, see capture())
 
 
 def model_file_of(model: nn.Module) -> str | None:
@@ -68,19 +69,22 @@ def _capture_hint(msg: str) -> str:
 
 def capture(model: nn.Module, seq_len: int, batch: int = 2) -> Captured:
     model_file = model_file_of(model)
-    ids = torch.zeros(batch, seq_len, dtype=torch.long)
-    dyn = ({0: Dim("batch", min=1), 1: Dim("seq", min=1, max=max(seq_len, 2))},)
     try:
-        ep = export(model, (ids,), dynamic_shapes=dyn, strict=False)
+        ep, full_range = _export(model, seq_len, batch, top=max(seq_len, 2)), True
+    except _ConstraintViolation:
+        # Slicing a buffer of exactly L rows by T makes export guard `T != L`, a guard the graph
+        # does not need (buf[:L] is the whole buffer). Capture on [1, L-1]; the graph runs at L
+        # unchanged and SlicedModel's self-check then runs the full length to confirm it.
+        try:
+            ep, full_range = _export(model, seq_len, batch, top=seq_len - 1), False
+        except _ConstraintViolation as e:
+            raise _capture_error(e.__cause__, model, model_file) from None
+        except Exception as e:
+            raise _capture_error(e, model, model_file) from None
     except TpirError:
         raise
     except Exception as e:
-        loc = loc_from_traceback(e.__traceback__, model_file)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TpirError(Diagnostic(
-            f"cannot capture the model with a symbolic sequence length: {type(e).__name__}: {first}",
-            loc=loc, where="" if loc else (model_file or type(model).__name__),
-            hint=_capture_hint(str(e)))) from None
+        raise _capture_error(e, model, model_file) from None
     gm = ep.module()
     canon = _canonical_names(model, gm)
     graph, ids_node = _clean_copy(gm.graph, canon)
@@ -90,7 +94,38 @@ def capture(model: nn.Module, seq_len: int, batch: int = 2) -> Captured:
         raise TpirError(Diagnostic("the model specialises the batch or sequence length while tracing",
                                    where=model_file or type(model).__name__,
                                    hint="forward must work for every batch size and sequence length"))
-    return Captured(gm, graph, ids_node, batch_sym, seq_sym, model_file, canon)
+    return Captured(gm, graph, ids_node, batch_sym, seq_sym, model_file, canon, full_range)
+
+
+class _ConstraintViolation(Exception):
+    pass
+
+
+def _export(model: nn.Module, seq_len: int, batch: int, top: int):
+    # The example length stays below the maximum where it can (at T == L a buffer sliced [:T] is
+    # taken whole and export would specialise T), and differs from the example batch, since
+    # export gives equal example sizes one symbol.
+    t_ex = top - 1 if top >= 4 else top
+    b_ex = batch if batch != t_ex else batch + 1
+    ids = torch.zeros(b_ex, t_ex, dtype=torch.long)
+    dyn = ({0: Dim("batch", min=1), 1: Dim("seq", min=1, max=top)},)
+    try:
+        return export(model, (ids,), dynamic_shapes=dyn, strict=False)
+    except Exception as e:
+        if "Constraints violated" in str(e) and top > 2:
+            raise _ConstraintViolation() from e
+        raise
+
+
+def _capture_error(e: BaseException, model: nn.Module, model_file: str | None) -> TpirError:
+    loc = loc_from_traceback(e.__traceback__, model_file)
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    detail = next((ln.strip() for ln in text.splitlines() if ln.strip().startswith("- ")), "")
+    return TpirError(Diagnostic(
+        f"cannot capture the model with a symbolic sequence length: {type(e).__name__}: {first} {detail}".strip(),
+        loc=loc, where="" if loc else (model_file or type(model).__name__),
+        hint=_capture_hint(text)))
 
 
 def _sym(d):

@@ -52,3 +52,21 @@ def test_runtime_refuses_out_of_order_slices(llama):
     rt.free_kv(0)
     with pytest.raises(RuntimeError, match="forward has not run"):
         rt.backward(0, 0, torch.ones(2, 4, 32))
+
+
+def test_mask_buffer_as_long_as_the_sequence():
+    """nanoGPT with block_size == seq_len: export guards T != L there; the front end still
+    serves every slice length up to L, gradients included."""
+    from tpc.compiler.frontend.load import import_model_file
+    from tpc.executors.oracle import max_rel_error, reference_step
+
+    from .harness import EXAMPLES, batch, sliced_step, summed
+
+    torch.manual_seed(0)
+    model = import_model_file(str(EXAMPLES / "nanogpt.py")).model(n_layer=2, n_embd=32, n_head=2, block_size=16)
+    sm = SlicedModel.from_model(model, seq_len=16, vocab=256)
+    ids, targets = batch(256, 2, 16)
+    loss, per_stage = sliced_step(sm, sm.partition_by_params(2), ids, targets, 1, [16])
+    ref_loss, ref = reference_step(model, ids, targets)
+    assert abs(loss - ref_loss) <= 1e-5 * ref_loss
+    assert max_rel_error(summed(per_stage), ref) <= 1e-5
