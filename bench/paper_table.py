@@ -1,0 +1,74 @@
+"""TeraPipe's headline table, predicted by the analytic V100 model and the DP.
+
+Cluster: AWS p3.16xlarge, 8 V100-SXM2 per node on NVLink, 25 Gbit/s between nodes. Device
+numbers are public ones (125 TFLOP/s fp16 tensor peak at 60% achieved in large GEMMs, 900 GB/s
+HBM at 80%, 10 us per kernel); the same device model prices every row, nothing is fitted to the
+paper. Models: GPT-3 shapes, L = 2048; the pipelined stages hold the decoder layers (the
+paper's pipeline stages; embedding and LM head left out of the stage times).
+
+For each row: predicted step time with batch slicing only (the best cut of the batch into
+micro-batches, no token slicing) and with the DP's micro-batches and token slices, the
+predicted speedup next to the paper's measured one, and the shape of the slicing.
+
+    OMP_NUM_THREADS=1 python bench/paper_table.py
+"""
+
+from __future__ import annotations
+
+import time
+
+from tpc.compiler.costmodel import AnalyticCostModel, ModelShapes, even_layers
+from tpc.compiler.costmodel.devices import V100
+from tpc.compiler.optimiser import optimise
+
+L = 2048
+GRANULARITY = 8
+TOLERANCE = 0.25
+# name, layers, hidden, heads, global batch, data, pipe, op, paper unsliced s, paper sliced s
+ROWS = [
+    ("GPT3-13B", 40, 5120, 40, 32, 1, 40, 8, 1.863, 1.328),
+    ("GPT3-44B", 96, 6144, 48, 8, 4, 96, 1, 13.319, 7.103),
+    ("GPT3-44B", 96, 6144, 48, 8, 1, 48, 8, 2.662, 1.111),
+    ("GPT3-175B", 96, 12288, 96, 2, 1, 48, 8, 5.822, 1.160),
+]
+
+
+def shape_of(lengths) -> str:
+    """'longer first' when lengths never grow along the sequence, else 'mixed'."""
+    if len(lengths) == 1:
+        return "one slice"
+    return "longer first" if all(a >= b for a, b in zip(lengths, lengths[1:])) else "mixed"
+
+
+def main() -> int:
+    head = (f"{'model':<10} {'data x pipe x op':>16} {'batch':>5} {'no token':>9} {'DP':>8} "
+            f"{'pred':>6} {'paper':>6} {'ratio':>6} {'ok':>3}  {'DP s':>5}  slicing (first micro-batch)")
+    print(head)
+    ok_all = True
+    for name, layers, h, heads, B, D, P, op, paper_base, paper_tp in ROWS:
+        shapes = ModelShapes(layers, h, heads, 50257, with_embedding=False, with_head=False)
+        cost = AnalyticCostModel(V100, shapes, even_layers(layers, P), op)
+        t0 = time.perf_counter()
+        ch = optimise(cost, P, L, B // D, granularity=GRANULARITY, data=D)
+        secs = time.perf_counter() - t0
+        pred = ch.unsliced_time / ch.predicted_time
+        paper = paper_base / paper_tp
+        ratio = pred / paper
+        lengths = [hi - lo for lo, hi in ch.slices[0]]
+        shape = shape_of(lengths)
+        ok = abs(ratio - 1) <= TOLERANCE and shape in ("longer first", "one slice")
+        ok_all &= ok
+        shown = lengths if len(lengths) <= 12 else lengths[:6] + ["..."] + lengths[-3:]
+        print(f"{name:<10} {f'{D} x {P} x {op}':>16} {B:>5} {ch.unsliced_time:8.3f}s "
+              f"{ch.predicted_time:7.3f}s {pred:5.2f}x {paper:5.2f}x {ratio:6.2f} "
+              f"{'yes' if ok else 'NO':>3}  {secs:5.2f}  {len(ch.mb_sizes)} mb of "
+              f"{ch.mb_sizes[0]}, {len(lengths)} slices {shape}: {shown}")
+        if ch.sync_time:
+            print(f"{'':<10} {'':>16} {'':>5} (both include {ch.sync_time:.3f} s of gradient "
+                  f"all-reduce over {D} replicas, 8 GPUs sharing each node's link)")
+    print(f"target: predicted speedup within +-{TOLERANCE:.0%} of the paper's, slices longer first")
+    return 0 if ok_all else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
