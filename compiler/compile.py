@@ -231,26 +231,21 @@ def _logits_of(out):
 # ------------------------------------------------------------------------------ --slices auto
 
 
-def auto_slices(header: Header, opts: Options, *, cost, device_model, explain: bool, progress) -> Header:
-    """`--slices auto`: the optimiser's micro-batch sizes and token slices under the cost model
-    that --cost / --device-model name; without one (or without the cost-model loader) the
-    equal slices `check_options` chose, said in one line."""
+def auto_slices(header: Header, opts: Options, *, costs, explain: bool, progress) -> Header:
+    """`--slices auto`: the optimiser's micro-batch sizes and token slices under `costs`; with
+    no cost model (None) the equal slices `check_options` chose, said in one line."""
     import dataclasses
 
-    fallback = f"{len(opts.slices)} equal slices of ~{opts.seq_len // len(opts.slices)} tokens"
-    if not (cost or device_model):
-        progress.say(f"--slices auto: {fallback} (give --cost or --device-model for the optimiser's choice)")
-        return header
-    try:
-        from tpc.compiler.costmodel import load_cost_model
-    except ImportError:
-        progress.say(f"--slices auto: {fallback} (this build has no cost-model loader yet)")
+    if costs is None:
+        progress.say(
+            f"--slices auto: {len(opts.slices)} equal slices of ~{opts.seq_len // len(opts.slices)} "
+            "tokens (give --cost or --device-model for the optimiser's choice)"
+        )
         return header
     from tpc.compiler.optimiser import explain as explain_choice
     from tpc.compiler.optimiser import optimise
 
     with progress.step("optimise") as d:
-        costs = load_cost_model(cost=cost, device_model=device_model, header=header)
         choice = optimise(costs, opts.stages, opts.seq_len, opts.batch // opts.dp,
                           microbatches=opts.microbatches, data=opts.dp)  # fmt: skip
         d.append(f"{choice.num_slices} slices, predicted step {choice.predicted_time:.4g} s")
@@ -261,6 +256,41 @@ def auto_slices(header: Header, opts: Options, *, cost, device_model, explain: b
         for m, (size, cuts) in enumerate(zip(choice.mb_sizes, choice.slices))
     )
     return dataclasses.replace(header, microbatches=mbs)
+
+
+def cost_model_for(model, sliced, vocab: int, ranges, sha256: str, *, cost, device_model):
+    """The cost model --cost / --device-model name for this partition, or None for neither.
+    The analytic model needs the model's shapes: layers are the units between the embedding
+    and the head (the front end's numbering), heads are read from the attention modules."""
+    if not (cost or device_model):
+        return None
+    from tpc.compiler.costmodel.analytic import ModelShapes
+    from tpc.compiler.costmodel.load import load_cost_model
+
+    shapes = None
+    if device_model:
+        heads = _attention_heads(model)
+        layers = sliced.num_units - 2
+        if heads is None or layers < 1:
+            raise _error(
+                "--device-model",
+                "cannot read the model's shapes for the analytic cost model"
+                + (" (no attention module with n_head/num_heads)" if heads is None else ""),
+                "measure the model with `tpc profile` and pass --cost, or give the slices explicitly",
+            )
+        shapes = ModelShapes(layers=layers, hidden=sliced.hidden_size, heads=heads, vocab=vocab)
+    return load_cost_model(cost=cost, device_model=device_model, model_shapes=shapes,
+                           stage_units=ranges, num_units=sliced.num_units,
+                           model_sha256=sha256 if cost else None)  # fmt: skip
+
+
+def _attention_heads(model) -> int | None:
+    for module in model.modules():
+        for name in ("n_head", "num_heads", "n_heads"):
+            value = getattr(module, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
 
 
 # ------------------------------------------------------------------------------ progress
@@ -343,7 +373,8 @@ def compile_plan(
         unit_labels=sliced.unit_labels, ranges=ranges, ties=ties,
     )  # fmt: skip
     if opts.slices_auto:
-        header = auto_slices(header, opts, cost=cost, device_model=device_model, explain=explain, progress=progress)
+        costs = cost_model_for(model, sliced, vocab, ranges, sha, cost=cost, device_model=device_model)
+        header = auto_slices(header, opts, costs=costs, explain=explain, progress=progress)
     with progress.step("schedule") as d:
         compute = build_schedule(opts.schedule, header)
         d.append(f"{opts.schedule}: {slicing_summary(header)}")

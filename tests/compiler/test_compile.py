@@ -192,26 +192,21 @@ def test_auto_slices_without_a_cost_model_says_it_falls_back(capsys):
     assert "--slices auto: 8 equal slices of ~2 tokens" in capsys.readouterr().err
 
 
-def test_auto_slices_take_the_optimisers_choice(monkeypatch, capsys):
-    """With a cost model, --slices auto uses what `optimise` chooses. The cost model here is
-    the analytic one for the tiny GPT's shapes (its loader from options is the cost-model
-    package's), so the test pins compile's side: call, header, verification, --explain."""
-    import tpc.compiler.costmodel as cm
+def test_auto_slices_take_the_optimisers_choice(capsys):
+    """With --device-model, --slices auto uses what `optimise` chooses under the analytic cost
+    model of the tiny GPT (2 layers, width 32, 2 heads, vocabulary 64)."""
+    from tpc.compiler.costmodel.analytic import ModelShapes
+    from tpc.compiler.costmodel.load import load_cost_model
     from tpc.compiler.optimiser import optimise
 
-    seen = {}
-
-    def load_cost_model(cost, device_model, header):
-        seen["args"] = (cost, device_model, header.mesh.pipe)
-        shapes = cm.ModelShapes(layers=2, hidden=32, heads=2, vocab=64)
-        return cm.AnalyticCostModel(cm.load_device_spec(device_model), shapes, stage_layers=(1, 1))
-
-    monkeypatch.setattr(cm, "load_cost_model", load_cost_model, raising=False)
     plan = compile_plan(TINY, stages="2", microbatches=2, seq_len=64, batch=4, slices="auto",
                         device_model="h100", explain=True)  # fmt: skip
-    want = optimise(load_cost_model(None, "h100", plan.header), 2, 64, 4, microbatches=2)
-    assert seen["args"] == (None, "h100", 2)
-    assert tuple(m.size for m in plan.header.microbatches) == want.mb_sizes
-    assert tuple(m.slices for m in plan.header.microbatches) == want.slices
+    h = plan.header
+    shapes = ModelShapes(layers=2, hidden=32, heads=2, vocab=64)
+    units = [s.units for s in h.stages]
+    costs = load_cost_model(device_model="h100", model_shapes=shapes, stage_units=units, num_units=h.units.count)
+    want = optimise(costs, 2, 64, 4, microbatches=2)
+    assert tuple(m.size for m in h.microbatches) == want.mb_sizes
+    assert tuple(m.slices for m in h.microbatches) == want.slices
     err = capsys.readouterr().err
     assert "optimise" in err and "optimiser: 2 stages, sequence 64" in err
