@@ -244,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 for greedy (default: 0.8)")
     sa.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens, 0 for all (default: 0)")
     sa.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    sa.add_argument("--model", help="model file, for a .pt without its .pt.json beside it")
+    sa.add_argument("--factory", help="factory in --model (default: the one recorded, else model)")
     sa.set_defaults(func=cmd_sample)
     return p
 
