@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     setups = [(2048, b, 1.0) for b in ((2, 32) if args.quick else (2, 4, 8, 16, 32))]
     if not args.quick:
-        setups += [(8192, b, 10.0) for b in (2, 8)]
+        setups += [(8192, b, 10.0) for b in (2, 8, 32)]
     print(f"{'setup':<34} {'seconds':>8} {'target':>7} {'ok':>4}  {'DP runs':>7}  slices/mb")
     ok_all = True
     for L, b, target in setups:
