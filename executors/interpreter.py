@@ -248,12 +248,12 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
         loss = sum(e.end_step() for e in engines)
         losses.append(loss)
         if step == 0:
-            first_grads = _gather(engines, lambda e: e.grads.items())
+            first_grads = canonical_names(model, _gather(engines, lambda e: e.grads.items()))
         if on_step is not None:
             on_step(step, loss)
     return RunResult(
         losses=losses,
-        grads=_gather(engines, lambda e: e.grads.items()),
+        grads=canonical_names(model, _gather(engines, lambda e: e.grads.items())),
         peak_live=[max(e.peak_live for e in engines if e.pipe_rank == p) for p in range(header.mesh.pipe)],
         state_dict=_state_dict(model, engines),
         events=[ev for e in engines for ev in e.events],
@@ -273,11 +273,30 @@ def _gather(engines: list[RankEngine], items) -> dict[str, torch.Tensor]:
 
 
 def _state_dict(model, engines: list[RankEngine]) -> dict[str, torch.Tensor]:
-    """The whole model's state after training: buffers from the model, each parameter from
-    replica 0's rank that trains it."""
-    base = {k: v.detach().clone() for k, v in model.state_dict().items()} if model is not None else {}
-    base.update(_gather(engines, lambda e: ((n, p.detach().clone()) for n, p in e.named_parameters)))
-    return base
+    """The whole model's state after training: each parameter from replica 0's rank that trains
+    it, under every name the model gives it (a tie has several), and the model's buffers."""
+    trained = _gather(engines, lambda e: ((n, p.detach()) for n, p in e.named_parameters))
+    if model is None:
+        return {n: v.clone() for n, v in trained.items()}
+    whole = copy.deepcopy(model).cpu()
+    by_name = dict(whole.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, value in trained.items():
+            if name in by_name:
+                by_name[name].copy_(value)
+    return {k: v.detach().clone() for k, v in whole.state_dict().items()}
+
+
+def canonical_names(model: torch.nn.Module | None, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` keyed by the model's own name of each parameter (the first name
+    `named_parameters()` gives a tied parameter), whichever alias a stage used."""
+    if model is None:
+        return tensors
+    canonical = {}
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canonical[name] = first.setdefault(id(p), name)
+    return {canonical.get(n, n): t for n, t in tensors.items()}
 
 
 def load_plan_model(plan: Plan, seed: int) -> torch.nn.Module:
