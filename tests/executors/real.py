@@ -39,8 +39,9 @@ def traced(path: str, seq_len: int):
 
 
 def real_plan(name: str, *, stages: int, microbatches: int, slices: str, schedule: str, seq_len: int = 16,
-              batch: int = 4, dp: int = 1) -> Plan:
-    path = model_file(name)
+              batch: int = 4, dp: int = 1, path: str | None = None) -> Plan:
+    """A verified plan for tiny_NAME.py (or the model file `path`)."""
+    path = path or model_file(name)
     model, sliced, vocab = traced(path, seq_len)
     opts = check_options(stages=str(stages), microbatches=microbatches, seq_len=seq_len, batch=batch,
                          slices=slices, schedule=schedule, dp=dp, ranks=None)

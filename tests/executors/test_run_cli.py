@@ -1,0 +1,121 @@
+"""`tpc run` in-process: the interpreter path with --verify-grads, --steps, --trace and --data;
+the refusals (no torchrun, options not supported yet, a changed model file, a world that does not
+match the plan) come before any work or communication, with a message that says what to do."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from tests.executors.real import model_file, real_plan
+from tpc.compiler.cli import main
+from tpc.ir.printer import print_plan
+
+
+def write_plan(tmp_path: Path, name="plan.tpir", path=None, **kw) -> str:
+    kw = dict(schedule="seq1f1b", stages=2, slices="2,9,5", microbatches=2) | kw
+    plan = real_plan("gpt", path=path, **kw)
+    out = tmp_path / name
+    out.write_text(print_plan(plan), encoding="utf-8")
+    return str(out)
+
+
+def own_model_file(tmp_path: Path) -> Path:
+    """A model file of our own (so a test may change it): the tiny GPT, imported by path."""
+    f = tmp_path / "mymodel.py"
+    f.write_text(
+        "import importlib.util, sys\n"
+        f"_spec = importlib.util.spec_from_file_location('mymodel_tiny_gpt', {model_file('gpt')!r})\n"
+        "_mod = importlib.util.module_from_spec(_spec)\n"
+        "sys.modules[_spec.name] = _mod\n"
+        "_spec.loader.exec_module(_mod)\n"
+        "model = _mod.model\n", encoding="utf-8")
+    return f
+
+
+@pytest.fixture
+def no_torchrun(monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_interpret_verify_grads_and_steps(tmp_path, capsys, no_torchrun):
+    plan = write_plan(tmp_path)
+    assert main(["run", "--interpret", plan, "--verify-grads", "--steps", "2", "--optimizer", "sgd", "--lr", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "step 1/2  loss" in out and "step 2/2  loss" in out
+    assert "verify-grads:" in out and ": ok" in out
+
+
+def test_verify_grads_fails_above_tolerance(tmp_path, capsys, no_torchrun):
+    plan = write_plan(tmp_path)
+    # sliced attention adds and multiplies in another order: errors of ~1e-7, never 0
+    assert main(["run", "--interpret", plan, "--verify-grads", "--tolerance", "1e-12", "-q"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_trace_is_chrome_json(tmp_path, no_torchrun):
+    plan = write_plan(tmp_path)
+    trace = tmp_path / "trace.json"
+    assert main(["run", "--interpret", plan, "--trace", str(trace), "-q"]) == 0
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    lines = Path(plan).read_text().splitlines()
+    assert {e["pid"] for e in events} == {0, 1}
+    for e in events:
+        assert e["dur"] >= 0 and e["args"]["rank"] == e["pid"]
+        assert lines[e["args"]["line"] - 1].strip() == e["args"]["instr"] == e["name"]
+
+
+def test_token_file_data(tmp_path, capsys, no_torchrun):
+    plan = write_plan(tmp_path)
+    tokens = tmp_path / "train.bin"
+    np.arange(5000, dtype=np.uint16).__mod__(256).astype(np.uint16).tofile(tokens)
+    assert main(["run", "--interpret", plan, "--data", str(tokens), "--verify-grads"]) == 0
+    assert ": ok" in capsys.readouterr().out
+
+
+def test_without_torchrun_or_interpret(tmp_path, capsys, no_torchrun):
+    plan = write_plan(tmp_path)
+    assert main(["run", plan]) == 1
+    err = capsys.readouterr().err
+    assert "torchrun" in err and "--interpret" in err
+
+
+@pytest.mark.parametrize("option", [["--warmup", "5"], ["--grad-clip", "1.0"], ["--checkpoint-dir", "ck"],
+                                    ["--resume"], ["--metrics", "m.jsonl"], ["--save-every", "3"]])
+def test_options_not_supported_yet_are_refused(tmp_path, capsys, no_torchrun, option):
+    plan = write_plan(tmp_path)
+    assert main(["run", "--interpret", plan, *option]) == 1
+    assert f"{option[0]} is not supported yet" in capsys.readouterr().err
+
+
+def test_changed_model_file_is_refused(tmp_path, capsys, monkeypatch):
+    model = own_model_file(tmp_path)
+    plan = write_plan(tmp_path, path=str(model), stages=2)
+    with model.open("a") as f:
+        f.write("# an edit after compiling\n")
+    for env in ({}, {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        args = ["run", plan] if env else ["run", "--interpret", plan]
+        assert main(args) == 1
+        err = capsys.readouterr().err
+        assert "has changed since the plan was compiled" in err and "recompile" in err
+    assert not dist.is_initialized()  # refused before any communication
+
+
+def test_wrong_world_size_is_refused(tmp_path, capsys, monkeypatch):
+    plan = write_plan(tmp_path, stages=2)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert main(["run", plan]) == 1
+    err = capsys.readouterr().err
+    assert "the plan needs 2 processes (mesh pipe 2 data 1), but torchrun started 3" in err
+    assert "--nproc-per-node 2" in err
+    assert f"{plan}:" in err  # located at the plan's mesh line
+    assert not dist.is_initialized()
