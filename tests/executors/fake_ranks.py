@@ -57,3 +57,24 @@ def run_with_fault(rank: int, out_dir: str, case: dict, victim: int, index: int,
     except Exception as e:  # noqa: BLE001
         fail(e if hasattr(e, "render") else str(e))
     os._exit(0)
+
+
+def run_real_cases(rank: int, out_dir: str, cases: list[dict], timeout: float) -> None:
+    """Like `run_cases`, on the tiny example GPT (traced once in this process)."""
+    from tests.executors.real import fresh_model, real_plan
+
+    world = World.from_env()
+    init(world, torch.device("cpu"), timeout)
+    for i, case in enumerate(cases):
+        try:
+            plan = real_plan("gpt", **case["plan"])
+            model, sliced = fresh_model("gpt", plan.header.shape.seq)
+            h = plan.header.shape
+            options = EngineOptions(optim=OptimSpec(*case.get("optim", ("sgd", 0.1))), record_grads=True)
+            outcome = run_plan(plan, world, model=model, sliced=sliced,
+                               batches=RandomTokens(0, h.batch, h.seq, h.vocab), steps=case.get("steps", 1),
+                               options=options, timeout=timeout)
+        except Exception as e:  # noqa: BLE001
+            fail(e if hasattr(e, "render") else f"{type(e).__name__}: {e}")
+        torch.save({"losses": outcome.losses, "first_grads": outcome.first_grads, "params": outcome.params},
+                   Path(out_dir) / f"case{i}_rank{rank}.pt")
