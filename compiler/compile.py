@@ -264,24 +264,36 @@ def cost_model_for(model, sliced, vocab: int, ranges, sha256: str, *, cost, devi
     and the head (the front end's numbering), heads are read from the attention modules."""
     if not (cost or device_model):
         return None
-    from tpc.compiler.costmodel.analytic import ModelShapes
     from tpc.compiler.costmodel.load import load_cost_model
 
-    shapes = None
-    if device_model:
-        heads = _attention_heads(model)
-        layers = sliced.num_units - 2
-        if heads is None or layers < 1:
-            raise _error(
-                "--device-model",
-                "cannot read the model's shapes for the analytic cost model"
-                + (" (no attention module with n_head/num_heads)" if heads is None else ""),
-                "measure the model with `tpc profile` and pass --cost, or give the slices explicitly",
-            )
-        shapes = ModelShapes(layers=layers, hidden=sliced.hidden_size, heads=heads, vocab=vocab)
+    shapes = analytic_shapes(model, sliced.num_units, vocab, hidden=sliced.hidden_size) if device_model else None
     return load_cost_model(cost=cost, device_model=device_model, model_shapes=shapes,
                            stage_units=ranges, num_units=sliced.num_units,
                            model_sha256=sha256 if cost else None)  # fmt: skip
+
+
+def analytic_shapes(model, num_units: int, vocab: int, hidden: int | None = None):
+    """The model's shapes for the analytic cost model: layers are the units between the
+    embedding and the head (the front end's numbering), heads are read from the attention
+    modules, the width from `hidden` or else the token embedding."""
+    import torch
+
+    from tpc.compiler.costmodel.analytic import ModelShapes
+
+    heads = _attention_heads(model)
+    layers = num_units - 2
+    if hidden is None:
+        hidden = next((m.embedding_dim for m in model.modules()
+                       if isinstance(m, torch.nn.Embedding) and m.num_embeddings == vocab), None)
+    if heads is None or layers < 1 or hidden is None:
+        missing = "no attention module with n_head/num_heads" if heads is None else (
+            "no token embedding of the vocabulary's size" if hidden is None else "fewer than 3 units")
+        raise _error(
+            "--device-model",
+            f"cannot read the model's shapes for the analytic cost model ({missing})",
+            "measure the model with `tpc profile` and pass --cost, or give the slices explicitly",
+        )
+    return ModelShapes(layers=layers, hidden=hidden, heads=heads, vocab=vocab)
 
 
 def _attention_heads(model) -> int | None:

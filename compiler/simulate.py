@@ -377,16 +377,20 @@ def load_costs(args, header: Header) -> CostModel:
     loader for --cost / --device-model."""
     if not getattr(args, "cost", None) and not getattr(args, "device_model", None):
         return UnitCosts.for_plan(header)
-    try:
-        from tpc.compiler.costmodel import load_cost_model
-    except ImportError:
-        option = "--cost" if args.cost else "--device-model"
-        raise TpirError(Diagnostic(
-            f"{option} is not available yet: this build has no cost-model loader",
-            where=option,
-            hint="simulate with --unit (forward 1, backward 2 per slice) for now",
-        )) from None
-    return load_cost_model(cost=args.cost, device_model=args.device_model, header=header)
+    from tpc.compiler.costmodel import load_cost_model
+
+    ranges = [stage.units for stage in header.stages]
+    if args.cost:
+        return load_cost_model(cost=args.cost, stage_units=ranges, num_units=header.units.count,
+                               model_sha256=header.model.sha256)
+    # the analytic model needs the model's shapes: build the model (no trace) from the plan
+    from tpc.compiler.compile import analytic_shapes
+    from tpc.compiler.frontend import load_model
+
+    model = load_model(header.model.path, header.model.factory)
+    shapes = analytic_shapes(model, header.units.count, header.shape.vocab)
+    return load_cost_model(device_model=args.device_model, model_shapes=shapes,
+                           stage_units=ranges, num_units=header.units.count)
 
 
 def format_quantity(value: float, unit: str) -> str:

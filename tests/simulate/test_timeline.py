@@ -198,11 +198,22 @@ def test_simulate_cli_refuses_a_plan_that_does_not_verify(plan_file, capsys):
     assert f"{plan_file}:" in err and "error:" in err and "hint:" in err
 
 
-def test_cost_options_without_a_cost_model_loader_are_a_clear_error(plan_file, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "tpc.compiler.costmodel", None)  # import fails
-    assert main(["simulate", str(plan_file), "--device-model", "h100"]) == 1
+def test_device_model_prices_a_compiled_plan_in_seconds(tmp_path, repo_root, capsys):
+    plan = tmp_path / "gpt.tpir"
+    model = repo_root / "tests" / "compiler" / "models" / "tiny_gpt.py"
+    assert main(["compile", str(model), "-o", str(plan), "--stages", "2", "--seq-len", "16",
+                 "--batch", "2", "--slices", "2", "-q"]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(plan), "--device-model", "v100"]) == 0
+    out = capsys.readouterr().out
+    assert "analytic v100" in out and "iteration time:" in out and " ms" in out
+
+
+def test_a_profile_of_another_model_is_refused(plan_file, tmp_path, capsys):
+    missing = tmp_path / "costs.msgpack"
+    assert main(["simulate", str(plan_file), "--cost", str(missing)]) == 1
     err = capsys.readouterr().err
-    assert "--device-model is not available yet" in err and "--unit" in err
+    assert "error:" in err and "Traceback" not in err
 
 
 def test_an_output_that_cannot_be_written_is_a_clear_error(plan_file, tmp_path, capsys):
