@@ -42,24 +42,23 @@ class OptimSpec:
 
 
 class RankOptimizer:
-    """`step()` updates the parameters and zeroes their gradients (set to None)."""
+    """`step()` updates the parameters and zeroes their gradients (set to None). The torch
+    optimizer is `tpc.executors.param_groups.build_optimizer`'s: decay on matrices only, and
+    per-parameter (foreach=False) arithmetic, so a split model steps exactly as the whole one."""
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], spec: OptimSpec):
+        from tpc.executors.param_groups import build_optimizer as torch_optimizer
+
         params = unique_parameters(named_params)
         self.spec = spec
         self.params = [p for _, p in params]
-        if not self.params:
-            self.opt = None  # a rank may hold no trainable parameter; step is then a no-op
-        elif spec.kind == "sgd":
-            self.opt = torch.optim.SGD(self.params, lr=spec.lr, foreach=False)
-        else:
-            decay = [p for _, p in params if p.dim() >= 2]
-            no_decay = [p for _, p in params if p.dim() < 2]
-            groups = [g for g in ({"params": decay, "weight_decay": spec.weight_decay},
-                                  {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-            # foreach=False: the per-parameter loop is the same arithmetic whichever parameters
-            # a rank holds, so a split model's weights match the whole model's bit for bit.
-            self.opt = torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, foreach=False)
+        # a rank may hold no trainable parameter; step is then a no-op
+        self.opt = torch_optimizer(spec.kind, params, spec.lr, spec.weight_decay, spec.betas) if params else None
+
+    def set_lr(self, lr: float) -> None:
+        if self.opt is not None:
+            for group in self.opt.param_groups:
+                group["lr"] = lr
 
     def step(self) -> None:
         if self.opt is not None:
