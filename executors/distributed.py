@@ -128,10 +128,12 @@ class Groups:
 
     dp: object | None
     ties: dict[str, object | None] = field(default_factory=dict)
+    pipeline: object | None = None  # this replica's pipeline ranks (the global gradient norm)
 
 
-def make_groups(plan: Plan, world: World, timeout: float) -> Groups:
-    """Every group, created by every rank in the same order; this rank keeps its own."""
+def make_groups(plan: Plan, world: World, timeout: float, *, pipeline: bool = False) -> Groups:
+    """Every group, created by every rank in the same order; this rank keeps its own. The
+    pipeline groups (one per replica) only when asked for (gradient clipping)."""
     h = plan.header
     pipe, data = h.mesh.pipe, h.mesh.data
     me_p, me_d = world.rank % pipe, world.rank // pipe
@@ -149,6 +151,11 @@ def make_groups(plan: Plan, world: World, timeout: float) -> Groups:
             g = dist.new_group(members, timeout=t) if len(members) > 1 else None
             if d == me_d and me_p in ranks:
                 groups.ties[tie.name] = g
+    if pipeline and pipe > 1:
+        for d in range(data):
+            g = dist.new_group([d * pipe + p for p in range(pipe)], timeout=t)
+            if d == me_d:
+                groups.pipeline = g
     return groups
 
 
@@ -259,6 +266,14 @@ class DistTransport:
         work = dist.all_reduce(tensor, group=group, async_op=True)
         self._wait(work, f"the gradient of tie {name!r} from the other ranks holding it")
 
+    def sum_over_pipeline(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.groups.pipeline is None:
+            return tensor
+        t = tensor.to(self.device)
+        work = dist.all_reduce(t, group=self.groups.pipeline, async_op=True)
+        self._wait(work, "the gradient norms of the other pipeline ranks")
+        return t.cpu()
+
     # ---------------------------------------------------------------------------- waits
 
     def _wait(self, work, what: str) -> None:
@@ -355,7 +370,7 @@ def run_plan(plan: Plan, world: World, *, model: torch.nn.Module, sliced=None, s
     if stage_factory is None:
         stage_factory = stage_factory_from_model(sliced, model)
         hidden_size = sliced.hidden_size
-    groups = make_groups(plan, world, timeout)
+    groups = make_groups(plan, world, timeout, pipeline=options.grad_clip > 0)
     dtype = DTYPES.get(plan.header.shape.dtype, torch.float32)
     transport = DistTransport(plan, world, groups, device=options.device, hidden_size=hidden_size,
                               dtype=dtype, timeout=timeout, tags=dist.get_backend() == "gloo")
@@ -431,7 +446,8 @@ def main(plan_path: str, settings) -> int:
     batches = batch_source(plan, settings)
     init(world, device, settings.timeout)
     options = EngineOptions(device=device, optim=settings.optim, trace=bool(settings.trace),
-                            bf16=settings.bf16, record_grads=settings.verify_grads)
+                            bf16=settings.bf16, record_grads=settings.verify_grads,
+                            lr_at=settings.lr_schedule(), grad_clip=settings.grad_clip)
     show = print_step(settings.steps) if world.rank == 0 and not settings.quiet else None
     try:
         outcome = run_plan(plan, world, model=model, sliced=sliced, batches=batches, steps=settings.steps,

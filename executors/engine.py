@@ -63,6 +63,10 @@ class Transport(Protocol):
 
     def flush(self) -> None: ...
 
+    def sum_over_pipeline(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over the pipeline ranks of this replica (for the global gradient norm)."""
+        ...
+
 
 class StageRuntimeLike(Protocol):
     """The part of `tpc.executors.stage_runtime.StageRuntime` the engine uses."""
@@ -129,6 +133,10 @@ class EngineOptions:
     bf16: bool = False
     # keep a copy of every parameter's gradient at `step` (before the update), for checks
     record_grads: bool = False
+    # the learning rate of each step (None: the optimizer's own, constant)
+    lr_at: Callable[[int], float] | None = None
+    # clip the global gradient norm to this before each update (0: no clipping)
+    grad_clip: float = 0.0
     # called before each instruction with (engine, index); tests use it to inject faults
     before_instr: Callable[["RankEngine", int], None] | None = None
 
@@ -159,6 +167,7 @@ class RankEngine:
         self.epoch = time.perf_counter()
         self.losses: list[float] = []
         self.grads: dict[str, torch.Tensor] = {}
+        self.grad_norm: float | None = None
         self.step = -1
         self.pc = len(self.instrs)
         self._dispatch: dict[Op, Callable[[Instr], None]] = {
@@ -411,8 +420,19 @@ class RankEngine:
 
     def _step(self, instr: Instr) -> None:
         self.transport.flush()
-        if self.options.record_grads:
+        if self.options.record_grads:  # the model's gradients, before clipping changes them
             self.grads = {n: _grad_of(p).detach().clone() for n, p in self.named_parameters}
+        if self.options.grad_clip > 0:
+            from tpc.executors.clip import clip_global, tied_copies_not_owned
+
+            for _, p in self.named_parameters:
+                _grad_of(p)
+            self.grad_norm = clip_global(
+                self.named_parameters, self.options.grad_clip,
+                skip=tied_copies_not_owned(self.header, self.pipe_rank),
+                sum_over_pipeline=self.transport.sum_over_pipeline)
+        if self.options.lr_at is not None:
+            self.optimizer.set_lr(self.options.lr_at(self.step))
         self.optimizer.step()
 
     # -------------------------------------------------------------------------- access

@@ -152,6 +152,12 @@ class LocalTransport:
     def flush(self) -> None:
         pass  # in-memory sends complete at once
 
+    def sum_over_pipeline(self, tensor: torch.Tensor) -> torch.Tensor:
+        members = [self._global(r) for r in range(self.pipe)]
+        self.hub.collective(self._occurrence(("pipeline-sum", self.data_rank)), members, self.me,
+                            [tensor], "the global gradient norm")
+        return tensor
+
 
 def run_cooperatively(engines: list[RankEngine]) -> None:
     """Run every engine to the end of its stream; a round without progress is a deadlock."""
@@ -201,7 +207,7 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
               sliced=None, stage_factory_for=None, hidden_size: int | None = None,
               batches: BatchSource | None = None, optim: OptimSpec | None = None,
               device: str | torch.device = "cpu", trace: bool = False, verify: bool = True,
-              on_step=None) -> RunResult:
+              lr_at=None, grad_clip: float = 0.0, on_step=None) -> RunResult:
     """Run `plan` for `steps` training steps with every rank in this process.
 
     The model comes from the plan's model file (built after `torch.manual_seed(seed)`) unless
@@ -209,6 +215,7 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
     rank, replica) trains its own copy of the model, as separate processes would.
     `stage_factory_for(model_copy) -> StageFactory` replaces the front end (tests use a fake one,
     with `hidden_size`). `verify=False` skips the verifier (to study a broken plan).
+    `lr_at(step)` sets each step's learning rate; `grad_clip` > 0 clips the global gradient norm.
     `on_step(step, loss)` is called after every step.
     """
     if verify:
@@ -228,7 +235,8 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
         raise TpirError(Diagnostic("the hidden size of the model is unknown",
                                    hint="pass hidden_size with stage_factory_for"))
     batches = batches or RandomTokens(seed, header.shape.batch, header.shape.seq, header.shape.vocab)
-    options = EngineOptions(device=device, optim=optim or OptimSpec(), trace=trace, record_grads=True)
+    options = EngineOptions(device=device, optim=optim or OptimSpec(), trace=trace, record_grads=True,
+                            lr_at=lr_at, grad_clip=grad_clip)
     hub = _Hub()
     engines: list[RankEngine] = []
     copies: dict[tuple[int, int], torch.nn.Module] = {}

@@ -37,12 +37,20 @@ class RunSettings:
     verify_grads: bool = False
     tolerance: float = 1e-5
     quiet: bool = False
+    warmup: int = 0
+    grad_clip: float = 0.0
+
+    def lr_schedule(self):
+        """step -> learning rate: linear warm-up over --warmup steps, then half a cosine down to
+        a tenth of --lr at --steps (docs/training.md)."""
+        from tpc.executors.lr import lr_at
+
+        lr_at(0, peak=self.optim.lr, warmup=self.warmup, total=self.steps)  # refuses bad settings now
+        return lambda step: lr_at(step, peak=self.optim.lr, warmup=self.warmup, total=self.steps)
 
 
 # options of `tpc run` that belong to later work, with the value that means "not asked for"
 _NOT_YET = {
-    "warmup": (0, "--warmup"),
-    "grad_clip": (0.0, "--grad-clip"),
     "metrics": (None, "--metrics"),
     "checkpoint_dir": (None, "--checkpoint-dir"),
     "save_every": (0, "--save-every"),
@@ -63,6 +71,9 @@ def settings_from_args(args) -> RunSettings:
     if args.timeout <= 0:
         raise TpirError(Diagnostic(f"--timeout must be > 0, got {args.timeout}", where="--timeout",
                                    hint="seconds a rank waits for a peer, e.g. --timeout 120"))
+    if args.grad_clip < 0:
+        raise TpirError(Diagnostic(f"--grad-clip must be >= 0, got {args.grad_clip}", where="--grad-clip",
+                                   hint="the largest global gradient norm, e.g. --grad-clip 1.0; 0 for none"))
     if args.tolerance <= 0:
         raise TpirError(Diagnostic(f"--tolerance must be > 0, got {args.tolerance}", where="--tolerance",
                                    hint="e.g. --tolerance 1e-5"))
@@ -70,7 +81,8 @@ def settings_from_args(args) -> RunSettings:
         steps=args.steps, seed=args.seed,
         optim=OptimSpec(kind=args.optimizer, lr=args.lr, weight_decay=args.weight_decay),
         device=args.device, bf16=args.bf16, timeout=args.timeout, trace=args.trace, data=args.data,
-        verify_grads=args.verify_grads, tolerance=args.tolerance, quiet=args.quiet)
+        verify_grads=args.verify_grads, tolerance=args.tolerance, quiet=args.quiet,
+        warmup=args.warmup, grad_clip=args.grad_clip)
 
 
 def run_from_cli(args) -> int:
@@ -127,6 +139,7 @@ def interpret_plan(plan, settings: RunSettings) -> int:
     batches = batch_source(plan, settings)
     result = interpret(plan, steps=settings.steps, model=model, batches=batches, optim=settings.optim,
                        device=device, trace=bool(settings.trace), verify=False,
+                       lr_at=settings.lr_schedule(), grad_clip=settings.grad_clip,
                        on_step=None if settings.quiet else print_step(settings.steps))
     if settings.trace:
         write_trace(settings.trace, result.events)

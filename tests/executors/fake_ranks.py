@@ -20,8 +20,16 @@ def _run(case: dict, world: World, timeout: float, hook=None):
     torch.manual_seed(0)
     model = FakeLM(n_layer=case["plan"].get("n_layer", 2), tie=case["plan"].get("tie", False))
     h = plan.header.shape
-    options = EngineOptions(optim=OptimSpec(*case.get("optim", ("sgd", 0.1))), record_grads=True,
-                            before_instr=hook)
+    spec = OptimSpec(*case.get("optim", ("sgd", 0.1)))
+    schedule = None
+    if "warmup" in case:
+        from functools import partial
+
+        from tpc.executors.lr import lr_at
+
+        schedule = partial(lr_at, peak=spec.lr, warmup=case["warmup"], total=case.get("steps", 1))
+    options = EngineOptions(optim=spec, record_grads=True, before_instr=hook, lr_at=schedule,
+                            grad_clip=case.get("clip", 0.0))
     return run_plan(plan, world, model=model, stage_factory=fake_factory(model), hidden_size=8,
                     batches=RandomTokens(0, h.batch, h.seq, h.vocab), steps=case.get("steps", 1),
                     options=options, timeout=timeout)

@@ -26,6 +26,10 @@ TWO_RANKS = [dict(plan=dict(schedule=s, stages=2, slices="2,7,3", microbatches=2
              for s in ("1f1b", "terapipe", "seq1f1b")]
 TWO_RANKS.append(dict(plan=dict(schedule="seq1f1b", stages=2, slices="3", microbatches=2, tie=True),
                       steps=3, optim=("adamw", 1e-2, 0.1)))
+# clipping by the global norm (summed over the pipeline ranks, the tie counted once) and a
+# warm-up/cosine learning rate
+TWO_RANKS.append(dict(plan=dict(schedule="1f1b", stages=2, slices="3", microbatches=2, tie=True),
+                      steps=3, optim=("sgd", 0.5), clip=0.05, warmup=2))
 FOUR_RANKS = [dict(plan=dict(schedule=s, stages=2, slices="3", microbatches=2, dp=2, batch=8, tie=True))
               for s in ("1f1b", "terapipe", "seq1f1b")]
 FOUR_RANKS += [dict(plan=dict(schedule=s, stages=4, slices="3", microbatches=4, tie=True))
@@ -57,8 +61,16 @@ def _interpreted(case):
     plan = fake_plan(**case["plan"])
     torch.manual_seed(0)
     model = FakeLM(n_layer=2, tie=case["plan"].get("tie", False))
+    spec = OptimSpec(*case.get("optim", ("sgd", 0.1)))
+    schedule = None
+    if "warmup" in case:
+        from functools import partial
+
+        from tpc.executors.lr import lr_at
+
+        schedule = partial(lr_at, peak=spec.lr, warmup=case["warmup"], total=case["steps"])
     result = interpret(plan, steps=case.get("steps", 1), model=model, stage_factory_for=fake_factory,
-                       hidden_size=8, optim=OptimSpec(*case.get("optim", ("sgd", 0.1))))
+                       hidden_size=8, optim=spec, lr_at=schedule, grad_clip=case.get("clip", 0.0))
     return plan, model, result
 
 
@@ -99,6 +111,31 @@ def test_two_ranks_weights_after_several_steps(two_ranks):
         for name, value in outcome["params"].items():
             assert rel_err(value, final[name].detach()) <= TOL, name
     assert rel_err(final["layers.1.w"].detach(), start.layers[1].w.detach()) > 1e-3  # it trained
+
+
+def test_two_ranks_clipping_and_lr_schedule(two_ranks):
+    from functools import partial
+
+    from tpc.executors.lr import lr_at
+
+    case, ranks = TWO_RANKS[4], two_ranks[4]
+    _check_case(case, ranks)
+    torch.manual_seed(0)
+    ref = FakeLM(n_layer=2, tie=True)
+    spec = OptimSpec(*case["optim"])
+    schedule = partial(lr_at, peak=spec.lr, warmup=case["warmup"], total=case["steps"])
+    opt = build_optimizer(ref.named_parameters(), spec)
+    for step in range(case["steps"]):
+        _, grads = reference(ref, RandomTokens(0, 4, 12, 11).get(step))
+        for n, p in ref.named_parameters():
+            p.grad = grads[n]
+        assert torch.nn.utils.clip_grad_norm_(ref.parameters(), case["clip"]) > case["clip"]
+        opt.set_lr(schedule(step))
+        opt.step()
+    final = dict(ref.named_parameters())
+    for outcome in ranks:
+        for name, value in outcome["params"].items():
+            assert rel_err(value, final[name].detach()) <= TOL, name
 
 
 @pytest.mark.parametrize("i", range(len(FOUR_RANKS)))

@@ -91,6 +91,29 @@ def test_weights_after_several_steps_match_plain_training():
     assert rel_err(result.state_dict["layers.0.w"], model.layers[0].w.detach()) > 1e-3
 
 
+def test_clipping_and_lr_schedule_match_plain_training():
+    from functools import partial
+
+    from tpc.executors.lr import lr_at
+
+    plan = fake_plan(schedule="1f1b", stages=3, slices="3", microbatches=2, tie=True)
+    spec, clip, steps = OptimSpec("sgd", lr=0.5), 0.05, 3
+    schedule = partial(lr_at, peak=spec.lr, warmup=2, total=steps)
+    model, result = run_fake(plan, steps=steps, optim=spec, lr_at=schedule, grad_clip=clip)
+    ref = copy.deepcopy(model)
+    opt = build_optimizer(ref.named_parameters(), spec)
+    for step in range(steps):
+        _, grads = reference(ref, RandomTokens(0, 4, 12, plan.header.shape.vocab).get(step))
+        for n, p in ref.named_parameters():
+            p.grad = grads[n]
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+        assert norm > clip  # clipping changes these steps
+        opt.set_lr(schedule(step))
+        opt.step()
+    for n, p in ref.named_parameters():
+        assert rel_err(result.state_dict[n], p.detach()) <= TOL, n
+
+
 def _rewrite(plan, rank, fn):
     """The plan with rank `rank`'s instruction list replaced by fn(list)."""
     ranks = list(plan.ranks)
