@@ -175,6 +175,7 @@ class DistTransport:
         self.instrs = plan.program(self.pipe_rank).instrs
         self.groups, self.device, self.timeout = groups, device, timeout
         self.hidden_size, self.dtype, self.tags = hidden_size, dtype, tags
+        self.early = tags  # post receives ahead: gloo only, see `ahead`
         self.posted: dict[int, tuple[object, torch.Tensor]] = {}
         self.next_post = 0
         self.sends: list[tuple[object, torch.Tensor, str]] = []
@@ -193,7 +194,15 @@ class DistTransport:
 
     def ahead(self, index: int) -> None:
         """About to run instruction `index`: post every receive up to the compute after the
-        next one, in program order (so each channel's receives are posted in order)."""
+        next one, in program order (so each channel's receives are posted in order).
+
+        Only on gloo. NCCL runs the sends and receives between two ranks in issue order on one
+        stream and a send completes only when received, so a receive posted early would hold
+        back this rank's later sends to that peer, which the peer may need first (1F1B: the
+        activation one way while the gradient comes back). On NCCL each receive is issued
+        at its own instruction, where the plan's order (verified deadlock-free) applies."""
+        if not self.early:
+            return
         computes, j = 0, max(self.next_post, index)
         # count the computes between index and where posting stopped last time
         for k in range(index, j):
@@ -223,7 +232,7 @@ class DistTransport:
 
     def recv(self, key: Key, src: int, shape, dtype, index: int) -> torch.Tensor:
         if index not in self.posted:
-            self.ahead(index)
+            self._post(index)
         work, buf = self.posted.pop(index)
         self._wait(work, f"the message {_key_str(key)} from rank {self._global(src)}")
         return buf
