@@ -453,7 +453,12 @@ def main(plan_path: str, settings) -> int:
     sliced = slice_model(model, plan)
     model.to(device)
     batches = batch_source(plan, settings)
-    init(world, device, settings.timeout)
+    try:
+        init(world, device, settings.timeout)
+    except Exception as e:  # noqa: BLE001 - whatever the rendezvous raises, say what it means
+        fail(f"rank {world.rank}: could not join the other {world.size - 1} rank(s) within "
+             f"{settings.timeout:g} s: {backend_cause(e)}",
+             hint="every rank must start (torchrun --nproc-per-node N) and reach MASTER_ADDR:MASTER_PORT")
     options = EngineOptions(device=device, optim=settings.optim, trace=bool(settings.trace),
                             bf16=settings.bf16, record_grads=settings.verify_grads,
                             lr_at=settings.lr_schedule(), grad_clip=settings.grad_clip)

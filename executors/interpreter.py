@@ -30,7 +30,6 @@ from tpc.executors.engine import (
     EngineOptions,
     Key,
     RankEngine,
-    StageFactory,
     TraceEvent,
     _key_str,
     stage_factory_from_model,

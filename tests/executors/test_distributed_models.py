@@ -112,3 +112,14 @@ def test_torchrun_command_line(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 2/2  loss" in done.stdout
     assert done.stdout.count("verify-grads:") == 1 and ": ok" in done.stdout  # printed by rank 0 only
+
+
+def test_a_rank_that_never_comes_is_reported_not_waited_for(tmp_path):
+    plan = tmp_path / "plan.tpir"
+    plan.write_text(print_plan(real_plan("gpt", **_plan("1f1b", stages=2))), encoding="utf-8")
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", RANK="0", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    done = subprocess.run(["tpc", "run", str(plan), "--timeout", "3"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 1
+    assert "rank 0: could not join the other 1 rank(s) within 3 s" in done.stderr
