@@ -379,7 +379,7 @@ def run_plan(plan: Plan, world: World, *, model: torch.nn.Module, sliced=None, s
     if stage_factory is None:
         stage_factory = stage_factory_from_model(sliced, model)
         hidden_size = sliced.hidden_size
-    groups = make_groups(plan, world, timeout, pipeline=options.grad_clip > 0)
+    groups = make_groups(plan, world, timeout, pipeline=options.grad_clip > 0 or options.grad_norm)
     dtype = DTYPES.get(plan.header.shape.dtype, torch.float32)
     transport = DistTransport(plan, world, groups, device=options.device, hidden_size=hidden_size,
                               dtype=dtype, timeout=timeout, tags=dist.get_backend() == "gloo")
@@ -400,6 +400,7 @@ def run_plan(plan: Plan, world: World, *, model: torch.nn.Module, sliced=None, s
         dist.barrier()
         engine.epoch = time.perf_counter()  # trace times count from a common start
         for step in range(steps):
+            started = time.perf_counter()
             transport.start_step()
             engine.run_step(step, batches.get(step))
             total = torch.tensor([engine.step_loss], dtype=torch.float64, device=options.device)
@@ -410,7 +411,9 @@ def run_plan(plan: Plan, world: World, *, model: torch.nn.Module, sliced=None, s
             if step == 0:
                 first_grads = dict(engine.grads)
             if on_step is not None:
-                on_step(step, losses[-1])
+                lr = options.lr_at(step) if options.lr_at is not None else options.optim.lr
+                on_step(step, losses[-1], dict(lr=lr, grad_norm=engine.grad_norm,
+                                               step_time=time.perf_counter() - started))
     finally:
         watchdog.stop.set()
     return RankOutcome(losses, first_grads, {n: p.detach().cpu().clone() for n, p in engine.named_parameters},
@@ -430,10 +433,10 @@ def main(plan_path: str, settings) -> int:
 
     from tpc.executors.interpreter import load_plan_model, slice_model
     from tpc.executors.launch import (
+        Reporter,
         batch_source,
         check_bf16,
         compare_grads,
-        print_step,
         reference_gradients,
         report_check,
         write_trace,
@@ -461,11 +464,13 @@ def main(plan_path: str, settings) -> int:
              hint="every rank must start (torchrun --nproc-per-node N) and reach MASTER_ADDR:MASTER_PORT")
     options = EngineOptions(device=device, optim=settings.optim, trace=bool(settings.trace),
                             bf16=settings.bf16, record_grads=settings.verify_grads,
-                            lr_at=settings.lr_schedule(), grad_clip=settings.grad_clip)
-    show = print_step(settings.steps) if world.rank == 0 and not settings.quiet else None
+                            lr_at=settings.lr_schedule(), grad_clip=settings.grad_clip,
+                            grad_norm=bool(settings.metrics))
+    show = Reporter(settings, plan, world.rank)
     try:
         outcome = run_plan(plan, world, model=model, sliced=sliced, batches=batches, steps=settings.steps,
                            options=options, timeout=settings.timeout, on_step=show)
+        show.close()
     except TpirError as e:
         fail(e)
     except Exception as e:  # noqa: BLE001 - outside an instruction (setup): still report and leave

@@ -137,6 +137,8 @@ class EngineOptions:
     lr_at: Callable[[int], float] | None = None
     # clip the global gradient norm to this before each update (0: no clipping)
     grad_clip: float = 0.0
+    # compute the global gradient norm each step even without clipping (for metrics)
+    grad_norm: bool = False
     # called before each instruction with (engine, index); tests use it to inject faults
     before_instr: Callable[["RankEngine", int], None] | None = None
 
@@ -422,7 +424,7 @@ class RankEngine:
         self.transport.flush()
         if self.options.record_grads:  # the model's gradients, before clipping changes them
             self.grads = {n: _grad_of(p).detach().clone() for n, p in self.named_parameters}
-        if self.options.grad_clip > 0:
+        if self.options.grad_clip > 0 or self.options.grad_norm:
             from tpc.executors.clip import clip_global, tied_copies_not_owned
 
             for _, p in self.named_parameters:

@@ -19,6 +19,7 @@ rank order), so the interpreter is deterministic.
 from __future__ import annotations
 
 import copy
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -206,7 +207,7 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
               sliced=None, stage_factory_for=None, hidden_size: int | None = None,
               batches: BatchSource | None = None, optim: OptimSpec | None = None,
               device: str | torch.device = "cpu", trace: bool = False, verify: bool = True,
-              lr_at=None, grad_clip: float = 0.0, on_step=None) -> RunResult:
+              lr_at=None, grad_clip: float = 0.0, grad_norm: bool = False, on_step=None) -> RunResult:
     """Run `plan` for `steps` training steps with every rank in this process.
 
     The model comes from the plan's model file (built after `torch.manual_seed(seed)`) unless
@@ -215,7 +216,8 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
     `stage_factory_for(model_copy) -> StageFactory` replaces the front end (tests use a fake one,
     with `hidden_size`). `verify=False` skips the verifier (to study a broken plan).
     `lr_at(step)` sets each step's learning rate; `grad_clip` > 0 clips the global gradient norm.
-    `on_step(step, loss)` is called after every step.
+    `on_step(step, loss, info)` is called after every step; info has the step's "lr",
+    "grad_norm" (with `grad_clip` or `grad_norm=True`, else None) and "step_time" in seconds.
     """
     if verify:
         _check_plan(plan)
@@ -235,7 +237,7 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
                                    hint="pass hidden_size with stage_factory_for"))
     batches = batches or RandomTokens(seed, header.shape.batch, header.shape.seq, header.shape.vocab)
     options = EngineOptions(device=device, optim=optim or OptimSpec(), trace=trace, record_grads=True,
-                            lr_at=lr_at, grad_clip=grad_clip)
+                            lr_at=lr_at, grad_clip=grad_clip, grad_norm=grad_norm)
     hub = _Hub()
     engines: list[RankEngine] = []
     copies: dict[tuple[int, int], torch.nn.Module] = {}
@@ -247,6 +249,7 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
                                       hidden_size=hidden_size, options=options))
     losses: list[float] = []
     for step in range(steps):
+        started = time.perf_counter()
         tokens = batches.get(step)
         for e in engines:
             e.transport.step = step
@@ -257,7 +260,9 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
         if step == 0:
             first_grads = canonical_names(model, _gather(engines, lambda e: e.grads.items()))
         if on_step is not None:
-            on_step(step, loss)
+            lr = lr_at(step) if lr_at is not None else options.optim.lr
+            on_step(step, loss, dict(lr=lr, grad_norm=engines[0].grad_norm,
+                                     step_time=time.perf_counter() - started))
     return RunResult(
         losses=losses,
         grads=canonical_names(model, _gather(engines, lambda e: e.grads.items())),

@@ -39,6 +39,7 @@ class RunSettings:
     quiet: bool = False
     warmup: int = 0
     grad_clip: float = 0.0
+    metrics: str | None = None
 
     def lr_schedule(self):
         """step -> learning rate: linear warm-up over --warmup steps, then half a cosine down to
@@ -51,7 +52,6 @@ class RunSettings:
 
 # options of `tpc run` that belong to later work, with the value that means "not asked for"
 _NOT_YET = {
-    "metrics": (None, "--metrics"),
     "checkpoint_dir": (None, "--checkpoint-dir"),
     "save_every": (0, "--save-every"),
     "resume": (False, "--resume"),
@@ -82,7 +82,7 @@ def settings_from_args(args) -> RunSettings:
         optim=OptimSpec(kind=args.optimizer, lr=args.lr, weight_decay=args.weight_decay),
         device=args.device, bf16=args.bf16, timeout=args.timeout, trace=args.trace, data=args.data,
         verify_grads=args.verify_grads, tolerance=args.tolerance, quiet=args.quiet,
-        warmup=args.warmup, grad_clip=args.grad_clip)
+        warmup=args.warmup, grad_clip=args.grad_clip, metrics=args.metrics)
 
 
 def run_from_cli(args) -> int:
@@ -137,10 +137,12 @@ def interpret_plan(plan, settings: RunSettings) -> int:
     model = load_plan_model(plan, settings.seed)
     reference = copy.deepcopy(model) if settings.verify_grads else None
     batches = batch_source(plan, settings)
+    reporter = Reporter(settings, plan, rank=0)
     result = interpret(plan, steps=settings.steps, model=model, batches=batches, optim=settings.optim,
                        device=device, trace=bool(settings.trace), verify=False,
                        lr_at=settings.lr_schedule(), grad_clip=settings.grad_clip,
-                       on_step=None if settings.quiet else print_step(settings.steps))
+                       grad_norm=bool(settings.metrics), on_step=reporter)
+    reporter.close()
     if settings.trace:
         write_trace(settings.trace, result.events)
     if not settings.verify_grads:
@@ -151,13 +153,29 @@ def interpret_plan(plan, settings: RunSettings) -> int:
     return report_check(loss, ref_loss, worst, name, settings.tolerance)
 
 
-def print_step(steps: int):
-    width = len(str(steps))
+class Reporter:
+    """After each step: the progress line on rank 0 (unless --quiet) and, with --metrics, one
+    JSON line (docs/training.md). Steps are counted from 1 in both."""
 
-    def show(step: int, loss: float) -> None:
-        print(f"step {step + 1:>{width}}/{steps}  loss {loss:.6f}", flush=True)
+    def __init__(self, settings: RunSettings, plan, rank: int):
+        from tpc.executors.progress import MetricsWriter, Progress
 
-    return show
+        self.tokens = plan.header.tokens_per_step
+        self.progress = Progress(settings.steps, quiet=settings.quiet, rank=rank)
+        self.metrics = MetricsWriter(settings.metrics) if settings.metrics and rank == 0 else None
+
+    def __call__(self, step: int, loss: float, info: dict) -> None:
+        t = info["step_time"]
+        self.progress.update(step + 1, loss=loss, tokens=self.tokens, step_time=t, lr=info["lr"],
+                             grad_norm=info["grad_norm"])
+        if self.metrics is not None:
+            self.metrics.write(step + 1, loss=loss, lr=info["lr"], grad_norm=info["grad_norm"],
+                               tokens_per_s=self.tokens / t if t > 0 else float("inf"), step_time=t)
+
+    def close(self) -> None:
+        self.progress.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 def reference_gradients(model: torch.nn.Module, tokens: torch.Tensor):

@@ -61,6 +61,27 @@ def test_warmup_and_clipping(tmp_path, capsys, no_torchrun):
     assert "--grad-clip must be >= 0" in capsys.readouterr().err
 
 
+def test_metrics_file(tmp_path, no_torchrun):
+    from tpc.executors.lr import lr_at
+
+    plan = write_plan(tmp_path)
+    metrics = tmp_path / "m.jsonl"
+    assert main(["run", "--interpret", plan, "--steps", "3", "--warmup", "2", "--lr", "0.01",
+                 "--metrics", str(metrics), "-q"]) == 0
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["lr"] for r in rows] == [lr_at(s, peak=0.01, warmup=2, total=3) for s in range(3)]
+    assert all(r["grad_norm"] > 0 and r["loss"] > 0 and r["step_time"] > 0 for r in rows)
+    # the first step's norm is the whole model's, a tied weight counted once
+    from tests.executors.real import fresh_model
+    from tpc.executors.data import RandomTokens
+    from tpc.executors.launch import reference_gradients
+
+    _, grads = reference_gradients(fresh_model("gpt")[0], RandomTokens(0, 4, 16, 256).get(0))
+    norm = sum(float(g.double().pow(2).sum()) for g in grads.values()) ** 0.5
+    assert rows[0]["grad_norm"] == pytest.approx(norm, rel=1e-5)
+
+
 def test_verify_grads_fails_above_tolerance(tmp_path, capsys, no_torchrun):
     plan = write_plan(tmp_path)
     # sliced attention adds and multiplies in another order: errors of ~1e-7, never 0
@@ -96,7 +117,7 @@ def test_without_torchrun_or_interpret(tmp_path, capsys, no_torchrun):
 
 
 @pytest.mark.parametrize("option", [["--checkpoint-dir", "ck"],
-                                    ["--resume"], ["--metrics", "m.jsonl"], ["--save-every", "3"]])
+                                    ["--resume"], ["--save-every", "3"]])
 def test_options_not_supported_yet_are_refused(tmp_path, capsys, no_torchrun, option):
     plan = write_plan(tmp_path)
     assert main(["run", "--interpret", plan, *option]) == 1
