@@ -6,9 +6,10 @@ the plan was compiled from (all ranks see the same files, so all refuse alike).
 
 Communication follows the plan's semantics with torch.distributed:
 
-- point-to-point: receives are posted early (`irecv` into a buffer of the shape the plan implies,
-  for every `recv` up to the compute after the next one) and waited on just before the
-  instruction that needs them; sends are `isend`s whose work handles are kept and waited on before
+- point-to-point: on gloo, receives are posted early (`irecv` into a buffer of the shape the plan
+  implies, for every `recv` up to the compute after the next one) and waited on just before the
+  instruction that needs them (on NCCL each is issued at its instruction, see
+  `DistTransport.ahead`); sends are `isend`s whose work handles are kept and waited on before
   `step` at the latest. Messages between two ranks in one direction are received in the order
   they were sent (the verifier checks it); on gloo the n-th message of a channel also carries tag
   n, so a mismatch could never be matched silently;
