@@ -381,7 +381,7 @@ def run_plan(plan: Plan, world: World, *, model: torch.nn.Module, sliced=None, s
         stage_factory = stage_factory_from_model(sliced, model)
         hidden_size = sliced.hidden_size
     groups = make_groups(plan, world, timeout, pipeline=options.grad_clip > 0 or options.grad_norm)
-    dtype = DTYPES.get(plan.header.shape.dtype, torch.float32)
+    dtype = DTYPES[plan.header.shape.dtype]  # the plan was verified: a known name
     transport = DistTransport(plan, world, groups, device=options.device, hidden_size=hidden_size,
                               dtype=dtype, timeout=timeout, tags=dist.get_backend() == "gloo")
     engine = RankEngine(plan, pipe_rank, data_rank, transport, stage_factory, hidden_size=hidden_size,

@@ -34,11 +34,12 @@ from tpc.executors.data import microbatch_tokens, split_tokens
 from tpc.executors.optim import OptimSpec, RankOptimizer, unique_parameters
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Instr, Op, Payload, Plan, Stage
+from tpc.ir.verify import DTYPES as PLAN_DTYPES
 
 Key = tuple[Payload, int, int, int]  # (payload, stage, mb, slice), see the module docstring
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "float64": torch.float64}
+# the parameter dtypes a plan may name (the verifier's list), as torch dtypes
+DTYPES = {name: getattr(torch, name) for name in PLAN_DTYPES}
 
 
 class Blocked(Exception):
@@ -155,7 +156,7 @@ class RankEngine:
         self.options = options or EngineOptions()
         self.hidden_size = hidden_size
         self.instrs: tuple[Instr, ...] = plan.program(pipe_rank).instrs
-        self.dtype = DTYPES.get(self.header.shape.dtype, torch.float32)
+        self.dtype = DTYPES[self.header.shape.dtype]  # the plan was verified: a known name
         self.last_stage = self.header.num_stages - 1
         loss_scale = 1.0 / self.header.tokens_per_step
         self.stages: dict[int, BuiltStage] = {
