@@ -31,7 +31,8 @@ from typing import Callable, Iterable, Protocol
 import torch
 
 from tpc.executors.data import microbatch_tokens, split_tokens
-from tpc.executors.optim import OptimSpec, RankOptimizer, unique_parameters
+from tpc.executors.optim import OptimSpec, RankOptimizer
+from tpc.executors.param_groups import unique_parameters
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Instr, Op, Payload, Plan, Stage
 from tpc.ir.verify import DTYPES as PLAN_DTYPES

@@ -14,6 +14,7 @@ from typing import Iterable
 
 import torch
 
+from tpc.executors.param_groups import unique_parameters
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 KINDS = ("adamw", "sgd")
@@ -64,18 +65,6 @@ class RankOptimizer:
         if self.opt is not None:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
-
-
-def unique_parameters(named_params: Iterable[tuple[str, torch.nn.Parameter]]):
-    """(name, parameter) pairs with each trainable parameter once (a tie held by two stages of
-    one rank is one object), in first-seen order."""
-    seen: set[int] = set()
-    out = []
-    for name, p in named_params:
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            out.append((name, p))
-    return out
 
 
 def build_optimizer(named_params, spec: OptimSpec) -> RankOptimizer:

@@ -34,7 +34,7 @@ def adamw_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_
                                    hint="e.g. --weight-decay 0.1, or 0 for none"))
     decay: list[tuple[str, torch.nn.Parameter]] = []
     no_decay: list[tuple[str, torch.nn.Parameter]] = []
-    for name, p in _unique_trainable(named_params):
+    for name, p in unique_parameters(named_params):
         (decay if p.dim() >= 2 else no_decay).append((name, p))
     groups = []
     for members, wd in ((decay, weight_decay), (no_decay, 0.0)):
@@ -60,7 +60,7 @@ def build_optimizer(kind: str, named_params: Iterable[tuple[str, torch.nn.Parame
         raise TpirError(Diagnostic(f"learning rate must be > 0, got {lr}", where="--lr", hint="e.g. --lr 3e-4"))
     named = list(named_params)
     if kind == "sgd":
-        params = sorted(_unique_trainable(named), key=lambda item: item[0])
+        params = sorted(unique_parameters(named), key=lambda item: item[0])
         if not params:
             raise _no_params()
         group = {"params": [p for _, p in params], "names": [n for n, _ in params]}
@@ -77,8 +77,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def _unique_trainable(named_params: Iterable[tuple[str, torch.nn.Parameter]]):
-    """Trainable (name, parameter) pairs, each tensor once under its first name."""
+def unique_parameters(named_params: Iterable[tuple[str, torch.nn.Parameter]]):
+    """Trainable (name, parameter) pairs, each tensor once under its first name (a tie held by
+    two stages of one rank is one object), in first-seen order."""
     seen: set[int] = set()
     out = []
     for name, p in named_params:
