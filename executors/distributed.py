@@ -372,9 +372,11 @@ def init(world: World, device: torch.device, timeout: float) -> None:
 
 def run_plan(plan: Plan, world: World, *, model: torch.nn.Module, sliced=None, stage_factory=None,
              hidden_size: int | None = None, batches, steps: int, options: EngineOptions,
-             timeout: float, on_step=None) -> RankOutcome:
-    """Run this rank's stream `steps` times in an initialised process group. A failure of this
-    rank's instruction raises (located); the caller decides how to leave."""
+             timeout: float, on_step=None, checkpoints=None) -> RankOutcome:
+    """Run this rank's stream up to step `steps` in an initialised process group: from step 0,
+    or, when `checkpoints` (`tpc.executors.run_checkpoints.RunCheckpoints`) resumes, from the
+    newest checkpoint's step. Every rank saves its own shard when a checkpoint is due. A failure
+    of this rank's instruction raises (located); the caller decides how to leave."""
     pipe = plan.header.mesh.pipe
     pipe_rank, data_rank = world.rank % pipe, world.rank // pipe
     if stage_factory is None:
@@ -398,9 +400,14 @@ def run_plan(plan: Plan, world: World, *, model: torch.nn.Module, sliced=None, s
     watchdog.start()
     losses, first_grads = [], {}
     try:
+        start = 0
+        if checkpoints is not None and checkpoints.resume:
+            transport.waiting = ("the other ranks to load the checkpoint", time.monotonic())
+            start = checkpoints.restore([engine])
+            transport.waiting = None
         dist.barrier()
         engine.epoch = time.perf_counter()  # trace times count from a common start
-        for step in range(steps):
+        for step in range(start, steps):
             started = time.perf_counter()
             transport.start_step()
             engine.run_step(step, batches.get(step))
@@ -409,12 +416,16 @@ def run_plan(plan: Plan, world: World, *, model: torch.nn.Module, sliced=None, s
             dist.all_reduce(total)
             transport.waiting = None
             losses.append(float(total))
-            if step == 0:
+            if step == start:
                 first_grads = dict(engine.grads)
             if on_step is not None:
                 lr = options.lr_at(step) if options.lr_at is not None else options.optim.lr
                 on_step(step, losses[-1], dict(lr=lr, grad_norm=engine.grad_norm,
                                                step_time=time.perf_counter() - started))
+            if checkpoints is not None:
+                transport.waiting = ("the other ranks to write their checkpoint shards", time.monotonic())
+                checkpoints.after_step([engine], step + 1)
+                transport.waiting = None
     finally:
         watchdog.stop.set()
     return RankOutcome(losses, first_grads, {n: p.detach().cpu().clone() for n, p in engine.named_parameters},
@@ -433,6 +444,7 @@ def main(plan_path: str, settings) -> int:
     import copy
 
     from tpc.executors.interpreter import load_plan_model, slice_model
+    from tpc.executors.run_checkpoints import RunCheckpoints
     from tpc.executors.launch import (
         Reporter,
         batch_source,
@@ -468,9 +480,10 @@ def main(plan_path: str, settings) -> int:
                             lr_at=settings.lr_schedule(), grad_clip=settings.grad_clip,
                             grad_norm=bool(settings.metrics))
     show = Reporter(settings, plan, world.rank)
+    checkpoints = RunCheckpoints.from_settings(plan, settings, say=show.message)
     try:
         outcome = run_plan(plan, world, model=model, sliced=sliced, batches=batches, steps=settings.steps,
-                           options=options, timeout=settings.timeout, on_step=show)
+                           options=options, timeout=settings.timeout, on_step=show, checkpoints=checkpoints)
         show.close()
     except TpirError as e:
         fail(e)

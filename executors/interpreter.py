@@ -207,7 +207,8 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
               sliced=None, stage_factory_for=None, hidden_size: int | None = None,
               batches: BatchSource | None = None, optim: OptimSpec | None = None,
               device: str | torch.device = "cpu", trace: bool = False, verify: bool = True,
-              lr_at=None, grad_clip: float = 0.0, grad_norm: bool = False, on_step=None) -> RunResult:
+              lr_at=None, grad_clip: float = 0.0, grad_norm: bool = False, on_step=None,
+              checkpoints=None) -> RunResult:
     """Run `plan` for `steps` training steps with every rank in this process.
 
     The model comes from the plan's model file (built after `torch.manual_seed(seed)`) unless
@@ -218,6 +219,9 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
     `lr_at(step)` sets each step's learning rate; `grad_clip` > 0 clips the global gradient norm.
     `on_step(step, loss, info)` is called after every step; info has the step's "lr",
     "grad_norm" (with `grad_clip` or `grad_norm=True`, else None) and "step_time" in seconds.
+    `checkpoints` (`tpc.executors.run_checkpoints.RunCheckpoints`) saves all ranks' shards when
+    due and, when resuming, first loads the newest checkpoint: the run then goes from its step
+    up to `steps` (the step the run ends at), and `losses` holds only the steps run here.
     """
     if verify:
         _check_plan(plan)
@@ -247,8 +251,10 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
             copies[(p, d)] = copy_
             engines.append(RankEngine(plan, p, d, LocalTransport(hub, plan, p, d), stage_factory_for(copy_),
                                       hidden_size=hidden_size, options=options))
+    start = checkpoints.restore(engines) if checkpoints is not None and checkpoints.resume else 0
     losses: list[float] = []
-    for step in range(steps):
+    first_grads: dict[str, torch.Tensor] = {}
+    for step in range(start, steps):
         started = time.perf_counter()
         tokens = batches.get(step)
         for e in engines:
@@ -257,12 +263,14 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
         run_cooperatively(engines)
         loss = sum(e.end_step() for e in engines)
         losses.append(loss)
-        if step == 0:
+        if step == start:
             first_grads = canonical_names(model, _gather(engines, lambda e: e.grads.items()))
         if on_step is not None:
             lr = lr_at(step) if lr_at is not None else options.optim.lr
             on_step(step, loss, dict(lr=lr, grad_norm=engines[0].grad_norm,
                                      step_time=time.perf_counter() - started))
+        if checkpoints is not None:
+            checkpoints.after_step(engines, step + 1)
     return RunResult(
         losses=losses,
         grads=canonical_names(model, _gather(engines, lambda e: e.grads.items())),

@@ -40,6 +40,9 @@ class RunSettings:
     warmup: int = 0
     grad_clip: float = 0.0
     metrics: str | None = None
+    checkpoint_dir: str | None = None
+    save_every: int = 0
+    resume: bool = False
 
     def lr_schedule(self):
         """step -> learning rate: linear warm-up over --warmup steps, then half a cosine down to
@@ -50,22 +53,9 @@ class RunSettings:
         return lambda step: lr_at(step, peak=self.optim.lr, warmup=self.warmup, total=self.steps)
 
 
-# options of `tpc run` that belong to later work, with the value that means "not asked for"
-_NOT_YET = {
-    "checkpoint_dir": (None, "--checkpoint-dir"),
-    "save_every": (0, "--save-every"),
-    "resume": (False, "--resume"),
-}
-
-
 def settings_from_args(args) -> RunSettings:
-    """RunSettings from parsed `tpc run` arguments; options not supported yet are refused
-    rather than silently ignored."""
-    for attr, (off, flag) in _NOT_YET.items():
-        value = getattr(args, attr, off)
-        if value is not None and value != off:
-            raise TpirError(Diagnostic(f"{flag} is not supported yet by `tpc run`", where=flag,
-                                       hint=f"run without {flag}"))
+    """RunSettings from parsed `tpc run` arguments, refusing meaningless combinations before
+    any work."""
     if args.steps < 1:
         raise TpirError(Diagnostic(f"--steps must be >= 1, got {args.steps}", where="--steps", hint="e.g. --steps 10"))
     if args.timeout <= 0:
@@ -77,12 +67,24 @@ def settings_from_args(args) -> RunSettings:
     if args.tolerance <= 0:
         raise TpirError(Diagnostic(f"--tolerance must be > 0, got {args.tolerance}", where="--tolerance",
                                    hint="e.g. --tolerance 1e-5"))
+    if args.save_every < 0:
+        raise TpirError(Diagnostic(f"--save-every must be >= 0, got {args.save_every}", where="--save-every",
+                                   hint="save every N steps, e.g. --save-every 100; 0 saves only at the end"))
+    for flag, given in (("--save-every", args.save_every > 0), ("--resume", args.resume)):
+        if given and not args.checkpoint_dir:
+            raise TpirError(Diagnostic(f"{flag} needs --checkpoint-dir", where=flag,
+                                       hint=f"e.g. --checkpoint-dir ckpt {flag}" + (" 100" if flag == "--save-every" else "")))
+    if args.resume and args.verify_grads:
+        raise TpirError(Diagnostic("--verify-grads checks the first step from the initial weights; "
+                                   "a resumed run does not start there", where="--verify-grads",
+                                   hint="check a fresh run (without --resume)"))
     return RunSettings(
         steps=args.steps, seed=args.seed,
         optim=OptimSpec(kind=args.optimizer, lr=args.lr, weight_decay=args.weight_decay),
         device=args.device, bf16=args.bf16, timeout=args.timeout, trace=args.trace, data=args.data,
         verify_grads=args.verify_grads, tolerance=args.tolerance, quiet=args.quiet,
-        warmup=args.warmup, grad_clip=args.grad_clip, metrics=args.metrics)
+        warmup=args.warmup, grad_clip=args.grad_clip, metrics=args.metrics,
+        checkpoint_dir=args.checkpoint_dir, save_every=args.save_every, resume=args.resume)
 
 
 def run_from_cli(args) -> int:
@@ -127,6 +129,7 @@ def interpret_plan(plan, settings: RunSettings) -> int:
     """Run a verified plan with the reference interpreter; print losses; check; trace."""
     from tpc.executors.distributed import check_model_file
     from tpc.executors.interpreter import interpret, load_plan_model
+    from tpc.executors.run_checkpoints import RunCheckpoints
 
     check_model_file(plan)
     device = torch.device("cuda" if settings.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
@@ -138,10 +141,11 @@ def interpret_plan(plan, settings: RunSettings) -> int:
     reference = copy.deepcopy(model) if settings.verify_grads else None
     batches = batch_source(plan, settings)
     reporter = Reporter(settings, plan, rank=0)
+    checkpoints = RunCheckpoints.from_settings(plan, settings, say=reporter.message)
     result = interpret(plan, steps=settings.steps, model=model, batches=batches, optim=settings.optim,
                        device=device, trace=bool(settings.trace), verify=False,
                        lr_at=settings.lr_schedule(), grad_clip=settings.grad_clip,
-                       grad_norm=bool(settings.metrics), on_step=reporter)
+                       grad_norm=bool(settings.metrics), on_step=reporter, checkpoints=checkpoints)
     reporter.close()
     if settings.trace:
         write_trace(settings.trace, result.events)
@@ -155,22 +159,40 @@ def interpret_plan(plan, settings: RunSettings) -> int:
 
 class Reporter:
     """After each step: the progress line on rank 0 (unless --quiet) and, with --metrics, one
-    JSON line (docs/training.md). Steps are counted from 1 in both."""
+    JSON line (docs/training.md). Steps are counted from 1 in both. Loss and tokens are the
+    global batch's (the executors pass the loss summed over all ranks). The metrics file is
+    opened at the first step this run makes: a fresh run starts it afresh; a resumed run keeps
+    the rows up to the step it resumed at (a crashed run may have logged past its last
+    checkpoint) and appends, so the file reads as one run."""
 
     def __init__(self, settings: RunSettings, plan, rank: int):
-        from tpc.executors.progress import MetricsWriter, Progress
+        from tpc.executors.progress import Progress
 
+        self.settings = settings
         self.tokens = plan.header.tokens_per_step
         self.progress = Progress(settings.steps, quiet=settings.quiet, rank=rank)
-        self.metrics = MetricsWriter(settings.metrics) if settings.metrics and rank == 0 else None
+        self.write_metrics = bool(settings.metrics) and rank == 0
+        self.metrics = None
 
     def __call__(self, step: int, loss: float, info: dict) -> None:
         t = info["step_time"]
         self.progress.update(step + 1, loss=loss, tokens=self.tokens, step_time=t, lr=info["lr"],
                              grad_norm=info["grad_norm"])
-        if self.metrics is not None:
+        if self.write_metrics:
+            if self.metrics is None:
+                self.metrics = self._open(first_step=step)
             self.metrics.write(step + 1, loss=loss, lr=info["lr"], grad_norm=info["grad_norm"],
                                tokens_per_s=self.tokens / t if t > 0 else float("inf"), step_time=t)
+
+    def _open(self, first_step: int):
+        from tpc.executors.progress import MetricsWriter
+
+        if self.settings.resume:
+            return MetricsWriter(self.settings.metrics, append=True, keep_through=first_step)
+        return MetricsWriter(self.settings.metrics)
+
+    def message(self, text: str) -> None:
+        self.progress.message(text)
 
     def close(self) -> None:
         self.progress.close()

@@ -135,14 +135,18 @@ class MetricsWriter:
 
     Keys in that order, then any extras in the order given. A non-finite number (a diverged
     loss) is written as null, since JSON has no NaN. `append=True` continues an existing file
-    (a resumed run); otherwise the file is started afresh.
+    (a resumed run); otherwise the file is started afresh. With `keep_through=S`, an appending
+    writer first drops the rows of steps after S (logged by a run that crashed after its last
+    checkpoint, and about to be run again), so each step appears once.
     """
 
-    def __init__(self, path: str | os.PathLike, *, append: bool = False):
+    def __init__(self, path: str | os.PathLike, *, append: bool = False, keep_through: int | None = None):
         self.path = os.fspath(path)
         parent = os.path.dirname(self.path)
         if parent:
             os.makedirs(parent, exist_ok=True)
+        if append and keep_through is not None and os.path.isfile(self.path):
+            _truncate_after(self.path, keep_through)
         self._f = open(self.path, "a" if append else "w", encoding="utf-8")
 
     def write(self, step: int, *, loss: float, lr: float, grad_norm: float | None, tokens_per_s: float,
@@ -166,3 +170,21 @@ def _finite(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Keep the rows of steps <= `step` (and any line that is not a row, e.g. half a line a crash
+    left, is dropped too: it would not parse). Rewritten through a temporary file and os.replace."""
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)

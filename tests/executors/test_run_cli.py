@@ -1,5 +1,5 @@
 """`tpc run` in-process: the interpreter path with --verify-grads, --steps, --trace and --data;
-the refusals (no torchrun, options not supported yet, a changed model file, a world that does not
+the refusals (no torchrun, checkpoint options that cannot work, a changed model file, a world that does not
 match the plan) come before any work or communication, with a message that says what to do."""
 
 from __future__ import annotations
@@ -116,12 +116,19 @@ def test_without_torchrun_or_interpret(tmp_path, capsys, no_torchrun):
     assert "torchrun" in err and "--interpret" in err
 
 
-@pytest.mark.parametrize("option", [["--checkpoint-dir", "ck"],
-                                    ["--resume"], ["--save-every", "3"]])
-def test_options_not_supported_yet_are_refused(tmp_path, capsys, no_torchrun, option):
+@pytest.mark.parametrize("option, message", [
+    (["--save-every", "3"], "--save-every needs --checkpoint-dir"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--checkpoint-dir", "ck", "--save-every", "-1"], "--save-every must be >= 0"),
+    (["--checkpoint-dir", "ck", "--resume", "--verify-grads"], "a resumed run does not start there"),
+    (["--checkpoint-dir", "nowhere", "--resume"], "--resume: no complete checkpoint in nowhere"),
+])
+def test_checkpoint_options_are_checked_before_any_work(tmp_path, capsys, no_torchrun, monkeypatch, option, message):
     plan = write_plan(tmp_path)
-    assert main(["run", "--interpret", plan, *option]) == 1
-    assert f"{option[0]} is not supported yet" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--interpret", plan, "-q", *option]) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "ck").exists()
 
 
 def test_changed_model_file_is_refused(tmp_path, capsys, monkeypatch):
