@@ -34,7 +34,7 @@ from tpc.ir.nodes import (
     UnitsLine,
 )
 
-# Until the optimiser chooses slices from a cost model, `--slices auto` cuts the sequence into
+# Without a cost model (which the optimiser needs), `--slices auto` cuts the sequence into
 # this many equal slices (about L/8 tokens each): enough to fill a short pipeline, few enough
 # that per-slice overheads stay small.
 AUTO_SLICE_COUNT = 8
@@ -49,7 +49,10 @@ def _error(option: str, message: str, hint: str) -> TpirError:
 
 @dataclass(frozen=True)
 class Options:
-    """The checked compile options (everything but the model itself)."""
+    """The checked compile options (everything but the model itself).
+
+    With `stages_auto` the mesh is searched (`stages` and `dp` are then the first candidate's
+    placeholders, 1 x `ranks` is never assumed); with `schedule_auto` the schedule is."""
 
     stages: int
     microbatches: int
@@ -59,6 +62,9 @@ class Options:
     slices: tuple[tuple[int, int], ...]
     slices_auto: bool
     schedule: str
+    stages_auto: bool = False
+    schedule_auto: bool = False
+    ranks: int | None = None
 
 
 def _positive(option: str, value, what: str) -> int:
@@ -67,16 +73,14 @@ def _positive(option: str, value, what: str) -> int:
     return value
 
 
-def parse_stages(spec) -> int:
-    """`--stages`: a positive count; 'auto' needs the optimiser and a cost model."""
+_NEEDS_COSTS = ("give --cost FILE (from `tpc profile`) or --device-model v100|a100|h100|h200|SPEC.json")
+
+
+def parse_stages(spec) -> int | str:
+    """`--stages`: a positive count, or 'auto' (the plan search picks it; see check_options)."""
     text = str(spec).strip()
     if text.lower() == AUTO:
-        raise _error(
-            "--stages",
-            "--stages auto is not available yet: choosing the pipeline depth needs the optimiser "
-            "and a cost model (--cost or --device-model)",
-            "give the number of pipeline stages, e.g. --stages 2",
-        )
+        return AUTO
     try:
         count = int(text)
     except ValueError:
@@ -85,14 +89,28 @@ def parse_stages(spec) -> int:
 
 
 def check_options(
-    *, stages, microbatches, seq_len, batch, slices, schedule, dp, ranks
+    *, stages, microbatches, seq_len, batch, slices, schedule, dp, ranks, costs: bool = False
 ) -> Options:
-    """Every option checked against the others; nothing here needs the model."""
+    """Every option checked against the others; nothing here needs the model. `costs`: a
+    cost model is named (--cost or --device-model), which the 'auto' choices need."""
     K = parse_stages(stages)
+    stages_auto = K == AUTO
     M = _positive("--microbatches", microbatches, "the number of micro-batches per step, e.g. --microbatches 4")
     L = _positive("--seq-len", seq_len, "the training sequence length, e.g. --seq-len 128")
     B = _positive("--batch", batch, "the global batch size in sequences, e.g. --batch 8")
     D = _positive("--dp", dp, "the number of data-parallel replicas, e.g. --dp 1")
+    R = _positive("--ranks", ranks, "the total number of ranks") if ranks is not None else None
+    if stages_auto:
+        if not costs:
+            raise _error("--stages", "--stages auto compares pipeline depths by their predicted "
+                         "step time, which needs a cost model", f"{_NEEDS_COSTS}, or give the number of stages")
+        if R is None:
+            raise _error("--stages", "--stages auto needs the number of ranks to split into "
+                         "pipeline x data", "give --ranks N, e.g. --stages auto --ranks 4")
+        if D != 1:
+            raise _error("--dp", f"--dp {D} with --stages auto: the search chooses the "
+                         "data-parallel degree", "leave out --dp (the search splits --ranks)")
+        K, D = R, 1  # placeholders until the search picks the mesh
     if B % D:
         raise _error(
             "--batch",
@@ -106,28 +124,26 @@ def check_options(
             f"{M} micro-batches but each replica has only {rows} sequence(s) (--batch {B} / --dp {D})",
             f"use at most {rows} micro-batches, or a larger --batch",
         )
-    if ranks is not None:
-        R = _positive("--ranks", ranks, "the total number of ranks")
-        if R != K * D:
-            raise _error(
-                "--ranks",
-                f"--ranks {R} does not match --stages {K} x --dp {D} = {K * D}",
-                "leave out --ranks, or make it stages x dp",
-            )
-    if str(schedule).strip().lower() == AUTO:
+    if R is not None and not stages_auto and R != K * D:
         raise _error(
-            "--schedule",
-            "--schedule auto is not available yet: choosing a schedule needs the optimiser and a "
-            "cost model (--cost or --device-model)",
-            f"name a schedule: {', '.join(sorted(SCHEDULES))}",
+            "--ranks",
+            f"--ranks {R} does not match --stages {K} x --dp {D} = {K * D}",
+            "leave out --ranks, or make it stages x dp",
         )
-    if schedule not in SCHEDULES:
+    schedule_auto = str(schedule).strip().lower() == AUTO
+    if schedule_auto:
+        if not costs:
+            raise _error("--schedule", "--schedule auto compares schedules by their simulated "
+                         "step time, which needs a cost model",
+                         f"{_NEEDS_COSTS}, or name a schedule: {', '.join(sorted(SCHEDULES))}")
+        schedule = AUTO
+    elif schedule not in SCHEDULES:
         raise _error("--schedule", f"unknown schedule {schedule!r}", f"choose one of: {', '.join(sorted(SCHEDULES))}")
     cuts = parse_slices(slices, L)
     slices_auto = cuts == AUTO
     if slices_auto:
         cuts = equal_slices(min(AUTO_SLICE_COUNT, L), L)
-    return Options(K, M, L, B, D, cuts, slices_auto, schedule)
+    return Options(K, M, L, B, D, cuts, slices_auto, schedule, stages_auto, schedule_auto, R)
 
 
 def microbatch_sizes(rows: int, count: int) -> list[int]:
@@ -231,45 +247,55 @@ def _logits_of(out):
 # ------------------------------------------------------------------------------ --slices auto
 
 
-def auto_slices(header: Header, opts: Options, *, costs, explain: bool, progress) -> Header:
-    """`--slices auto`: the optimiser's micro-batch sizes and token slices under `costs`; with
-    no cost model (None) the equal slices `check_options` chose, said in one line."""
-    import dataclasses
-
-    if costs is None:
-        progress.say(
-            f"--slices auto: {len(opts.slices)} equal slices of ~{opts.seq_len // len(opts.slices)} "
-            "tokens (give --cost or --device-model for the optimiser's choice)"
-        )
-        return header
-    from tpc.compiler.optimiser import explain as explain_choice
-    from tpc.compiler.optimiser import optimise
-
-    with progress.step("optimise") as d:
-        choice = optimise(costs, opts.stages, opts.seq_len, opts.batch // opts.dp,
-                          microbatches=opts.microbatches, data=opts.dp)  # fmt: skip
-        d.append(f"{choice.num_slices} slices, predicted step {choice.predicted_time:.4g} s")
-    if explain:
-        progress.say(explain_choice(choice))
-    mbs = tuple(
-        Microbatch(index=m, size=size, slices=tuple(tuple(c) for c in cuts))
-        for m, (size, cuts) in enumerate(zip(choice.mb_sizes, choice.slices))
+def auto_slices_without_costs(opts: Options, progress) -> None:
+    """`--slices auto` with no cost model: the equal slices `check_options` chose, said in one
+    line (with a cost model the plan search chooses them)."""
+    progress.say(
+        f"--slices auto: {len(opts.slices)} equal slices of ~{opts.seq_len // len(opts.slices)} "
+        "tokens (give --cost or --device-model for the optimiser's choice)"
     )
-    return dataclasses.replace(header, microbatches=mbs)
 
 
-def cost_model_for(model, sliced, vocab: int, ranges, sha256: str, *, cost, device_model):
-    """The cost model --cost / --device-model name for this partition, or None for neither.
-    The analytic model needs the model's shapes: layers are the units between the embedding
-    and the head (the front end's numbering), heads are read from the attention modules."""
-    if not (cost or device_model):
-        return None
-    from tpc.compiler.costmodel.load import load_cost_model
+def cost_source_for(model, sliced, vocab: int, sha256: str, *, cost, device_model):
+    """The CostSource --cost / --device-model name: cost models for any stage partition of
+    this model. The analytic model needs the model's shapes (see `analytic_shapes`)."""
+    from tpc.compiler.costmodel.load import load_cost_source
 
     shapes = analytic_shapes(model, sliced.num_units, vocab, hidden=sliced.hidden_size) if device_model else None
-    return load_cost_model(cost=cost, device_model=device_model, model_shapes=shapes,
-                           stage_units=ranges, num_units=sliced.num_units,
-                           model_sha256=sha256 if cost else None)  # fmt: skip
+    return load_cost_source(cost=cost, device_model=device_model, model_shapes=shapes,
+                            num_units=sliced.num_units, model_sha256=sha256 if cost else None)
+
+
+def search_header(opts: Options, source, make_header, *, budget, explain: bool, progress) -> Header:
+    """The header of the plan the search chooses (compiler/search.py) among what the 'auto'
+    options leave open; with nothing open, the cost-balanced partition of the given plan."""
+    from tpc.compiler.search import (
+        AUTO_SCHEDULES, Space, explain as explain_search, meshes_for_ranks, search_plan,
+    )  # fmt: skip
+
+    if opts.stages_auto:
+        meshes, skipped = meshes_for_ranks(opts.ranks, source.num_units, opts.batch, opts.microbatches)
+        if not meshes:
+            raise _error(
+                "--stages",
+                f"no pipeline x data split of --ranks {opts.ranks} fits: " + "; ".join(skipped),
+                "change --ranks, --batch or --microbatches",
+            )
+    else:
+        meshes, skipped = [(opts.stages, opts.dp)], []
+    space = Space(
+        seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.microbatches,
+        meshes=tuple(meshes), schedules=AUTO_SCHEDULES if opts.schedule_auto else (opts.schedule,),
+        slices=None if opts.slices_auto else opts.slices, budget=budget, skipped=tuple(skipped),
+    )  # fmt: skip
+    with progress.step("search") as d:
+        result = search_plan(source, space, make_header)
+        best = result.best
+        d.append(f"{len(result.candidates)} candidates; {best.pipe}x{best.data} {best.schedule}, "
+                 f"predicted step {best.time:.4g} s")
+    if explain:
+        progress.say(explain_search(result))
+    return best.header
 
 
 def analytic_shapes(model, num_units: int, vocab: int, hidden: int | None = None):
@@ -354,13 +380,19 @@ def compile_plan(
 
     opts = check_options(
         stages=stages, microbatches=microbatches, seq_len=seq_len, batch=batch,
-        slices=slices, schedule=schedule, dp=dp, ranks=ranks,
+        slices=slices, schedule=schedule, dp=dp, ranks=ranks, costs=bool(cost or device_model),
     )  # fmt: skip
+    budget = None
+    if memory_per_rank is not None:
+        from tpc.compiler.search import parse_memory
+
+        budget = parse_memory(memory_per_rank)
     progress = _Progress(quiet)
-    unused = [o for o, v in (("--cost", cost), ("--device-model", device_model),
-                             ("--memory-per-rank", memory_per_rank), ("--explain", explain)) if v]
-    if unused and not opts.slices_auto:
-        progress.say(f"note: {', '.join(unused)} serve(s) only the optimiser's 'auto' choices; ignored")
+    searching = bool(cost or device_model)
+    unused = [o for o, v in (("--memory-per-rank", memory_per_rank), ("--explain", explain)) if v]
+    if unused and not searching:
+        progress.say(f"note: {', '.join(unused)} serve(s) only the plan search, which needs "
+                     "--cost or --device-model; ignored")
 
     with progress.step("trace") as d:
         from tpc.compiler.frontend import SlicedModel, file_sha256, load_model
@@ -370,26 +402,39 @@ def compile_plan(
         vocab = read_vocab(model, model_path)
         sliced = SlicedModel.from_model(model, seq_len=opts.seq_len, vocab=vocab)
         d.append(f"{sliced.num_units} units, vocab {vocab}")
-    if opts.stages > sliced.num_units:
+    if not opts.stages_auto and opts.stages > sliced.num_units:
         raise _error(
             "--stages",
             f"{opts.stages} stages but the model has only {sliced.num_units} partition units",
             f"use at most {sliced.num_units} stages",
         )
-    with progress.step("partition") as d:
-        ranges = [tuple(r) for r in sliced.partition_by_params(opts.stages)]
-        ties = sliced.ties(ranges)
-        d.append(" | ".join(f"{lo}:{hi}" for lo, hi in ranges))
-    header = build_header(
-        model_path=model_path, sha256=sha, factory=factory, opts=opts, vocab=vocab,
-        unit_labels=sliced.unit_labels, ranges=ranges, ties=ties,
-    )  # fmt: skip
-    if opts.slices_auto:
-        costs = cost_model_for(model, sliced, vocab, ranges, sha, cost=cost, device_model=device_model)
-        header = auto_slices(header, opts, costs=costs, explain=explain, progress=progress)
+
+    def make_header(pipe: int, data: int, ranges, schedule_name: str, mbs=None) -> Header:
+        import dataclasses
+
+        o = dataclasses.replace(opts, stages=pipe, dp=data, schedule=schedule_name)
+        h = build_header(
+            model_path=model_path, sha256=sha, factory=factory, opts=o, vocab=vocab,
+            unit_labels=sliced.unit_labels, ranges=ranges, ties=sliced.ties(ranges),
+        )  # fmt: skip
+        return h if mbs is None else dataclasses.replace(h, microbatches=tuple(mbs))
+
+    if searching:
+        # a cost model is named: the partition comes from its unit times, and whatever is
+        # 'auto' is chosen by simulated step time
+        source = cost_source_for(model, sliced, vocab, sha, cost=cost, device_model=device_model)
+        header = search_header(opts, source, make_header, budget=budget, explain=explain,
+                               progress=progress)  # fmt: skip
+    else:
+        with progress.step("partition") as d:
+            ranges = [tuple(r) for r in sliced.partition_by_params(opts.stages)]
+            d.append(" | ".join(f"{lo}:{hi}" for lo, hi in ranges))
+        header = make_header(opts.stages, opts.dp, ranges, opts.schedule)
+        if opts.slices_auto:
+            auto_slices_without_costs(opts, progress)
     with progress.step("schedule") as d:
-        compute = build_schedule(opts.schedule, header)
-        d.append(f"{opts.schedule}: {slicing_summary(header)}")
+        compute = build_schedule(header.schedule.name, header)
+        d.append(f"{header.schedule.name}: {slicing_summary(header)}")
     with progress.step("lower") as d:
         plan = lower(header, compute, verify=False)
         d.append(f"{sum(len(p.instrs) for p in plan.ranks)} instructions")

@@ -71,10 +71,16 @@ def slot_times(cost: CostModel, l, c, mb) -> np.ndarray:
         f, b = slice_times_of(cost, s, l, c, mb)
         t = f + b
         worst = t if worst is None else np.maximum(worst, t)
-    if cost.num_stages > 1:
-        nbytes = _activation_bytes_of(cost, l, mb)
-        worst = worst + 2 * _p2p_times_of(cost, nbytes)
-    return worst
+    return worst + transfer_times(cost, l, mb)
+
+
+def transfer_times(cost: CostModel, l, mb) -> np.ndarray:
+    """The blocking transfers a slice adds to its slot: its activation forward and its
+    gradient back (none with a single stage)."""
+    l = np.asarray(l)
+    if cost.num_stages <= 1:
+        return np.zeros(np.broadcast(l, np.asarray(mb)).shape)
+    return 2 * _p2p_times_of(cost, _activation_bytes_of(cost, l, mb))
 
 
 def representative_stages(cost: CostModel) -> tuple[int, ...]:

@@ -1,11 +1,13 @@
 """`load_cost_model`: the one place that turns `--cost FILE` / `--device-model NAME` into a
-CostModel for a given stage partition."""
+CostModel for a given stage partition; `load_cost_source` into a CostSource that builds one for
+any partition (the plan search tries several)."""
 
 from __future__ import annotations
 
 from tpc.compiler.costmodel.analytic import AnalyticCostModel, ModelShapes
 from tpc.compiler.costmodel.devices import load_device_spec
 from tpc.compiler.costmodel.profiled import ProfiledCostModel
+from tpc.compiler.costmodel.source import CostSource
 from tpc.compiler.costmodel.store import load_profile
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
@@ -14,6 +16,20 @@ def layers_per_stage(stage_units, num_units: int) -> tuple[int, ...]:
     """Decoder layers per stage when units are [embedding, layer 0, ..., layer n-1, head]."""
     last = num_units - 1
     return tuple(sum(1 for u in range(lo, hi) if 0 < u < last) for lo, hi in stage_units)
+
+
+def _check_sources(cost, device_model, model_shapes) -> None:
+    """Exactly one of a profile and a device model, and the shapes the device model needs."""
+    if cost and device_model:
+        raise TpirError(Diagnostic("--cost and --device-model both given", where="--cost",
+                                   hint="give one: a measured profile or an analytic device model"))
+    if not cost and not device_model:
+        raise TpirError(Diagnostic("no cost model", where="--cost",
+                                   hint="give --cost FILE (from `tpc profile`) or --device-model "
+                                        "v100|a100|h100|h200|SPEC.json"))
+    if device_model and model_shapes is None:
+        raise TpirError(Diagnostic("--device-model needs the model's shapes", where="--device-model",
+                                   hint="pass layers, hidden, heads and vocab (ModelShapes)"))
 
 
 def load_cost_model(cost: str | None = None, device_model: str | None = None,
@@ -27,13 +43,7 @@ def load_cost_model(cost: str | None = None, device_model: str | None = None,
     device_model:  v100 | a100 | h100 | h200 | a JSON spec; needs `model_shapes` and, to map
                    units to layers, `num_units` (units are embedding, the layers, the head).
     """
-    if cost and device_model:
-        raise TpirError(Diagnostic("--cost and --device-model both given", where="--cost",
-                                   hint="give one: a measured profile or an analytic device model"))
-    if not cost and not device_model:
-        raise TpirError(Diagnostic("no cost model", where="--cost",
-                                   hint="give --cost FILE (from `tpc profile`) or --device-model "
-                                        "v100|a100|h100|h200|SPEC.json"))
+    _check_sources(cost, device_model, model_shapes)
     if cost:
         profile = load_profile(cost, model_sha256=model_sha256, device=device)
         units = stage_units if stage_units is not None else [(0, profile.num_units)]
@@ -42,9 +52,6 @@ def load_cost_model(cost: str | None = None, device_model: str | None = None,
                 f"the profile has {profile.num_units} units, the stages cover {units[-1][1]}",
                 where="--cost", hint="profile the model at the same sequence length and factory"))
         return ProfiledCostModel(profile, units)
-    if model_shapes is None:
-        raise TpirError(Diagnostic("--device-model needs the model's shapes", where="--device-model",
-                                   hint="pass layers, hidden, heads and vocab (ModelShapes)"))
     spec = load_device_spec(device_model)
     if stage_units is None:
         stage_layers = (model_shapes.layers,)
@@ -61,3 +68,34 @@ def load_cost_model(cost: str | None = None, device_model: str | None = None,
     except ValueError as e:
         raise TpirError(Diagnostic(str(e), where="--device-model",
                                    hint="operator parallelism must divide heads and hidden"))
+
+
+def load_cost_source(cost: str | None = None, device_model: str | None = None,
+                     model_shapes: ModelShapes | None = None, num_units: int | None = None,
+                     op: int = 1, model_sha256: str | None = None,
+                     device: str | None = None) -> CostSource:
+    """A CostSource for the options of `load_cost_model`: the profile is read (and checked)
+    once, the device spec parsed once, and each partition's model built from them."""
+    _check_sources(cost, device_model, model_shapes)
+    if cost:
+        profile = load_profile(cost, model_sha256=model_sha256, device=device)
+        if num_units is not None and num_units != profile.num_units:
+            raise TpirError(Diagnostic(
+                f"the profile has {profile.num_units} units, the model has {num_units}",
+                where="--cost", hint="profile the model at the same sequence length and factory"))
+        return CostSource(profile.num_units, lambda ranges: ProfiledCostModel(profile, ranges),
+                          describe=f"profile {cost}")
+    n = num_units if num_units is not None else model_shapes.layers + 2
+    whole = load_cost_model(device_model=device_model, model_shapes=model_shapes,
+                            stage_units=[(0, n)], num_units=n, op=op)  # checks spec and shapes
+
+    def build(ranges):
+        layers = layers_per_stage(ranges, n)
+        if sum(layers) != model_shapes.layers:
+            raise TpirError(Diagnostic(
+                f"stages hold {sum(layers)} layers, the model has {model_shapes.layers}",
+                where="--device-model",
+                hint="the analytic model expects units [embedding, one per layer, head]"))
+        return AnalyticCostModel(whole.device, model_shapes, layers, op)
+
+    return CostSource(n, build, describe=f"analytic {whole.device.name}")

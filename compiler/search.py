@@ -1,0 +1,315 @@
+"""The plan search: mesh, stage partition, token slicing and schedule, by simulated step time.
+
+`tpc compile` calls `search_plan` whenever a cost model is named (--cost / --device-model).
+What is searched depends on the options; everything else is held fixed:
+
+* meshes (`--stages auto --ranks N`): every pipe x data split of N with pipe <= units, the
+  batch divisible by data and at least `--microbatches` sequences per replica;
+* per mesh, a stage partition from the cost model's per-unit times (compiler/balance.py).
+  With `--slices auto` it is found jointly with the slicing by alternating two exact steps:
+  TeraPipe's DP (compiler/optimiser.py) for the partition, then the partition minimising the
+  DP's latency formula for that slicing, until the partition repeats (at most `ROUNDS` DP
+  runs); the round with the lowest DP prediction is kept. With given slices, the partition
+  minimising the formula for them;
+* per mesh, the slicings to simulate: the DP's choice, and n equal slices of equal
+  micro-batches for every n dividing L into slices of at least `granularity` tokens (the
+  formula is an approximation of the real schedule; simulating the simple alternatives too
+  means the plan chosen is never slower, simulated, than the best equal slicing). With given
+  slices, just those;
+* schedules (`--schedule auto`): terapipe, seq1f1b, 1f1b, gpipe.
+
+Every (mesh, schedule, slicing) is built (header, schedule, lowering) and simulated under the
+partition's cost model; its peak memory per rank is the simulator's (compiler/memory.py).
+The fastest candidate whose peak fits `--memory-per-rank` wins; ties go to the first in the
+order above (pipe ascending, schedules in the order listed, the DP's slicing first).
+
+Cost: meshes x (ROUNDS DP runs + schedules x (1 + equal-slicing counts) simulations). A
+simulation is linear in the plan's instructions, K x M x slices x (4 + sends); a DP run is
+what bench/dp_speed.py measures. For the tiny test GPT (4 units, L 64, --ranks 4) that is 3
+meshes x 4 schedules x 4 slicings = 48 small simulations, well under a second.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from tpc.compiler.balance import Ranges, best_partition, minmax_partition
+from tpc.compiler.costmodel.base import transfer_times
+from tpc.compiler.costmodel.source import CostSource
+from tpc.compiler.optimiser import DEFAULT_GRANULARITY, Choice, optimise
+from tpc.compiler.optimiser import explain as explain_choice
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import Header, Microbatch
+
+# the schedules `--schedule auto` compares, in the order that breaks ties
+AUTO_SCHEDULES = ("terapipe", "seq1f1b", "1f1b", "gpipe")
+# DP runs per mesh when the partition and the slicing are chosen together
+ROUNDS = 4
+
+Slices = tuple[tuple[int, int], ...]
+MakeHeader = Callable[[int, int, Ranges, str, tuple[Microbatch, ...]], Header]
+
+
+# --------------------------------------------------------------------------- memory sizes
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
+          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
+          "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_memory(text: str) -> float:
+    """`--memory-per-rank`: bytes from '16GiB', '512 MiB', '1.5GB', '1000000' (KiB/MiB/GiB/TiB
+    are powers of 1024, kB/MB/GB/TB of 1000, a bare number is bytes)."""
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise TpirError(Diagnostic(
+            f"--memory-per-rank {text!r} is not a memory size",
+            where="--memory-per-rank",
+            hint="give a positive size with a unit, e.g. 16GiB, 512MiB or 80GB"))
+    return float(m.group(1)) * _UNITS[unit]
+
+
+def format_bytes(n: float) -> str:
+    for name, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {name}"
+    return f"{n:.0f} B"
+
+
+# ------------------------------------------------------------------------------- meshes
+
+
+def meshes_for_ranks(ranks: int, num_units: int, batch: int, microbatches: int):
+    """(pipe, data) splits of `ranks` to search, pipe ascending, and why the others are not."""
+    meshes, skipped = [], []
+    for pipe in range(1, ranks + 1):
+        if ranks % pipe:
+            continue
+        data = ranks // pipe
+        if pipe > num_units:
+            skipped.append(f"{pipe}x{data}: {pipe} stages but the model has {num_units} units")
+        elif batch % data:
+            skipped.append(f"{pipe}x{data}: a batch of {batch} does not split over {data} replicas")
+        elif batch // data < microbatches:
+            skipped.append(f"{pipe}x{data}: {batch // data} sequence(s) per replica, fewer than "
+                           f"{microbatches} micro-batches")
+        else:
+            meshes.append((pipe, data))
+    return meshes, skipped
+
+
+# -------------------------------------------------------------------------- the search
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the search may choose among (see the module docstring)."""
+
+    seq_len: int
+    batch: int  # global batch, sequences
+    microbatches: int  # per replica
+    meshes: tuple[tuple[int, int], ...]  # (pipe, data)
+    schedules: tuple[str, ...]
+    slices: Slices | None = None  # given slices of every micro-batch; None: the optimiser's
+    budget: float | None = None  # bytes per rank
+    granularity: int = DEFAULT_GRANULARITY
+    skipped: tuple[str, ...] = ()  # meshes left out, and why (for --explain)
+
+
+@dataclass(frozen=True)
+class Slicing:
+    origin: str  # "dp", "equal N" or "given"
+    mb_sizes: tuple[int, ...]
+    slices: tuple[Slices, ...]  # per micro-batch
+    choice: Choice | None = None  # the optimiser's result, for "dp"
+
+    def microbatches(self) -> tuple[Microbatch, ...]:
+        return tuple(Microbatch(index=m, size=b, slices=s)
+                     for m, (b, s) in enumerate(zip(self.mb_sizes, self.slices)))
+
+    def summary(self) -> str:
+        counts = {len(s) for s in self.slices}
+        sizes = {b for b in self.mb_sizes}
+        mbs = (f"{len(self.mb_sizes)}x{self.mb_sizes[0]}" if len(sizes) == 1
+               else "+".join(map(str, self.mb_sizes)))
+        sl = (f"{counts.pop()} slices" if len(counts) == 1
+              else f"{sum(len(s) for s in self.slices)} slices in all")
+        return f"{self.origin}: mb {mbs}, {sl}"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    pipe: int
+    data: int
+    ranges: Ranges
+    schedule: str
+    slicing: Slicing
+    time: float  # simulated step time (s)
+    peak: float  # largest peak memory of any rank (bytes)
+    fits: bool
+    header: Header
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    candidates: tuple[Candidate, ...]
+    best: Candidate
+    space: Space
+    seconds: float
+    dp_runs: int
+
+
+def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> SearchResult:
+    """The fastest simulated plan of `space` that fits its memory budget (module docstring)."""
+    from tpc.compiler.lower import lower
+    from tpc.compiler.schedules import build_schedule
+    from tpc.compiler.simulate import simulate
+
+    start = time.perf_counter()
+    candidates, dp_runs = [], 0
+    for pipe, data in space.meshes:
+        rows = space.batch // data
+        ranges, slicings, runs = _partition_and_slicings(source, space, pipe, data, rows)
+        dp_runs += runs
+        cost = source.for_stages(ranges)
+        for schedule in space.schedules:
+            for slicing in slicings:
+                header = make_header(pipe, data, ranges, schedule, slicing.microbatches())
+                plan = lower(header, build_schedule(schedule, header), verify=False)
+                sim = simulate(plan, cost)
+                peak = max(r.peak_memory.total for r in sim.ranks)
+                fits = space.budget is None or peak <= space.budget
+                candidates.append(Candidate(pipe, data, ranges, schedule, slicing,
+                                            sim.iteration_time, peak, fits, header))
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        raise _nothing_fits(candidates, space)
+    best = min(fitting, key=lambda c: c.time)  # min keeps the first of equal times
+    return SearchResult(tuple(candidates), best, space, time.perf_counter() - start, dp_runs)
+
+
+def _nothing_fits(candidates, space: Space) -> TpirError:
+    low = min(candidates, key=lambda c: c.peak)
+    return TpirError(Diagnostic(
+        f"no plan fits --memory-per-rank {format_bytes(space.budget)}: of {len(candidates)} "
+        f"candidates the smallest peak is {format_bytes(low.peak)} per rank "
+        f"({_describe(low)})",
+        where="--memory-per-rank",
+        hint=f"allow at least {format_bytes(low.peak)} per rank, or spread the model over more "
+             "ranks (--stages, --ranks), or cut the batch into more micro-batches"))
+
+
+def _describe(c: Candidate) -> str:
+    return (f"{c.pipe} stages x {c.data} replicas, units {partition_text(c.ranges)}, "
+            f"{c.schedule}, {c.slicing.summary()}")
+
+
+def equal_counts(L: int, granularity: int) -> list[int]:
+    """Slice counts n for which n equal slices are whole and at least `granularity` long."""
+    return [n for n in range(1, L + 1) if L % n == 0 and (L // n >= granularity or n == 1)]
+
+
+def _equal_sizes(rows: int, count: int) -> tuple[int, ...]:
+    base, extra = divmod(rows, count)
+    return tuple(base + 1 if m < extra else base for m in range(count))
+
+
+def slice_work(source: CostSource, cost, mb_sizes, slices):
+    """W (units x slices) of forward + backward per unit, and each slice's transfers, for
+    every slice of every micro-batch of a slicing: what the partitioner balances."""
+    l = np.array([hi - lo for s in slices for lo, hi in s], dtype=np.float64)
+    c = np.array([lo for s in slices for lo, _ in s], dtype=np.float64)
+    mb = np.array([b for b, s in zip(mb_sizes, slices) for _ in s], dtype=np.float64)
+    return source.unit_times(l, c, mb), transfer_times(cost, l, mb)
+
+
+def _partition_and_slicings(source: CostSource, space: Space, pipe: int, data: int, rows: int):
+    """The partition of one mesh and the slicings to simulate on it (module docstring)."""
+    L, M, g = space.seq_len, space.microbatches, space.granularity
+    sizes = _equal_sizes(rows, M)
+    n_units = source.num_units
+    if space.slices is not None:
+        given = Slicing("given", sizes, (space.slices,) * M)
+        # the transfers depend only on the stage count: price them with any partition of it
+        probe = source.for_stages(minmax_partition(np.ones(n_units), pipe))
+        W, extra = slice_work(source, probe, given.mb_sizes, given.slices)
+        return best_partition(W, pipe, extra), [given], 0
+    # start from the partition balancing the unsliced step, then alternate DP and partition
+    ranges = minmax_partition(source.unit_times(L, 0, rows / M), pipe)
+    seen, best, runs = [], None, 0
+    while ranges not in seen and runs < ROUNDS:
+        seen.append(ranges)
+        cost = source.for_stages(ranges)
+        choice = optimise(cost, pipe, L, rows, microbatches=M, granularity=g, data=data)
+        runs += 1
+        if best is None or choice.predicted_time < best[1].predicted_time:
+            best = (ranges, choice)
+        W, extra = slice_work(source, cost, choice.mb_sizes, choice.slices)
+        ranges = best_partition(W, pipe, extra)
+    ranges, choice = best
+    slicings = [Slicing("dp", choice.mb_sizes, choice.slices, choice)]
+    for n in equal_counts(L, g):
+        cuts = tuple((L * i // n, L * (i + 1) // n) for i in range(n))
+        s = Slicing(f"equal {n}", sizes, (cuts,) * M)
+        if (s.mb_sizes, s.slices) != (choice.mb_sizes, choice.slices):
+            slicings.append(s)
+    return ranges, slicings, runs
+
+
+# ------------------------------------------------------------------------------- explain
+
+
+def partition_text(ranges: Ranges) -> str:
+    """Units per stage, runs of equal counts shortened: '2+1*94+3'."""
+    counts = [hi - lo for lo, hi in ranges]
+    parts, i = [], 0
+    while i < len(counts):
+        j = i
+        while j < len(counts) and counts[j] == counts[i]:
+            j += 1
+        parts.append(f"{counts[i]}*{j - i}" if j - i > 2 else "+".join([str(counts[i])] * (j - i)))
+        i = j
+    return "+".join(parts)
+
+
+def explain(result: SearchResult) -> str:
+    """The candidates as a table, then the choice and why (for `tpc compile --explain`)."""
+    space, best = result.space, result.best
+    budget = format_bytes(space.budget) if space.budget is not None else None
+    rows = [("", "mesh", "units/stage", "schedule", "slicing", "step (sim)", "peak/rank", "fits")]
+    for c in result.candidates:
+        fits = ("yes" if c.fits else "NO") if budget else "-"
+        rows.append(("*" if c is best else "", f"{c.pipe}x{c.data}", partition_text(c.ranges),
+                     c.schedule, c.slicing.summary(), f"{c.time * 1e3:.4g} ms",
+                     format_bytes(c.peak), fits))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"plan search: {len(result.candidates)} candidates "
+             f"({len(space.meshes)} mesh(es) x {len(space.schedules)} schedule(s) x slicings), "
+             f"{result.dp_runs} DP run(s), {result.seconds:.2f} s"
+             + (f"; memory budget {budget} per rank" if budget else "")]
+    lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    lines += [f"  not searched: {s}" for s in space.skipped]
+    fitting = sorted((c for c in result.candidates if c.fits), key=lambda c: c.time)
+    why = f"the fastest simulated step of {len(fitting)} candidate(s)"
+    why += " that fit the budget" if budget else ""
+    if len(fitting) > 1:
+        runner = fitting[1]
+        gain = runner.time / best.time - 1 if best.time > 0 else 0.0
+        how = f"{gain:.1%} slower" if gain > 5e-4 else "as fast; the earlier in search order wins"
+        why += f"; next best {runner.time * 1e3:.4g} ms ({_describe(runner)}), {how}"
+    lines.append(f"chosen: {_describe(best)}: {best.time * 1e3:.4g} ms, "
+                 f"peak {format_bytes(best.peak)} per rank")
+    lines.append(f"  why: {why}")
+    # what the DP chose on the chosen mesh (its formula's prediction differs from the simulation)
+    dp = next((c.slicing.choice for c in result.candidates if c.slicing.choice is not None
+               and (c.pipe, c.data) == (best.pipe, best.data)), None)
+    if dp is not None:
+        lines += ["  " + line for line in explain_choice(dp).splitlines()]
+    return "\n".join(lines)
