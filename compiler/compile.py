@@ -194,6 +194,23 @@ def build_header(
     )
 
 
+def header_maker(*, model_path: str, sha256: str, factory: str, opts: Options, vocab: int, sliced):
+    """`make(pipe, data, ranges, schedule, microbatches=None) -> Header` for this model: the
+    header of any candidate the plan search builds (ties follow the partition; without
+    `microbatches`, the equal ones of `opts`)."""
+    import dataclasses
+
+    def make(pipe: int, data: int, ranges, schedule: str, microbatches=None) -> Header:
+        o = dataclasses.replace(opts, stages=pipe, dp=data, schedule=schedule)
+        h = build_header(
+            model_path=model_path, sha256=sha256, factory=factory, opts=o, vocab=vocab,
+            unit_labels=sliced.unit_labels, ranges=ranges, ties=sliced.ties(ranges),
+        )  # fmt: skip
+        return h if microbatches is None else dataclasses.replace(h, microbatches=tuple(microbatches))
+
+    return make
+
+
 def slicing_summary(header: Header) -> str:
     """"2 micro-batches x 4 slices", or the total when micro-batches are cut differently."""
     counts = [len(m.slices) for m in header.microbatches]
@@ -266,15 +283,14 @@ def cost_source_for(model, sliced, vocab: int, sha256: str, *, cost, device_mode
                             num_units=sliced.num_units, model_sha256=sha256 if cost else None)
 
 
-def search_header(opts: Options, source, make_header, *, budget, explain: bool, progress) -> Header:
-    """The header of the plan the search chooses (compiler/search.py) among what the 'auto'
-    options leave open; with nothing open, the cost-balanced partition of the given plan."""
-    from tpc.compiler.search import (
-        AUTO_SCHEDULES, Space, explain as explain_search, meshes_for_ranks, search_plan,
-    )  # fmt: skip
+def search_space(opts: Options, num_units: int, budget: float | None):
+    """What the plan search may choose (compiler/search.py): the meshes of --stages auto
+    --ranks N or the given one, every schedule or the given one, the optimiser's slicing or
+    the given slices."""
+    from tpc.compiler.search import AUTO_SCHEDULES, Space, meshes_for_ranks
 
     if opts.stages_auto:
-        meshes, skipped = meshes_for_ranks(opts.ranks, source.num_units, opts.batch, opts.microbatches)
+        meshes, skipped = meshes_for_ranks(opts.ranks, num_units, opts.batch, opts.microbatches)
         if not meshes:
             raise _error(
                 "--stages",
@@ -283,11 +299,20 @@ def search_header(opts: Options, source, make_header, *, budget, explain: bool, 
             )
     else:
         meshes, skipped = [(opts.stages, opts.dp)], []
-    space = Space(
+    return Space(
         seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.microbatches,
         meshes=tuple(meshes), schedules=AUTO_SCHEDULES if opts.schedule_auto else (opts.schedule,),
         slices=None if opts.slices_auto else opts.slices, budget=budget, skipped=tuple(skipped),
     )  # fmt: skip
+
+
+def search_header(opts: Options, source, make_header, *, budget, explain: bool, progress) -> Header:
+    """The header of the plan the search chooses among what the 'auto' options leave open;
+    with nothing open, the given plan on the cost-balanced partition."""
+    from tpc.compiler.search import explain as explain_search
+    from tpc.compiler.search import search_plan
+
+    space = search_space(opts, source.num_units, budget)
     with progress.step("search") as d:
         result = search_plan(source, space, make_header)
         best = result.best
@@ -409,16 +434,8 @@ def compile_plan(
             f"use at most {sliced.num_units} stages",
         )
 
-    def make_header(pipe: int, data: int, ranges, schedule_name: str, mbs=None) -> Header:
-        import dataclasses
-
-        o = dataclasses.replace(opts, stages=pipe, dp=data, schedule=schedule_name)
-        h = build_header(
-            model_path=model_path, sha256=sha, factory=factory, opts=o, vocab=vocab,
-            unit_labels=sliced.unit_labels, ranges=ranges, ties=sliced.ties(ranges),
-        )  # fmt: skip
-        return h if mbs is None else dataclasses.replace(h, microbatches=tuple(mbs))
-
+    make_header = header_maker(model_path=model_path, sha256=sha, factory=factory, opts=opts,
+                               vocab=vocab, sliced=sliced)  # fmt: skip
     if searching:
         # a cost model is named: the partition comes from its unit times, and whatever is
         # 'auto' is chosen by simulated step time
