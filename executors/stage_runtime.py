@@ -72,7 +72,8 @@ class StageRuntime:
     def _run(self, rec: _Slice):
         batch = rec.x.size(0)
         empty = self.module.empty_kv(batch)
-        prefix = [torch.cat([e, *leaves], dim=d) if leaves else e
+        # the earlier slices' leaves joined (one alone is passed as is: no copy)
+        prefix = [e if not leaves else leaves[0] if len(leaves) == 1 else torch.cat(leaves, dim=d)
                   for e, leaves, d in zip(empty, rec.prefix_leaves, self.module.kv_dims)]
         return self.module(rec.x, rec.offset, prefix, rec.targets)
 

@@ -16,8 +16,11 @@ def causal_attention(q, k, v, k_prefix, v_prefix, scale=None, dropout_p=0.0, rep
     """Attention of a slice. k/v are this slice's keys/values, (B, Hkv, l, D); the prefix is the
     same layout with the earlier tokens. `rep` > 1 repeats key/value heads after the cache (GQA
     written with repeat_interleave), so the cache holds the un-repeated heads."""
-    kf = torch.cat([k_prefix, k], dim=-2)  # (B, Hkv, off+l, D)
-    vf = torch.cat([v_prefix, v], dim=-2)  # (B, Hkv, off+l, D)
+    if k_prefix.size(-2) == 0:  # the first slice: no copy of this slice's keys/values
+        kf, vf = k, v
+    else:
+        kf = torch.cat([k_prefix, k], dim=-2)  # (B, Hkv, off+l, D)
+        vf = torch.cat([v_prefix, v], dim=-2)  # (B, Hkv, off+l, D)
     if rep != 1:
         kf = kf.repeat_interleave(rep, dim=1)  # (B, H, off+l, D)
         vf = vf.repeat_interleave(rep, dim=1)
