@@ -20,8 +20,9 @@ What is searched depends on the options; everything else is held fixed:
 
 Every (mesh, schedule, slicing) is built (header, schedule, lowering) and simulated under the
 partition's cost model; its peak memory per rank is the simulator's (compiler/memory.py).
-The fastest candidate whose peak fits `--memory-per-rank` wins; ties go to the first in the
-order above (pipe ascending, schedules in the order listed, the DP's slicing first).
+The fastest candidate whose peak fits `--memory-per-rank` wins; among equally fast ones (within
+a relative 1e-9) the one with the lowest peak memory, then the first in the order above (pipe
+ascending, schedules in the order listed, the DP's slicing first).
 
 Cost: meshes x (ROUNDS DP runs + schedules x (1 + equal-slicing counts) simulations). A
 simulation is linear in the plan's instructions, K x M x slices x (4 + sends); a DP run is
@@ -50,6 +51,8 @@ from tpc.ir.nodes import Header, Microbatch
 AUTO_SCHEDULES = ("terapipe", "seq1f1b", "1f1b", "gpipe")
 # DP runs per mesh when the partition and the slicing are chosen together
 ROUNDS = 4
+# relative difference of simulated times below which two candidates are equally fast
+TIE = 1e-9
 
 Slices = tuple[tuple[int, int], ...]
 MakeHeader = Callable[[int, int, Ranges, str, tuple[Microbatch, ...]], Header]
@@ -191,8 +194,17 @@ def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> Se
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         raise _nothing_fits(candidates, space)
-    best = min(fitting, key=lambda c: c.time)  # min keeps the first of equal times
+    best = _fastest(fitting)
     return SearchResult(tuple(candidates), best, space, time.perf_counter() - start, dp_runs)
+
+
+def _fastest(fitting: list[Candidate]) -> Candidate:
+    """The fastest candidate; times within TIE of the fastest count as equal (they differ by
+    rounding in the simulator's sums) and among those the lowest peak memory wins, then the
+    first in search order."""
+    quickest = min(c.time for c in fitting)
+    near = [c for c in fitting if c.time <= quickest * (1 + TIE)]
+    return min(near, key=lambda c: c.peak)
 
 
 def _nothing_fits(candidates, space: Space) -> TpirError:
@@ -296,13 +308,17 @@ def explain(result: SearchResult) -> str:
              + (f"; memory budget {budget} per rank" if budget else "")]
     lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     lines += [f"  not searched: {s}" for s in space.skipped]
-    fitting = sorted((c for c in result.candidates if c.fits), key=lambda c: c.time)
-    why = f"the fastest simulated step of {len(fitting)} candidate(s)"
+    others = sorted((c for c in result.candidates if c.fits and c is not best), key=lambda c: c.time)
+    why = f"the fastest simulated step of {len(others) + 1} candidate(s)"
     why += " that fit the budget" if budget else ""
-    if len(fitting) > 1:
-        runner = fitting[1]
-        gain = runner.time / best.time - 1 if best.time > 0 else 0.0
-        how = f"{gain:.1%} slower" if gain > 5e-4 else "as fast; the earlier in search order wins"
+    if others:
+        runner = others[0]
+        if runner.time > best.time * (1 + TIE):
+            how = f"{runner.time / best.time - 1:.1%} slower"
+        elif runner.peak > best.peak:
+            how = f"as fast, but needs {format_bytes(runner.peak)} per rank"
+        else:
+            how = "as fast and as small; the earlier in search order wins"
         why += f"; next best {runner.time * 1e3:.4g} ms ({_describe(runner)}), {how}"
     lines.append(f"chosen: {_describe(best)}: {best.time * 1e3:.4g} ms, "
                  f"peak {format_bytes(best.peak)} per rank")
