@@ -1,10 +1,11 @@
 """Text to plan: `parse(text, file) -> Plan`.
 
 The one grammar (`grammar/tpir.lark`) is parsed by one LALR parser built once per process; one
-Transformer turns its tree into the frozen dataclasses of `ir/nodes.py`. Comments are ignored by
-the grammar and collected through a lexer callback; the Transformer attaches them by line while
-it builds the lines in document order (a full-line comment belongs to the next line, an
-end-of-line comment to its own line, comments after the last line to the plan).
+Transformer builds the frozen dataclasses of `ir/nodes.py` while lark parses (lark calls it at
+each reduction, so no parse tree is made; a line's location is that of its first token).
+Comments are ignored by the grammar and collected through a lexer callback; the Transformer
+attaches them by line while it builds the lines in document order (a full-line comment belongs to
+the next line, an end-of-line comment to its own line, comments after the last line to the plan).
 
 Whatever the input, `parse` raises nothing but `TpirError`: lark's syntax errors, the value
 checks of the dataclasses, and the rules the grammar leaves to this module (header lines in
@@ -20,14 +21,8 @@ import threading
 from dataclasses import dataclass
 from functools import lru_cache
 
-from lark import Lark, Token, Transformer, v_args
-from lark.exceptions import (
-    LarkError,
-    UnexpectedCharacters,
-    UnexpectedInput,
-    UnexpectedToken,
-    VisitError,
-)
+from lark import Lark, Token, Transformer
+from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
 from tpc.grammar import grammar_text
 from tpc.ir.diagnostics import Diagnostic, TpirError
@@ -97,14 +92,10 @@ _HEADER_WORDS = HEADER_ORDER
 
 # ------------------------------------------------------------------------------ the parser
 
-# The comments of the parse in progress on this thread (the lexer callback has no other way to
-# reach the parse that triggered it, and the Lark object is shared).
-_sink = threading.local()
-
-
-def _collect_comment(token: Token) -> Token:
-    _sink.comments.append(token)
-    return token
+# One parser per process, built on first use. The plan is built while lark parses (the builder is
+# lark's in-parser transformer, so no parse tree is made); the builder holds the state of the
+# parse in progress, so parses take turns.
+_TURN = threading.Lock()
 
 
 @lru_cache(maxsize=1)
@@ -113,9 +104,9 @@ def _lark() -> Lark:
         grammar_text(),
         parser="lalr",
         strict=True,
-        propagate_positions=True,
         maybe_placeholders=True,
-        lexer_callbacks={"COMMENT": _collect_comment},
+        transformer=_BUILD,
+        lexer_callbacks={"COMMENT": _BUILD.collect_comment},
     )
 
 
@@ -124,42 +115,38 @@ def parse(text: str, file: str = "<string>") -> Plan:
     source = text
     if not text.endswith("\n"):
         text += "\n"  # every line ends with a newline; positions are unchanged
-    _sink.comments = []
-    try:
-        tree = _lark().parse(text)
-        comments = [_comment_text(tok) for tok in _sink.comments]
-        return _Build(file, comments).transform(tree)
-    except UnexpectedInput as e:
-        raise TpirError(_syntax_diagnostic(e, text, file), source=source) from None
-    except VisitError as e:
-        if isinstance(e.orig_exc, _Located):
-            raise TpirError(e.orig_exc.diagnostics, source=source) from None
-        raise
-    except _Located as e:
-        raise TpirError(e.diagnostics, source=source) from None
-    except LarkError as e:  # any other lark error is still the input's fault
-        raise TpirError(Diagnostic(f"cannot read the plan: {e}", Loc(file, 1, 1),
-                                   hint="see docs/ir.md for the format"), source=source) from None
-    finally:
-        _sink.comments = []
+    with _TURN:
+        parser = _lark()
+        _BUILD.begin(file)
+        try:
+            plan = parser.parse(text)
+            # a value error is reported only when the whole text is well-formed, so that a
+            # syntax error anywhere is the one reported, wherever the value error is
+            if _BUILD.error is not None:
+                raise _BUILD.error
+            return plan
+        except UnexpectedInput as e:
+            raise TpirError(_syntax_diagnostic(e, text, file), source=source) from None
+        except _Located as e:
+            raise TpirError(e.diagnostics, source=source) from None
+        except LarkError as e:  # any other lark error is still the input's fault
+            raise TpirError(Diagnostic(f"cannot read the plan: {e}", Loc(file, 1, 1),
+                                       hint="see docs/ir.md for the format"),
+                            source=source) from None
+        finally:
+            _BUILD.begin("")
 
 
-@dataclass(frozen=True)
-class _Comment:
-    line: int
-    text: str
-
-
-def _comment_text(tok: Token) -> _Comment:
+def _comment_text(tok: Token) -> str:
     """'# foo' -> 'foo', '#foo' -> 'foo'; trailing blanks are not part of a comment."""
     body = tok.value[1:]
     if body.startswith(" "):
         body = body[1:]
-    return _Comment(tok.line, body.rstrip())
+    return body.rstrip()
 
 
 class _Located(Exception):
-    """Raised inside the Transformer; carries finished diagnostics out through lark."""
+    """A value error found while building: carries finished diagnostics to `parse`."""
 
     def __init__(self, diagnostics: list[Diagnostic]):
         super().__init__(diagnostics[0].message)
@@ -173,38 +160,66 @@ def _fail(message: str, loc: Loc, hint: str) -> None:
 # ------------------------------------------------------------------------------ the builder
 
 
-@v_args(meta=True)
-class _Build(Transformer):
-    """Tree -> Plan. Lines are built in document order, so comments attach by a moving cursor."""
+def _line(method):
+    """A builder method: after the first value error the rest of the text is only checked for
+    syntax (the error is kept for `parse`), so a method never sees a child that failed."""
 
-    def __init__(self, file: str, comments: list[_Comment]):
+    def build(self, children):
+        if self.error is not None:
+            return None
+        try:
+            return method(self, children)
+        except _Located as e:
+            self.error = e
+            return None
+
+    build.__name__ = method.__name__
+    return build
+
+
+class _Build(Transformer):
+    """Builds the plan while lark parses. Every line rule of the grammar is a `!` rule, so its
+    first child is its first token, whose line and column are the line's location. Lines are
+    built in document order, so comments attach by a moving cursor."""
+
+    def __init__(self):
         super().__init__()
+        self.begin("")
+
+    def begin(self, file: str) -> None:
         self.file = file
-        self.comments = comments
+        self.comments: list[tuple[int, str]] = []  # (line, text), in document order
         self.next_comment = 0
+        self.error: _Located | None = None
+
+    def collect_comment(self, token: Token) -> Token:
+        """Lexer callback: the grammar ignores comments; they are kept here, by line."""
+        self.comments.append((token.line, _comment_text(token)))
+        return token
 
     # -- helpers
-
-    def _loc(self, meta) -> Loc:
-        return Loc(self.file, meta.line, meta.column)
 
     def _tok_loc(self, tok: Token) -> Loc:
         return Loc(self.file, tok.line, tok.column)
 
-    def _trivia(self, meta) -> dict:
+    def _trivia(self, first: Token) -> dict:
         """Location, full-line comments above this line, and the comment at its end."""
+        loc = Loc(self.file, first.line, first.column)
+        if self.next_comment == len(self.comments):  # (most lines have no comment)
+            return dict(loc=loc)
+        line = first.line
         above: list[str] = []
         note = None
         while self.next_comment < len(self.comments):
-            c = self.comments[self.next_comment]
-            if c.line < meta.line:
-                above.append(c.text)
-            elif c.line == meta.line:
-                note = c.text
+            at, text = self.comments[self.next_comment]
+            if at < line:
+                above.append(text)
+            elif at == line:
+                note = text
             else:
                 break
             self.next_comment += 1
-        return dict(loc=self._loc(meta), comments=tuple(above), note=note)
+        return dict(loc=loc, comments=tuple(above), note=note)
 
     def _nat(self, tok: Token, what: str) -> int:
         value = int(tok)
@@ -225,84 +240,100 @@ class _Build(Transformer):
 
     # -- header
 
-    def version_line(self, meta, children):
-        (tok,) = children
-        trivia = self._trivia(meta)
+    @_line
+    def version_line(self, children):
+        first, tok = children
+        trivia = self._trivia(first)
         version = int(tok)
         if version != FORMAT_VERSION:
             _fail(f"unsupported format version {version}", self._tok_loc(tok),
                   f"this tpc reads format version {FORMAT_VERSION}: write `tpir {FORMAT_VERSION}`")
         return _Version(version, trivia)
 
-    def model_line(self, meta, children):
-        path, sha, factory = children
-        return self._make(ModelLine, "model", self._trivia(meta), path=self._str(path),
+    @_line
+    def model_line(self, children):
+        first, path, _, sha, _, factory = children
+        return self._make(ModelLine, "model", self._trivia(first), path=self._str(path),
                           sha256=self._str(sha), factory=self._str(factory))
 
-    def shape_line(self, meta, children):
-        batch, seq, vocab, dtype = children
-        return self._make(ShapeLine, "shape", self._trivia(meta), batch=int(batch), seq=int(seq),
-                          vocab=int(vocab), dtype=str(dtype))
+    @_line
+    def shape_line(self, children):
+        first, _, batch, _, seq, _, vocab, _, dtype = children
+        return self._make(ShapeLine, "shape", self._trivia(first), batch=int(batch),
+                          seq=int(seq), vocab=int(vocab), dtype=str(dtype))
 
-    def mesh_line(self, meta, children):
-        pipe, data = children
-        return self._make(MeshLine, "mesh", self._trivia(meta), pipe=int(pipe), data=int(data))
+    @_line
+    def mesh_line(self, children):
+        first, _, pipe, _, data = children
+        return self._make(MeshLine, "mesh", self._trivia(first), pipe=int(pipe), data=int(data))
 
-    def schedule_line(self, meta, children):
-        (name,) = children
-        return self._make(ScheduleLine, "schedule", self._trivia(meta), name=self._str(name))
+    @_line
+    def schedule_line(self, children):
+        first, name = children
+        return self._make(ScheduleLine, "schedule", self._trivia(first), name=self._str(name))
 
-    def units_line(self, meta, children):
-        (count,) = children
-        return self._make(UnitsLine, "units", self._trivia(meta), count=self._nat(count, "units"))
+    @_line
+    def units_line(self, children):
+        first, count = children
+        return self._make(UnitsLine, "units", self._trivia(first),
+                          count=self._nat(count, "units"))
 
-    def range(self, meta, children):
+    @_line
+    def range(self, children):
         lo, hi = children
         return (self._nat(lo, "a range bound"), self._nat(hi, "a range bound"))
 
-    def stage_line(self, meta, children):
-        index, rank, units, label = children
-        trivia = self._trivia(meta)
+    @_line
+    def stage_line(self, children):
+        first, index, _, rank, _, units, label = children
+        trivia = self._trivia(first)
         return self._make(Stage, "stage", trivia, index=self._nat(index, "stage"),
                           rank=self._nat(rank, "rank"), units=units,
                           label="" if label is None else self._str(label))
 
-    def tie_line(self, meta, children):
-        name, *stages = children
-        trivia = self._trivia(meta)
+    @_line
+    def tie_line(self, children):
+        first, name, _, *stages = children
+        trivia = self._trivia(first)
         return self._make(Tie, "tie", trivia, name=self._str(name),
                           stages=tuple(self._nat(s, "stage") for s in stages))
 
-    def microbatch_line(self, meta, children):
-        index, size, *slices = children
-        trivia = self._trivia(meta)
-        return self._make(Microbatch, "microbatch", trivia, index=self._nat(index, "microbatch"),
-                          size=self._nat(size, "size"), slices=tuple(slices))
+    @_line
+    def microbatch_line(self, children):
+        first, index, _, size, _, *slices = children
+        trivia = self._trivia(first)
+        return self._make(Microbatch, "microbatch", trivia,
+                          index=self._nat(index, "microbatch"), size=self._nat(size, "size"),
+                          slices=tuple(slices))
 
     # -- instructions
 
-    def rank_line(self, meta, children):
-        (rank,) = children
-        trivia = self._trivia(meta)
+    @_line
+    def rank_line(self, children):
+        first, rank = children
+        trivia = self._trivia(first)
         return (self._nat(rank, "rank"), trivia)
 
-    def rank_section(self, meta, children):
+    @_line
+    def rank_section(self, children):
         (rank, trivia), *instrs = children
         return RankProgram(rank=rank, instrs=tuple(instrs), **trivia)
 
-    def _instr(self, op: Op, meta, tokens, **extra) -> Instr:
-        trivia = self._trivia(meta)
+    def _instr(self, op: Op, first: Token, tokens, **extra) -> Instr:
+        trivia = self._trivia(first)
         fields = {name: self._nat(tok, name) for name, tok in tokens.items()}
         return self._make(Instr, op.value, trivia, op=op, **fields, **extra)
 
-    def load(self, meta, children):
-        (mb,) = children
-        return self._instr(Op.LOAD, meta, {"mb": mb})
+    @_line
+    def load(self, children):
+        first, _, mb = children
+        return self._instr(Op.LOAD, first, {"mb": mb})
 
     def _slice_op(op: Op):
-        def build(self, meta, children):
-            stage, mb, slice_ = children
-            return self._instr(op, meta, {"stage": stage, "mb": mb, "slice": slice_})
+        @_line
+        def build(self, children):
+            first, stage, mb, slice_ = children
+            return self._instr(op, first, {"stage": stage, "mb": mb, "slice": slice_})
         return build
 
     recompute = _slice_op(Op.RECOMPUTE)
@@ -311,15 +342,18 @@ class _Build(Transformer):
     backward_weight = _slice_op(Op.BACKWARD_WEIGHT)
     del _slice_op
 
-    def forward(self, meta, children):
-        stage, mb, slice_, checkpoint = children
-        return self._instr(Op.FORWARD, meta, {"stage": stage, "mb": mb, "slice": slice_},
+    @_line
+    def forward(self, children):
+        first, stage, mb, slice_, checkpoint = children
+        return self._instr(Op.FORWARD, first, {"stage": stage, "mb": mb, "slice": slice_},
                            checkpoint=checkpoint is not None)
 
     def _p2p(op: Op):
-        def build(self, meta, children):
-            payload, stage, mb, slice_, peer = children
-            return self._instr(op, meta, {"stage": stage, "mb": mb, "slice": slice_, "peer": peer},
+        @_line
+        def build(self, children):
+            first, payload, stage, mb, slice_, _, peer = children
+            return self._instr(op, first,
+                               {"stage": stage, "mb": mb, "slice": slice_, "peer": peer},
                                payload=Payload(str(payload)))
         return build
 
@@ -327,24 +361,30 @@ class _Build(Transformer):
     recv = _p2p(Op.RECV)
     del _p2p
 
-    def free_kv(self, meta, children):
-        stage, mb = children
-        return self._instr(Op.FREE_KV, meta, {"stage": stage, "mb": mb})
+    @_line
+    def free_kv(self, children):
+        first, _, stage, _, mb = children
+        return self._instr(Op.FREE_KV, first, {"stage": stage, "mb": mb})
 
-    def allreduce(self, meta, children):
-        (stage,) = children
-        return self._instr(Op.ALLREDUCE, meta, {"stage": stage})
+    @_line
+    def allreduce(self, children):
+        first, _, stage = children
+        return self._instr(Op.ALLREDUCE, first, {"stage": stage})
 
-    def reduce_tied(self, meta, children):
-        (name,) = children
-        return self._instr(Op.REDUCE_TIED, meta, {}, tie=self._str(name))
+    @_line
+    def reduce_tied(self, children):
+        first, name = children
+        return self._instr(Op.REDUCE_TIED, first, {}, tie=self._str(name))
 
-    def step(self, meta, children):
-        return self._instr(Op.STEP, meta, {})
+    @_line
+    def step(self, children):
+        (first,) = children
+        return self._instr(Op.STEP, first, {})
 
     # -- the file
 
-    def start(self, meta, children):
+    @_line
+    def start(self, children):
         version, *rest = children
         lines = [c for c in rest if not isinstance(c, RankProgram)]
         ranks = [c for c in rest if isinstance(c, RankProgram)]
@@ -363,13 +403,16 @@ class _Build(Transformer):
             microbatches=tuple(by_kind["microbatch"]),
             ties=tuple(by_kind["tie"]),
             version=version.number,
-            version_comments=version.trivia["comments"],
-            version_note=version.trivia["note"],
+            version_comments=version.trivia.get("comments", ()),
+            version_note=version.trivia.get("note"),
             version_loc=version.trivia["loc"],
         )
-        trailing = tuple(c.text for c in self.comments[self.next_comment:])
+        trailing = tuple(text for _, text in self.comments[self.next_comment:])
         return Plan(header=header, ranks=tuple(ranks), trailing_comments=trailing,
                     source=self.file)
+
+
+_BUILD = _Build()
 
 
 @dataclass(frozen=True)
