@@ -6,6 +6,7 @@ each reduction, so no parse tree is made; a line's location is that of its first
 Comments are ignored by the grammar and collected through a lexer callback; the Transformer
 attaches them by line while it builds the lines in document order (a full-line comment belongs to
 the next line, an end-of-line comment to its own line, comments after the last line to the plan).
+The lexer is lark's contextual lexer with a faster loop (see `_Lexer`).
 
 Whatever the input, `parse` raises nothing but `TpirError`: lark's syntax errors, the value
 checks of the dataclasses, and the rules the grammar leaves to this module (header lines in
@@ -18,10 +19,13 @@ from __future__ import annotations
 import difflib
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
 from lark import Lark, Token, Transformer
+from lark.common import LexerConf
+from lark.lexer import ContextualLexer, Lexer, LexerState
 from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
 from tpc.grammar import grammar_text
@@ -105,6 +109,7 @@ def _lark() -> Lark:
         parser="lalr",
         strict=True,
         maybe_placeholders=True,
+        lexer=_Lexer,
         transformer=_BUILD,
         lexer_callbacks={"COMMENT": _BUILD.collect_comment},
     )
@@ -135,6 +140,84 @@ def parse(text: str, file: str = "<string>") -> Plan:
                             source=source) from None
         finally:
             _BUILD.begin("")
+
+
+class _Lexer(Lexer):
+    """lark's contextual lexer (one BasicLexer per parser state, built by lark from the same
+    grammar), driven by a tighter loop: one regular expression per state that also takes the
+    blanks before a token, and positions counted here rather than by a LineCounter per token.
+    The tokens are the ones lark's own loop makes. Where this loop finds no token it hands the
+    rest of the text to lark's loop, so that errors are lark's own, raised at the same place."""
+
+    __future_interface__ = 2  # lex(lexer_state, parser_state), as lark's own lexers
+
+    def __init__(self, conf: LexerConf):
+        self.conf = conf
+        self.contextual: ContextualLexer | None = None
+        self.by_state: dict[int, tuple] = {}
+
+    def _build(self, parse_table) -> ContextualLexer:
+        # as lark builds its contextual lexer for an LALR parser
+        states = {index: list(actions) for index, actions in parse_table.states.items()}
+        return ContextualLexer(self.conf, states)
+
+    def _for_state(self, state: int) -> tuple:
+        lexer = self.contextual.lexers[state]
+        scanner = lexer.scanner  # (also makes lexer.callback)
+        blanks = [t for t in scanner.terminals
+                  if t.name in lexer.ignore_types and t.name not in lexer.callback]
+        prefix = "".join(f"(?:{t.pattern.to_regexp()})?" for t in blanks)
+        # the alternation lark's scanner matches, after optional blanks
+        alternation = "|".join(f"(?P<{t.name}>{t.pattern.to_regexp()})" for t in scanner.terminals)
+        entry = (re.compile(prefix + "(?:" + alternation + ")", lexer.g_regex_flags).match,
+                 lexer.callback, lexer.newline_types, lexer.ignore_types)
+        self.by_state[state] = entry
+        return entry
+
+    def lex(self, lexer_state: LexerState, parser_state) -> Iterator[Token]:
+        if self.contextual is None:
+            self.contextual = self._build(parser_state.parse_conf.parse_table)
+        by_state = self.by_state
+        text = lexer_state.text.text
+        end = lexer_state.text.end
+        counter = lexer_state.line_ctr
+        pos, line, line_start = counter.char_pos, counter.line, counter.line_start_pos
+        last = lexer_state.last_token
+        while pos < end:
+            state = parser_state.position
+            entry = by_state.get(state) or self._for_state(state)
+            m = entry[0](text, pos, end)
+            if m is None:
+                break  # lark's loop raises the error
+            type_ = m.lastgroup
+            stop = m.end()
+            value = m.group(type_)
+            start = stop - len(value)
+            if type_ in entry[2]:  # may hold line ends
+                newlines = value.count("\n")
+            else:
+                newlines = 0
+            if newlines:
+                tok = Token(type_, value, start, line, start - line_start + 1,
+                            line + newlines, None, stop)
+                line += newlines
+                line_start = start + value.rindex("\n") + 1
+                tok.end_column = stop - line_start + 1
+            else:
+                tok = Token(type_, value, start, line, start - line_start + 1,
+                            line, stop - line_start + 1, stop)
+            pos = stop
+            callback = entry[1].get(type_)
+            if callback is not None:
+                tok = callback(tok)
+            if type_ not in entry[3]:
+                last = tok
+                yield tok
+        counter.char_pos, counter.line, counter.line_start_pos = pos, line, line_start
+        counter.column = pos - line_start + 1
+        lexer_state.last_token = last
+        if pos < end:
+            yield from self.contextual.lex(lexer_state, parser_state)
 
 
 def _comment_text(tok: Token) -> str:
