@@ -1,0 +1,193 @@
+"""Helpers shared by the benchmarks: fresh rank processes, peak memory, plans, medians, tables.
+
+Every benchmark measures two things side by side in one run and reports their ratio, so that the
+noise of a shared machine (other jobs, frequency changes) falls on both sides alike.
+
+- `launch(world, target, *args)` starts `world` fresh processes (spawn) that join one gloo
+  group on 127.0.0.1, each with one thread, and call `target(rank, world, *args)`; whatever the
+  target returns comes back, per rank, through a file. A failed or hung rank raises.
+- `reset_peak()` / `peak_above_baseline()`: the peak resident set size of this process above the
+  RSS at the reset (Linux: /proc/self/clear_refs resets VmHWM), after freed heap memory has
+  been handed back to the OS (malloc_trim), so memory a setup step freed is not counted as free
+  room for the measured part.
+- `compile_plan(...)`: `tpc compile` in this process (the command line's own `main`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MACHINE = "dev-cpu (2 cores, no GPU)"
+
+
+def at_root() -> None:
+    """Plans name their model file relative to the repository root: run from there."""
+    os.chdir(ROOT)
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+
+
+# ------------------------------------------------------------------------------ processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, out: str, target, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result = target(rank, world, *args)
+    with open(Path(out) / f"rank{rank}.pkl", "wb") as f:
+        pickle.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(world: int, target, *args, limit: float = 600.0) -> list:
+    """Run `target(rank, world, *args)` in `world` fresh processes; their results, by rank."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="tpc-bench-") as out:
+        port = _free_port()
+        procs = [ctx.Process(target=_entry, args=(r, world, port, out, target, args)) for r in range(world)]
+        start = time.monotonic()
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(max(0.1, limit - (time.monotonic() - start)))
+        bad = []
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+                p.join()
+                bad.append(f"rank {r} still running after {limit:.0f} s")
+            elif p.exitcode != 0:
+                bad.append(f"rank {r} exited with {p.exitcode}")
+        if bad:
+            raise RuntimeError("; ".join(bad))
+        results = []
+        for r in range(world):
+            with open(Path(out) / f"rank{r}.pkl", "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+# --------------------------------------------------------------------------------- memory
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak() -> int:
+    """Collect garbage, return freed heap to the OS, reset the peak RSS; the RSS now (KiB)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+    return _status_kib("VmRSS")
+
+
+def peak_kib() -> int:
+    return _status_kib("VmHWM")
+
+
+# ---------------------------------------------------------------------------------- plans
+
+
+def compile_plan(model: str, out: str | Path, *, factory: str = "model", **options) -> str:
+    """`tpc compile MODEL -o OUT --key value ...` (underscores become dashes); the plan's path."""
+    from tpc.compiler.cli import main
+
+    argv = ["compile", model, "-o", str(out), "--factory", factory, "-q"]
+    for key, value in options.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    status = main(argv)
+    if status != 0:
+        raise RuntimeError(f"tpc {' '.join(argv)} failed with status {status}")
+    return str(out)
+
+
+# ---------------------------------------------------------------------------------- stats
+
+
+def median(xs) -> float:
+    return statistics.median(list(xs))
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    """A Markdown table (pasted as is into docs/benchmarks.md)."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(cells[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+                     + [line(r) for r in cells[1:]])
+
+
+def ok(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+# ------------------------------------------------------------------------- tpc in a rank
+
+
+def tpc_setup(plan_path: str, seed: int = 0):
+    """What `tpc run` does before running, in one rank: (plan, model, sliced model)."""
+    from tpc.executors.interpreter import load_plan_model, slice_model
+    from tpc.ir.verify import verify_file
+
+    plan = verify_file(plan_path)
+    model = load_plan_model(plan, seed)
+    return plan, model, slice_model(model, plan)
+
+
+def tpc_run(plan, model, sliced, rank: int, world: int, steps: int, *, optim=("sgd", 1e-4), record=False,
+            trace=False, on_step=None, before=None):
+    """`tpc run`'s distributed executor (`run_plan`) on this rank's process group, random tokens
+    of seed 0; returns its RankOutcome."""
+    import torch
+
+    from tpc.executors.data import RandomTokens
+    from tpc.executors.distributed import World, run_plan
+    from tpc.executors.engine import EngineOptions
+    from tpc.executors.optim import OptimSpec
+
+    h = plan.header.shape
+    options = EngineOptions(device=torch.device("cpu"), optim=OptimSpec(*optim), record_grads=record,
+                            trace=trace, before_instr=before)
+    return run_plan(plan, World(rank, world, rank), model=model, sliced=sliced,
+                    batches=RandomTokens(0, h.batch, h.seq, h.vocab), steps=steps, options=options,
+                    timeout=600.0, on_step=on_step)
+
+
+def tpc_step_times(plan, model, sliced, rank: int, world: int, steps: int) -> list[float]:
+    """Wall time of each step of a `run_plan` of `steps` steps (each ends with the all-reduce of
+    the loss, a sync point of every rank)."""
+    times = []
+    tpc_run(plan, model, sliced, rank, world, steps, on_step=lambda s, loss, info: times.append(info["step_time"]))
+    return times

@@ -1,0 +1,123 @@
+"""Token slicing on 2 CPU ranks: the optimiser's slices vs none, measured and predicted.
+
+The model is bench/models/gpt_untied.py's `long` (examples/gpt.py, 4 layers, width 256), one
+micro-batch of one sequence of L tokens, 2 pipeline stages on 2 gloo ranks with one thread each.
+The CPU profile comes from `tpc profile` run first (in this process, at L); the sliced plans
+from `tpc compile --slices auto --cost PROFILE`, the unsliced ones from `--slices 1`, each for
+the schedules terapipe and seq1f1b.
+
+Measured: blocks of steps alternate between the unsliced and the sliced plan in the same two
+processes (`run_plan`, what `tpc run` runs under torchrun); each block's first step is
+warm-up; the speedup is median(unsliced) / median(sliced). Predicted: `tpc simulate --cost
+PROFILE` of both plans, the ratio of their iteration times.
+
+Targets: speedup >= 1.4x at L=1024; measured within 15% of the prediction.
+
+    OMP_NUM_THREADS=1 python bench/token_slicing.py [--seq-lens 1024,2048] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (MACHINE, at_root, compile_plan, launch, median, ok, table, tpc_setup,  # noqa: E402
+                    tpc_step_times)
+
+MODEL, FACTORY = "bench/models/gpt_untied.py", "long"
+SCHEDULES = ("terapipe", "seq1f1b")
+
+
+def rank_alternate(rank: int, world: int, pairs: list, repeats: int, block: int):
+    """For each (unsliced, sliced) plan pair: `repeats` x (a block of unsliced steps, a block of
+    sliced steps); the step times of each, first step of every block left out."""
+    out = []
+    for plans in pairs:
+        setups = [tpc_setup(p) for p in plans]
+        times = [[], []]
+        for _ in range(repeats):
+            for which, (plan, model, sliced) in enumerate(setups):
+                times[which] += tpc_step_times(plan, model, sliced, rank, world, block + 1)[1:]
+        out.append(times)
+    return out
+
+
+def predicted(plan_path: str, profile: str) -> float:
+    """`tpc simulate PLAN --cost PROFILE`'s iteration time, in seconds."""
+    from tpc.compiler.costmodel import load_cost_model
+    from tpc.compiler.simulate import simulate
+    from tpc.ir.verify import verify_file
+
+    plan = verify_file(plan_path)
+    h = plan.header
+    costs = load_cost_model(cost=profile, stage_units=[s.units for s in h.stages], num_units=h.units.count,
+                            model_sha256=h.model.sha256)
+    return simulate(plan, costs).iteration_time
+
+
+def slices_of(plan_path: str) -> str:
+    from tpc.ir.verify import verify_file
+
+    mbs = verify_file(plan_path).header.microbatches
+    lengths = [hi - lo for m in mbs for lo, hi in m.slices]
+    return f"{len(lengths)}: " + " ".join(map(str, lengths)) if len(lengths) <= 10 else \
+        f"{len(lengths)}: {lengths[0]} .. {lengths[-1]}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq-lens", default="1024", help="sequence lengths L (default: 1024)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per step, one micro-batch (default: 1)")
+    ap.add_argument("--repeats", type=int, default=3, help="alternations of the two plans (default: 3)")
+    ap.add_argument("--block", type=int, default=3, help="timed steps per block (default: 3)")
+    ap.add_argument("--profile", help="use this CPU profile instead of running `tpc profile` first")
+    args = ap.parse_args(argv)
+    at_root()
+    from tpc.compiler.cli import main as tpc
+
+    rows, ok_all = [], True
+    with tempfile.TemporaryDirectory(prefix="tpc-bench-") as tmp:
+        for L in (int(v) for v in args.seq_lens.split(",")):
+            profile = args.profile or str(Path(tmp) / f"cpu{L}.msgpack")
+            if not args.profile:
+                t0 = time.monotonic()
+                if tpc(["profile", MODEL, "--factory", FACTORY, "--seq-len", str(L), "--batch-sizes",
+                        str(args.batch), "-o", profile]) != 0:
+                    raise RuntimeError("tpc profile failed")
+                print(f"  profile at L={L}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+            pairs = []
+            for schedule in SCHEDULES:
+                common = dict(factory=FACTORY, stages=2, microbatches=1, seq_len=L, batch=args.batch,
+                              schedule=schedule)
+                pairs.append((compile_plan(MODEL, Path(tmp) / f"{schedule}{L}-1.tpir", slices=1, **common),
+                              compile_plan(MODEL, Path(tmp) / f"{schedule}{L}-auto.tpir", slices="auto",
+                                           cost=profile, **common)))
+            t0 = time.monotonic()
+            measured = launch(2, rank_alternate, pairs, args.repeats, args.block)
+            print(f"  runs at L={L}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+            for schedule, (plain, sliced), times in zip(SCHEDULES, pairs, measured[0]):
+                t_plain, t_sliced = median(times[0]), median(times[1])
+                speedup = t_plain / t_sliced
+                p_plain, p_sliced = predicted(plain, profile), predicted(sliced, profile)
+                p_speedup = p_plain / p_sliced
+                off = speedup / p_speedup - 1
+                good = abs(off) <= 0.15 and (speedup >= 1.4 if L == 1024 else True)
+                ok_all &= good
+                rows.append([f"L={L} {schedule}", slices_of(sliced),
+                             f"{t_plain * 1e3:.0f} / {t_sliced * 1e3:.0f}", f"{speedup:.2f}x",
+                             f"{p_plain * 1e3:.0f} / {p_sliced * 1e3:.0f}", f"{p_speedup:.2f}x",
+                             f"{off:+.1%}", ok(good)])
+    print(f"token slicing on {MACHINE}: GPT 4x256 untied, 2 stages on 2 gloo ranks (1 thread each), "
+          f"1 micro-batch of {args.batch} sequence(s); {args.repeats} x {args.block} alternating timed steps each")
+    print(table(["setup", "slices (auto)", "measured ms unsliced / sliced", "speedup",
+                 "predicted ms", "predicted speedup", "measured vs predicted", "target met"], rows))
+    return 0 if ok_all else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,233 @@
+"""tpc vs torch.distributed.pipelining: iteration time and peak memory, same model, same world.
+
+The model is bench/models/gpt_untied.py (examples/gpt.py, 8 layers, width 128, untied: the
+pipelining stages cannot share a tied weight), batch 8 of 256 tokens in 4 micro-batches, on 2
+and 4 gloo ranks with one thread each. tpc runs plans from `tpc compile --slices 1 --schedule
+gpipe|1f1b` with the distributed executor (`run_plan`, what `tpc run` runs under torchrun);
+torch runs ScheduleGPipe / Schedule1F1B over PipelineStages cut at the same unit boundaries as
+the plan's stages, loss = mean cross-entropy per micro-batch with scale_grads=True (gradients
+divided by the micro-batch count, so both minimise the mean over the batch). Both take an SGD
+step and all-reduce the loss for logging every iteration.
+
+- time: in the same processes, steps alternate (a tpc step, then a torch step, ...); per step
+  the wall time on rank 0 (every step ends in the all-reduce of the loss, a sync point); the
+  ratio is median(tpc) / median(torch) over the measured steps, after warm-up steps.
+- memory: fresh processes per framework; per rank, the peak RSS during the steps above the RSS
+  just before the first step (after setup, garbage collected, heap trimmed). The ratio compares
+  the ranks with the largest peak.
+- gradients: one step of each from the same initial weights and batch, before any update: the
+  largest relative error max|a-b|/max|b| over parameters.
+
+Targets: tpc 1f1b time ratio <= 1.0 vs Schedule1F1B, memory ratio <= 1.0.
+
+    OMP_NUM_THREADS=1 python bench/vs_torch_pipelining.py [--steps 12] [--worlds 2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (MACHINE, at_root, compile_plan, launch, median, ok, peak_kib, reset_peak, table,  # noqa: E402
+                    tpc_run, tpc_setup)
+
+MODEL = "bench/models/gpt_untied.py"
+SEQ, BATCH, MICRO = 256, 8, 4
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+LR = 1e-4
+
+
+# ---------------------------------------------------------------------------- the torch side
+
+
+def _torch_stage_module(model, units: tuple[int, int]):
+    """The part of the GPT that units [lo, hi) of the plan cover: unit 0 is the embeddings,
+    units 1..n the blocks, unit n+1 the final norm and the head (as `tpc compile` cuts it)."""
+    import torch
+    import torch.nn as nn
+
+    lo, hi = units
+    n = len(model.transformer.h)
+
+    class Part(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.last = lo == 0, hi == n + 2
+            if self.first:
+                self.wte, self.wpe = model.transformer.wte, model.transformer.wpe
+            self.blocks = nn.ModuleList(model.transformer.h[max(lo - 1, 0): min(hi - 1, n)])
+            if self.last:
+                self.ln_f, self.lm_head = model.transformer.ln_f, model.lm_head
+
+        def forward(self, x):
+            if self.first:
+                pos = torch.arange(0, x.size(1), dtype=torch.long, device=x.device)
+                x = self.wte(x) + self.wpe(pos)
+            for block in self.blocks:
+                x = block(x)
+            if self.last:
+                x = self.lm_head(self.ln_f(x))
+            return x
+
+    return Part()
+
+
+class TorchPipe:
+    """One rank of torch.distributed.pipelining over the plan's stage boundaries."""
+
+    def __init__(self, plan, rank: int, world: int, schedule: str):
+        import torch
+        import torch.nn.functional as F
+        from torch.distributed import pipelining
+
+        from tpc.executors.interpreter import load_plan_model
+
+        self.rank, self.world = rank, world
+        self.model = load_plan_model(plan, 0)  # the weights tpc builds (seed 0)
+        units = plan.header.stages[rank].units
+        part = _torch_stage_module(self.model, units)
+        stage = pipelining.PipelineStage(part, rank, world, torch.device("cpu"))
+
+        def loss_fn(logits, targets):
+            return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+        self.schedule = getattr(pipelining, SCHEDULES[schedule])(stage, n_microbatches=MICRO, loss_fn=loss_fn,
+                                                                  scale_grads=True)
+        self.params = [p for p in part.parameters()]
+        self.opt = torch.optim.SGD(self.params, lr=LR)
+
+    def step(self, tokens, *, keep_grads: bool = False):
+        """One iteration: pipeline forward/backward, the loss summed to every rank, an SGD step."""
+        import torch
+        import torch.distributed as dist
+
+        ids, targets = tokens[:, :-1], tokens[:, 1:]
+        losses = []
+        if self.rank == 0:
+            self.schedule.step(ids)
+        elif self.rank == self.world - 1:
+            self.schedule.step(target=targets, losses=losses)
+        else:
+            self.schedule.step()
+        loss = torch.tensor([float(sum(l.detach() for l in losses)) / MICRO if losses else 0.0], dtype=torch.float64)
+        dist.all_reduce(loss)
+        grads = None
+        if keep_grads:
+            grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return float(loss), grads
+
+
+# ------------------------------------------------------------------------------ rank targets
+
+
+def rank_time(rank: int, world: int, plan_path: str, schedule: str, warmup: int, steps: int):
+    """Gradients of both from the same weights and batch, then alternating timed steps."""
+    from tpc.executors.data import RandomTokens
+
+    plan, model, sliced = tpc_setup(plan_path)
+    h = plan.header.shape
+    batches = RandomTokens(0, h.batch, h.seq, h.vocab)
+    torch_pipe = TorchPipe(plan, rank, world, schedule)
+    tpc_loss = tpc_run(plan, model, sliced, rank, world, 1, record=True)
+    torch_loss, torch_grads = torch_pipe.step(batches.get(0), keep_grads=True)
+
+    tpc_times, torch_times = [], []
+
+    def after_tpc_step(step, loss, info):
+        tpc_times.append(info["step_time"])
+        t0 = time.perf_counter()
+        torch_pipe.step(batches.get(step))
+        torch_times.append(time.perf_counter() - t0)
+
+    tpc_run(plan, model, sliced, rank, world, warmup + steps, on_step=after_tpc_step)
+    return dict(tpc_grads=tpc_loss.first_grads, torch_grads=torch_grads, tpc_loss=tpc_loss.losses[0],
+                torch_loss=torch_loss, tpc_times=tpc_times[warmup:], torch_times=torch_times[warmup:])
+
+
+def rank_memory(rank: int, world: int, plan_path: str, schedule: str, framework: str, steps: int):
+    """Peak RSS (KiB) above the RSS before the first step, over `steps` steps of one framework."""
+    from tpc.executors.data import RandomTokens
+
+    from tpc.ir.verify import verify_file
+
+    state = {}
+    if framework == "torch":
+        plan = verify_file(plan_path)
+        h = plan.header.shape
+        batches = RandomTokens(0, h.batch, h.seq, h.vocab)
+        torch_pipe = TorchPipe(plan, rank, world, schedule)
+        state["base"] = reset_peak()
+        for step in range(steps):
+            torch_pipe.step(batches.get(step))
+    else:
+        plan, model, sliced = tpc_setup(plan_path)
+
+        def before(engine, index):  # after every part of setup run_plan does
+            if engine.step == 0 and index == 0:
+                state["base"] = reset_peak()
+
+        tpc_run(plan, model, sliced, rank, world, steps, before=before)
+    return peak_kib() - state["base"]
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def max_rel_error(a: dict, b: dict) -> float:
+    from tpc.executors.launch import compare_grads
+
+    if set(a) != set(b):
+        raise RuntimeError(f"different parameters: {sorted(set(a) ^ set(b))}")
+    return compare_grads(a, b)[0]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--factory", default="model", help="model of bench/models/gpt_untied.py (default: model)")
+    ap.add_argument("--worlds", default="2,4", help="ranks (= stages) to compare at (default: 2,4)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each first (default: 2)")
+    ap.add_argument("--steps", type=int, default=12, help="timed steps of each (default: 12)")
+    ap.add_argument("--mem-steps", type=int, default=3, help="steps of the memory runs (default: 3)")
+    args = ap.parse_args(argv)
+    at_root()
+    rows, ok_all = [], True
+    with tempfile.TemporaryDirectory(prefix="tpc-bench-") as tmp:
+        for world in (int(w) for w in args.worlds.split(",")):
+            for schedule in SCHEDULES:
+                plan = compile_plan(MODEL, Path(tmp) / f"{schedule}{world}.tpir", factory=args.factory, stages=world, microbatches=MICRO,
+                                    seq_len=SEQ, batch=BATCH, slices=1, schedule=schedule)
+                t0 = time.monotonic()
+                timed = launch(world, rank_time, plan, schedule, args.warmup, args.steps)
+                mem = {fw: launch(world, rank_memory, plan, schedule, fw, args.mem_steps) for fw in ("tpc", "torch")}
+                tpc_g = {n: g for r in timed for n, g in r["tpc_grads"].items()}
+                torch_g = {n: g for r in timed for n, g in r["torch_grads"].items()}
+                err = max_rel_error(tpc_g, torch_g)
+                t_tpc, t_torch = median(timed[0]["tpc_times"]), median(timed[0]["torch_times"])
+                ratio = t_tpc / t_torch
+                mem_ratio = max(mem["tpc"]) / max(mem["torch"])
+                target = schedule == "1f1b"
+                good = (ratio <= 1.0 and mem_ratio <= 1.0) if target else True
+                ok_all &= good
+                rows.append([f"{world} ranks, {schedule} vs {SCHEDULES[schedule]}",
+                             f"{t_tpc * 1e3:.0f} / {t_torch * 1e3:.0f}", f"{ratio:.3f}",
+                             " ".join(f"{m / 1024:.0f}" for m in mem["tpc"]) + " / "
+                             + " ".join(f"{m / 1024:.0f}" for m in mem["torch"]),
+                             f"{mem_ratio:.3f}", f"{err:.1e}",
+                             (ok(good) if target else "-")])
+                print(f"  {rows[-1][0]}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    print(f"tpc vs torch.distributed.pipelining on {MACHINE}: GPT untied ({args.factory}), batch {BATCH} x {SEQ} tokens, "
+          f"{MICRO} micro-batches, gloo, 1 thread per rank; {args.steps} alternating timed steps")
+    print(table(["setup", "ms/iter tpc / torch", "time ratio", "peak MiB per rank tpc / torch",
+                 "memory ratio", "grad rel. err", "target met"], rows))
+    return 0 if ok_all else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
