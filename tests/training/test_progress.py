@@ -77,3 +77,18 @@ def test_metrics_jsonl(tmp_path):
     with MetricsWriter(path) as w:
         pass
     assert path.read_text() == ""
+
+
+def test_resumed_metrics_drop_rows_after_the_checkpoint(tmp_path):
+    """A run that crashed after step 5 with its last checkpoint at step 3 resumes at 3: rows 4
+    and 5 (and a half-written line) give way to the rerun's, so each step appears once."""
+    path = tmp_path / "m.jsonl"
+    with MetricsWriter(path) as w:
+        for step in range(1, 6):
+            w.write(step, loss=float(step), lr=0.1, grad_norm=None, tokens_per_s=1.0, step_time=1.0)
+    with open(path, "a") as f:
+        f.write('{"step": 6, "lo')  # the crash cut a line short
+    with MetricsWriter(path, append=True, keep_through=3) as w:
+        w.write(4, loss=40.0, lr=0.1, grad_norm=None, tokens_per_s=1.0, step_time=1.0)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
