@@ -18,20 +18,29 @@ What is searched depends on the options; everything else is held fixed:
   slices, just those;
 * schedules (`--schedule auto`): terapipe, seq1f1b, 1f1b, gpipe.
 
-Every (mesh, schedule, slicing) is built (header, schedule, lowering) and simulated under the
-partition's cost model; its peak memory per rank is the simulator's (compiler/memory.py).
-The fastest candidate whose peak fits `--memory-per-rank` wins; among equally fast ones (within
-a relative 1e-9) the one with the lowest peak memory, then the first in the order above (pipe
-ascending, schedules in the order listed, the DP's slicing first).
+Every (mesh, slicing, schedule), in that order, is built (header, schedule, lowering) and
+simulated under the partition's cost model; its peak memory per rank is the simulator's
+(compiler/memory.py). The fastest candidate whose peak fits `--memory-per-rank` wins; among
+equally fast ones (within a relative 1e-9) the one with the lowest peak memory, then the first
+in that order (pipe ascending, the DP's slicing first, schedules in the order listed).
 
-Cost: meshes x (ROUNDS DP runs + schedules x (1 + equal-slicing counts) simulations). A
-simulation is linear in the plan's instructions, K x M x slices x (4 + sends); a DP run is
-what bench/dp_speed.py measures. For the tiny test GPT (4 units, L 64, --ranks 4) that is 3
-meshes x 4 schedules x 4 slicings = 48 small simulations, well under a second.
+A candidate is not built when its busiest rank's own compute (`busy_bound`, no schedule can do
+better) already exceeds the fastest fitting plan found so far: thin equal slicings, which pay
+per-slice overheads many times, are ruled out without simulating them.
+
+Cost: meshes x (at most ROUNDS DP runs + slicings x schedules simulations), slicings being
+1 + the equal-slicing counts (log2(L/granularity) + 1 for a power-of-two L). A simulation and
+its lowering are linear in the plan's instructions, about K x (slices of all micro-batches) x
+(2 computes + 4 messages); slice times are priced once per mesh and remembered. A DP run is
+what bench/dp_speed.py measures. The tiny test GPT (4 units, L 64, --ranks 4, both 'auto'):
+3 meshes, at most 48 small simulations, well under a second; bench/dp_speed.py --search
+times a 24-layer model on 8 and 16 ranks.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -40,7 +49,7 @@ from typing import Callable
 import numpy as np
 
 from tpc.compiler.balance import Ranges, best_partition, minmax_partition
-from tpc.compiler.costmodel.base import transfer_times
+from tpc.compiler.costmodel.base import slice_times_of, transfer_times
 from tpc.compiler.costmodel.source import CostSource
 from tpc.compiler.optimiser import DEFAULT_GRANULARITY, Choice, optimise
 from tpc.compiler.optimiser import explain as explain_choice
@@ -154,10 +163,11 @@ class Candidate:
     ranges: Ranges
     schedule: str
     slicing: Slicing
-    time: float  # simulated step time (s)
-    peak: float  # largest peak memory of any rank (bytes)
-    fits: bool
-    header: Header
+    time: float  # simulated step time (s); for one not simulated, the bound that ruled it out
+    peak: float  # largest peak memory of any rank (bytes); nan when not simulated
+    fits: bool  # simulated and within the budget
+    header: Header | None  # None when not simulated
+    simulated: bool = True
 
 
 @dataclass(frozen=True)
@@ -177,13 +187,21 @@ def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> Se
 
     start = time.perf_counter()
     candidates, dp_runs = [], 0
+    incumbent = math.inf  # the fastest fitting time so far
     for pipe, data in space.meshes:
         rows = space.batch // data
         ranges, slicings, runs = _partition_and_slicings(source, space, pipe, data, rows)
         dp_runs += runs
-        cost = source.for_stages(ranges)
-        for schedule in space.schedules:
-            for slicing in slicings:
+        # one memo per mesh: every schedule and slicing asks the same (stage, l, c, b) again
+        cost = _Memo(source.for_stages(ranges))
+        for slicing in slicings:
+            bound = busy_bound(cost.inner, slicing, data)
+            for schedule in space.schedules:
+                if bound > incumbent * (1 + TIE):
+                    # a rank's own compute already takes longer than a plan that fits
+                    candidates.append(Candidate(pipe, data, ranges, schedule, slicing, bound,
+                                                math.nan, False, None, simulated=False))
+                    continue
                 header = make_header(pipe, data, ranges, schedule, slicing.microbatches())
                 plan = lower(header, build_schedule(schedule, header), verify=False)
                 sim = simulate(plan, cost)
@@ -191,11 +209,48 @@ def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> Se
                 fits = space.budget is None or peak <= space.budget
                 candidates.append(Candidate(pipe, data, ranges, schedule, slicing,
                                             sim.iteration_time, peak, fits, header))
+                if fits:
+                    incumbent = min(incumbent, sim.iteration_time)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         raise _nothing_fits(candidates, space)
     best = _fastest(fitting)
     return SearchResult(tuple(candidates), best, space, time.perf_counter() - start, dp_runs)
+
+
+def busy_bound(cost, slicing: Slicing, data: int) -> float:
+    """A lower bound on any schedule's step time for a slicing: the busiest rank's compute
+    (every forward and backward of its stage) plus its gradient all-reduce."""
+    from tpc.compiler.simulate import grad_sync_time
+
+    l = np.array([hi - lo for s in slicing.slices for lo, hi in s], dtype=np.float64)
+    c = np.array([lo for s in slicing.slices for lo, _ in s], dtype=np.float64)
+    mb = np.array([b for b, s in zip(slicing.mb_sizes, slicing.slices) for _ in s], dtype=np.float64)
+    busiest = 0.0
+    for stage in range(cost.num_stages):
+        f, b = slice_times_of(cost, stage, l, c, mb)
+        sync = grad_sync_time(cost, stage, data) if data > 1 else 0.0
+        busiest = max(busiest, float(np.sum(f + b)) + sync)
+    return busiest
+
+
+class _Memo:
+    """A cost model whose answers are remembered: the simulator asks per instruction, and
+    the candidates of one mesh share most (stage, length, context, rows) points."""
+
+    _CACHED = ("slice_time", "p2p_time", "activation_bytes", "kv_bytes", "param_bytes",
+               "stash_bytes", "grad_sync_time")
+
+    def __init__(self, cost):
+        self.inner = cost
+        self.num_stages = cost.num_stages
+        for name in self._CACHED:
+            fn = getattr(cost, name, None)
+            if fn is not None:
+                setattr(self, name, functools.lru_cache(maxsize=None)(fn))
+
+    def __getattr__(self, name):  # what is not cached is the model's own
+        return getattr(self.inner, name)
 
 
 def _fastest(fitting: list[Candidate]) -> Candidate:
@@ -208,6 +263,7 @@ def _fastest(fitting: list[Candidate]) -> Candidate:
 
 
 def _nothing_fits(candidates, space: Space) -> TpirError:
+    # nothing is pruned before a candidate fits, so every candidate here was simulated
     low = min(candidates, key=lambda c: c.peak)
     return TpirError(Diagnostic(
         f"no plan fits --memory-per-rank {format_bytes(space.budget)}: of {len(candidates)} "
@@ -297,10 +353,13 @@ def explain(result: SearchResult) -> str:
     budget = format_bytes(space.budget) if space.budget is not None else None
     rows = [("", "mesh", "units/stage", "schedule", "slicing", "step (sim)", "peak/rank", "fits")]
     for c in result.candidates:
-        fits = ("yes" if c.fits else "NO") if budget else "-"
+        if c.simulated:
+            step, peak = f"{c.time * 1e3:.4g} ms", format_bytes(c.peak)
+            fits = ("yes" if c.fits else "NO") if budget else "-"
+        else:
+            step, peak, fits = f">={c.time * 1e3:.4g} ms", "-", "pruned"
         rows.append(("*" if c is best else "", f"{c.pipe}x{c.data}", partition_text(c.ranges),
-                     c.schedule, c.slicing.summary(), f"{c.time * 1e3:.4g} ms",
-                     format_bytes(c.peak), fits))
+                     c.schedule, c.slicing.summary(), step, peak, fits))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"plan search: {len(result.candidates)} candidates "
              f"({len(space.meshes)} mesh(es) x {len(space.schedules)} schedule(s) x slicings), "
@@ -308,6 +367,9 @@ def explain(result: SearchResult) -> str:
              + (f"; memory budget {budget} per rank" if budget else "")]
     lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     lines += [f"  not searched: {s}" for s in space.skipped]
+    if any(not c.simulated for c in result.candidates):
+        lines.append("  pruned: its busiest rank's compute alone (>=) exceeds a plan that fits; "
+                     "not built")
     others = sorted((c for c in result.candidates if c.fits and c is not best), key=lambda c: c.time)
     why = f"the fastest simulated step of {len(others) + 1} candidate(s)"
     why += " that fit the budget" if budget else ""
@@ -316,7 +378,7 @@ def explain(result: SearchResult) -> str:
         if runner.time > best.time * (1 + TIE):
             how = f"{runner.time / best.time - 1:.1%} slower"
         elif runner.peak > best.peak:
-            how = f"as fast, but needs {format_bytes(runner.peak)} per rank"
+            how = f"as fast, but its peak is {format_bytes(runner.peak - best.peak)} higher"
         else:
             how = "as fast and as small; the earlier in search order wins"
         why += f"; next best {runner.time * 1e3:.4g} ms ({_describe(runner)}), {how}"

@@ -110,6 +110,20 @@ def test_chosen_plan_is_never_slower_than_equal_slicing(tiny, source, schedule, 
     assert t_chosen <= min(equal.values()) * (1 + 1e-12), (t_chosen, equal)
 
 
+def test_pruning_bound_is_a_lower_bound(tiny, source):
+    """busy_bound never exceeds a simulated time, so a candidate it rules out is slower than
+    the chosen plan."""
+    from tpc.compiler.search import busy_bound
+
+    result = search(tiny, source, stages="auto", ranks=4, microbatches=1, schedule="auto")
+    for c in result.candidates:
+        bound = busy_bound(source.for_stages(c.ranges), c.slicing, c.data)
+        if c.simulated:
+            assert 0 < bound <= c.time * (1 + 1e-12)
+        else:
+            assert bound == c.time > result.best.time and c.header is None and not c.fits
+
+
 def test_cost_partition_follows_the_unit_times(tiny, tmp_path):
     """A head that costs as much as everything else gets a stage of its own; the parameter
     balance puts it with a block."""
@@ -237,7 +251,7 @@ def test_compile_stages_auto_end_to_end_trains_like_autograd(tmp_path, synthetic
         assert text in err, text
     rows = [line for line in err.splitlines() if re.match(r"^ +\*? +\d+x\d+ ", line)]
     assert len(rows) >= 16 and sum(row.lstrip().startswith("*") for row in rows) == 1
-    assert all(row.rstrip().endswith("yes") for row in rows)
+    assert all(row.rstrip().endswith(("yes", "pruned")) for row in rows)
     assert main(["run", "--interpret", str(out), "--verify-grads", "-q"]) == 0
     assert "tolerance 1e-05: ok" in capsys.readouterr().out
 
