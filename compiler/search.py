@@ -275,7 +275,8 @@ def _nothing_fits(candidates, space: Space) -> TpirError:
 
 
 def _describe(c: Candidate) -> str:
-    return (f"{c.pipe} stages x {c.data} replicas, units {partition_text(c.ranges)}, "
+    return (f"{c.pipe} stage{'s' * (c.pipe != 1)} x {c.data} replica{'s' * (c.data != 1)}, "
+            f"units {partition_text(c.ranges)}, "
             f"{c.schedule}, {c.slicing.summary()}")
 
 
