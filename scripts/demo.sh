@@ -3,16 +3,16 @@
 # compile examples/gpt.py into a 2-stage token-sliced plan (the optimiser picks the slices from
 # the measured costs), draw its predicted timeline, train it under torchrun on CPU (2 ranks,
 # gloo), and sample text from the trained checkpoint. Everything it writes goes to out/
-# (override: OUT=dir). Knobs: STEPS (default 300), SEQ (128), BATCH (8), LR (2e-3).
-# About 3 minutes on 2 CPU cores. Run it again with RESUME=1 STEPS=600 to continue training
-# from the last checkpoint.
+# (override: OUT=dir). Knobs: STEPS (default 500), SEQ (128), BATCH (16), LR (3e-3).
+# About 3 minutes on 2 CPU cores. Run it again with RESUME=1 STEPS=1000 to continue training
+# from the last checkpoint (STEPS is the step training ends at).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
-STEPS=${STEPS:-300}
+STEPS=${STEPS:-500}
 SEQ=${SEQ:-128}
-BATCH=${BATCH:-8}
-LR=${LR:-2e-3}
+BATCH=${BATCH:-16}
+LR=${LR:-3e-3}
 RESUME=${RESUME:-0}
 export OMP_NUM_THREADS=1 PIP_ROOT_USER_ACTION=ignore PYTHONWARNINGS=ignore
 mkdir -p "$OUT"
@@ -67,5 +67,5 @@ cat <<MSG
   timeline picture  $OUT/timeline.png     (trace for Perfetto: $OUT/timeline.json)
   metrics           $OUT/metrics.jsonl    (one JSON line per step)
   checkpoint        $OUT/ckpt/$(cat "$OUT/ckpt/latest" 2>/dev/null)
-                    (\`tpc export $OUT/ckpt -o model.pt\`; continue: RESUME=1 STEPS=600 bash scripts/demo.sh)
+                    (\`tpc export $OUT/ckpt -o model.pt\`; continue: RESUME=1 STEPS=$((2 * STEPS)) bash scripts/demo.sh)
 MSG
