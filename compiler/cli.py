@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True, help="where to write the plan (.tpir)")
     c.add_argument("--factory", default="model", help="name of the callable in MODEL (default: model)")
     c.add_argument("--stages", default="2", help="pipeline stages K, or 'auto' to search pipeline × data splits of --ranks (default: 2)")
-    c.add_argument("--microbatches", type=int, default=1, help="micro-batches per step (default: 1)")
+    c.add_argument("--microbatches", default="1", help="micro-batches per step, or 'auto': the optimiser's batch knapsack chooses their number and sizes (needs --slices auto and a cost model) (default: 1)")
     c.add_argument("--seq-len", type=int, required=True, help="training sequence length L")
     c.add_argument("--batch", type=int, required=True, help="global batch size (sequences per step)")
     c.add_argument("--slices", default="1", help="token slices per micro-batch: N (equal), l1,l2,... (lengths summing to L), or 'auto' (the optimiser chooses) (default: 1)")

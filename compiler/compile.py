@@ -95,7 +95,7 @@ def check_options(
     cost model is named (--cost or --device-model), which the 'auto' choices need."""
     K = parse_stages(stages)
     stages_auto = K == AUTO
-    M = _positive("--microbatches", microbatches, "the number of micro-batches per step, e.g. --microbatches 4")
+    M = parse_microbatches(microbatches)
     L = _positive("--seq-len", seq_len, "the training sequence length, e.g. --seq-len 128")
     B = _positive("--batch", batch, "the global batch size in sequences, e.g. --batch 8")
     D = _positive("--dp", dp, "the number of data-parallel replicas, e.g. --dp 1")
@@ -118,7 +118,7 @@ def check_options(
             f"make --batch a multiple of --dp {D} (e.g. {B - B % D or D} or {B - B % D + D})",
         )
     rows = B // D
-    if M > rows:
+    if M is not None and M > rows:
         raise _error(
             "--microbatches",
             f"{M} micro-batches but each replica has only {rows} sequence(s) (--batch {B} / --dp {D})",
@@ -143,7 +143,23 @@ def check_options(
     slices_auto = cuts == AUTO
     if slices_auto:
         cuts = equal_slices(min(AUTO_SLICE_COUNT, L), L)
+    if M is None and not (slices_auto and costs):
+        raise _error("--microbatches", "--microbatches auto lets the optimiser's batch knapsack "
+                     "choose micro-batch sizes together with their token slices",
+                     f"add --slices auto and {_NEEDS_COSTS}, or give the number of micro-batches")
     return Options(K, M, L, B, D, cuts, slices_auto, schedule, stages_auto, schedule_auto, R)
+
+
+def parse_microbatches(spec) -> int | None:
+    """`--microbatches`: a positive count, or 'auto' (None: the optimiser chooses)."""
+    if isinstance(spec, str) and spec.strip().lower() == AUTO:
+        return None
+    try:
+        count = int(spec)
+    except (TypeError, ValueError):
+        raise _error("--microbatches", f"--microbatches {spec!r} is not a number",
+                     "give the number of micro-batches per step, e.g. --microbatches 4, or auto") from None
+    return _positive("--microbatches", count, "the number of micro-batches per step, e.g. --microbatches 4")
 
 
 def microbatch_sizes(rows: int, count: int) -> list[int]:
@@ -181,7 +197,8 @@ def build_header(
     tie_lines = tuple(
         Tie(name=name, stages=tuple(sorted(set(st)))) for name, st in ties if len(set(st)) > 1
     )
-    sizes = microbatch_sizes(opts.batch // opts.dp, opts.microbatches)
+    # with --microbatches auto the search replaces this placeholder of one micro-batch
+    sizes = microbatch_sizes(opts.batch // opts.dp, opts.microbatches or 1)
     return Header(
         model=ModelLine(path=model_path, sha256=sha256, factory=factory),
         shape=ShapeLine(batch=opts.batch, seq=opts.seq_len, vocab=vocab, dtype="float32"),
@@ -290,7 +307,7 @@ def search_space(opts: Options, num_units: int, budget: float | None):
     from tpc.compiler.search import AUTO_SCHEDULES, Space, meshes_for_ranks
 
     if opts.stages_auto:
-        meshes, skipped = meshes_for_ranks(opts.ranks, num_units, opts.batch, opts.microbatches)
+        meshes, skipped = meshes_for_ranks(opts.ranks, num_units, opts.batch, opts.microbatches or 1)
         if not meshes:
             raise _error(
                 "--stages",
@@ -385,7 +402,7 @@ def compile_plan(
     model_path: str,
     *,
     stages,
-    microbatches: int,
+    microbatches: int | str,
     seq_len: int,
     batch: int,
     slices="1",

@@ -126,7 +126,7 @@ class Space:
 
     seq_len: int
     batch: int  # global batch, sequences
-    microbatches: int  # per replica
+    microbatches: int | None  # per replica; None: the optimiser's knapsack chooses
     meshes: tuple[tuple[int, int], ...]  # (pipe, data)
     schedules: tuple[str, ...]
     slices: Slices | None = None  # given slices of every micro-batch; None: the optimiser's
@@ -302,16 +302,16 @@ def slice_work(source: CostSource, cost, mb_sizes, slices):
 def _partition_and_slicings(source: CostSource, space: Space, pipe: int, data: int, rows: int):
     """The partition of one mesh and the slicings to simulate on it (module docstring)."""
     L, M, g = space.seq_len, space.microbatches, space.granularity
-    sizes = _equal_sizes(rows, M)
     n_units = source.num_units
     if space.slices is not None:
+        sizes = _equal_sizes(rows, M)  # given slices come with a given micro-batch count
         given = Slicing("given", sizes, (space.slices,) * M)
         # the transfers depend only on the stage count: price them with any partition of it
         probe = source.for_stages(minmax_partition(np.ones(n_units), pipe))
         W, extra = slice_work(source, probe, given.mb_sizes, given.slices)
         return best_partition(W, pipe, extra), [given], 0
     # start from the partition balancing the unsliced step, then alternate DP and partition
-    ranges = minmax_partition(source.unit_times(L, 0, rows / M), pipe)
+    ranges = minmax_partition(source.unit_times(L, 0, rows / (M or 1)), pipe)
     seen, best, runs = [], None, 0
     while ranges not in seen and runs < ROUNDS:
         seen.append(ranges)
@@ -324,9 +324,11 @@ def _partition_and_slicings(source: CostSource, space: Space, pipe: int, data: i
         ranges = best_partition(W, pipe, extra)
     ranges, choice = best
     slicings = [Slicing("dp", choice.mb_sizes, choice.slices, choice)]
+    # the equal slicings keep the given micro-batches, or the knapsack's when it chose them
+    sizes = _equal_sizes(rows, M) if M is not None else choice.mb_sizes
     for n in equal_counts(L, g):
         cuts = tuple((L * i // n, L * (i + 1) // n) for i in range(n))
-        s = Slicing(f"equal {n}", sizes, (cuts,) * M)
+        s = Slicing(f"equal {n}", sizes, (cuts,) * len(sizes))
         if (s.mb_sizes, s.slices) != (choice.mb_sizes, choice.slices):
             slicings.append(s)
     return ranges, slicings, runs

@@ -319,3 +319,50 @@ def test_no_mesh_of_the_ranks_fits(synthetic_path):
     text = e.value.render()
     assert "no pipeline x data split of --ranks 8 fits" in text
     assert "8x1: 8 stages but the model has 4 units" in text and "4x2: a batch of 3" in text
+
+
+# ----------------------------------------------------------------- --microbatches auto
+
+
+def test_microbatches_auto_takes_the_knapsacks_sizes(tiny, source):
+    """With --microbatches auto the optimiser's batch knapsack chooses how many micro-batches
+    and of what size, for the partition the search settled on; the equal slicings it is
+    compared with use the same micro-batches."""
+    from tpc.compiler.optimiser import optimise
+
+    result = search(tiny, source, microbatches="auto")
+    dp = [c for c in result.candidates if c.slicing.origin == "dp"]
+    assert dp
+    choice = optimise(source.for_stages(dp[0].ranges), 2, L, 4, microbatches=None)
+    assert dp[0].slicing.mb_sizes == choice.mb_sizes and sum(choice.mb_sizes) == 4
+    for c in result.candidates:
+        assert c.slicing.mb_sizes == choice.mb_sizes, c.slicing.summary()
+    best = result.best.header
+    assert tuple(m.size for m in best.microbatches) == choice.mb_sizes
+
+
+def test_microbatches_auto_compiles_and_trains_like_autograd(tmp_path, synthetic_path, capsys):
+    from tpc.compiler.cli import main
+
+    out = tmp_path / "plan.tpir"
+    assert main(["compile", TINY, "-o", str(out), "--stages", "2", "--microbatches", "auto",
+                 "--seq-len", "32", "--batch", "4", "--slices", "auto", "--cost", str(synthetic_path),
+                 "-q"]) == 0
+    assert main(["run", "--interpret", str(out), "--verify-grads", "-q"]) == 0
+    assert "tolerance 1e-05: ok" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change, costs", [(dict(microbatches="auto"), False),
+                                           (dict(microbatches="auto", slices="4"), True)])
+def test_microbatches_auto_needs_the_optimiser(change, costs):
+    with pytest.raises(TpirError) as e:
+        check_options(**{**BASE, **change}, costs=costs)
+    text = e.value.render()
+    assert "--microbatches auto lets the optimiser" in text and "--slices auto" in text
+
+
+@pytest.mark.parametrize("spec", ["two", "0", "-1"])
+def test_bad_microbatch_counts_are_refused(spec):
+    with pytest.raises(TpirError) as e:
+        check_options(**{**BASE, "microbatches": spec}, costs=True)
+    assert "--microbatches" in e.value.render() and "hint:" in e.value.render()
