@@ -178,38 +178,39 @@ class _Lexer(Lexer):
         if self.contextual is None:
             self.contextual = self._build(parser_state.parse_conf.parse_table)
         by_state = self.by_state
+        states = parser_state.state_stack  # the last is the parser's state (its `position`)
         text = lexer_state.text.text
         end = lexer_state.text.end
         counter = lexer_state.line_ctr
         pos, line, line_start = counter.char_pos, counter.line, counter.line_start_pos
         last = lexer_state.last_token
+        new_str = str.__new__
         while pos < end:
-            state = parser_state.position
+            state = states[-1]
             entry = by_state.get(state) or self._for_state(state)
             m = entry[0](text, pos, end)
             if m is None:
                 break  # lark's loop raises the error
             type_ = m.lastgroup
-            stop = m.end()
-            value = m.group(type_)
-            start = stop - len(value)
-            if type_ in entry[2]:  # may hold line ends
-                newlines = value.count("\n")
-            else:
-                newlines = 0
-            if newlines:
-                tok = Token(type_, value, start, line, start - line_start + 1,
-                            line + newlines, None, stop)
-                line += newlines
+            start = m.start(type_)
+            pos = m.end()
+            value = text[start:pos]
+            # a Token with every field set, as lark's lexer makes it (without its constructor's
+            # two Python calls: most of a plan's parse is making tokens)
+            tok = new_str(Token, value)
+            tok.type = type_
+            tok.value = value
+            tok.start_pos = start
+            tok.line = line
+            tok.column = start - line_start + 1
+            tok.end_pos = pos
+            if type_ in entry[2] and "\n" in value:  # a token that may hold line ends does
+                line += value.count("\n")
                 line_start = start + value.rindex("\n") + 1
-                tok.end_column = stop - line_start + 1
-            else:
-                tok = Token(type_, value, start, line, start - line_start + 1,
-                            line, stop - line_start + 1, stop)
-            pos = stop
-            callback = entry[1].get(type_)
-            if callback is not None:
-                tok = callback(tok)
+            tok.end_line = line
+            tok.end_column = pos - line_start + 1
+            if type_ in entry[1]:
+                tok = entry[1][type_](tok)
             if type_ not in entry[3]:
                 last = tok
                 yield tok
@@ -393,7 +394,7 @@ class _Build(Transformer):
 
     @_line
     def rank_line(self, children):
-        first, rank = children
+        first, rank, _ = children
         trivia = self._trivia(first)
         return (self._nat(rank, "rank"), trivia)
 
@@ -402,20 +403,28 @@ class _Build(Transformer):
         (rank, trivia), *instrs = children
         return RankProgram(rank=rank, instrs=tuple(instrs), **trivia)
 
-    def _instr(self, op: Op, first: Token, tokens, **extra) -> Instr:
+    def _instr(self, op: Op, first: Token, operands: dict[str, Token], **extra) -> Instr:
         trivia = self._trivia(first)
-        fields = {name: self._nat(tok, name) for name, tok in tokens.items()}
-        return self._make(Instr, op.value, trivia, op=op, **fields, **extra)
+        fields = {name: int(tok) for name, tok in operands.items()}
+        if fields and min(fields.values()) < 0:
+            for name, tok in operands.items():
+                self._nat(tok, name)  # fails at the first negative operand
+        try:
+            return Instr(op, **fields, **extra, **trivia)
+        except ValueError as e:
+            _fail(str(e), trivia["loc"], f"a {op.value!r} line reads: {SYNTAX[op.value]}")
+
+    # Each instruction's children are all its tokens, its line end last.
 
     @_line
     def load(self, children):
-        first, _, mb = children
+        first, _, mb, _ = children
         return self._instr(Op.LOAD, first, {"mb": mb})
 
     def _slice_op(op: Op):
         @_line
         def build(self, children):
-            first, stage, mb, slice_ = children
+            first, _, stage, _, mb, _, slice_, _ = children
             return self._instr(op, first, {"stage": stage, "mb": mb, "slice": slice_})
         return build
 
@@ -427,17 +436,17 @@ class _Build(Transformer):
 
     @_line
     def forward(self, children):
-        first, stage, mb, slice_, checkpoint = children
+        first, _, stage, _, mb, _, slice_, checkpoint, _ = children
         return self._instr(Op.FORWARD, first, {"stage": stage, "mb": mb, "slice": slice_},
                            checkpoint=checkpoint is not None)
 
     def _p2p(op: Op):
         @_line
         def build(self, children):
-            first, payload, stage, mb, slice_, _, peer = children
+            first, payload, _, stage, _, mb, _, slice_, _, peer, _ = children
             return self._instr(op, first,
                                {"stage": stage, "mb": mb, "slice": slice_, "peer": peer},
-                               payload=Payload(str(payload)))
+                               payload=_PAYLOADS[payload])
         return build
 
     send = _p2p(Op.SEND)
@@ -446,22 +455,22 @@ class _Build(Transformer):
 
     @_line
     def free_kv(self, children):
-        first, _, stage, _, mb = children
+        first, _, stage, _, mb, _ = children
         return self._instr(Op.FREE_KV, first, {"stage": stage, "mb": mb})
 
     @_line
     def allreduce(self, children):
-        first, _, stage = children
+        first, _, stage, _ = children
         return self._instr(Op.ALLREDUCE, first, {"stage": stage})
 
     @_line
     def reduce_tied(self, children):
-        first, name = children
+        first, name, _ = children
         return self._instr(Op.REDUCE_TIED, first, {}, tie=self._str(name))
 
     @_line
     def step(self, children):
-        (first,) = children
+        first, _ = children
         return self._instr(Op.STEP, first, {})
 
     # -- the file
@@ -495,6 +504,7 @@ class _Build(Transformer):
                     source=self.file)
 
 
+_PAYLOADS = {p.value: p for p in Payload}
 _BUILD = _Build()
 
 
