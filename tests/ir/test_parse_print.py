@@ -3,13 +3,15 @@ says; bad input gives located diagnostics with hints, never another exception.""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from tests.ir.plans import simple_plan
 from tpc.grammar import grammar_text
 from tpc.ir.diagnostics import TpirError
-from tpc.ir.nodes import Instr, Op, Payload
+from tpc.ir.nodes import Instr, Op, Payload, Plan
 from tpc.ir.parse import parse
 from tpc.ir.printer import print_plan
 
@@ -141,6 +143,41 @@ def test_comment_on_rank_line_above_blank_line_keeps_its_blank_line():
 
 def test_printer_output_without_trailing_newline_parses_the_same():
     assert parse(DOCS_EXAMPLE.rstrip("\n")) == parse(DOCS_EXAMPLE)
+
+
+def test_large_plan_round_trips_with_every_instruction_at_its_printed_line():
+    plan = simple_plan(4, 9, 24, data=2, tie=True, checkpoint=True)
+    # a comment above and at the end of every seventh instruction, so that lines and
+    # instructions do not correspond one to one
+    plan = Plan(
+        header=plan.header,
+        ranks=tuple(
+            replace(r, instrs=tuple(
+                i.with_trivia(comments=(f"above {n}",), note=f"at {n}") if n % 7 == 0 else i
+                for n, i in enumerate(r.instrs)))
+            for r in plan.ranks),
+        trailing_comments=("the end",),
+    )
+    text = print_plan(plan)
+    lines = text.splitlines()
+    assert len(lines) >= 5000
+    back = parse(text, file="big.tpir")
+    assert back == plan
+    assert print_plan(back) == text
+    # instructions are the indented lines that are not comments, in order
+    expected = [(n, 3) for n, line in enumerate(lines, 1)
+                if line.startswith("  ") and not line.startswith("  #")]
+    instrs = [i for r in back.ranks for i in r.instrs]
+    assert [(i.loc.line, i.loc.col) for i in instrs] == expected
+    assert all(i.loc.file == "big.tpir" for i in instrs)
+    for i in instrs:
+        assert lines[i.loc.line - 1].split("  #")[0] == "  " + str(i)
+        n = i.loc.line
+        if i.note is not None:
+            assert lines[n - 1].endswith(f"  # {i.note}") and lines[n - 2] == f"  # {i.comments[0]}"
+    for r in back.ranks:
+        assert lines[r.loc.line - 1] == f"rank {r.rank}"
+    assert back.trailing_comments == ("the end",)
 
 
 # ------------------------------------------------------------------------------ bad input
