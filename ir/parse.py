@@ -109,6 +109,7 @@ def _lark() -> Lark:
         parser="lalr",
         strict=True,
         maybe_placeholders=True,
+        cache=True,  # the tables, in the temp dir, keyed by grammar, options and lark version
         lexer=_Lexer,
         transformer=_BUILD,
         lexer_callbacks={"COMMENT": _BUILD.collect_comment},
