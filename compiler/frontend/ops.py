@@ -8,6 +8,8 @@ aligns the mask top-left, which is right only when there is no prefix.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -28,8 +30,19 @@ def causal_attention(q, k, v, k_prefix, v_prefix, scale=None, dropout_p=0.0, rep
     extra = {"enable_gqa": True} if enable_gqa else {}
     if lq == lk:
         return F.scaled_dot_product_attention(q, kf, vf, dropout_p=dropout_p, is_causal=True, scale=scale, **extra)
-    mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)  # (l, off+l)
+    # cached for plain tensors only: a mask made under a tracing mode must not outlive it
+    build = _bottom_right_mask if type(q) is torch.Tensor else _bottom_right_mask.__wrapped__
+    mask = build(lq, lk, q.dtype, q.device)  # (l, off+l)
     return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
+
+
+@functools.lru_cache(maxsize=16)
+def _bottom_right_mask(lq: int, lk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive causal mask aligned bottom-right: 0 where query q sees key j (j <= lk - lq + q),
+    -inf elsewhere. Built once per shape (every layer of every slice of that length uses it); an
+    additive mask in the query's dtype is what SDPA would make of a boolean one on each call."""
+    sees = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(diagonal=lk - lq)
+    return torch.zeros(lq, lk, dtype=dtype, device=device).masked_fill_(~sees, float("-inf"))
 
 
 def sum_token_loss(logits, targets):
