@@ -8,7 +8,8 @@ kept. Target: <= 50 us per line.
 
 `--compare REV` also loads the parser and grammar of git revision REV (e.g. a commit before a
 change to the parser) and times both on the same texts in the same run, side by side; it checks
-that both give equal plans with equal locations and comments.
+that both give equal plans with equal locations and comments. `--compare ae6f816` is the parser
+that built a parse tree first and transformed it afterwards.
 
     OMP_NUM_THREADS=1 python bench/parse_speed.py [--quick] [--compare REV]
 """
