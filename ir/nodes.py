@@ -271,16 +271,19 @@ class Instr(Line):
     checkpoint: bool = False
 
     def __post_init__(self):
+        # messages are built only on failure: plans have 100k instructions, parsed often
         wanted = OPERANDS[self.op]
         for name in ("stage", "mb", "slice", "payload", "peer", "tie"):
             value = getattr(self, name)
             if name in wanted:
-                _check(value is not None, f"{self.op.value} needs {name}")
-                if isinstance(value, int):
-                    _check(value >= 0, f"{self.op.value}: {name} must be >= 0, got {value}")
-            else:
-                _check(value is None, f"{self.op.value} takes no {name}")
-        _check(not self.checkpoint or self.op is Op.FORWARD, "only forward takes checkpoint")
+                if value is None:
+                    raise ValueError(f"{self.op.value} needs {name}")
+                if isinstance(value, int) and value < 0:
+                    raise ValueError(f"{self.op.value}: {name} must be >= 0, got {value}")
+            elif value is not None:
+                raise ValueError(f"{self.op.value} takes no {name}")
+        if self.checkpoint and self.op is not Op.FORWARD:
+            raise ValueError("only forward takes checkpoint")
 
     @property
     def key(self) -> tuple[int | None, int | None, int | None]:
