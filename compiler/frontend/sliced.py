@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -17,6 +18,7 @@ from tpc.compiler.frontend.analyse import check_token_independence
 from tpc.compiler.frontend.attention import rewrite_attention
 from tpc.compiler.frontend.axes import size_expr
 from tpc.compiler.frontend.capture import capture
+from tpc.compiler.frontend.flops import UnitCost, UnitCostFn, annotate_costs, loss_cost, numel as numel_of, sum_costs
 from tpc.compiler.frontend.locate import loc_of_node
 from tpc.compiler.frontend.partition import _is_residual, make_units, partition_balanced
 from tpc.compiler.frontend.positions import rewrite_positions
@@ -82,6 +84,9 @@ class SlicedModel:
         self._site_units = [pos[s.node] for s in sites]
         self._unit_attrs = [self._attrs_used(u.nodes) for u in self._units]
         self.hidden_size = self._hidden(data)
+        # cost records in node.meta["tpc_cost"] (stage graphs copy them with the nodes)
+        annotate_costs(graph, self._static)
+        self._cost_fns: dict[int, list[UnitCostFn]] = {}
         self._self_check()
 
     # ---------------------------------------------------------------- public API
@@ -99,6 +104,55 @@ class SlicedModel:
         """Parameters each unit uses (a tied parameter counts in every unit that uses it)."""
         named = dict(self.model.named_parameters())
         return [sum(named[a].numel() for a in attrs if a in named) for attrs in self._unit_attrs]
+
+    def stage_param_count(self, lo: int, hi: int) -> int:
+        """Distinct parameters units [lo, hi) use (a tied weight counts once)."""
+        named = dict(self.model.named_parameters())
+        names = {a for attrs in self._unit_attrs[lo:hi] for a in attrs if a in named}
+        return sum(named[a].numel() for a in names)
+
+    @property
+    def unit_kv_elements(self) -> list[int]:
+        """KV-cache elements one token of one sequence leaves in each unit (keys + values)."""
+        out = [0] * self.num_units
+        for s, u in zip(self._sites, self._site_units):
+            for node in (s.k, s.v):
+                out[u] += int(numel_of(node.meta["val"]).subs({self._batch_sym: 1, self._seq_sym: 1}))
+        return out
+
+    @property
+    def float_bytes(self) -> int:
+        """Bytes of a floating-point element as traced (the parameters' dtype)."""
+        p = next((p for p in self.model.parameters() if p.is_floating_point()), None)
+        return p.element_size() if p is not None else 4
+
+    def unit_cost_fns(self, float_bytes: int | None = None) -> list[UnitCostFn]:
+        """Per unit, `fn(l, c, b) -> UnitCost` from the graph's cost records (flops.py): the
+        unit's nodes, the static values it recomputes (position tables, weight views) and, on
+        the last unit, the loss. Floating values count `float_bytes` each (default: as traced).
+        Lambdified once per width; identical units share one function."""
+        width = self.float_bytes if float_bytes is None else int(float_bytes)
+        if width not in self._cost_fns:
+            by_sig: dict[tuple, UnitCostFn] = {}
+            fns = []
+            for i, u in enumerate(self._units):
+                nodes = list(u.nodes) + self._static_used(u.nodes)
+                records = [n.meta["tpc_cost"] for n in nodes]
+                if i == self.num_units - 1:
+                    records.append(loss_cost(u.output.meta["val"]))
+                sums = sum_costs(records)
+                key = tuple(sympy.srepr(sums[k]) for k in sorted(sums))
+                if key not in by_sig:
+                    by_sig[key] = UnitCostFn(u.label, sums, self._seq_sym, self._batch_sym, width)
+                fn = by_sig[key]
+                fns.append(fn if fn.label == u.label else fn.relabel(u.label))
+            self._cost_fns[width] = fns
+        return self._cost_fns[width]
+
+    def unit_costs(self, l, c, b, float_bytes: int | None = None) -> list[UnitCost]:
+        """Each unit's forward and backward FLOPs, bytes and kernels for slices of `l` tokens
+        after `c` cached ones, `b` sequences (numpy arrays broadcast together)."""
+        return [fn(l, c, b) for fn in self.unit_cost_fns(float_bytes)]
 
     def partition_by_params(self, n_stages: int) -> list[tuple[int, int]]:
         """Contiguous unit ranges, one per stage, balancing parameter counts."""
@@ -188,6 +242,17 @@ class SlicedModel:
                 out.append(a.target)
             stack.extend(a.all_input_nodes)
         return sorted(set(out))
+
+    def _static_used(self, nodes) -> list[fx.Node]:
+        """Static call nodes `nodes` depend on (a stage recomputes them), in graph order."""
+        seen, stack = set(), [a for n in nodes for a in n.all_input_nodes]
+        while stack:
+            a = stack.pop()
+            if a in seen or a not in self._static:
+                continue
+            seen.add(a)
+            stack.extend(a.all_input_nodes)
+        return [n for n in self._graph.nodes if n in seen and n.op == "call_function"]
 
     def _hidden(self, data) -> int:
         for u in self._units[:-1]:
