@@ -292,11 +292,11 @@ def auto_slices_without_costs(opts: Options, progress) -> None:
 
 def cost_source_for(model, sliced, vocab: int, sha256: str, *, cost, device_model):
     """The CostSource --cost / --device-model name: cost models for any stage partition of
-    this model. The analytic model needs the model's shapes (see `analytic_shapes`)."""
+    this model. A device model prices the traced graph's own FLOPs, bytes and kernels
+    (costmodel/graph.py), so any model the front end captures can be priced."""
     from tpc.compiler.costmodel.load import load_cost_source
 
-    shapes = analytic_shapes(model, sliced.num_units, vocab, hidden=sliced.hidden_size) if device_model else None
-    return load_cost_source(cost=cost, device_model=device_model, model_shapes=shapes,
+    return load_cost_source(cost=cost, device_model=device_model, sliced=sliced if device_model else None,
                             num_units=sliced.num_units, model_sha256=sha256 if cost else None)
 
 
@@ -338,39 +338,6 @@ def search_header(opts: Options, source, make_header, *, budget, explain: bool, 
     if explain:
         progress.say(explain_search(result))
     return best.header
-
-
-def analytic_shapes(model, num_units: int, vocab: int, hidden: int | None = None):
-    """The model's shapes for the analytic cost model: layers are the units between the
-    embedding and the head (the front end's numbering), heads are read from the attention
-    modules, the width from `hidden` or else the token embedding."""
-    import torch
-
-    from tpc.compiler.costmodel.analytic import ModelShapes
-
-    heads = _attention_heads(model)
-    layers = num_units - 2
-    if hidden is None:
-        hidden = next((m.embedding_dim for m in model.modules()
-                       if isinstance(m, torch.nn.Embedding) and m.num_embeddings == vocab), None)
-    if heads is None or layers < 1 or hidden is None:
-        missing = "no attention module with n_head/num_heads" if heads is None else (
-            "no token embedding of the vocabulary's size" if hidden is None else "fewer than 3 units")
-        raise _error(
-            "--device-model",
-            f"cannot read the model's shapes for the analytic cost model ({missing})",
-            "measure the model with `tpc profile` and pass --cost, or give the slices explicitly",
-        )
-    return ModelShapes(layers=layers, hidden=hidden, heads=heads, vocab=vocab)
-
-
-def _attention_heads(model) -> int | None:
-    for module in model.modules():
-        for name in ("n_head", "num_heads", "n_heads"):
-            value = getattr(module, name, None)
-            if isinstance(value, int) and value > 0:
-                return value
-    return None
 
 
 # ------------------------------------------------------------------------------ progress

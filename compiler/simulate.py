@@ -383,14 +383,16 @@ def load_costs(args, header: Header) -> CostModel:
     if args.cost:
         return load_cost_model(cost=args.cost, stage_units=ranges, num_units=header.units.count,
                                model_sha256=header.model.sha256)
-    # the analytic model needs the model's shapes: build the model (no trace) from the plan
-    from tpc.compiler.compile import analytic_shapes
-    from tpc.compiler.frontend import load_model
+    # the device model prices the traced graph: build and trace the model the plan names
+    from tpc.compiler.frontend import SlicedModel, load_model
 
     model = load_model(header.model.path, header.model.factory)
-    shapes = analytic_shapes(model, header.units.count, header.shape.vocab)
-    return load_cost_model(device_model=args.device_model, model_shapes=shapes,
-                           stage_units=ranges, num_units=header.units.count)
+    sliced = SlicedModel.from_model(model, seq_len=header.shape.seq, vocab=header.shape.vocab)
+    if sliced.num_units != header.units.count:
+        raise TpirError(Diagnostic(
+            f"the plan has {header.units.count} units, {header.model.path} traces to {sliced.num_units}",
+            where="--device-model", hint="recompile the plan from the current model file"))
+    return load_cost_model(device_model=args.device_model, sliced=sliced, stage_units=ranges)
 
 
 def format_quantity(value: float, unit: str) -> str:

@@ -1,11 +1,13 @@
 """`load_cost_model`: the one place that turns `--cost FILE` / `--device-model NAME` into a
 CostModel for a given stage partition; `load_cost_source` into a CostSource that builds one for
-any partition (the plan search tries several)."""
+any partition (the plan search tries several). A device model prices the traced model's graph
+when it is given (`sliced`, what compile and simulate do), else a GPT of `ModelShapes`."""
 
 from __future__ import annotations
 
 from tpc.compiler.costmodel.analytic import AnalyticCostModel, ModelShapes
 from tpc.compiler.costmodel.devices import load_device_spec
+from tpc.compiler.costmodel.graph import GraphCostModel, GraphCosts, graph_cost_source
 from tpc.compiler.costmodel.profiled import ProfiledCostModel
 from tpc.compiler.costmodel.source import CostSource
 from tpc.compiler.costmodel.store import load_profile
@@ -18,8 +20,9 @@ def layers_per_stage(stage_units, num_units: int) -> tuple[int, ...]:
     return tuple(sum(1 for u in range(lo, hi) if 0 < u < last) for lo, hi in stage_units)
 
 
-def _check_sources(cost, device_model, model_shapes) -> None:
-    """Exactly one of a profile and a device model, and the shapes the device model needs."""
+def _check_sources(cost, device_model, model_shapes, sliced=None) -> None:
+    """Exactly one of a profile and a device model, and what the device model prices: the
+    traced model (`sliced`) or, for a model too large to build, its shapes."""
     if cost and device_model:
         raise TpirError(Diagnostic("--cost and --device-model both given", where="--cost",
                                    hint="give one: a measured profile or an analytic device model"))
@@ -27,23 +30,26 @@ def _check_sources(cost, device_model, model_shapes) -> None:
         raise TpirError(Diagnostic("no cost model", where="--cost",
                                    hint="give --cost FILE (from `tpc profile`) or --device-model "
                                         "v100|a100|h100|h200|SPEC.json"))
-    if device_model and model_shapes is None:
-        raise TpirError(Diagnostic("--device-model needs the model's shapes", where="--device-model",
-                                   hint="pass layers, hidden, heads and vocab (ModelShapes)"))
+    if device_model and model_shapes is None and sliced is None:
+        raise TpirError(Diagnostic("--device-model needs the traced model or its shapes", where="--device-model",
+                                   hint="pass the SlicedModel (sliced=) or layers, hidden, heads and vocab "
+                                        "(ModelShapes)"))
 
 
 def load_cost_model(cost: str | None = None, device_model: str | None = None,
                     model_shapes: ModelShapes | None = None, stage_units=None,
                     num_units: int | None = None, op: int = 1,
-                    model_sha256: str | None = None, device: str | None = None):
+                    model_sha256: str | None = None, device: str | None = None, sliced=None):
     """A cost model for the stages `stage_units` ([lo, hi) unit ranges, one per stage).
 
     cost:          a profile from `tpc profile`; refused if `model_sha256` / `device` are given
                    and differ from what it measured.
-    device_model:  v100 | a100 | h100 | h200 | a JSON spec; needs `model_shapes` and, to map
-                   units to layers, `num_units` (units are embedding, the layers, the head).
+    device_model:  v100 | a100 | h100 | h200 | a JSON spec, priced on the traced model `sliced`
+                   (a SlicedModel: GraphCostModel, any model) or else on `model_shapes`
+                   (AnalyticCostModel, a GPT; `num_units` maps units to layers: units are
+                   embedding, the layers, the head).
     """
-    _check_sources(cost, device_model, model_shapes)
+    _check_sources(cost, device_model, model_shapes, sliced)
     if cost:
         profile = load_profile(cost, model_sha256=model_sha256, device=device)
         units = stage_units if stage_units is not None else [(0, profile.num_units)]
@@ -53,6 +59,13 @@ def load_cost_model(cost: str | None = None, device_model: str | None = None,
                 where="--cost", hint="profile the model at the same sequence length and factory"))
         return ProfiledCostModel(profile, units)
     spec = load_device_spec(device_model)
+    if sliced is not None:
+        units = stage_units if stage_units is not None else [(0, sliced.num_units)]
+        try:
+            return GraphCostModel(spec, GraphCosts.from_sliced(sliced), units)
+        except ValueError as e:
+            raise TpirError(Diagnostic(str(e), where="--device-model",
+                                       hint=f"stages must cover units 0:{sliced.num_units} in order"))
     if stage_units is None:
         stage_layers = (model_shapes.layers,)
     else:
@@ -73,10 +86,11 @@ def load_cost_model(cost: str | None = None, device_model: str | None = None,
 def load_cost_source(cost: str | None = None, device_model: str | None = None,
                      model_shapes: ModelShapes | None = None, num_units: int | None = None,
                      op: int = 1, model_sha256: str | None = None,
-                     device: str | None = None) -> CostSource:
+                     device: str | None = None, sliced=None) -> CostSource:
     """A CostSource for the options of `load_cost_model`: the profile is read (and checked)
-    once, the device spec parsed once, and each partition's model built from them."""
-    _check_sources(cost, device_model, model_shapes)
+    once, the device spec parsed (and the traced model's costs lambdified) once, and each
+    partition's model built from them."""
+    _check_sources(cost, device_model, model_shapes, sliced)
     if cost:
         profile = load_profile(cost, model_sha256=model_sha256, device=device)
         if num_units is not None and num_units != profile.num_units:
@@ -85,6 +99,8 @@ def load_cost_source(cost: str | None = None, device_model: str | None = None,
                 where="--cost", hint="profile the model at the same sequence length and factory"))
         return CostSource(profile.num_units, lambda ranges: ProfiledCostModel(profile, ranges),
                           describe=f"profile {cost}")
+    if sliced is not None:
+        return graph_cost_source(sliced, load_device_spec(device_model))
     n = num_units if num_units is not None else model_shapes.layers + 2
     whole = load_cost_model(device_model=device_model, model_shapes=model_shapes,
                             stage_units=[(0, n)], num_units=n, op=op)  # checks spec and shapes
