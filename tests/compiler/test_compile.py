@@ -193,18 +193,18 @@ def test_auto_slices_without_a_cost_model_says_it_falls_back(capsys):
 
 
 def test_auto_slices_take_the_optimisers_choice(capsys):
-    """With --device-model, --slices auto uses what `optimise` chooses under the analytic cost
-    model of the tiny GPT (2 layers, width 32, 2 heads, vocabulary 64)."""
-    from tpc.compiler.costmodel.analytic import ModelShapes
+    """With --device-model, --slices auto uses what `optimise` chooses under the device model
+    of the tiny GPT's traced graph (2 layers, width 32, 2 heads, vocabulary 64)."""
     from tpc.compiler.costmodel.load import load_cost_model
+    from tpc.compiler.frontend import SlicedModel, load_model
     from tpc.compiler.optimiser import optimise
 
     plan = compile_plan(TINY, stages="2", microbatches=2, seq_len=64, batch=4, slices="auto",
                         device_model="h100", explain=True)  # fmt: skip
     h = plan.header
-    shapes = ModelShapes(layers=2, hidden=32, heads=2, vocab=64)
+    sliced = SlicedModel.from_model(load_model(TINY, "model"), seq_len=64, vocab=64)
     units = [s.units for s in h.stages]
-    costs = load_cost_model(device_model="h100", model_shapes=shapes, stage_units=units, num_units=h.units.count)
+    costs = load_cost_model(device_model="h100", sliced=sliced, stage_units=units)
     want = optimise(costs, 2, 64, 4, microbatches=2)
     assert tuple(m.size for m in h.microbatches) == want.mb_sizes
     assert tuple(m.slices for m in h.microbatches) == want.slices
