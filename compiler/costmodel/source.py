@@ -2,7 +2,7 @@
 
 The plan search tries several partitions; each needs its own CostModel (a stage's time is the
 sum of its units'). A source holds what does not change between partitions (the loaded
-profile, or the device spec and model shapes) and builds the model of a partition on demand,
+profile, or the device spec and the traced model's lambdified unit costs or GPT shapes) and builds the model of a partition on demand,
 once per partition. `unit_times` prices every unit alone, which is what the stage partitioner
 balances: the model built for the partition with one unit per stage.
 """

@@ -142,18 +142,17 @@ def _tensor_inputs(n: fx.Node) -> list:
     return out
 
 
-def _memory(flops, nbytes, out_bytes, kernels=1, bwd_kernels=None) -> OpCost:
+def _memory(flops, nbytes, out_bytes, kernels=1) -> OpCost:
+    """A memory-bound op; its backward reads and writes twice the bytes in as many kernels."""
     k = sympy.sympify(kernels)
-    bk = k if bwd_kernels is None else sympy.sympify(bwd_kernels)
-    return OpCost("memory", flops, nbytes, k, 2 * flops, 2 * nbytes, bk, out_bytes)
+    return OpCost("memory", flops, nbytes, k, 2 * flops, 2 * nbytes, k, out_bytes)
 
 
 def _matmul(n: fx.Node, name: str, static: set) -> OpCost:
     out = _val(n)
     args = [a for a in n.args if isinstance(a, fx.Node)]
     if name == "linear":
-        x, w = args[0], args[1]
-        k = size_expr(_val(x).shape[-1])
+        k = size_expr(_val(args[0]).shape[-1])  # x (..., k) @ W (n, k)^T
         bias = len(args) > 2
         operands = args[:3]
     elif name in ("addmm", "baddbmm"):  # bias, a, b
@@ -202,13 +201,13 @@ def _attention(n: fx.Node) -> OpCost:
 
 def _generic(n: fx.Node, name: str) -> OpCost:
     out = _val(n)
-    if out is None:  # a tuple result (e.g. native_layer_norm's (y, mean, rstd)): its first
+    if out is None:  # a tuple result (e.g. native_layer_norm's (y, mean, rstd)): all written,
         vals = n.meta.get("val")
         outs = [x for x in vals if isinstance(x, torch.Tensor)] if isinstance(vals, (tuple, list)) else []
         if not outs:
             return FREE
         written = sum((tensor_bytes(x) for x in outs), _ZERO)
-        out = outs[0]
+        out = outs[0]  # the main result sets the per-element arithmetic
     else:
         written = tensor_bytes(out)
     per = _FLOPS_PER_ELEMENT.get(name, 1)
@@ -249,7 +248,7 @@ def op_cost(n: fx.Node, static: set) -> OpCost:
     if name in _MATMULS:
         return _matmul(n, name, static)
     if name == "embedding":  # gather rows: read the ids and the rows, write them
-        w, ids = _val(n.args[0]), _val(n.args[1])
+        ids = _val(n.args[1])
         rows = tensor_bytes(out)
         return _memory(_ZERO, tensor_bytes(ids) + 2 * rows, rows)
     return _generic(n, name)
