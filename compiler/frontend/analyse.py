@@ -36,9 +36,12 @@ def _op_name(n: fx.Node) -> str:
 
 def _dims(n: fx.Node, rank: int):
     """The dims an op works along, or None for all of them."""
-    names = [a.name for a in n.target._schema.arguments] if hasattr(n.target, "_schema") else []
-    a = dict(zip(names, n.args))
+    schema_args = n.target._schema.arguments if hasattr(n.target, "_schema") else []
+    a = dict(zip([s.name for s in schema_args], n.args))
     a.update(n.kwargs)
+    for s in schema_args:  # a traced call leaves out arguments at their default (unbind's dim=0)
+        if s.name not in a and s.has_default_value():
+            a[s.name] = s.default_value
     if "dims" in a:
         d = a["dims"]
     elif "dim" in a:

@@ -93,3 +93,10 @@ def test_more_stages_than_units_is_refused(tmp_path):
     sm = SlicedModel.from_model(tiny_model("gpt"), seq_len=16, vocab=256)
     err = refusal(lambda: sm.partition_by_params(sm.num_units + 1))
     assert f"between 1 and {sm.num_units}" in err.diagnostics[0].hint
+
+
+def test_unbind_of_a_fused_projection_is_not_a_refusal():
+    """unbind(0) traced with its default dim left out: the analysis reads the schema default,
+    so the unbound size-3 axis is not mistaken for the sequence."""
+    sliced = slice_model("fused_qkv_unbind.py")
+    assert sliced.num_units >= 1
