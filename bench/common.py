@@ -41,7 +41,7 @@ def at_root() -> None:
 # ------------------------------------------------------------------------------ processes
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -66,7 +66,7 @@ def launch(world: int, target, *args, limit: float = 600.0) -> list:
     """Run `target(rank, world, *args)` in `world` fresh processes; their results, by rank."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="tpc-bench-") as out:
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_entry, args=(r, world, port, out, target, args)) for r in range(world)]
         start = time.monotonic()
         for p in procs:
@@ -166,10 +166,10 @@ def tpc_setup(plan_path: str, seed: int = 0):
     return plan, model, slice_model(model, plan)
 
 
-def tpc_run(plan, model, sliced, rank: int, world: int, steps: int, *, optim=("sgd", 1e-4), record=False,
-            trace=False, on_step=None, before=None):
+def tpc_run(plan, model, sliced, rank: int, world: int, steps: int, *, optim=("sgd", 1e-4, 0.0),
+            record=False, trace=False, on_step=None, before=None):
     """`tpc run`'s distributed executor (`run_plan`) on this rank's process group, random tokens
-    of seed 0; returns its RankOutcome."""
+    of seed 0, `optim` = (kind, lr, weight decay) (default: plain SGD); returns its RankOutcome."""
     import torch
 
     from tpc.executors.data import RandomTokens
@@ -191,3 +191,8 @@ def tpc_step_times(plan, model, sliced, rank: int, world: int, steps: int) -> li
     times = []
     tpc_run(plan, model, sliced, rank, world, steps, on_step=lambda s, loss, info: times.append(info["step_time"]))
     return times
+
+
+def load_note() -> str:
+    """The machine's 1-minute load average now: what else was competing for the 2 cores."""
+    return f"load average {os.getloadavg()[0]:.1f}"

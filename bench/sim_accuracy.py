@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MACHINE, at_root, compile_plan, median, ok, table  # noqa: E402
+from common import MACHINE, at_root, compile_plan, free_port, load_note, median, ok, table  # noqa: E402
 
 MODEL, FACTORY = "bench/models/gpt_untied.py", "long"
 PLANS = (("seq1f1b", "auto"), ("terapipe", "auto"), ("seq1f1b", "1"))
@@ -34,11 +34,9 @@ PLANS = (("seq1f1b", "auto"), ("terapipe", "auto"), ("seq1f1b", "1"))
 
 def measure(plan: str, trace: str, steps: int) -> None:
     """`torchrun --nproc-per-node 2 --no-python tpc run PLAN --trace TRACE --steps N`."""
-    from common import _free_port
-
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), "--no-python", "tpc", "run", plan, "--trace", trace, "--steps", str(steps),
+           str(free_port()), "--no-python", "tpc", "run", plan, "--trace", trace, "--steps", str(steps),
            "--optimizer", "sgd", "--lr", "1e-4", "--quiet", "--device", "cpu"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0:
@@ -100,7 +98,8 @@ def main(argv=None) -> int:
             rows.append([f"L={L} {schedule}, slices {n}", f"{predicted:.1f}", f"{measured:.1f}",
                          f"{err:+.1%}", computes, ok(good)])
     print(f"simulator accuracy on {MACHINE}: GPT 4x256 untied, 2 stages on 2 gloo ranks under torchrun, "
-          f"1 sequence of {L} tokens, CPU profile from `tpc profile`; {args.repeats} runs of {args.steps} steps")
+          f"1 sequence of {L} tokens, CPU profile from `tpc profile`; {args.repeats} runs of {args.steps} steps; "
+          f"{load_note()}")
     print(table(["plan", "predicted ms", "measured ms (median)", "error (median)", "compute per rank, error",
                  "within 15%"], rows))
     return 0 if ok_all else 1

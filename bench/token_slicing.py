@@ -26,8 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (MACHINE, at_root, compile_plan, launch, median, ok, table, tpc_setup,  # noqa: E402
-                    tpc_step_times)
+from common import (MACHINE, at_root, compile_plan, launch, load_note, median, ok, table,  # noqa: E402
+                    tpc_setup, tpc_step_times)
 
 MODEL, FACTORY = "bench/models/gpt_untied.py", "long"
 SCHEDULES = ("terapipe", "seq1f1b")
@@ -113,7 +113,8 @@ def main(argv=None) -> int:
                              f"{p_plain * 1e3:.0f} / {p_sliced * 1e3:.0f}", f"{p_speedup:.2f}x",
                              f"{off:+.1%}", ok(good)])
     print(f"token slicing on {MACHINE}: GPT 4x256 untied, 2 stages on 2 gloo ranks (1 thread each), "
-          f"1 micro-batch of {args.batch} sequence(s); {args.repeats} x {args.block} alternating timed steps each")
+          f"1 micro-batch of {args.batch} sequence(s); {args.repeats} x {args.block} alternating timed steps each; "
+          f"{load_note()}")
     print(table(["setup", "slices (auto)", "measured ms unsliced / sliced", "speedup",
                  "predicted ms", "predicted speedup", "measured vs predicted", "target met"], rows))
     return 0 if ok_all else 1

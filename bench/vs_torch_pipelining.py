@@ -6,8 +6,8 @@ and 4 gloo ranks with one thread each. tpc runs plans from `tpc compile --slices
 gpipe|1f1b` with the distributed executor (`run_plan`, what `tpc run` runs under torchrun);
 torch runs ScheduleGPipe / Schedule1F1B over PipelineStages cut at the same unit boundaries as
 the plan's stages, loss = mean cross-entropy per micro-batch with scale_grads=True (gradients
-divided by the micro-batch count, so both minimise the mean over the batch). Both take an SGD
-step and all-reduce the loss for logging every iteration.
+divided by the micro-batch count, so both minimise the mean over the batch). Both take a plain
+SGD step (no weight decay) and all-reduce the loss for logging every iteration.
 
 - time: in the same processes, steps alternate (a tpc step, then a torch step, ...); per step
   the wall time on rank 0 (every step ends in the all-reduce of the loss, a sync point); the
@@ -33,8 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (MACHINE, at_root, compile_plan, launch, median, ok, peak_kib, reset_peak, table,  # noqa: E402
-                    tpc_run, tpc_setup)
+from common import (MACHINE, at_root, compile_plan, launch, load_note, median, ok, peak_kib,  # noqa: E402
+                    reset_peak, table, tpc_run, tpc_setup)
 
 MODEL = "bench/models/gpt_untied.py"
 SEQ, BATCH, MICRO = 256, 8, 4
@@ -223,7 +223,7 @@ def main(argv=None) -> int:
                              (ok(good) if target else "-")])
                 print(f"  {rows[-1][0]}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     print(f"tpc vs torch.distributed.pipelining on {MACHINE}: GPT untied ({args.factory}), batch {BATCH} x {SEQ} tokens, "
-          f"{MICRO} micro-batches, gloo, 1 thread per rank; {args.steps} alternating timed steps")
+          f"{MICRO} micro-batches, gloo, 1 thread per rank; {args.steps} alternating timed steps; {load_note()}")
     print(table(["setup", "ms/iter tpc / torch", "time ratio", "peak MiB per rank tpc / torch",
                  "memory ratio", "grad rel. err", "target met"], rows))
     return 0 if ok_all else 1
