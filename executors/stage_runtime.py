@@ -35,6 +35,7 @@ class StageRuntime:
         self.module = module
         self.loss_scale = float(loss_scale)
         self._slices: dict[tuple[int, int], _Slice] = {}
+        self._empty: dict[tuple[int, torch.device], list] = {}
 
     # ------------------------------------------------------------------ forward
 
@@ -70,12 +71,21 @@ class StageRuntime:
             rec.y, rec.kv_out = self._run(rec)
 
     def _run(self, rec: _Slice):
-        batch = rec.x.size(0)
-        empty = self.module.empty_kv(batch)
-        # the earlier slices' leaves joined (one alone is passed as is: no copy)
-        prefix = [e if not leaves else leaves[0] if len(leaves) == 1 else torch.cat(leaves, dim=d)
-                  for e, leaves, d in zip(empty, rec.prefix_leaves, self.module.kv_dims)]
+        # the earlier slices' leaves joined (one alone is passed as is: no copy); none: empty
+        if any(not leaves for leaves in rec.prefix_leaves):
+            empty = self._empty_kv(rec.x.size(0), rec.x.device)
+        prefix = [empty[t] if not leaves else leaves[0] if len(leaves) == 1 else torch.cat(leaves, dim=d)
+                  for t, (leaves, d) in enumerate(zip(rec.prefix_leaves, self.module.kv_dims))]
         return self.module(rec.x, rec.offset, prefix, rec.targets)
+
+    def _empty_kv(self, batch: int, device: torch.device) -> list:
+        """The zero-length caches of a first slice, made once per batch size: building them
+        evaluates the cache shapes symbolically, milliseconds per slice otherwise. They hold
+        no data and never require grad, so every first slice can share them."""
+        key = (batch, device)
+        if key not in self._empty:
+            self._empty[key] = self.module.empty_kv(batch)
+        return self._empty[key]
 
     def _scaled(self, y):
         return y * self.loss_scale if self.module.is_last else y
