@@ -1,11 +1,18 @@
 """Runs one pipeline stage one token slice at a time, owning its KV caches and their gradients.
 
-Semantics (design card, section 4): the keys/values a slice produces are kept as detached leaves
-that require grad; a later slice of the same micro-batch concatenates them into its cached prefix,
-so its backward accumulates gradients into those leaves. When the earlier slice runs backward, the
-accumulated gradients are the upstream gradients of its K/V outputs: one autograd call over
+Semantics (design card, section 4): a slice's forward reads the keys/values of the earlier slices
+of its micro-batch as a detached leaf that requires grad, so its backward leaves there the
+gradients it sends into them. When an earlier slice runs backward, the gradients later slices
+sent into its keys/values are the upstream gradients of its K/V outputs: one autograd call over
 [output, k..., v...] per slice. Parameter gradients accumulate in .grad across slices and
 micro-batches.
+
+Memory layout: one buffer per micro-batch and cached tensor holds every token's keys/values so
+far; a slice writes its own tokens into it once, and reads its prefix as a view (no copy), so
+the only copy of the prefix is the one attention makes when it appends the slice's own keys. The
+gradients sent into the cache collect in one buffer of the same layout, from which each slice
+takes its own tokens' region when it runs backward. (Joining per-slice leaves instead copied the
+whole prefix twice per slice: O(n²) copies for n slices.)
 """
 
 from __future__ import annotations
@@ -19,15 +26,26 @@ from tpc.compiler.frontend import StageModule
 
 @dataclass
 class _Slice:
+    mb: int
     x: torch.Tensor  # input (leaf requiring grad, or ids on the first stage)
     offset: int
     targets: torch.Tensor | None
-    kv_leaves: list  # this slice's K/V outputs as leaves (what later slices read)
-    prefix_leaves: list  # leaves of earlier slices this slice read, per cached tensor
+    start: int  # tokens of this micro-batch before this slice (its prefix length)
+    length: int  # tokens of this slice
+    prefix: list = field(default_factory=list)  # the leaves this slice read its prefix through
     y: torch.Tensor | None = None  # graph-connected output (None while checkpointed)
     kv_out: list = field(default_factory=list)  # graph-connected K/V outputs
     grads: list | None = None  # upstream grads saved by backward_input for backward_weight
     sent_kv_grads: bool = False  # backward (or backward_input) ran: earlier slices' K/V grads are final
+
+
+@dataclass
+class _Cache:
+    """One micro-batch's keys/values on this stage, and the gradients sent into them."""
+
+    kv: list  # per cached tensor: a buffer whose first `length` tokens are filled
+    length: int = 0
+    grad: list | None = None  # per cached tensor, allocated at the first backward
 
 
 class StageRuntime:
@@ -35,6 +53,7 @@ class StageRuntime:
         self.module = module
         self.loss_scale = float(loss_scale)
         self._slices: dict[tuple[int, int], _Slice] = {}
+        self._caches: dict[int, _Cache] = {}
         self._empty: dict[tuple[int, torch.device], list] = {}
 
     # ------------------------------------------------------------------ forward
@@ -52,11 +71,12 @@ class StageRuntime:
             raise RuntimeError(f"the last stage needs targets for micro-batch {mb} slice {sl}")
         if not self.module.is_first:
             x = x.detach().requires_grad_(True)
-        prefix_leaves = [[self._slices[(mb, i)].kv_leaves[t] for i in range(sl)] for t in range(self.module.num_kv)]
-        rec = _Slice(x, int(offset), targets, [], prefix_leaves)
+        cache = self._caches.get(mb)
+        start = cache.length if cache is not None else 0
+        rec = _Slice(mb, x, int(offset), targets, start, x.size(1))
         with torch.set_grad_enabled(not checkpoint):
             y, kv = self._run(rec)
-        rec.kv_leaves = [k.detach().requires_grad_(True) for k in kv]
+        self._append(mb, kv)
         if not checkpoint:
             rec.y, rec.kv_out = y, kv
         self._slices[(mb, sl)] = rec
@@ -71,12 +91,32 @@ class StageRuntime:
             rec.y, rec.kv_out = self._run(rec)
 
     def _run(self, rec: _Slice):
-        # the earlier slices' leaves joined (one alone is passed as is: no copy); none: empty
-        if any(not leaves for leaves in rec.prefix_leaves):
-            empty = self._empty_kv(rec.x.size(0), rec.x.device)
-        prefix = [empty[t] if not leaves else leaves[0] if len(leaves) == 1 else torch.cat(leaves, dim=d)
-                  for t, (leaves, d) in enumerate(zip(rec.prefix_leaves, self.module.kv_dims))]
+        """The module on one slice, its prefix read as leaves viewing the cache (empty: none)."""
+        if rec.start == 0:
+            rec.prefix = []
+            prefix = self._empty_kv(rec.x.size(0), rec.x.device)
+        else:
+            cache = self._caches[rec.mb]
+            rec.prefix = [buf.narrow(d, 0, rec.start).detach().requires_grad_(True)
+                          for buf, d in zip(cache.kv, self.module.kv_dims)]
+            prefix = rec.prefix
         return self.module(rec.x, rec.offset, prefix, rec.targets)
+
+    def _append(self, mb: int, kv: list) -> None:
+        """Write a slice's keys/values after the cached ones, growing the buffers by doubling."""
+        n = kv[0].size(self.module.kv_dims[0]) if kv else 0
+        cache = self._caches.get(mb)
+        if cache is None:  # the first slice: its own tensors start the buffers (no copy)
+            self._caches[mb] = _Cache([k.detach() for k in kv], n)
+            return
+        for t, (k, d) in enumerate(zip(kv, self.module.kv_dims)):
+            buf = cache.kv[t]
+            if buf.size(d) < cache.length + n:  # full: a buffer twice as large
+                grown = buf.new_empty(buf.shape[:d] + (max(2 * buf.size(d), cache.length + n),) + buf.shape[d + 1:])
+                grown.narrow(d, 0, cache.length).copy_(buf.narrow(d, 0, cache.length))
+                cache.kv[t] = buf = grown
+            buf.narrow(d, cache.length, n).copy_(k.detach())
+        cache.length += n
 
     def _empty_kv(self, batch: int, device: torch.device) -> list:
         """The zero-length caches of a first slice, made once per batch size: building them
@@ -93,7 +133,8 @@ class StageRuntime:
     # ------------------------------------------------------------------ backward
 
     def _upstream(self, mb: int, sl: int, rec: _Slice, grad_out):
-        """Outputs and their upstream gradients: [y, k..., v...] (K/V only where later slices used them)."""
+        """Outputs and their upstream gradients: [y, k..., v...] (K/V only where later slices
+        sent gradients into them)."""
         if rec.y is None:
             raise RuntimeError(f"backward of micro-batch {mb} slice {sl}: its forward was checkpointed; "
                                "recompute it first")
@@ -107,18 +148,33 @@ class StageRuntime:
             if grad_out is None:
                 raise RuntimeError(f"backward of micro-batch {mb} slice {sl} needs the output gradient")
             outs, grads = [rec.y], [grad_out]
-        for out, leaf in zip(rec.kv_out, rec.kv_leaves):
-            if leaf.grad is not None:
+        cache = self._caches[mb]
+        if cache.grad is not None and rec.start + rec.length < cache.length:  # later slices read it
+            for out, g, d in zip(rec.kv_out, cache.grad, self.module.kv_dims):
                 outs.append(out)
-                grads.append(leaf.grad)
+                grads.append(g.narrow(d, rec.start, rec.length))
         return outs, grads
+
+    def _send_prefix_grads(self, rec: _Slice) -> None:
+        """Add what this slice's backward left in its prefix leaves to the cache's gradients,
+        where the earlier slices find theirs."""
+        if rec.prefix:
+            cache = self._caches[rec.mb]
+            if cache.grad is None:  # the first backward: every forward of the micro-batch ran
+                cache.grad = [torch.zeros_like(buf.narrow(d, 0, cache.length))
+                              for buf, d in zip(cache.kv, self.module.kv_dims)]
+            for leaf, g, d in zip(rec.prefix, cache.grad, self.module.kv_dims):
+                if leaf.grad is not None:
+                    g.narrow(d, 0, rec.start).add_(leaf.grad)
+        rec.prefix = []
+        rec.sent_kv_grads = True
 
     def backward(self, mb: int, sl: int, grad_out=None):
         """Input and weight gradients of one slice; returns the input gradient (None on stage 0)."""
         rec = self._get(mb, sl, "backward")
         outs, grads = self._upstream(mb, sl, rec, grad_out)
         torch.autograd.backward(outs, grads)
-        rec.sent_kv_grads = True
+        self._send_prefix_grads(rec)
         rec.y, rec.kv_out = None, []
         return None if self.module.is_first else rec.x.grad
 
@@ -127,14 +183,14 @@ class StageRuntime:
         previous stage and the earlier slices wait for). The graph is kept for backward_weight."""
         rec = self._get(mb, sl, "backward-input")
         outs, grads = self._upstream(mb, sl, rec, grad_out)
-        rec.grads = grads
-        inputs = ([] if self.module.is_first else [rec.x]) + [l for ls in rec.prefix_leaves for l in ls]
+        rec.grads = (outs, grads)
+        inputs = ([] if self.module.is_first else [rec.x]) + rec.prefix
         if inputs:
             got = torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
             for t, g in zip(inputs, got):
                 if g is not None:
                     t.grad = g if t.grad is None else t.grad + g
-        rec.sent_kv_grads = True
+        self._send_prefix_grads(rec)
         return None if self.module.is_first else rec.x.grad
 
     def backward_weight(self, mb: int, sl: int) -> None:
@@ -143,10 +199,9 @@ class StageRuntime:
         if rec is None or rec.grads is None:
             raise RuntimeError(f"backward-weight of micro-batch {mb} slice {sl} needs its backward-input first")
         params = [p for p in self.module.parameters() if p.requires_grad]
-        outs = [self._scaled(rec.y) if self.module.is_last else rec.y] + \
-               [o for o, l in zip(rec.kv_out, rec.kv_leaves) if l.grad is not None]
+        outs, grads = rec.grads
         if params:
-            torch.autograd.backward(outs, rec.grads, inputs=params)
+            torch.autograd.backward(outs, grads, inputs=params)
         rec.y, rec.kv_out, rec.grads = None, [], None
 
     def _get(self, mb: int, sl: int, what: str) -> _Slice:
@@ -164,6 +219,7 @@ class StageRuntime:
         """Drop every slice of a micro-batch: KV caches, their gradients, saved inputs."""
         for key in [k for k in self._slices if k[0] == mb]:
             del self._slices[key]
+        self._caches.pop(mb, None)
 
     @property
     def live_activations(self) -> int:
