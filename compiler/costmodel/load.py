@@ -70,17 +70,23 @@ def load_cost_model(cost: str | None = None, device_model: str | None = None,
         stage_layers = (model_shapes.layers,)
     else:
         n = num_units if num_units is not None else model_shapes.layers + 2
-        stage_layers = layers_per_stage(stage_units, n)
-        if sum(stage_layers) != model_shapes.layers:
-            raise TpirError(Diagnostic(
-                f"stages hold {sum(stage_layers)} layers, the model has {model_shapes.layers}",
-                where="--device-model",
-                hint="the analytic model expects units [embedding, one per layer, head]"))
+        stage_layers = _stage_layers(stage_units, n, model_shapes)
     try:
         return AnalyticCostModel(spec, model_shapes, stage_layers, op)
     except ValueError as e:
         raise TpirError(Diagnostic(str(e), where="--device-model",
                                    hint="operator parallelism must divide heads and hidden"))
+
+
+def _stage_layers(ranges, num_units: int, model_shapes: ModelShapes) -> tuple[int, ...]:
+    """Layers per stage for the GPT-shapes model, whose units are [embedding, layers, head]."""
+    layers = layers_per_stage(ranges, num_units)
+    if sum(layers) != model_shapes.layers:
+        raise TpirError(Diagnostic(
+            f"stages hold {sum(layers)} layers, the model has {model_shapes.layers}",
+            where="--device-model",
+            hint="the analytic model expects units [embedding, one per layer, head]"))
+    return layers
 
 
 def load_cost_source(cost: str | None = None, device_model: str | None = None,
@@ -106,12 +112,6 @@ def load_cost_source(cost: str | None = None, device_model: str | None = None,
                             stage_units=[(0, n)], num_units=n, op=op)  # checks spec and shapes
 
     def build(ranges):
-        layers = layers_per_stage(ranges, n)
-        if sum(layers) != model_shapes.layers:
-            raise TpirError(Diagnostic(
-                f"stages hold {sum(layers)} layers, the model has {model_shapes.layers}",
-                where="--device-model",
-                hint="the analytic model expects units [embedding, one per layer, head]"))
-        return AnalyticCostModel(whole.device, model_shapes, layers, op)
+        return AnalyticCostModel(whole.device, model_shapes, _stage_layers(ranges, n, model_shapes), op)
 
     return CostSource(n, build, describe=f"analytic {whole.device.name}")
