@@ -98,7 +98,7 @@ def capture(model: nn.Module, seq_len: int, batch: int = 2) -> Captured:
 
 
 class _ConstraintViolation(Exception):
-    pass
+    """export specialised the sequence length: the model constrains it."""
 
 
 def _export(model: nn.Module, seq_len: int, batch: int, top: int):
