@@ -54,3 +54,20 @@ def test_missing_plan_file_is_a_located_error_not_a_traceback(tmp_path, capsys):
     assert code == 1
     err = capsys.readouterr().err
     assert "no such file" in err and "Traceback" not in err
+
+
+def test_output_cut_short_by_the_reader_is_not_an_error(tmp_path):
+    """`tpc show plan | head -1`: the reader closes the pipe early; no traceback, status 0. The
+    grid (8 ranks x ~1000 steps) is larger than a pipe's buffer, so the writer does meet the
+    closed pipe."""
+    from tests.ir.plans import simple_plan
+    from tpc.ir.printer import print_plan
+
+    plan = tmp_path / "big.tpir"
+    plan.write_text(print_plan(simple_plan(8, 32, 16)))
+    proc = subprocess.Popen([sys.executable, "-c", "from tpc.compiler.cli import entry; entry()", "show", str(plan)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away after one line
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 0 and "Traceback" not in err, err
