@@ -56,3 +56,13 @@ def launch(world: int, out_dir: Path, target, *args, limit: float = 120.0):
     errs = [(Path(out_dir) / f"rank{r}.err").read_text() if (Path(out_dir) / f"rank{r}.err").exists() else ""
             for r in range(world)]
     return codes, errs, elapsed
+
+
+def run_cases(out_dir: Path, world: int, target, cases, timeout: float, limit: float) -> list:
+    """Run `target(rank, world, out_dir, cases, timeout)` on `world` ranks; each writes
+    case{i}_rank{r}.pt. Returns, per case, every rank's saved result."""
+    import torch
+
+    codes, errs, _ = launch(world, out_dir, target, cases, timeout, limit=limit)
+    assert codes == [0] * world, errs
+    return [[torch.load(out_dir / f"case{i}_rank{r}.pt") for r in range(world)] for i in range(len(cases))]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.executors.dist_harness import launch
+from tests.executors.dist_harness import run_cases as harness_run_cases
 from tests.executors.fake import FakeLM, fake_factory, fake_plan, reference
 from tests.executors.fake_ranks import run_cases, run_with_fault
 from tpc.executors.data import RandomTokens
@@ -42,9 +43,7 @@ def rel_err(a, b) -> float:
 
 def _launch_cases(tmp_path_factory, world, cases):
     out = tmp_path_factory.mktemp(f"world{world}")
-    codes, errs, _ = launch(world, out, run_cases, cases, TIMEOUT, limit=150)
-    assert codes == [0] * world, errs
-    return [[torch.load(out / f"case{i}_rank{r}.pt") for r in range(world)] for i in range(len(cases))]
+    return harness_run_cases(out, world, run_cases, cases, TIMEOUT, limit=150)
 
 
 @pytest.fixture(scope="module")

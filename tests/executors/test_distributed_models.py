@@ -11,9 +11,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from tests.executors.dist_harness import free_port, launch
+from tests.executors.dist_harness import free_port
+from tests.executors.dist_harness import run_cases as harness_run_cases
 from tests.executors.fake_ranks import run_real_cases
 from tests.executors.real import fresh_model, real_plan
 from tpc.executors.data import RandomTokens
@@ -40,9 +40,7 @@ FOUR += [dict(plan=_plan(s, stages=4, microbatches=4)) for s in ("1f1b", "terapi
 
 def _launch(tmp_path_factory, world, cases):
     out = tmp_path_factory.mktemp(f"gpt{world}")
-    codes, errs, _ = launch(world, out, run_real_cases, cases, 60.0, limit=240)
-    assert codes == [0] * world, errs
-    return [[torch.load(out / f"case{i}_rank{r}.pt") for r in range(world)] for i in range(len(cases))]
+    return harness_run_cases(out, world, run_real_cases, cases, 60.0, limit=240)
 
 
 @pytest.fixture(scope="module")
