@@ -91,7 +91,7 @@ class AnalyticCostModel:
             return 0.0 * nbytes
         d = self.device
         inside = p <= d.gpus_per_node
-        bw = d.intra_node_bandwidth if inside else d.inter_node_bandwidth
+        bw = d.intra_node_bandwidth if inside else d.inter_node_bandwidth * d.collective_efficiency
         lat = d.intra_node_latency if inside else d.inter_node_latency
         return d.launch_overhead + 2 * (p - 1) * lat + 2 * (p - 1) / p * nbytes / bw
 
@@ -232,18 +232,8 @@ class AnalyticCostModel:
         return int(n // self.op * s.dtype_bytes)
 
     def grad_sync_time(self, stage: int, data: int) -> float:
-        """All-reduce of a stage's gradients over `data` replicas on different nodes.
-
-        Every GPU of a node syncs its own stage at the same moment, so the node's network link
-        is shared by all of them; with one replica there is nothing to sync.
-        """
-        if data <= 1:
-            return 0.0
-        d = self.device
-        per_node = d.gpus_per_node
-        nbytes = self.param_bytes(stage)
-        return (2 * (data - 1) * d.inter_node_latency
-                + 2 * (data - 1) / data * nbytes * per_node / d.inter_node_bandwidth)
+        """All-reduce of a stage's gradients over `data` replicas on different nodes."""
+        return self.device.internode_allreduce_time(self.param_bytes(stage), data)
 
     def describe(self) -> str:
         s = self.shapes

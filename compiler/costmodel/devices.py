@@ -42,25 +42,44 @@ class DeviceSpec:
     # one message's fixed latency inside a node and between nodes (s)
     intra_node_latency: float = 10e-6
     inter_node_latency: float = 30e-6
+    # fraction of the node's network line rate that an all-reduce across nodes reaches. NCCL
+    # on AWS networks reports 50-60 Gbit/s on a 100 Gbit/s link at 8-32 nodes (NVIDIA/nccl
+    # issue 235): rings across nodes pay per-step latency and their flows contend on the NIC.
+    # Point-to-point sends keep the line rate (one flow, no ring).
+    collective_efficiency: float = 0.6
     # HBM capacity of one GPU (bytes)
     memory: float = 32 * GB
 
     def __post_init__(self):
         positive = ("peak_flops", "mem_bandwidth", "flops_efficiency", "mem_efficiency",
-                    "intra_node_bandwidth", "inter_node_bandwidth", "memory")
+                    "intra_node_bandwidth", "inter_node_bandwidth", "collective_efficiency",
+                    "memory")
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"device spec: {name} must be > 0")
-        if not (0 < self.flops_efficiency <= 1 and 0 < self.mem_efficiency <= 1):
+        if not (0 < self.flops_efficiency <= 1 and 0 < self.mem_efficiency <= 1
+                and 0 < self.collective_efficiency <= 1):
             raise ValueError("device spec: efficiencies must be in (0, 1]")
         if self.gpus_per_node < 1:
             raise ValueError("device spec: gpus_per_node must be >= 1")
         if min(self.launch_overhead, self.intra_node_latency, self.inter_node_latency) < 0:
             raise ValueError("device spec: latencies must be >= 0")
 
+    def internode_allreduce_time(self, nbytes: float, data: int) -> float:
+        """Ring all-reduce of `nbytes` on each GPU over `data` replicas on different nodes.
 
-# AWS p3.16xlarge: 8 V100-SXM2 (NVLink hybrid cube mesh), 25 Gbit/s Ethernet between nodes.
-V100 = DeviceSpec(name="v100", peak_flops=125e12, mem_bandwidth=900 * GB, memory=32 * GB,
+        Every GPU of a node syncs its own shard at the same moment, so the node's link carries
+        `gpus_per_node` rings at once, at `collective_efficiency` of its line rate.
+        """
+        if data <= 1:
+            return 0.0
+        bw = self.inter_node_bandwidth * self.collective_efficiency
+        return (2 * (data - 1) * self.inter_node_latency
+                + 2 * (data - 1) / data * nbytes * self.gpus_per_node / bw)
+
+
+# AWS p3.16xlarge: 8 V100-SXM2 16GB (NVLink hybrid cube mesh), 25 Gbit/s Ethernet between nodes.
+V100 = DeviceSpec(name="v100", peak_flops=125e12, mem_bandwidth=900 * GB, memory=16 * GB,
                   intra_node_bandwidth=130 * GB, inter_node_bandwidth=25e9 / 8)
 # p4d.24xlarge: 8 A100-SXM4 40GB (NVSwitch), 4 x 100 Gbit/s EFA.
 A100 = DeviceSpec(name="a100", peak_flops=312e12, mem_bandwidth=1555 * GB, memory=40 * GB,

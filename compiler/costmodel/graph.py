@@ -144,13 +144,8 @@ class GraphCostModel:
         return float(self.p2p_times(nbytes))
 
     def grad_sync_time(self, stage: int, data: int) -> float:
-        """Ring all-reduce of a stage's gradients over `data` replicas on different nodes; the
-        node's link is shared by its GPUs, which all sync at the same moment."""
-        if data <= 1:
-            return 0.0
-        d = self.device
-        return (2 * (data - 1) * d.inter_node_latency
-                + 2 * (data - 1) / data * self.param_bytes(stage) * d.gpus_per_node / d.inter_node_bandwidth)
+        """All-reduce of a stage's gradients over `data` replicas on different nodes."""
+        return self.device.internode_allreduce_time(self.param_bytes(stage), data)
 
     def describe(self) -> str:
         c = self.costs

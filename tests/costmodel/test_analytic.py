@@ -72,6 +72,22 @@ def test_vectorised_times_match_scalar():
         assert (f[i], b[i]) == pytest.approx(cm.slice_time(1, int(l[i]), int(c[i]), 2))
 
 
+def test_gradient_sync_shares_the_node_link_at_the_collective_efficiency():
+    import dataclasses
+    cm = model(stages=40)
+    assert cm.grad_sync_time(1, 1) == 0.0
+    # ring all-reduce: 2 (d-1)/d of the bytes, 8 GPUs of a node on one link, at 60% of line rate
+    d = 4
+    expect = (2 * (d - 1) * V100.inter_node_latency + 2 * (d - 1) / d * cm.param_bytes(1) * 8
+              / (V100.inter_node_bandwidth * V100.collective_efficiency))
+    assert cm.grad_sync_time(1, d) == pytest.approx(expect)
+    full = dataclasses.replace(V100, collective_efficiency=1.0)
+    faster = AnalyticCostModel(full, GPT3_13B, even_layers(40, 40)).grad_sync_time(1, d)
+    assert faster < cm.grad_sync_time(1, d)
+    with pytest.raises(ValueError, match="efficiencies"):
+        dataclasses.replace(V100, collective_efficiency=1.5)
+
+
 def test_device_spec_from_file_and_errors(tmp_path):
     spec = tmp_path / "gpu.json"
     spec.write_text(json.dumps({"name": "mygpu", "peak_flops": 1e14, "mem_bandwidth": 1e12}))
