@@ -6,6 +6,10 @@ untimed forward of a c-token slice first), then its backward (which also sends g
 the prefix). Every point is warmed up, then the median of the repeats is kept. The grid is
 small on purpose (a handful of lengths, contexts 0 / half / all of what precedes) and the fit
 (fit.py) fills in the rest; the profile records the fit error so a poor fit is visible.
+
+At every point one more, untimed forward measures the stash: the bytes of the tensors autograd
+saves for the slice's backward (parameters and KV caches excluded: they are counted apart), fitted
+per unit and micro-batch size by `fit_stash` (the form is `store.StashFit`'s).
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import time
 import numpy as np
 import torch
 
-from tpc.compiler.costmodel.fit import fit_curve
-from tpc.compiler.costmodel.store import Profile, UnitProfile, save_profile
+from tpc.compiler.costmodel.fit import _lstsq_nonneg_tail, fit_curve
+from tpc.compiler.costmodel.store import Profile, StashFit, UnitProfile, save_profile
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 # a loopback gloo transfer on one host: latency and bandwidth of a memcpy through a socket
@@ -65,17 +69,23 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats):
-    """Median (forward, backward) seconds of one slice of length l after a c-token prefix."""
-    from_ids = stage.is_first
+def _slice_inputs(stage, dev, vocab, hidden, b):
+    """make_input(n), targets(n): what a slice of n tokens of b sequences feeds the stage."""
 
     def make_input(n):
-        if from_ids:
+        if stage.is_first:
             return torch.randint(0, vocab, (b, n), device=dev)
         return torch.randn(b, n, hidden, device=dev)
 
     def targets(n):
         return torch.randint(0, vocab, (b, n), device=dev) if stage.is_last else None
+
+    return make_input, targets
+
+
+def _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats):
+    """Median (forward, backward) seconds of one slice of length l after a c-token prefix."""
+    make_input, targets = _slice_inputs(stage, dev, vocab, hidden, b)
 
     def grad_out(y):
         return None if stage.is_last else torch.randn_like(y)
@@ -105,6 +115,76 @@ def _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats):
     return statistics.median(fs), statistics.median(bs)
 
 
+def _storage_key(t: torch.Tensor):
+    st = t.untyped_storage()
+    return st.device.type, st.data_ptr()
+
+
+def stash_point(rt, stage, dev, vocab, hidden, l, c, b) -> int:
+    """Bytes autograd saves for the backward of one slice of length l after a c-token prefix:
+    the forward `_time_point` times, run once more (untimed; the count is deterministic) with a
+    pack hook that records every saved tensor and returns it unchanged.
+
+    Each storage counts once, whole: a saved view of a larger buffer keeps all of it alive,
+    which is what memory really holds. Left out: the stage's parameters and buffers (param_bytes,
+    held the whole step) and the KV caches (kv_bytes): a storage the cache shares (a first
+    slice's keys/values are views of its QKV projection, which attention also saves a query
+    view of) counts without the cache's own bytes. A cached static tensor (the bottom-right
+    attention mask, made once per shape) is counted for every slice and unit that saves it.
+    """
+    make_input, targets = _slice_inputs(stage, dev, vocab, hidden, b)
+    sl = 0
+    if c:
+        rt.forward(0, 0, make_input(c), 0, targets(c))
+        sl = 1
+    x, tg = make_input(l), targets(l)
+    before = list(rt._caches[0].kv) if c else []  # the prefix buffers (replaced if they grow)
+    saved: list[torch.Tensor] = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            rt.forward(0, sl, x, c, tg)
+        held = {_storage_key(t) for t in (*stage.parameters(), *stage.buffers())}
+        cache_bytes: dict[tuple, dict] = {}  # storage -> {(offset, numel): bytes} of cache views
+        for k in before + list(rt._caches[0].kv):
+            cache_bytes.setdefault(_storage_key(k), {})[(k.storage_offset(), k.numel())] = (
+                k.numel() * k.element_size())
+        counted: dict[tuple, int] = {}
+        for t in saved:
+            key = _storage_key(t)
+            if key in held or key in counted:
+                continue
+            kv = sum(cache_bytes.get(key, {}).values())
+            counted[key] = max(0, t.untyped_storage().nbytes() - kv)
+    finally:
+        rt.free_kv(0)  # drops both slices' graphs (no backward ran: no gradients to clear)
+        saved.clear()
+    return int(sum(counted.values()))
+
+
+def fit_stash(l, c, y) -> StashFit:
+    """Least squares of the relative residuals (every point weighs the same, as the error is
+    reported), coefficients >= 0 (a negative one is dropped and the rest refitted)."""
+    l = np.asarray(l, dtype=np.float64)
+    c = np.asarray(c, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if not (l.shape == c.shape == y.shape) or l.ndim != 1 or len(l) == 0:
+        raise ValueError("l, c and y must be 1-d arrays of the same, non-zero length")
+    prefix = (c > 0).astype(np.float64)
+    A = np.stack([l, l * (c + l), prefix * c, prefix * l], axis=1)
+    w = 1.0 / np.maximum(y, 1.0)
+    Aw = A * w[:, None]
+    scale = np.maximum(np.abs(Aw).max(axis=0), 1e-300)
+    coef = np.maximum(_lstsq_nonneg_tail(Aw / scale, y * w, tail=(0, 1, 2, 3)) / scale, 0.0)
+    fit = StashFit(tuple(float(v) for v in coef), 0.0)
+    rel = float(np.sqrt(np.mean(((fit(l, c) - y) / np.maximum(y, 1.0)) ** 2)))
+    return StashFit(fit.coef, rel)
+
+
 def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu",
                   factory: str = "model", warmup: int = 1, repeats: int = 3, log=None) -> Profile:
     """Measure and fit every unit of the model in `model_path`; see the module docstring."""
@@ -132,26 +212,32 @@ def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu
     for u in range(sliced.num_units):
         stage = sliced.stage_module(u, u + 1).to(dev)
         rt = StageRuntime(stage, 1.0)
-        fwd_fits, bwd_fits, samples = [], [], []
+        fwd_fits, bwd_fits, stash_fits, samples, stash_samples = [], [], [], [], []
         for b in sizes:
             pts = []
             for l in lengths:
                 for c in grid_contexts(seq_len, l):
                     tf, tb = _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats)
-                    pts.append((l, c, tf, tb))
+                    nbytes = stash_point(rt, stage, dev, vocab, hidden, l, c, b)
+                    pts.append((l, c, tf, tb, nbytes))
                     samples.append((b, l, c, tf, tb))
+                    stash_samples.append((b, l, c, nbytes))
             arr = np.array(pts, dtype=np.float64)
             fwd_fits.append(fit_curve(arr[:, 0], arr[:, 1], arr[:, 2]))
             bwd_fits.append(fit_curve(arr[:, 0], arr[:, 1], arr[:, 3]))
+            stash_fits.append(fit_stash(arr[:, 0], arr[:, 1], arr[:, 4]))
         kv_per_token = sum(_kv_row_bytes(shape, d, dt)
                            for shape, d, dt in zip(stage._kv_shapes, stage.kv_dims, stage._kv_dtypes))
         params = sum(p.numel() * p.element_size() for p in stage.parameters())
         units.append(UnitProfile(label=stage.label, fwd=tuple(fwd_fits), bwd=tuple(bwd_fits),
                                  kv_bytes_per_token=int(kv_per_token), param_bytes=int(params),
-                                 samples=tuple(samples)))
+                                 samples=tuple(samples), stash=tuple(stash_fits),
+                                 stash_samples=tuple(stash_samples)))
         if log:
             worst = max(f.rel_error for f in fwd_fits + bwd_fits)
-            log(f"unit {u} {stage.label}: {len(samples)} points, fit error {worst:.1%}")
+            worst_stash = max(f.rel_error for f in stash_fits)
+            log(f"unit {u} {stage.label}: {len(samples)} points, fit error {worst:.1%}, "
+                f"stash fit error {worst_stash:.1%}")
     link = CUDA_LINK if dev.type == "cuda" else CPU_LINK
     return Profile(model_path=model_path, model_sha256=file_sha256(model_path), factory=factory,
                    device=name, seq_len=seq_len, hidden=hidden, batch_sizes=tuple(sizes),
@@ -180,6 +266,7 @@ def profile_from_cli(args) -> int:
                          log=print)
     save_profile(prof, args.output)
     print(f"{args.output}: {prof.num_units} units x {len(prof.batch_sizes)} micro-batch sizes on "
-          f"{prof.device}, worst fit error {prof.worst_fit_error:.1%}, "
+          f"{prof.device}, worst fit error {prof.worst_fit_error:.1%} (stash "
+          f"{prof.worst_stash_error:.1%}), "
           f"{time.perf_counter() - t0:.1f} s")
     return 0

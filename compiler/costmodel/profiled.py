@@ -3,6 +3,7 @@
 Micro-batch sizes between measured ones are interpolated linearly; beyond the measured range
 the time scales in proportion to the rows (below the smallest: optimistic about nothing; above
 the largest: assumes the device is already saturated, which is what large micro-batches do).
+The stash (bytes a slice's forward keeps for its backward) is interpolated the same way.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ class ProfiledCostModel:
         self.stage_units = tuple(ranges)
         self.num_stages = len(ranges)
         self._sizes = np.asarray(profile.batch_sizes, dtype=np.float64)
+        self._stash: dict[tuple, int] = {}  # memory accounting asks once per forward of a plan
 
     def _unit_time(self, fits, l, c, mb):
-        """Interpolate one unit's per-size fits at micro-batch sizes `mb` (arrays broadcast)."""
+        """Interpolate one unit's per-size fits at micro-batch sizes `mb` (arrays broadcast);
+        `fits` are callables f(l, c), one per measured size: time curves or stash fits."""
         sizes = self._sizes
         per_size = np.stack([np.broadcast_to(f(l, c), np.broadcast(l, c, mb).shape) for f in fits])
         mb = np.broadcast_to(np.asarray(mb, dtype=np.float64), per_size.shape[1:])
@@ -72,6 +75,21 @@ class ProfiledCostModel:
     def kv_bytes(self, stage: int, l: int, mb_size: int) -> int:
         lo, hi = self.stage_units[stage]
         return int(sum(u.kv_bytes_per_token for u in self.profile.units[lo:hi]) * l * mb_size)
+
+    def stash_bytes(self, stage: int, l: int, c: int, mb_size: int) -> int:
+        """Bytes a slice's forward keeps for its backward: the stage's units' measured stash
+        fits. A profile without them (built in memory, e.g. a synthetic one) prices the
+        boundary activation, as a cost model without `stash_bytes` would."""
+        key = (stage, l, c, mb_size)
+        if key not in self._stash:
+            lo, hi = self.stage_units[stage]
+            units = self.profile.units[lo:hi]
+            if any(len(u.stash) != len(self._sizes) for u in units):
+                self._stash[key] = self.activation_bytes(l, mb_size)
+            else:
+                args = np.float64(l), np.float64(c), np.float64(mb_size)
+                self._stash[key] = int(sum(float(self._unit_time(u.stash, *args)) for u in units))
+        return self._stash[key]
 
     def param_bytes(self, stage: int) -> int:
         lo, hi = self.stage_units[stage]

@@ -2,7 +2,8 @@
 
 A profile is only valid for the model file it measured (its SHA-256) and the device it ran on;
 loading it for another model or device raises a TpirError that says which and how to refresh
-it, rather than letting the optimiser plan with someone else's timings.
+it, rather than letting the optimiser plan with someone else's timings. A profile of an older
+format version (version 1 had no activation stash) is refused as stale the same way.
 """
 
 from __future__ import annotations
@@ -11,12 +12,45 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
+import numpy as np
 
 from tpc.compiler.costmodel.fit import CurveFit
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 PROFILE_FORMAT = "tpc-profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: per-unit activation stash fits (`UnitProfile.stash`)
+
+
+@dataclass(frozen=True)
+class StashFit:
+    """Bytes one slice's forward keeps for its backward on one unit at one micro-batch size:
+
+        s1*l + s2*l*(c+l) + [c > 0] * (s3*c + s4*l)
+
+    s1: what every token keeps (layer inputs, norms' statistics, MLP activations, ...); s2:
+    tensors of the attention's l x (c+l) shape (its mask; scores, where a path stores them);
+    with a prefix, the attention also keeps the joined keys/values of all c+l tokens and this
+    slice's own projections, which a first slice shares with the KV cache instead (counted
+    there): s3*c + s4*l."""
+
+    coef: tuple[float, float, float, float]  # s1, s2, s3, s4 (bytes), all >= 0
+    rel_error: float  # root-mean-square relative error of the fit over the samples
+
+    def __call__(self, l, c) -> np.ndarray:
+        l = np.asarray(l, dtype=np.float64)
+        c = np.asarray(c, dtype=np.float64)
+        s1, s2, s3, s4 = self.coef
+        return s1 * l + s2 * l * (c + l) + np.where(c > 0, s3 * c + s4 * l, 0.0)
+
+    def to_dict(self) -> dict:
+        return {"coef": list(self.coef), "rel_error": self.rel_error}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StashFit":
+        coef = tuple(float(v) for v in d["coef"])
+        if len(coef) != 4:
+            raise ValueError(f"stash coefficients {list(coef)}")
+        return cls(coef=coef, rel_error=float(d["rel_error"]))
 
 
 @dataclass(frozen=True)
@@ -29,6 +63,11 @@ class UnitProfile:
     param_bytes: int
     # raw medians: (mb, l, c, t_fwd, t_bwd) per measured point
     samples: tuple[tuple[int, int, int, float, float], ...] = ()
+    # per measured micro-batch size, like fwd/bwd: bytes autograd keeps for a slice's backward
+    # (empty: not measured, e.g. a synthetic profile; the cost model then has no stash)
+    stash: tuple[StashFit, ...] = ()
+    # measured stash: (mb, l, c, bytes) per point
+    stash_samples: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,6 +95,10 @@ class Profile:
     def worst_fit_error(self) -> float:
         return max(f.rel_error for u in self.units for f in u.fwd + u.bwd)
 
+    @property
+    def worst_stash_error(self) -> float:
+        return max((f.rel_error for u in self.units for f in u.stash), default=0.0)
+
 
 def _to_obj(p: Profile) -> dict:
     return {
@@ -66,7 +109,9 @@ def _to_obj(p: Profile) -> dict:
         "link_bandwidth": p.link_bandwidth, "notes": list(p.notes),
         "units": [{"label": u.label, "fwd": [f.to_dict() for f in u.fwd],
                    "bwd": [f.to_dict() for f in u.bwd], "kv_bytes_per_token": u.kv_bytes_per_token,
-                   "param_bytes": u.param_bytes, "samples": [list(s) for s in u.samples]}
+                   "param_bytes": u.param_bytes, "samples": [list(s) for s in u.samples],
+                   "stash": [f.to_dict() for f in u.stash],
+                   "stash_samples": [list(s) for s in u.stash_samples]}
                   for u in p.units],
     }
 
@@ -77,7 +122,10 @@ def _from_obj(d: dict) -> Profile:
                               kv_bytes_per_token=int(u["kv_bytes_per_token"]),
                               param_bytes=int(u["param_bytes"]),
                               samples=tuple((int(s[0]), int(s[1]), int(s[2]), float(s[3]), float(s[4]))
-                                            for s in u["samples"]))
+                                            for s in u["samples"]),
+                              stash=tuple(StashFit.from_dict(f) for f in u["stash"]),
+                              stash_samples=tuple((int(s[0]), int(s[1]), int(s[2]), int(s[3]))
+                                                  for s in u["stash_samples"]))
                   for u in d["units"])
     return Profile(model_path=d["model_path"], model_sha256=d["model_sha256"], factory=d["factory"],
                    device=d["device"], seq_len=int(d["seq_len"]), hidden=int(d["hidden"]),
@@ -85,6 +133,22 @@ def _from_obj(d: dict) -> Profile:
                    act_bytes_per_token=int(d["act_bytes_per_token"]),
                    link_latency=float(d["link_latency"]), link_bandwidth=float(d["link_bandwidth"]),
                    version=int(d["version"]), notes=tuple(d.get("notes", ())))
+
+
+def _reprofile_hint(obj: dict, path: Path) -> str:
+    """How to write the profile again: the exact command when the old file names its model."""
+    model, seq_len = obj.get("model_path"), obj.get("seq_len")
+    if not (isinstance(model, str) and isinstance(seq_len, int)):
+        return "profile the model again with this version of `tpc profile`"
+    cmd = f"tpc profile {model} -o {path} --seq-len {seq_len}"
+    sizes = obj.get("batch_sizes")
+    if isinstance(sizes, list) and sizes and all(isinstance(b, int) for b in sizes):
+        cmd += f" --batch-sizes {','.join(str(b) for b in sizes)}"
+    if obj.get("factory") not in (None, "model"):
+        cmd += f" --factory {obj['factory']}"
+    if str(obj.get("device", "")).startswith("cuda:"):
+        cmd += " --device cuda"
+    return f"run `{cmd}` again with this version of tpc"
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
@@ -106,10 +170,14 @@ def load_profile(path: str | Path, model_sha256: str | None = None, device: str 
     if not isinstance(obj, dict) or obj.get("format") != PROFILE_FORMAT:
         raise TpirError(Diagnostic(f"{path} is not a cost profile", where=where,
                                    hint="give a .msgpack file written by `tpc profile`"))
-    if obj.get("version") != PROFILE_VERSION:
+    version = obj.get("version")
+    if version != PROFILE_VERSION:
+        older = isinstance(version, int) and version < PROFILE_VERSION
         raise TpirError(Diagnostic(
-            f"cost profile format version {obj.get('version')} is not {PROFILE_VERSION}", where=where,
-            hint="profile the model again with this version of `tpc profile`"))
+            f"cost profile {path} is {'stale' if older else 'not readable'}: format version "
+            f"{version}, this tpc reads version {PROFILE_VERSION}"
+            + (" (it also measures what each slice keeps for its backward)" if older else ""),
+            where=where, hint=_reprofile_hint(obj, path)))
     try:
         profile = _from_obj(obj)
     except (KeyError, TypeError, ValueError) as e:
