@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import textwrap
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ from tpc.compiler.costmodel import AnalyticCostModel, ModelShapes, even_layers, 
 from tpc.compiler.costmodel.devices import V100, load_device_spec
 from tpc.compiler.costmodel.store import load_profile
 from tpc.ir.diagnostics import TpirError
+from tests.costmodel.tiny_model import write_tiny_gpt
 
 GPT3_13B = ModelShapes(layers=40, hidden=5120, heads=40, vocab=50257)
 
@@ -114,18 +114,7 @@ def test_load_cost_model_maps_units_to_layers():
 
 
 def test_profile_a_tiny_model_end_to_end(tmp_path, repo_root):
-    src = tmp_path / "tiny.py"
-    src.write_text(textwrap.dedent(f"""
-        import importlib.util
-        import sys
-        _spec = importlib.util.spec_from_file_location("_gpt", {str(repo_root / 'examples' / 'gpt.py')!r})
-        _gpt = importlib.util.module_from_spec(_spec)
-        sys.modules["_gpt"] = _gpt  # dataclasses look their module up while the file runs
-        _spec.loader.exec_module(_gpt)
-
-        def model():
-            return _gpt.model(n_layer=1, n_embd=16, n_head=2, block_size=16)
-    """))
+    src = write_tiny_gpt(tmp_path / "tiny.py", repo_root)
     out = tmp_path / "tiny.msgpack"
     from tpc.compiler.cli import main
     assert main(["profile", str(src), "-o", str(out), "--seq-len", "16", "--batch-sizes", "1,2"]) == 0

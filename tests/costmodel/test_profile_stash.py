@@ -4,8 +4,6 @@ L = 16 for micro-batch sizes 1 and 3 (2 is priced between them, 4 beyond them)."
 
 from __future__ import annotations
 
-import textwrap
-
 import msgpack
 import pytest
 import torch
@@ -18,6 +16,7 @@ from tpc.compiler.frontend import SlicedModel, file_sha256, load_model
 from tpc.compiler.memory import rank_memory
 from tpc.executors.stage_runtime import StageRuntime
 from tpc.ir.diagnostics import TpirError
+from tests.costmodel.tiny_model import write_tiny_gpt
 
 L = 16
 SIZES = (1, 3)
@@ -27,18 +26,7 @@ SIZES = (1, 3)
 def tiny(tmp_path_factory, repo_root):
     """The model file, its profile on disk, the profile as loaded back, the traced model."""
     tmp = tmp_path_factory.mktemp("stash")
-    src = tmp / "tiny.py"
-    src.write_text(textwrap.dedent(f"""
-        import importlib.util
-        import sys
-        _spec = importlib.util.spec_from_file_location("_gpt", {str(repo_root / 'examples' / 'gpt.py')!r})
-        _gpt = importlib.util.module_from_spec(_spec)
-        sys.modules["_gpt"] = _gpt  # dataclasses look their module up while the file runs
-        _spec.loader.exec_module(_gpt)
-
-        def model():
-            return _gpt.model(n_layer=1, n_embd=16, n_head=2, block_size=16)
-    """))
+    src = write_tiny_gpt(tmp / "tiny.py", repo_root)
     prof = profile_model(str(src), L, SIZES, warmup=0, repeats=1)
     path = tmp / "tiny.msgpack"
     save_profile(prof, path)
