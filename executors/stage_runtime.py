@@ -215,6 +215,12 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ memory
 
+    def kv_buffers(self, mb: int) -> list:
+        """The buffers holding micro-batch `mb`'s cached keys/values on this stage (their first
+        tokens are filled; a buffer is replaced by a larger one when it grows)."""
+        cache = self._caches.get(mb)
+        return list(cache.kv) if cache is not None else []
+
     def free_kv(self, mb: int) -> None:
         """Drop every slice of a micro-batch: KV caches, their gradients, saved inputs."""
         for key in [k for k in self._slices if k[0] == mb]:

@@ -55,7 +55,39 @@ class CurveFit:
                    coef=tuple(float(v) for v in d["coef"]), rel_error=float(d["rel_error"]))
 
 
-def _lstsq_nonneg_tail(A: np.ndarray, y: np.ndarray, tail: tuple[int, ...]) -> np.ndarray:
+@dataclass(frozen=True)
+class StashFit:
+    """Bytes one slice's forward keeps for its backward on one unit at one micro-batch size:
+
+        s1*l + s2*l*(c+l) + [c > 0] * (s3*c + s4*l)
+
+    s1: what every token keeps (layer inputs, norms' statistics, MLP activations, ...); s2:
+    tensors of the attention's l x (c+l) shape (its mask; scores, where a path stores them);
+    with a prefix, the attention also keeps the joined keys/values of all c+l tokens and this
+    slice's own projections, which a first slice shares with the KV cache instead (counted
+    there): s3*c + s4*l."""
+
+    coef: tuple[float, float, float, float]  # s1, s2, s3, s4 (bytes), all >= 0
+    rel_error: float  # root-mean-square relative error of the fit over the samples
+
+    def __call__(self, l, c) -> np.ndarray:
+        l = np.asarray(l, dtype=np.float64)
+        c = np.asarray(c, dtype=np.float64)
+        s1, s2, s3, s4 = self.coef
+        return s1 * l + s2 * l * (c + l) + np.where(c > 0, s3 * c + s4 * l, 0.0)
+
+    def to_dict(self) -> dict:
+        return {"coef": list(self.coef), "rel_error": self.rel_error}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StashFit":
+        coef = tuple(float(v) for v in d["coef"])
+        if len(coef) != 4:
+            raise ValueError(f"stash coefficients {list(coef)}")
+        return cls(coef=coef, rel_error=float(d["rel_error"]))
+
+
+def lstsq_nonneg_tail(A: np.ndarray, y: np.ndarray, tail: tuple[int, ...]) -> np.ndarray:
     """Least squares with the columns in `tail` constrained >= 0 (drop negative ones, refit)."""
     active = list(range(A.shape[1]))
     while True:
@@ -89,8 +121,27 @@ def fit_curve(l, c, t) -> CurveFit:
     A = np.stack([np.ones_like(l), l, c, l * c], axis=1)
     # scale columns so one least-squares problem is well conditioned for any units
     scale = np.maximum(np.abs(A).max(axis=0), 1e-300)
-    coef = _lstsq_nonneg_tail(A / scale, residual, tail=(2, 3)) / scale
+    coef = lstsq_nonneg_tail(A / scale, residual, tail=(2, 3)) / scale
     fit = CurveFit(fit0.lengths, fit0.base, tuple(float(v) for v in coef), 0.0)
     pred = fit(l, c)
     rel = float(np.sqrt(np.mean(((pred - t) / np.maximum(t, 1e-12)) ** 2)))
     return CurveFit(fit.lengths, fit.base, fit.coef, rel)
+
+
+def fit_stash(l, c, y) -> StashFit:
+    """Least squares of the relative residuals (every point weighs the same, as the error is
+    reported), coefficients >= 0 (a negative one is dropped and the rest refitted)."""
+    l = np.asarray(l, dtype=np.float64)
+    c = np.asarray(c, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    if not (l.shape == c.shape == y.shape) or l.ndim != 1 or len(l) == 0:
+        raise ValueError("l, c and y must be 1-d arrays of the same, non-zero length")
+    prefix = (c > 0).astype(np.float64)
+    A = np.stack([l, l * (c + l), prefix * c, prefix * l], axis=1)
+    w = 1.0 / np.maximum(y, 1.0)
+    Aw = A * w[:, None]
+    scale = np.maximum(np.abs(Aw).max(axis=0), 1e-300)
+    coef = np.maximum(lstsq_nonneg_tail(Aw / scale, y * w, tail=(0, 1, 2, 3)) / scale, 0.0)
+    fit = StashFit(tuple(float(v) for v in coef), 0.0)
+    rel = float(np.sqrt(np.mean(((fit(l, c) - y) / np.maximum(y, 1.0)) ** 2)))
+    return StashFit(fit.coef, rel)

@@ -9,7 +9,7 @@ small on purpose (a handful of lengths, contexts 0 / half / all of what precedes
 
 At every point one more, untimed forward measures the stash: the bytes of the tensors autograd
 saves for the slice's backward (parameters and KV caches excluded: they are counted apart), fitted
-per unit and micro-batch size by `fit_stash` (the form is `store.StashFit`'s).
+per unit and micro-batch size by `fit.fit_stash` (the form is `fit.StashFit`'s).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 import numpy as np
 import torch
 
-from tpc.compiler.costmodel.fit import _lstsq_nonneg_tail, fit_curve
-from tpc.compiler.costmodel.store import Profile, StashFit, UnitProfile, save_profile
+from tpc.compiler.costmodel.fit import fit_curve, fit_stash
+from tpc.compiler.costmodel.store import Profile, UnitProfile, save_profile
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 # a loopback gloo transfer on one host: latency and bandwidth of a memcpy through a socket
@@ -138,7 +138,7 @@ def stash_point(rt, stage, dev, vocab, hidden, l, c, b) -> int:
         rt.forward(0, 0, make_input(c), 0, targets(c))
         sl = 1
     x, tg = make_input(l), targets(l)
-    before = list(rt._caches[0].kv) if c else []  # the prefix buffers (replaced if they grow)
+    before = list(rt.kv_buffers(0)) if c else []  # the prefix buffers (replaced if they grow)
     saved: list[torch.Tensor] = []
 
     def pack(t):
@@ -150,7 +150,7 @@ def stash_point(rt, stage, dev, vocab, hidden, l, c, b) -> int:
             rt.forward(0, sl, x, c, tg)
         held = {_storage_key(t) for t in (*stage.parameters(), *stage.buffers())}
         cache_bytes: dict[tuple, dict] = {}  # storage -> {(offset, numel): bytes} of cache views
-        for k in before + list(rt._caches[0].kv):
+        for k in before + list(rt.kv_buffers(0)):
             cache_bytes.setdefault(_storage_key(k), {})[(k.storage_offset(), k.numel())] = (
                 k.numel() * k.element_size())
         counted: dict[tuple, int] = {}
@@ -164,25 +164,6 @@ def stash_point(rt, stage, dev, vocab, hidden, l, c, b) -> int:
         rt.free_kv(0)  # drops both slices' graphs (no backward ran: no gradients to clear)
         saved.clear()
     return int(sum(counted.values()))
-
-
-def fit_stash(l, c, y) -> StashFit:
-    """Least squares of the relative residuals (every point weighs the same, as the error is
-    reported), coefficients >= 0 (a negative one is dropped and the rest refitted)."""
-    l = np.asarray(l, dtype=np.float64)
-    c = np.asarray(c, dtype=np.float64)
-    y = np.asarray(y, dtype=np.float64)
-    if not (l.shape == c.shape == y.shape) or l.ndim != 1 or len(l) == 0:
-        raise ValueError("l, c and y must be 1-d arrays of the same, non-zero length")
-    prefix = (c > 0).astype(np.float64)
-    A = np.stack([l, l * (c + l), prefix * c, prefix * l], axis=1)
-    w = 1.0 / np.maximum(y, 1.0)
-    Aw = A * w[:, None]
-    scale = np.maximum(np.abs(Aw).max(axis=0), 1e-300)
-    coef = np.maximum(_lstsq_nonneg_tail(Aw / scale, y * w, tail=(0, 1, 2, 3)) / scale, 0.0)
-    fit = StashFit(tuple(float(v) for v in coef), 0.0)
-    rel = float(np.sqrt(np.mean(((fit(l, c) - y) / np.maximum(y, 1.0)) ** 2)))
-    return StashFit(fit.coef, rel)
 
 
 def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu",

@@ -12,45 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
-import numpy as np
 
-from tpc.compiler.costmodel.fit import CurveFit
+from tpc.compiler.costmodel.fit import CurveFit, StashFit
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 PROFILE_FORMAT = "tpc-profile"
 PROFILE_VERSION = 2  # 2: per-unit activation stash fits (`UnitProfile.stash`)
-
-
-@dataclass(frozen=True)
-class StashFit:
-    """Bytes one slice's forward keeps for its backward on one unit at one micro-batch size:
-
-        s1*l + s2*l*(c+l) + [c > 0] * (s3*c + s4*l)
-
-    s1: what every token keeps (layer inputs, norms' statistics, MLP activations, ...); s2:
-    tensors of the attention's l x (c+l) shape (its mask; scores, where a path stores them);
-    with a prefix, the attention also keeps the joined keys/values of all c+l tokens and this
-    slice's own projections, which a first slice shares with the KV cache instead (counted
-    there): s3*c + s4*l."""
-
-    coef: tuple[float, float, float, float]  # s1, s2, s3, s4 (bytes), all >= 0
-    rel_error: float  # root-mean-square relative error of the fit over the samples
-
-    def __call__(self, l, c) -> np.ndarray:
-        l = np.asarray(l, dtype=np.float64)
-        c = np.asarray(c, dtype=np.float64)
-        s1, s2, s3, s4 = self.coef
-        return s1 * l + s2 * l * (c + l) + np.where(c > 0, s3 * c + s4 * l, 0.0)
-
-    def to_dict(self) -> dict:
-        return {"coef": list(self.coef), "rel_error": self.rel_error}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "StashFit":
-        coef = tuple(float(v) for v in d["coef"])
-        if len(coef) != 4:
-            raise ValueError(f"stash coefficients {list(coef)}")
-        return cls(coef=coef, rel_error=float(d["rel_error"]))
 
 
 @dataclass(frozen=True)

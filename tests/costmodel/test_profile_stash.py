@@ -63,7 +63,7 @@ def saved_bytes(sliced, vocab, lo, hi, l, c, b) -> int:
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
     for ptr in params:
         storages.pop(ptr, None)
-    for k in rt._caches[0].kv:  # the cache's own bytes are kv_bytes
+    for k in rt.kv_buffers(0):  # the cache's own bytes are kv_bytes
         ptr = k.untyped_storage().data_ptr()
         if ptr in storages:
             storages[ptr] -= k.numel() * k.element_size()
