@@ -127,19 +127,23 @@ def test_rank_memory_of_a_profiled_plan_counts_the_stash(tiny):
                         slices="4", schedule="seq1f1b", cost=str(tiny["path"]), quiet=True)
     stages = [s.units for s in plan.header.stages]
     cm = load_cost_model(cost=str(tiny["path"]), stage_units=stages)
-    peaks = {}
+    most, peaks = {}, {}
     for prog in plan.ranks:
-        with_stash = rank_memory(plan.header, prog.rank, prog.instrs, cm).peak
-        boundary = rank_memory(plan.header, prog.rank, prog.instrs, BoundaryOnly(cm)).peak
-        assert (with_stash.params, with_stash.kv) == (boundary.params, boundary.kv)
-        peaks[prog.rank] = with_stash, boundary
+        with_stash = rank_memory(plan.header, prog.rank, prog.instrs, cm).during
+        boundary = rank_memory(plan.header, prog.rank, prog.instrs, BoundaryOnly(cm)).during
+        # parameters and KV caches do not depend on the stash, instruction by instruction (the
+        # peaks may fall on different instructions, so they are not compared)
+        assert [(m.params, m.kv) for m in with_stash] == [(m.params, m.kv) for m in boundary]
+        most[prog.rank] = (max(m.activations for m in with_stash),
+                           max(m.activations for m in boundary))
+        peaks[prog.rank] = (max(m.total for m in with_stash), max(m.total for m in boundary))
     # the rank holding the decoder block keeps far more than the activation it sends on (an
     # embedding-only stage keeps less: its ids, not its output)
     block_rank = next(s.rank for s in plan.header.stages if s.units[0] <= 1 < s.units[1])
-    with_stash, boundary = peaks[block_rank]
-    assert with_stash.activations > 5 * boundary.activations > 0
+    with_stash, boundary = most[block_rank]
+    assert with_stash > 5 * boundary > 0
     # what --memory-per-rank compares: the largest peak of any rank
-    assert max(w.total for w, _ in peaks.values()) > max(b.total for _, b in peaks.values())
+    assert max(w for w, _ in peaks.values()) > max(b for _, b in peaks.values())
 
 
 def test_an_older_profile_is_refused_with_the_command_to_rerun(tiny, tmp_path):
