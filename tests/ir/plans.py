@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
+from tpc.compiler.slicing import ranges_of
 from tpc.ir.nodes import (
     Header,
     Instr,
@@ -33,14 +34,6 @@ from tpc.ir.nodes import (
 
 SHA = "0" * 64
 TIE_NAME = "transformer.wte.weight"
-
-
-def _cuts(lengths: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    out, lo = [], 0
-    for n in lengths:
-        out.append((lo, lo + n))
-        lo += n
-    return tuple(out)
 
 
 def _slice_lengths(slices, mbs: int, seq: int | None) -> list[tuple[int, ...]]:
@@ -83,7 +76,7 @@ def simple_header(pipe: int, mbs: int, slices, *, stages: int | None = None, dat
         stages=tuple(Stage(s, ranks[s], (s, s + 1), f"unit {s}") for s in range(stages)),
         # a tie within one rank is summed locally and has no line (the verifier says so)
         ties=(Tie(TIE_NAME, (0, stages - 1)),) if tie and ranks[0] != ranks[-1] else (),
-        microbatches=tuple(Microbatch(m, mb_size, _cuts(lengths[m])) for m in range(mbs)),
+        microbatches=tuple(Microbatch(m, mb_size, ranges_of(lengths[m])) for m in range(mbs)),
     )
 
 

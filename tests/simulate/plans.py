@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from tpc.compiler.lower import lower
 from tpc.compiler.schedules import build_schedule
+from tpc.compiler.slicing import ranges_of
 from tpc.ir.nodes import (
     Header,
     MeshLine,
@@ -26,10 +27,7 @@ def make_header(stages: int, microbatches: int, slices: int, seq: int = 64,
     slices (or `slice_lengths`)."""
     lengths = slice_lengths or (seq // slices,) * slices
     assert sum(lengths) == seq
-    cuts, lo = [], 0
-    for n in lengths:
-        cuts.append((lo, lo + n))
-        lo += n
+    cuts = ranges_of(lengths)
     return Header(
         model=ModelLine("m.py", "0" * 64),
         shape=ShapeLine(batch=microbatches * data, seq=seq, vocab=16),
@@ -37,7 +35,7 @@ def make_header(stages: int, microbatches: int, slices: int, seq: int = 64,
         schedule=ScheduleLine(schedule),
         units=UnitsLine(stages),
         stages=tuple(Stage(s, s, (s, s + 1)) for s in range(stages)),
-        microbatches=tuple(Microbatch(m, 1, tuple(cuts)) for m in range(microbatches)),
+        microbatches=tuple(Microbatch(m, 1, cuts) for m in range(microbatches)),
         ties=ties,
     )
 
