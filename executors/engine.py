@@ -75,7 +75,7 @@ class StageRuntimeLike(Protocol):
 
     live_activations: int
 
-    def forward(self, mb, sl, x, offset, targets=None, checkpoint=False): ...
+    def forward(self, mb, sl, x, offset, targets=None, checkpoint=False, capacity=None): ...
 
     def recompute(self, mb, sl): ...
 
@@ -345,7 +345,8 @@ class RankEngine:
                                            hint=f"put `load mb {m}` before the first forward of it"))
             targets = self.targets[m][:, lo:hi]
         with self._compute():
-            out = stage.runtime.forward(m, i, x, lo, targets=targets, checkpoint=instr.checkpoint)
+            out = stage.runtime.forward(m, i, x, lo, targets=targets, checkpoint=instr.checkpoint,
+                                        capacity=self.header.microbatches[m].slices[-1][1])
         if s == self.last_stage:
             self.step_loss += float(out)
         else:

@@ -9,7 +9,11 @@ micro-batches.
 
 Memory layout: one buffer per micro-batch and cached tensor holds every token's keys/values so
 far; a slice writes its own tokens into it once, and reads its prefix as a view (no copy), so
-the only copy of the prefix is the one attention makes when it appends the slice's own keys. The
+the only copy of the prefix is the one attention makes when it appends the slice's own keys.
+When the caller says how many tokens the micro-batch has (`capacity`, the end of its last slice:
+the engine knows it from the plan), the first slice allocates the whole buffer and it never
+moves. Without it the buffer grows by doubling; then an earlier slice's prefix leaf keeps the
+smaller buffer it viewed alive until its backward, up to twice the cache's bytes. The
 gradients sent into the cache collect in one buffer of the same layout, from which each slice
 takes its own tokens' region when it runs backward. (Joining per-slice leaves instead copied the
 whole prefix twice per slice: O(n²) copies for n slices.)
@@ -58,8 +62,10 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, mb: int, sl: int, x: torch.Tensor, offset: int, targets=None, checkpoint: bool = False):
-        """Forward one slice; returns the detached activation to send (or the scaled loss)."""
+    def forward(self, mb: int, sl: int, x: torch.Tensor, offset: int, targets=None, checkpoint: bool = False,
+                capacity: int | None = None):
+        """Forward one slice; returns the detached activation to send (or the scaled loss).
+        `capacity`: the micro-batch's token count, if known (sizes its KV buffers once)."""
         if (mb, sl) in self._slices:
             raise RuntimeError(f"forward of micro-batch {mb} slice {sl} already ran on stage "
                                f"{self.module.lo}:{self.module.hi}")
@@ -76,7 +82,7 @@ class StageRuntime:
         rec = _Slice(mb, x, int(offset), targets, start, x.size(1))
         with torch.set_grad_enabled(not checkpoint):
             y, kv = self._run(rec)
-        self._append(mb, kv)
+        self._append(mb, kv, capacity)
         if not checkpoint:
             rec.y, rec.kv_out = y, kv
         self._slices[(mb, sl)] = rec
@@ -102,12 +108,21 @@ class StageRuntime:
             prefix = rec.prefix
         return self.module(rec.x, rec.offset, prefix, rec.targets)
 
-    def _append(self, mb: int, kv: list) -> None:
-        """Write a slice's keys/values after the cached ones, growing the buffers by doubling."""
+    def _append(self, mb: int, kv: list, capacity: int | None) -> None:
+        """Write a slice's keys/values after the cached ones: into buffers of the micro-batch's
+        whole length when `capacity` is known, else into buffers that grow by doubling."""
         n = kv[0].size(self.module.kv_dims[0]) if kv else 0
         cache = self._caches.get(mb)
-        if cache is None:  # the first slice: its own tensors start the buffers (no copy)
-            self._caches[mb] = _Cache([k.detach() for k in kv], n)
+        if cache is None:
+            if capacity is None or capacity <= n:  # its own tensors start the buffers (no copy)
+                self._caches[mb] = _Cache([k.detach() for k in kv], n)
+            else:
+                bufs = []
+                for k, d in zip(kv, self.module.kv_dims):
+                    buf = k.new_empty(k.shape[:d] + (capacity,) + k.shape[d + 1:])
+                    buf.narrow(d, 0, n).copy_(k.detach())
+                    bufs.append(buf)
+                self._caches[mb] = _Cache(bufs, n)
             return
         for t, (k, d) in enumerate(zip(kv, self.module.kv_dims)):
             buf = cache.kv[t]

@@ -118,7 +118,8 @@ class FakeRuntime:
             h = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), reduction="sum") * self.scale
         return x_in, leaves, h, outs
 
-    def forward(self, mb, sl, x, offset, targets=None, checkpoint=False):
+    def forward(self, mb, sl, x, offset, targets=None, checkpoint=False, capacity=None):
+        # `capacity` sizes a KV buffer; the carries here are one fixed-size state per layer
         zeros = [torch.zeros(x.shape[0], HIDDEN) for _ in self.layers]
         carries = zeros if sl == 0 else self.carry[mb]
         if checkpoint:

@@ -70,3 +70,35 @@ def test_mask_buffer_as_long_as_the_sequence():
     ref_loss, ref = reference_step(model, ids, targets)
     assert abs(loss - ref_loss) <= 1e-5 * ref_loss
     assert max_rel_error(summed(per_stage), ref) <= 1e-5
+
+
+def _sliced_run(stage, lengths, capacity):
+    """Forward then backward of one micro-batch in slices of `lengths`; the input gradients,
+    the parameter gradients, and the KV buffers' storages seen after each forward."""
+    torch.manual_seed(1)
+    xs = [torch.randn(2, n, 32) for n in lengths]
+    grads = [torch.randn(2, n, 32) for n in lengths]
+    for p in stage.parameters():
+        p.grad = None
+    rt = StageRuntime(stage, 1.0)
+    storages, start = [], 0
+    for i, x in enumerate(xs):
+        rt.forward(0, i, x, start, capacity=capacity)
+        start += x.size(1)
+        storages.append([k.untyped_storage().data_ptr() for k in rt.kv_buffers(0)])
+    gx = [rt.backward(0, i, grads[i]) for i in reversed(range(len(xs)))]
+    return gx, [p.grad.clone() for p in stage.parameters()], storages
+
+
+def test_known_capacity_allocates_the_kv_buffers_once(llama):
+    """With the micro-batch's length known, every slice writes into the buffers the first
+    allocated (no doubling: earlier slices' prefix views cannot pin an outgrown buffer), and
+    the gradients are the doubling runtime's."""
+    stage = llama.stage_module(1, 3)
+    lengths = [3, 5, 2, 6]
+    gx, gp, storages = _sliced_run(stage, lengths, capacity=sum(lengths))
+    assert all(s == storages[0] for s in storages)
+    gx_grow, gp_grow, storages_grow = _sliced_run(stage, lengths, capacity=None)
+    assert len({tuple(s) for s in storages_grow}) > 1  # the fallback does move its buffers
+    for a, b in zip(gx + gp, gx_grow + gp_grow):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
