@@ -3,7 +3,10 @@
 `causal_attention` is what every recognised attention becomes: this slice's queries attend to
 the cached prefix of keys/values plus this slice's own, under a causal mask aligned bottom-right
 (query q, at absolute position off+q, sees keys at positions <= off+q). SDPA's `is_causal=True`
-aligns the mask top-left, which is right only when there is no prefix.
+aligns the mask top-left, which is right only when there is no prefix. With a prefix, CUDA
+tensors get PyTorch's `causal_lower_right` bias, which SDPA serves with the flash (or memory-
+efficient) kernel without materialising a mask; elsewhere (CPU, tracing) an additive mask made
+once per shape.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def causal_attention(q, k, v, k_prefix, v_prefix, scale=None, dropout_p=0.0, rep=1, enable_gqa=False):
@@ -30,10 +34,19 @@ def causal_attention(q, k, v, k_prefix, v_prefix, scale=None, dropout_p=0.0, rep
     extra = {"enable_gqa": True} if enable_gqa else {}
     if lq == lk:
         return F.scaled_dot_product_attention(q, kf, vf, dropout_p=dropout_p, is_causal=True, scale=scale, **extra)
-    # cached for plain tensors only: a mask made under a tracing mode must not outlive it
-    build = _bottom_right_mask if type(q) is torch.Tensor else _bottom_right_mask.__wrapped__
-    mask = build(lq, lk, q.dtype, q.device)  # (l, off+l)
+    if _fused_bottom_right(q):
+        mask = causal_lower_right(lq, lk)
+    else:  # cached for plain tensors only: a mask made under a tracing mode must not outlive it
+        build = _bottom_right_mask if type(q) is torch.Tensor else _bottom_right_mask.__wrapped__
+        mask = build(lq, lk, q.dtype, q.device)  # (l, off+l)
     return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
+
+
+def _fused_bottom_right(q) -> bool:
+    """Whether the bottom-right mask goes to SDPA as a causal bias (fused kernels on CUDA)
+    rather than as a tensor: plain CUDA tensors only, since on CPU the bias is materialised on
+    every call."""
+    return type(q) is torch.Tensor and q.is_cuda
 
 
 @functools.lru_cache(maxsize=16)

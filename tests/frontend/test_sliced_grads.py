@@ -89,3 +89,21 @@ def test_same_rank_stages_share_parameter_objects():
     b = sm.stage_module(sm.num_units - 1, sm.num_units, params_from=model)
     assert dict(a.named_parameters())["transformer.wte.weight"] is dict(b.named_parameters())["transformer.wte.weight"]
     assert dict(a.named_parameters())["transformer.wte.weight"] is model.transformer.wte.weight
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_fused_bottom_right_bias_matches_oracle(name, monkeypatch):
+    """The causal bias CUDA tensors take for a slice with a prefix (`causal_lower_right`, so
+    SDPA may pick the flash kernel) is forced here on CPU, where PyTorch materialises it: the
+    same loss and gradients as the oracle, so the bias is aligned as the slicing needs."""
+    from tpc.compiler.frontend import ops
+
+    model, sm = sliced(name)  # built first: building checks slices of its own lengths
+    used = []
+    monkeypatch.setattr(ops, "_fused_bottom_right", lambda q: used.append(q.size(-2)) or True)
+    ids, targets = batch(VOCAB, BATCH, SEQ)
+    loss, per_stage = sliced_step(sm, sm.partition_by_params(2), ids, targets, 1, [3, 5, 8])
+    ref_loss, ref_grads = reference_step(model, ids, targets)
+    assert used and set(used) == {5, 8}  # the slices with a prefix, in every layer
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert max_rel_error(summed(per_stage), ref_grads) <= 1e-5
