@@ -19,10 +19,11 @@ Per op class (a "kernel" is one launch of eager PyTorch):
   * matmul (`linear`, `mm`, `addmm`, `bmm`, `matmul`, `baddbmm`): 2*m*n*k (+ m*n for a bias),
     bytes of both operands and the result, one kernel;
   * attention (`ops.causal_attention`): Q K^T and P V over `c + l` keys,
-    2*b*h*l*(c+l)*(d_qk + d_v), as one fused kernel that reads q, the full keys and values and
-    the mask and writes the output (the scores stay on chip); with a prefix, two more kernels
-    concatenate cache and slice (they copy `c + l` rows), with GQA's `rep` two more repeat the
-    heads. The full l x (c+l) rectangle is counted: the mask-based kernel computes it all;
+    2*b*h*l*(c+l)*(d_qk + d_v), as one fused kernel that reads q and the full keys and values
+    and writes the output (the scores stay on chip; on CUDA the bottom-right alignment is a
+    causal bias, no mask is read); with a prefix, two more kernels concatenate cache and slice
+    (they copy `c + l` rows), with GQA's `rep` two more repeat the heads. The full l x (c+l)
+    rectangle is counted, an upper bound of what a kernel that skips masked blocks computes;
   * memory (elementwise, norms, reductions, softmax, gathers, copies, the loss): a few FLOPs
     per element (`_FLOPS_PER_ELEMENT`), bytes of every input and the output, one kernel.
 
@@ -188,8 +189,7 @@ def _attention(n: fx.Node) -> OpCost:
     kf = b * hkv * keys * size_expr(k.shape[-1]) * element_bytes(k)  # keys with the prefix
     vf = b * hkv * keys * dv * element_bytes(v)
     grown = rep * (kf + vf)  # what the attention kernel reads as keys and values
-    mask = has_prefix * lq * keys * element_bytes(q)  # the bottom-right mask (only with a prefix)
-    nbytes = tensor_bytes(q) + grown + mask + tensor_bytes(out)
+    nbytes = tensor_bytes(q) + grown + tensor_bytes(out)
     # cat([prefix, slice]) reads the prefix and the slice and writes the full keys/values
     cat = has_prefix * 2 * (kf + vf)
     repeat = (kf + vf) * (1 + rep) if rep != 1 else _ZERO  # repeat_interleave over heads
