@@ -38,3 +38,17 @@ def wide():
 def long():
     """Token slicing: 4 layers, width 256, sequences of up to 2048 tokens."""
     return untied(n_layer=4, n_embd=256, n_head=8, block_size=2048)
+
+
+def gpt350m():
+    """bench/gpu_slicing.py: GPT-2-medium's shape (24 layers, width 1024, 16 heads, GPT-2's
+    vocabulary padded to 50304) with sequences of up to 2048 tokens; 355,919,872 parameters.
+    The token embedding stays tied to the head, as in examples/gpt.py and GPT-2 (untied it
+    would be 407,431,168): that benchmark runs only tpc, so no stage needs its own copy."""
+    return _example.model(n_layer=24, n_embd=1024, n_head=16, block_size=2048, vocab_size=50304)
+
+
+def gpt350m_tiny():
+    """gpt350m's smoke-test stand-in: the same code paths (4 layers for 4 stages, tied
+    embedding, positions up to 2048) at width 64 and a 512-token vocabulary."""
+    return _example.model(n_layer=4, n_embd=64, n_head=4, block_size=2048, vocab_size=512)
