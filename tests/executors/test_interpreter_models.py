@@ -95,3 +95,34 @@ def test_weights_after_several_steps_match_plain_training():
     assert torch.equal(result.state_dict["lm_head.weight"], result.state_dict["transformer.wte.weight"])
     assert not torch.allclose(final["transformer.h.0.attn.c_attn.weight"],
                               model.transformer.h[0].attn.c_attn.weight)  # it trained
+
+
+def test_bf16_autocast_reaches_the_compute():
+    """`interpret(bf16=True)` (what `tpc run --interpret --bf16` passes) computes under bf16
+    autocast: the loss moves off the fp32 one by bf16 rounding, and no further. (CPU autocast
+    stands in for CUDA's here.)"""
+    plan = real_plan("gpt", seq_len=SEQ, schedule="terapipe", stages=2, slices="3", microbatches=2)
+    losses = {}
+    for bf16 in (False, True):
+        model, sliced = fresh_model("gpt", SEQ)
+        losses[bf16] = interpret(plan, model=model, sliced=sliced, bf16=bf16).losses[0]
+    assert losses[True] != losses[False]
+    assert abs(losses[True] - losses[False]) <= 2e-2 * abs(losses[False])
+
+
+def test_kv_gradients_are_summed_in_fp32_under_bf16():
+    """Under bf16 autocast the KV cache is bf16; the gradients later slices send into earlier
+    slices' keys/values are still summed in an fp32 buffer."""
+    from tpc.executors.stage_runtime import StageRuntime
+
+    _, sliced = fresh_model("gpt", SEQ)
+    stage = sliced.stage_module(1, sliced.num_units)
+    rt = StageRuntime(stage, 1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for i, lo in enumerate((0, 5, 11)):
+            hi = (5, 11, SEQ)[i]
+            rt.forward(0, i, torch.randn(2, hi - lo, sliced.hidden_size), lo,
+                       targets=torch.randint(0, 256, (2, hi - lo)), capacity=SEQ)
+        assert {t.dtype for t in rt.kv_buffers(0)} == {torch.bfloat16}
+        rt.backward(0, 2)
+    assert {g.dtype for g in rt._caches[0].grad} == {torch.float32}
