@@ -130,6 +130,8 @@ class TraceEvent:
 class EngineOptions:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     optim: OptimSpec = field(default_factory=OptimSpec)
+    # record each instruction's start and end (on CUDA the engine waits for the device after
+    # each instruction, so an event spans its kernels; the run itself is slower)
     trace: bool = False
     # bf16 autocast around compute (CUDA only; weights, gradients and messages stay fp32)
     bf16: bool = False
@@ -227,6 +229,7 @@ class RankEngine:
                 loc=self.plan.program(self.pipe_rank).loc, where=self.plan.source,
                 hint="every forward output needs a send (or the next stage on this rank), every "
                      "received tensor a compute that uses it"))
+        self.step_loss = float(self.step_loss)  # the step's one wait for the device
         self.losses.append(self.step_loss)
         return self.step_loss
 
@@ -248,6 +251,8 @@ class RankEngine:
                               hint=e.diagnostics[0].hint if e.diagnostics else "") from e
         except Exception as e:  # noqa: BLE001 - every failure of an instruction is reported located
             raise self.locate(index, f"{type(e).__name__}: {e}") from e
+        if self.options.trace and self.options.device.type == "cuda":
+            torch.cuda.synchronize(self.options.device)
         end = time.perf_counter()
         if self.options.trace:
             self.events.append(TraceEvent(self.global_rank, self.line_of(index), str(instr),
@@ -348,7 +353,7 @@ class RankEngine:
             out = stage.runtime.forward(m, i, x, lo, targets=targets, checkpoint=instr.checkpoint,
                                         capacity=self.header.microbatches[m].slices[-1][1])
         if s == self.last_stage:
-            self.step_loss += float(out)
+            self.step_loss = self.step_loss + out.detach().double()  # on the device: no sync per slice
         else:
             self._put((Payload.ACT, s + 1, m, i), out)
 

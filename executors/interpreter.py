@@ -208,7 +208,7 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
               batches: BatchSource | None = None, optim: OptimSpec | None = None,
               device: str | torch.device = "cpu", trace: bool = False, verify: bool = True,
               lr_at=None, grad_clip: float = 0.0, grad_norm: bool = False, on_step=None,
-              checkpoints=None) -> RunResult:
+              checkpoints=None, bf16: bool = False) -> RunResult:
     """Run `plan` for `steps` training steps with every rank in this process.
 
     The model comes from the plan's model file (built after `torch.manual_seed(seed)`) unless
@@ -222,6 +222,8 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
     `checkpoints` (`tpc.executors.run_checkpoints.RunCheckpoints`) saves all ranks' shards when
     due and, when resuming, first loads the newest checkpoint: the run then goes from its step
     up to `steps` (the step the run ends at), and `losses` holds only the steps run here.
+    `bf16`: compute under bf16 autocast (weights, gradients and messages stay fp32). On CUDA
+    each step's time is taken after the device has finished the step.
     """
     if verify:
         _check_plan(plan)
@@ -241,7 +243,7 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
                                    hint="pass hidden_size with stage_factory_for"))
     batches = batches or RandomTokens(seed, header.shape.batch, header.shape.seq, header.shape.vocab)
     options = EngineOptions(device=device, optim=optim or OptimSpec(), trace=trace, record_grads=True,
-                            lr_at=lr_at, grad_clip=grad_clip, grad_norm=grad_norm)
+                            lr_at=lr_at, grad_clip=grad_clip, grad_norm=grad_norm, bf16=bf16)
     hub = _Hub()
     engines: list[RankEngine] = []
     copies: dict[tuple[int, int], torch.nn.Module] = {}
@@ -265,6 +267,8 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
         losses.append(loss)
         if step == start:
             first_grads = canonical_names(model, _gather(engines, lambda e: e.grads.items()))
+        if device.type == "cuda":  # the optimiser's kernels may still be running
+            torch.cuda.synchronize(device)
         if on_step is not None:
             lr = lr_at(step) if lr_at is not None else options.optim.lr
             on_step(step, loss, dict(lr=lr, grad_norm=engines[0].grad_norm,

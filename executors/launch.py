@@ -145,7 +145,8 @@ def interpret_plan(plan, settings: RunSettings) -> int:
     result = interpret(plan, steps=settings.steps, model=model, batches=batches, optim=settings.optim,
                        device=device, trace=bool(settings.trace), verify=False,
                        lr_at=settings.lr_schedule(), grad_clip=settings.grad_clip,
-                       grad_norm=bool(settings.metrics), on_step=reporter, checkpoints=checkpoints)
+                       grad_norm=bool(settings.metrics), on_step=reporter, checkpoints=checkpoints,
+                       bf16=settings.bf16)
     reporter.close()
     if settings.trace:
         write_trace(settings.trace, result.events)
