@@ -6,6 +6,17 @@ A stage graph takes (x, offset, k_prefix_0, v_prefix_0, ..., [targets]) and retu
 unit lo; y is the residual leaving unit hi-1, or on the last stage the summed token loss. Static
 values the stage needs (weight views, position tables) are recomputed inside it; the batch and
 sequence sizes are re-read from x.
+
+A stage graph does not depend on the layout the capture happened to see: `view` (and
+`_unsafe_view`) become `reshape`. The capture records the strides of one run (the CPU's SDPA
+kernel, say), and a `view` there may have lost a `.contiguous()` the model wrote, which the
+trace dropped because the traced value was already contiguous; another SDPA backend (CUDA's
+math or memory-efficient path) lays its output out otherwise, and the `view` would fail.
+`reshape` is the same view whenever a view is possible, so on the traced layout the numbers do
+not change, and it copies only where the layout needs it, as the model's `.contiguous()` did.
+Restoring the dropped `.contiguous()` instead would need to know where the model wrote one,
+which the trace does not record. The cost records keep the captured op's (a view is free on the
+traced layout).
 """
 
 from __future__ import annotations
@@ -17,6 +28,11 @@ import torch.nn as nn
 from tpc.compiler.frontend import ops
 from tpc.compiler.frontend.axes import size_expr
 from tpc.compiler.frontend.static import is_size_root, prune_dead
+
+aten = torch.ops.aten
+
+# ops that need a particular input layout, and the op that takes any layout to the same value
+_ANY_LAYOUT = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 
 
 def build_stage_graph(sm, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, list]:
@@ -32,6 +48,12 @@ def build_stage_graph(sm, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, 
         env[s.v_prefix] = g.placeholder(f"v_prefix_{i}")
     targets = g.placeholder("targets") if (with_loss and hi == sm.num_units) else None
 
+    def copy(n: fx.Node) -> fx.Node:
+        new = g.node_copy(n, get)
+        if new.op == "call_function" and new.target in _ANY_LAYOUT:
+            new.target = _ANY_LAYOUT[new.target]
+        return new
+
     def get(n: fx.Node) -> fx.Node:
         if n in env:
             return env[n]
@@ -39,7 +61,7 @@ def build_stage_graph(sm, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, 
             dim = 0 if size_expr(n.meta["val"]) == sm._batch_sym else 1
             new = g.call_function(torch.ops.aten.sym_size.int, (x, dim))
         elif n in sm._static:
-            new = g.get_attr(n.target) if n.op == "get_attr" else g.node_copy(n, get)
+            new = g.get_attr(n.target) if n.op == "get_attr" else copy(n)
             new.meta = dict(n.meta)
         else:
             raise RuntimeError(f"internal: value {n.name} crosses the stage cut before unit {lo}")
@@ -50,7 +72,7 @@ def build_stage_graph(sm, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, 
         for n in u.nodes:
             if n.op == "placeholder":
                 continue
-            env[n] = g.node_copy(n, get)
+            env[n] = copy(n)
     y = get(units[-1].output)
     if targets is not None:
         y = g.call_function(ops.sum_token_loss, (y, targets))
