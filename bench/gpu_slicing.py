@@ -29,9 +29,6 @@ weights, gradients and messages fp32).
    mask) of stage 1; the scaled-dot-product ops and, on CUDA, the GPU kernels whose names say
    attention (flash, fmha/efficient, cuDNN), and whether the flash kernel ran.
 
-The stage graphs keep the device their factories were traced on (the first stage's position
-`arange(..., device=cpu)`); on a GPU this script points them at it before running (`on_device`).
-
     python bench/gpu_slicing.py [--repeats 5] [--block 2]
 
 A smoke run on a CPU (the same code paths, a tiny model, fp32; under 30 s on 2 cores):
@@ -102,49 +99,6 @@ def peak_preset(device):
         return None
     name = device_name(device).lower()
     return next((spec for key, spec in PRESETS.items() if key in name), None)
-
-
-def on_device(stage, device) -> bool:
-    """Make the stage's graph create its tensors on `device`.
-
-    The traced graph keeps the device its factories were traced on (the position
-    `arange(offset, offset + l, device=cpu)` of the first stage), so on a GPU the first stage
-    would look up CUDA position embeddings with CPU indices. The graph's `device` arguments are
-    set to `device` and its code generated again, as `StageModule` generates it; True when
-    something changed."""
-    import torch
-
-    changed = False
-    for n in stage.graph.nodes:
-        d = n.kwargs.get("device")
-        if d is not None and torch.device(d) != device:
-            n.kwargs = {**n.kwargs, "device": device}
-            changed = True
-    if changed:
-        stage.graph.lint()
-        code = stage.graph.python_code(root_module="self")
-        glb = dict(code.globals)
-        exec(compile(code.src, f"<tpc stage {stage.lo}:{stage.hi} on {device}>", "exec"), glb)
-        stage._fn, stage.code = glb["forward"], code.src
-    return changed
-
-
-def stage_factory_on(sliced, device):
-    """`interpret`'s stage_factory_for: the front end's stages (as the interpreter builds
-    them), their graphs made to create tensors on `device`."""
-    from tpc.executors.engine import BuiltStage
-    from tpc.executors.stage_runtime import StageRuntime
-
-    def factory_for(model_copy):
-        def build(stage, loss_scale):
-            lo, hi = stage.units
-            module = sliced.stage_module(lo, hi, params_from=model_copy)
-            on_device(module, device)
-            return BuiltStage(StageRuntime(module, loss_scale), list(module.named_parameters()))
-
-        return build
-
-    return factory_for
 
 
 # ------------------------------------------------------------------ 1. slicing overhead
@@ -226,11 +180,10 @@ def interpreter_block(plan, model, sliced, device, bf16: bool, steps: int, seed:
         last.append(now)
         losses.append(loss)
 
-    # interpret() takes no bf16 option: the autocast the engine would open is opened around it
-    with compute_context(device, bf16):
-        interpret(plan, steps=steps + 1, seed=seed, model=model, stage_factory_for=stage_factory_on(sliced, device),
-                  hidden_size=sliced.hidden_size, batches=RandomTokens(seed, h.shape.batch, h.shape.seq, h.shape.vocab),
-                  device=device, verify=False, on_step=on_step)
+    # the interpreter's own stages (cut from `sliced`), on `device`, under the engine's autocast
+    interpret(plan, steps=steps + 1, seed=seed, model=model, sliced=sliced,
+              batches=RandomTokens(seed, h.shape.batch, h.shape.seq, h.shape.vocab),
+              device=device, verify=False, on_step=on_step, bf16=bf16)
     gc.collect()
     if device.type == "cuda":
         import torch
@@ -349,7 +302,6 @@ def main(argv=None) -> int:
     # 1 and 3: stage modules on one copy of the weights on the device
     on_dev = copy.deepcopy(model).to(device)
     modules = [sm.stage_module(lo, hi, params_from=on_dev) for lo, hi in stages]
-    repinned = [on_device(m, device) for m in modules]
     benches = [StageBench(m, cuts, L, sm.hidden_size, vocab, device, args.seed + s) for s, m in enumerate(modules)]
     overhead = slicing_overhead(benches, n, args.repeats, ctx)
     probe = benches[1] if len(benches) > 1 else benches[0]
@@ -373,9 +325,6 @@ def main(argv=None) -> int:
     print(f"{device_name(device)}, torch {torch.__version__}, {mode}; {factory} ({params / 1e6:.1f}M parameters), "
           f"L={L}, batch 1, {len(stages)} stages, {n} slices of {cuts[0][1] - cuts[0][0]} tokens; "
           f"alternations: {args.repeats}; {load_note()}")
-    if any(repinned):
-        print("note: the traced stage graphs create tensors on the CPU (position arange); made to create "
-              f"them on {device.type} here")
     print()
     rows, tot1, totn = [], 0.0, 0.0
     for s, ((lo, hi), (t1, tn)) in enumerate(zip(stages, overhead)):

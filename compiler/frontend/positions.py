@@ -82,6 +82,7 @@ def _window_arange(graph, n, offset, ctx):
                 "write positions as torch.arange(0, T) with T the sequence length")
     with graph.inserting_before(n):
         lo, hi = offset, _shift(graph, offset, end)
+        # dtype and device as traced; a stage graph reads the device from its input (stage.py)
         new = graph.call_function(aten.arange.start, (lo, hi), dict(n.kwargs))
     new.meta = dict(n.meta)
     new.meta["tpc_kind"] = "position"

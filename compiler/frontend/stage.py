@@ -7,6 +7,13 @@ unit lo; y is the residual leaving unit hi-1, or on the last stage the summed to
 values the stage needs (weight views, position tables) are recomputed inside it; the batch and
 sequence sizes are re-read from x.
 
+A stage graph does not depend on the device the capture ran on: export records a factory's
+device as a constant (`arange(..., device=cpu)` for positions, `zeros`/`full` of shape-only
+values, `.to(device)`), so every `torch.device` argument of a copied node becomes `x.device`, one
+`getattr` node on the stage's input. A stage built once runs on any device its parameters are
+moved to (`stage.to(device)`), with no code generated again. Tensor constants export lifted out
+of forward are registered as (non-persistent) buffers, so `.to()` moves them too.
+
 A stage graph does not depend on the layout the capture happened to see: `view` (and
 `_unsafe_view`) become `reshape`. The capture records the strides of one run (the CPU's SDPA
 kernel, say), and a `view` there may have lost a `.contiguous()` the model wrote, which the
@@ -27,6 +34,7 @@ import torch.nn as nn
 
 from tpc.compiler.frontend import ops
 from tpc.compiler.frontend.axes import size_expr
+from tpc.compiler.frontend.flops import FREE
 from tpc.compiler.frontend.static import is_size_root, prune_dead
 
 aten = torch.ops.aten
@@ -47,11 +55,28 @@ def build_stage_graph(sm, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, 
         env[s.k_prefix] = g.placeholder(f"k_prefix_{i}")
         env[s.v_prefix] = g.placeholder(f"v_prefix_{i}")
     targets = g.placeholder("targets") if (with_loss and hi == sm.num_units) else None
+    last_placeholder = targets or (env[sites[-1].v_prefix] if sites else off)
+    device: list[fx.Node] = []  # x.device, made when a node first needs it
+
+    def input_device() -> fx.Node:
+        if not device:
+            with g.inserting_after(last_placeholder):
+                node = g.create_node("call_function", getattr, (x, "device"), name="input_device")
+            node.meta["tpc_cost"] = FREE
+            device.append(node)
+        return device[0]
+
+    def on_input_device(a):
+        return input_device() if isinstance(a, torch.device) else a
 
     def copy(n: fx.Node) -> fx.Node:
         new = g.node_copy(n, get)
-        if new.op == "call_function" and new.target in _ANY_LAYOUT:
-            new.target = _ANY_LAYOUT[new.target]
+        if new.op == "call_function":
+            if new.target in _ANY_LAYOUT:
+                new.target = _ANY_LAYOUT[new.target]
+            if _names_a_device((new.args, new.kwargs)):
+                new.args = fx.node.map_aggregate(new.args, on_input_device)
+                new.kwargs = fx.node.map_aggregate(new.kwargs, on_input_device)
         return new
 
     def get(n: fx.Node) -> fx.Node:
@@ -85,6 +110,12 @@ def build_stage_graph(sm, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, 
     return g, sites
 
 
+def _names_a_device(args) -> bool:
+    found = []
+    fx.node.map_aggregate(args, lambda a: found.append(a) if isinstance(a, torch.device) else None)
+    return bool(found)
+
+
 def _set_attr(root: nn.Module, name: str, value, kind: str) -> None:
     *path, field = name.split(".")
     mod = root
@@ -96,6 +127,8 @@ def _set_attr(root: nn.Module, name: str, value, kind: str) -> None:
         mod.register_parameter(field, value)
     elif kind == "buffer":
         mod.register_buffer(field, value)
+    elif isinstance(value, torch.Tensor):  # a constant of the capture: moved with the stage
+        mod.register_buffer(field, value, persistent=False)
     else:
         setattr(mod, field, value)
 

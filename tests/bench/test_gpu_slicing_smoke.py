@@ -82,19 +82,6 @@ def test_smoke_run_prints_three_filled_tables(gpu_slicing, capsys):
         assert kernels == "-"  # no CUDA activity on a CPU
 
 
-def test_on_device_points_the_traced_factories_at_the_device(gpu_slicing):
-    from tpc.compiler.frontend import SlicedModel, load_model
-
-    torch.manual_seed(0)
-    sm = SlicedModel.from_model(load_model(gpu_slicing.MODEL, "gpt350m_tiny"), seq_len=32, vocab=512)
-    first = sm.stage_module(0, 1)
-    assert "device(type='cpu')" in first.code  # the position arange, as traced
-    assert not gpu_slicing.on_device(first, torch.device("cpu"))
-    assert gpu_slicing.on_device(first, torch.device("meta"))
-    assert "device(type='meta')" in first.code and "device(type='cpu')" not in first.code
-    assert not gpu_slicing.on_device(first, torch.device("meta"))
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present")
 def test_cuda_missing_is_one_line_error(gpu_slicing, capsys):
     assert gpu_slicing.main([]) == 2
