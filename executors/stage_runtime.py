@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpc.compiler.frontend import StageModule
+from tpc.executors import weight_grads
 
 
 @dataclass
@@ -39,7 +40,7 @@ class _Slice:
     prefix: list = field(default_factory=list)  # the leaves this slice read its prefix through
     y: torch.Tensor | None = None  # graph-connected output (None while checkpointed)
     kv_out: list = field(default_factory=list)  # graph-connected K/V outputs
-    grads: list | None = None  # upstream grads saved by backward_input for backward_weight
+    weights: object = None  # what backward_input left for backward_weight (DeferredWeightGrads)
     sent_kv_grads: bool = False  # backward (or backward_input) ran: earlier slices' K/V grads are final
 
 
@@ -201,26 +202,22 @@ class StageRuntime:
         previous stage and the earlier slices wait for). The graph is kept for backward_weight."""
         rec = self._get(mb, sl, "backward-input")
         outs, grads = self._upstream(mb, sl, rec, grad_out)
-        rec.grads = (outs, grads)
         inputs = ([] if self.module.is_first else [rec.x]) + rec.prefix
-        if inputs:
-            got = torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
-            for t, g in zip(inputs, got):
-                if g is not None:
-                    t.grad = g if t.grad is None else t.grad + g
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        got, rec.weights = weight_grads.backward_input(outs, grads, inputs, params)
+        for t, g in zip(inputs, got):
+            if g is not None:
+                t.grad = g if t.grad is None else t.grad + g
         self._send_prefix_grads(rec)
         return None if self.module.is_first else rec.x.grad
 
     def backward_weight(self, mb: int, sl: int) -> None:
         """Split backward, second half: parameter gradients, accumulated into .grad."""
         rec = self._slices.get((mb, sl))
-        if rec is None or rec.grads is None:
+        if rec is None or rec.weights is None:
             raise RuntimeError(f"backward-weight of micro-batch {mb} slice {sl} needs its backward-input first")
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        outs, grads = rec.grads
-        if params:
-            torch.autograd.backward(outs, grads, inputs=params)
-        rec.y, rec.kv_out, rec.grads = None, [], None
+        rec.weights.apply()
+        rec.y, rec.kv_out, rec.weights = None, [], None
 
     def _get(self, mb: int, sl: int, what: str) -> _Slice:
         rec = self._slices.get((mb, sl))

@@ -1,0 +1,153 @@
+"""Split backward without doing the backward twice: input gradients now, weight gradients later.
+
+`backward-input` must return the gradients of a slice's input and cached prefix quickly (the
+previous stage and the earlier slices wait for them); `backward-weight` adds the parameter
+gradients later. Running autograd once for the inputs and once more from the outputs for the
+parameters walks the graph twice: every activation gradient is computed again, and the two
+halves cost about 1.7x one backward.
+
+Instead the graph is cut in two. "Dependent" nodes are those whose output depends on an input
+(the stage input or the prefix leaves); the input half runs exactly those. A parameter's
+gradient leaves them along the edges from a dependent node (an "intermediate", e.g. a linear
+layer's `AddmmBackward`) to an independent one (its `TBackward` to the weight, or its bias's
+accumulator): the "frontier". Everything below the frontier is independent of the inputs, so
+it is the weight half's alone.
+
+- The input half runs autograd for the inputs, with hooks keeping the gradients each
+  intermediate receives.
+- The weight half first runs each intermediate once more, from its kept gradients and asked
+  only for its own frontier edges (`dW = Xᵀ dY` for a linear layer; nothing above or beside it
+  runs again: the other intermediates are muted). Then one autograd call from the frontier
+  edges, plus the outputs that do not depend on an input (a first stage's keys/values, into
+  which later slices send gradients), down to the parameters.
+
+Every gradient reaches a parameter once: along one frontier edge, or from an independent output.
+The decomposition of `torch.distributed.pipelining`'s stage_backward_input/_weight, but cut at
+single edges, so a parameter used in two places (tied embeddings) does not drag the activation
+gradients between its uses into the weight half.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+
+def _node(t: torch.Tensor) -> Node:
+    """The autograd node gradients of `t` flow into: its grad_fn, or a leaf's accumulator."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    return t.view_as(t).grad_fn.next_functions[0][0]  # a leaf's AccumulateGrad
+
+
+def _users(roots: list[Node]) -> dict[Node, list[Node]]:
+    """Reverse edges of the graph below `roots`: node -> the nodes that use its output."""
+    users: dict[Node, list[Node]] = collections.defaultdict(list)
+    seen, todo = set(roots), collections.deque(roots)
+    while todo:
+        node = todo.popleft()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            users[nxt].append(node)
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return users
+
+
+def _upward(starts, users) -> set:
+    """`starts` and every node that uses their outputs, transitively."""
+    seen, todo = set(starts), collections.deque(starts)
+    while todo:
+        for user in users.get(todo.popleft(), ()):
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def _add(into: dict, key, grad) -> None:
+    if grad is not None:
+        into[key] = grad if key not in into else into[key] + grad
+
+
+@dataclass
+class DeferredWeightGrads:
+    """What the weight half needs (see the module docstring)."""
+
+    frontier: dict  # intermediate -> [(index in next_functions, child node, input nr)]
+    kept: dict  # intermediate -> the gradients it received in the input half
+    independent: dict  # (output node, nr) -> upstream gradient, outputs not depending on inputs
+    params: dict  # accumulator node -> parameter
+
+    def apply(self) -> None:
+        """Add the slice's parameter gradients into `.grad`; the state is dropped."""
+        below: dict = dict(self.independent)  # (node, nr) -> gradient entering it
+        others = list(self.frontier)
+        for node, edges in self.frontier.items():
+            grads = self.kept.get(node)
+            if grads is None or all(g is None for g in grads):
+                continue
+            roots = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
+            targets = [GradientEdge(child, nr) for _, child, nr in edges]
+            mute = [n.register_prehook(lambda gs: tuple(None for _ in gs)) for n in others if n is not node]
+            try:
+                got = torch.autograd.grad([e for e, _ in roots], targets, [g for _, g in roots],
+                                          retain_graph=True, allow_unused=True)
+            finally:
+                for h in mute:
+                    h.remove()
+            for (_, child, nr), g in zip(edges, got):
+                _add(below, (child, nr), g)
+        leaves = {k: g for k, g in below.items() if k[0] in self.params}
+        rest = {k: g for k, g in below.items() if k[0] not in self.params}
+        got = {}
+        if rest:
+            accs = list(self.params)
+            grads = torch.autograd.grad([GradientEdge(n, nr) for n, nr in rest], [GradientEdge(a, 0) for a in accs],
+                                        list(rest.values()), retain_graph=True, allow_unused=True)
+            got = {a: g for a, g in zip(accs, grads) if g is not None}
+        for (acc, _), g in leaves.items():  # a frontier edge straight into a parameter (a bias)
+            _add(got, acc, g)
+        for acc, g in got.items():
+            p = self.params[acc]
+            p.grad = g if p.grad is None else p.grad.add_(g)
+        self.frontier, self.kept, self.independent, self.params = {}, {}, {}, {}
+
+
+def backward_input(outs: list, grads: list, inputs: list, params: list) -> tuple[list, DeferredWeightGrads]:
+    """Gradients of `inputs` (leaves requiring grad) from `outs` with upstream `grads`, and what
+    `DeferredWeightGrads.apply` needs to add the gradients of `params` later. The graph is kept."""
+    users = _users([o.grad_fn for o in outs])
+    accs = {_node(p): p for p in params}
+    toward = _upward(list(accs), users)  # nodes a parameter's gradient flows through
+    dependent = _upward([_node(t) for t in inputs], users) if inputs else set()
+    frontier: dict = {}
+    for node in dependent & toward:
+        edges = [(i, child, nr) for i, (child, nr) in enumerate(node.next_functions)
+                 if child is not None and child not in dependent and child in toward]
+        if edges:
+            frontier[node] = edges
+    independent: dict = {}
+    for o, g in zip(outs, grads):
+        if o.grad_fn not in dependent and o.grad_fn in toward:
+            _add(independent, (o.grad_fn, o.output_nr), g)
+    kept: dict = {}
+
+    def keep(node):
+        def hook(grad_outputs):
+            kept[node] = grad_outputs
+        return hook
+
+    handles = [n.register_prehook(keep(n)) for n in frontier]
+    try:
+        got = (torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
+               if inputs else [])
+    finally:
+        for h in handles:
+            h.remove()
+    return list(got), DeferredWeightGrads(frontier, kept, independent, accs)
