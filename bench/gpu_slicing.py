@@ -25,8 +25,8 @@ weights, gradients and messages fp32).
    the dense bf16 tensor peak of the device preset (compiler/costmodel/devices.py) that
    `torch.cuda.get_device_name()` names.
 3. Attention kernel: `torch.profiler` over forward + backward of the first slice (no prefix:
-   SDPA with is_causal) and of the last slice (a 1792-token prefix: SDPA with the bottom-right
-   mask) of stage 1; the scaled-dot-product ops and, on CUDA, the GPU kernels whose names say
+   SDPA with is_causal) and of the last slice (a 1792-token prefix: on CUDA SDPA with the
+   `causal_lower_right` bias, on CPU with an additive bottom-right mask) of stage 1; the scaled-dot-product ops and, on CUDA, the GPU kernels whose names say
    attention (flash, fmha/efficient, cuDNN), and whether the flash kernel ran.
 
     python bench/gpu_slicing.py [--repeats 5] [--block 2]
