@@ -12,8 +12,9 @@ instruction and the peak. What is counted, from the cost model's byte functions:
   recompute) to the end of its backward (of its backward-weight for a split backward). A `checkpoint` forward keeps no graph; its
   `recompute` rebuilds it. The input a checkpointed forward keeps to recompute from is left
   out (one hidden-state row per token, small next to the graph);
-* KV caches: `kv_bytes(stage, l, mb_size)` per slice from the start of its forward until
-  `free-kv` of its (stage, micro-batch), or the end of the step when there is none;
+* KV caches: `kv_bytes(stage, l, mb_size)` for every slice of a micro-batch, from the start of
+  its first forward on the stage (the runtime allocates the micro-batch's whole buffer then)
+  until `free-kv` of that (stage, micro-batch), or the end of the step when there is none;
 * KV gradients: a slice's backward sends gradients into the keys and values of every earlier
   slice of its (stage, micro-batch); the accumulator of slice j exists from the start of the
   first backward of a later slice until `free-kv`.
@@ -131,9 +132,11 @@ def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: Mem
         owner = (instr.stage, instr.mb)
         if instr.op in (Op.FORWARD, Op.RECOMPUTE):
             l, c, size = slice_extent(header, instr)
-            if instr.op is Op.FORWARD and instr.key not in kv.items:
-                kv.add(instr.key, costs.kv_bytes(instr.stage, l, size))
-                kv_slices.setdefault(owner, []).append(instr.slice)
+            if instr.op is Op.FORWARD and owner not in kv_slices:  # the micro-batch's whole cache
+                mb = header.microbatches[instr.mb]
+                kv_slices[owner] = list(range(len(mb.slices)))
+                for j, (lo, hi) in enumerate(mb.slices):
+                    kv.add((*owner, j), costs.kv_bytes(instr.stage, hi - lo, size))
             if not instr.checkpoint:
                 acts.add(instr.key, stash_bytes(costs, instr.stage, l, c, size))
         elif instr.op in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):

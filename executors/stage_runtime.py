@@ -176,10 +176,11 @@ class StageRuntime:
         where the earlier slices find theirs."""
         if rec.prefix:
             cache = self._caches[rec.mb]
-            if cache.grad is None:  # the first backward: every forward of the micro-batch ran
-                # summed in fp32 at least: under bf16 autocast the cache is bf16, and each later
-                # slice adds into the gradients of every earlier slice's keys/values
-                cache.grad = [torch.zeros_like(buf.narrow(d, 0, cache.length),
+            if cache.grad is None:  # the first backward, the last slice's: it covers every slice
+                # before it (nothing sends gradients into the last slice's keys/values); summed in
+                # fp32 at least: under bf16 autocast the cache is bf16, and each later slice adds
+                # into the gradients of every earlier slice's keys/values
+                cache.grad = [torch.zeros_like(buf.narrow(d, 0, rec.start),
                                                dtype=torch.promote_types(buf.dtype, torch.float32))
                               for buf, d in zip(cache.kv, self.module.kv_dims)]
             for leaf, g, d in zip(rec.prefix, cache.grad, self.module.kv_dims):

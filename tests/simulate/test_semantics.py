@@ -139,6 +139,9 @@ def test_memory_counts_parameters_optimizer_activations_kv_and_kv_gradients():
     assert peak.kv == 640
     assert peak.kv_grads == 320  # slice 1's backward sends gradients into slice 0's K/V
     assert peak.total == 1824
+    # the runtime allocates a micro-batch's whole KV buffer at its first forward on the stage
+    first = next(i for i, ins in enumerate(last) if str(ins) == "forward stage 1 mb 0 slice 0")
+    assert mem.during[first].kv == 640 and mem.during[first].kv_grads == 0
     # after free-kv only the step-long state is left
     free = next(i for i, ins in enumerate(last) if ins.op is Op.FREE_KV)
     assert mem.during[free + 1].total == 800
