@@ -10,6 +10,7 @@ noise of a shared machine (other jobs, frequency changes) falls on both sides al
   RSS at the reset (Linux: /proc/self/clear_refs resets VmHWM), after freed heap memory has
   been handed back to the OS (malloc_trim), so memory a setup step freed is not counted as free
   room for the measured part.
+- `cpu_profile(...)`: `tpc profile` in this process, unless a profile is given;
 - `compile_plan(...)`: `tpc compile` in this process (the command line's own `main`).
 """
 
@@ -118,6 +119,22 @@ def peak_kib() -> int:
 
 
 # ---------------------------------------------------------------------------------- plans
+
+
+def cpu_profile(model: str, factory: str, seq_len: int, out: str | Path, *, batch: int = 1,
+                given: str | None = None) -> str:
+    """The path of a CPU profile: `given` as is, else `tpc profile` run now in this process
+    (micro-batches of `batch` sequences), written to `out`; its time goes to stderr."""
+    if given:
+        return given
+    from tpc.compiler.cli import main
+
+    t0 = time.monotonic()
+    if main(["profile", model, "--factory", factory, "--seq-len", str(seq_len), "--batch-sizes", str(batch),
+             "-o", str(out)]) != 0:
+        raise RuntimeError("tpc profile failed")
+    print(f"  profile at L={seq_len}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    return str(out)
 
 
 def compile_plan(model: str, out: str | Path, *, factory: str = "model", **options) -> str:

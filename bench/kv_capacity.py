@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MACHINE, at_root, compile_plan, launch, load_note, median, table, tpc_setup, tpc_step_times  # noqa: E402
+from common import (MACHINE, at_root, compile_plan, cpu_profile, launch, load_note, median, table,  # noqa: E402
+                    tpc_setup, tpc_step_times)
 from token_slicing import FACTORY, MODEL, slices_of  # noqa: E402
 
 VARIANTS = ("unsliced", "sliced, capacity from the plan", "sliced, doubling buffers")
@@ -53,13 +54,10 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=3, help="timed steps per block (default: 3)")
     args = ap.parse_args(argv)
     at_root()
-    from tpc.compiler.cli import main as tpc
 
     L = args.seq_len
     with tempfile.TemporaryDirectory(prefix="tpc-bench-") as tmp:
-        profile = str(Path(tmp) / "cpu.msgpack")
-        if tpc(["profile", MODEL, "--factory", FACTORY, "--seq-len", str(L), "--batch-sizes", "1", "-o", profile]) != 0:
-            raise RuntimeError("tpc profile failed")
+        profile = cpu_profile(MODEL, FACTORY, L, Path(tmp) / "cpu.msgpack")
         common = dict(factory=FACTORY, stages=2, microbatches=1, seq_len=L, batch=1, schedule="terapipe")
         plans = [compile_plan(MODEL, Path(tmp) / "plain.tpir", slices=1, **common),
                  compile_plan(MODEL, Path(tmp) / "sliced.tpir", slices="auto", cost=profile, **common)]

@@ -21,12 +21,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MACHINE, at_root, compile_plan, free_port, load_note, median, ok, table  # noqa: E402
+from common import MACHINE, at_root, compile_plan, cpu_profile, free_port, load_note, median, ok, table  # noqa: E402
 
 MODEL, FACTORY = "bench/models/gpt_untied.py", "long"
 PLANS = (("seq1f1b", "auto"), ("terapipe", "auto"), ("seq1f1b", "1"))
@@ -64,18 +63,11 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", help="use this CPU profile instead of running `tpc profile` first")
     args = ap.parse_args(argv)
     at_root()
-    from tpc.compiler.cli import main as tpc
 
     L = args.seq_len
     rows, ok_all = [], True
     with tempfile.TemporaryDirectory(prefix="tpc-bench-") as tmp:
-        profile = args.profile or str(Path(tmp) / "cpu.msgpack")
-        if not args.profile:
-            t0 = time.monotonic()
-            if tpc(["profile", MODEL, "--factory", FACTORY, "--seq-len", str(L), "--batch-sizes", "1",
-                    "-o", profile]) != 0:
-                raise RuntimeError("tpc profile failed")
-            print(f"  profile: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+        profile = cpu_profile(MODEL, FACTORY, L, Path(tmp) / "cpu.msgpack", given=args.profile)
         plans = [compile_plan(MODEL, Path(tmp) / f"{s}-{n}.tpir", factory=FACTORY, stages=2, microbatches=1,
                               seq_len=L, batch=1, slices=n, schedule=s, **({"cost": profile} if n == "auto" else {}))
                  for s, n in PLANS]

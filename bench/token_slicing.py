@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (MACHINE, at_root, compile_plan, launch, load_note, median, ok, table,  # noqa: E402
+from common import (MACHINE, at_root, compile_plan, cpu_profile, launch, load_note, median, ok, table,  # noqa: E402
                     tpc_setup, tpc_step_times)
 
 MODEL, FACTORY = "bench/models/gpt_untied.py", "long"
@@ -78,18 +78,12 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", help="use this CPU profile instead of running `tpc profile` first")
     args = ap.parse_args(argv)
     at_root()
-    from tpc.compiler.cli import main as tpc
 
     rows, ok_all = [], True
     with tempfile.TemporaryDirectory(prefix="tpc-bench-") as tmp:
         for L in (int(v) for v in args.seq_lens.split(",")):
-            profile = args.profile or str(Path(tmp) / f"cpu{L}.msgpack")
-            if not args.profile:
-                t0 = time.monotonic()
-                if tpc(["profile", MODEL, "--factory", FACTORY, "--seq-len", str(L), "--batch-sizes",
-                        str(args.batch), "-o", profile]) != 0:
-                    raise RuntimeError("tpc profile failed")
-                print(f"  profile at L={L}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+            profile = cpu_profile(MODEL, FACTORY, L, Path(tmp) / f"cpu{L}.msgpack", batch=args.batch,
+                                  given=args.profile)
             pairs = []
             for schedule in SCHEDULES:
                 common = dict(factory=FACTORY, stages=2, microbatches=1, seq_len=L, batch=args.batch,
