@@ -3,7 +3,10 @@
 Each unit runs as a one-unit stage through the same StageRuntime the executors use, so what is
 timed is what a plan runs: forward of a slice whose KV prefix holds `c` tokens (made by an
 untimed forward of a c-token slice first), then its backward (which also sends gradients into
-the prefix). Every point is warmed up, then the median of the repeats is kept. The grid is
+the prefix). The same slice after the same prefix then runs once more, forward untimed, with
+its backward split the way a plan may split it: `backward_input` (gradients of the stage input
+and of the prefix) timed, then `backward_weight` (parameter gradients) timed. Every point is
+warmed up, then the median of the repeats is kept (of each of the four times). The grid is
 small on purpose (a handful of lengths, contexts 0 / half / all of what precedes) and the fit
 (fit.py) fills in the rest; the profile records the fit error so a poor fit is visible.
 
@@ -84,18 +87,21 @@ def _slice_inputs(stage, dev, vocab, hidden, b):
 
 
 def _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats):
-    """Median (forward, backward) seconds of one slice of length l after a c-token prefix."""
+    """Median (forward, backward, backward-input, backward-weight) seconds of one slice of
+    length l after a c-token prefix: a plain backward, and in a second pass the split one."""
     make_input, targets = _slice_inputs(stage, dev, vocab, hidden, b)
 
     def grad_out(y):
         return None if stage.is_last else torch.randn_like(y)
 
-    fs, bs = [], []
-    for rep in range(warmup + repeats):
-        sl = 0
+    def prefix():
         if c:
             rt.forward(0, 0, make_input(c), 0, targets(c))
-            sl = 1
+        return 1 if c else 0
+
+    fs, bs, bis, bws = [], [], [], []
+    for rep in range(warmup + repeats):
+        sl = prefix()
         x, tg = make_input(l), targets(l)
         _sync(dev)
         t0 = time.perf_counter()
@@ -109,10 +115,27 @@ def _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats):
             rt.backward(0, 0, None if stage.is_last else torch.randn(b, c, hidden, device=dev))
         rt.free_kv(0)
         stage.zero_grad(set_to_none=True)
+        # the split backward of the same slice: a fresh prefix and forward (untimed), then the
+        # two halves (the prefix's own backward is not needed: free_kv drops its graph)
+        sl = prefix()
+        g = grad_out(rt.forward(0, sl, make_input(l), c, targets(l)))
+        _sync(dev)
+        t3 = time.perf_counter()
+        rt.backward_input(0, sl, g)
+        _sync(dev)
+        t4 = time.perf_counter()
+        rt.backward_weight(0, sl)
+        _sync(dev)
+        t5 = time.perf_counter()
+        rt.free_kv(0)
+        stage.zero_grad(set_to_none=True)
         if rep >= warmup:
             fs.append(t1 - t0)
             bs.append(t2 - t1)
-    return statistics.median(fs), statistics.median(bs)
+            bis.append(t4 - t3)
+            bws.append(t5 - t4)
+    return (statistics.median(fs), statistics.median(bs), statistics.median(bis),
+            statistics.median(bws))
 
 
 def _storage_key(t: torch.Tensor):
@@ -194,31 +217,37 @@ def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu
         stage = sliced.stage_module(u, u + 1).to(dev)
         rt = StageRuntime(stage, 1.0)
         fwd_fits, bwd_fits, stash_fits, samples, stash_samples = [], [], [], [], []
+        input_fits, weight_fits = [], []
         for b in sizes:
             pts = []
             for l in lengths:
                 for c in grid_contexts(seq_len, l):
-                    tf, tb = _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats)
+                    tf, tb, ti, tw = _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup,
+                                                 repeats)
                     nbytes = stash_point(rt, stage, dev, vocab, hidden, l, c, b)
-                    pts.append((l, c, tf, tb, nbytes))
-                    samples.append((b, l, c, tf, tb))
+                    pts.append((l, c, tf, tb, nbytes, ti, tw))
+                    samples.append((b, l, c, tf, tb, ti, tw))
                     stash_samples.append((b, l, c, nbytes))
             arr = np.array(pts, dtype=np.float64)
             fwd_fits.append(fit_curve(arr[:, 0], arr[:, 1], arr[:, 2]))
             bwd_fits.append(fit_curve(arr[:, 0], arr[:, 1], arr[:, 3]))
             stash_fits.append(fit_stash(arr[:, 0], arr[:, 1], arr[:, 4]))
+            input_fits.append(fit_curve(arr[:, 0], arr[:, 1], arr[:, 5]))
+            weight_fits.append(fit_curve(arr[:, 0], arr[:, 1], arr[:, 6]))
         kv_per_token = sum(_kv_row_bytes(shape, d, dt)
                            for shape, d, dt in zip(stage._kv_shapes, stage.kv_dims, stage._kv_dtypes))
         params = sum(p.numel() * p.element_size() for p in stage.parameters())
         units.append(UnitProfile(label=stage.label, fwd=tuple(fwd_fits), bwd=tuple(bwd_fits),
                                  kv_bytes_per_token=int(kv_per_token), param_bytes=int(params),
                                  samples=tuple(samples), stash=tuple(stash_fits),
-                                 stash_samples=tuple(stash_samples)))
+                                 stash_samples=tuple(stash_samples), bwd_input=tuple(input_fits),
+                                 bwd_weight=tuple(weight_fits)))
         if log:
             worst = max(f.rel_error for f in fwd_fits + bwd_fits)
             worst_stash = max(f.rel_error for f in stash_fits)
+            worst_split = max(f.rel_error for f in input_fits + weight_fits)
             log(f"unit {u} {stage.label}: {len(samples)} points, fit error {worst:.1%}, "
-                f"stash fit error {worst_stash:.1%}")
+                f"split backward fit error {worst_split:.1%}, stash fit error {worst_stash:.1%}")
     link = CUDA_LINK if dev.type == "cuda" else CPU_LINK
     return Profile(model_path=model_path, model_sha256=file_sha256(model_path), factory=factory,
                    device=name, seq_len=seq_len, hidden=hidden, batch_sizes=tuple(sizes),
@@ -247,7 +276,7 @@ def profile_from_cli(args) -> int:
                          log=print)
     save_profile(prof, args.output)
     print(f"{args.output}: {prof.num_units} units x {len(prof.batch_sizes)} micro-batch sizes on "
-          f"{prof.device}, worst fit error {prof.worst_fit_error:.1%} (stash "
-          f"{prof.worst_stash_error:.1%}), "
+          f"{prof.device}, worst fit error {prof.worst_fit_error:.1%} (split backward "
+          f"{prof.worst_split_error:.1%}, stash {prof.worst_stash_error:.1%}), "
           f"{time.perf_counter() - t0:.1f} s")
     return 0

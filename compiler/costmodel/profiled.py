@@ -3,7 +3,9 @@
 Micro-batch sizes between measured ones are interpolated linearly; beyond the measured range
 the time scales in proportion to the rows (below the smallest: optimistic about nothing; above
 the largest: assumes the device is already saturated, which is what large micro-batches do).
-The stash (bytes a slice's forward keeps for its backward) is interpolated the same way.
+The stash (bytes a slice's forward keeps for its backward) is interpolated the same way, and
+so are the two halves of a split backward (`split_backward_time`), measured apart by
+`tpc profile`.
 """
 
 from __future__ import annotations
@@ -58,6 +60,33 @@ class ProfiledCostModel:
     def slice_time(self, stage: int, l: int, c: int, mb_size: int) -> tuple[float, float]:
         f, b = self.slice_times(stage, l, c, mb_size)
         return float(f), float(b)
+
+    def split_backward_times(self, stage, l, c, mb):
+        """Vectorised `split_backward_time`: (t_input, t_weight) arrays over broadcast l, c, mb."""
+        l = np.asarray(l, dtype=np.float64)
+        c = np.asarray(c, dtype=np.float64)
+        mb = np.asarray(mb, dtype=np.float64)
+        lo, hi = self.stage_units[stage]
+        units = self.profile.units[lo:hi]
+        n = len(self._sizes)
+        if any(len(u.bwd_input) != n or len(u.bwd_weight) != n for u in units):
+            _, b = self.slice_times(stage, l, c, mb)
+            return b / 2, b / 2
+        t_in = t_w = 0.0
+        for u in units:
+            t_in = t_in + self._unit_time(u.bwd_input, l, c, mb)
+            t_w = t_w + self._unit_time(u.bwd_weight, l, c, mb)
+        return t_in, t_w
+
+    def split_backward_time(self, stage: int, l: int, c: int, mb_size: int) -> tuple[float, float]:
+        """(backward-input, backward-weight) seconds of one slice on one stage: the stage's
+        units' measured fits of each half, summed like `slice_time`. They need not split the
+        backward evenly (attention's backward belongs to the input half; an embedding has no
+        input gradient at all) and together cost more than one plain backward. A profile without
+        them (built in memory, e.g. a synthetic one) prices each half as half the backward, as
+        the simulator does for a cost model without this method."""
+        t_in, t_w = self.split_backward_times(stage, l, c, mb_size)
+        return float(t_in), float(t_w)
 
     def p2p_times(self, nbytes):
         p = self.profile

@@ -3,7 +3,8 @@
 A profile is only valid for the model file it measured (its SHA-256) and the device it ran on;
 loading it for another model or device raises a TpirError that says which and how to refresh
 it, rather than letting the optimiser plan with someone else's timings. A profile of an older
-format version (version 1 had no activation stash) is refused as stale the same way.
+format version (version 1 had no activation stash, version 2 no split backward) is refused as
+stale the same way, saying what the newer version measures and how to write it again.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from tpc.compiler.costmodel.fit import CurveFit, StashFit
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 PROFILE_FORMAT = "tpc-profile"
-PROFILE_VERSION = 2  # 2: per-unit activation stash fits (`UnitProfile.stash`)
+PROFILE_VERSION = 3
+# what each version added, for the message that refuses an older file
+VERSION_ADDED = {
+    2: "what each slice keeps for its backward",
+    3: "the two halves of a split backward (backward-input and backward-weight)",
+}
 
 
 @dataclass(frozen=True)
@@ -28,13 +34,19 @@ class UnitProfile:
     bwd: tuple[CurveFit, ...]
     kv_bytes_per_token: int  # KV-cache bytes one token of one sequence leaves on this unit
     param_bytes: int
-    # raw medians: (mb, l, c, t_fwd, t_bwd) per measured point
-    samples: tuple[tuple[int, int, int, float, float], ...] = ()
+    # raw medians per measured point: (mb, l, c, t_fwd, t_bwd, t_bwd_input, t_bwd_weight) as
+    # `tpc profile` writes them (a profile built in memory may carry only t_fwd, t_bwd)
+    samples: tuple[tuple, ...] = ()
     # per measured micro-batch size, like fwd/bwd: bytes autograd keeps for a slice's backward
     # (empty: not measured, e.g. a synthetic profile; the cost model then has no stash)
     stash: tuple[StashFit, ...] = ()
     # measured stash: (mb, l, c, bytes) per point
     stash_samples: tuple[tuple[int, int, int, int], ...] = ()
+    # per measured micro-batch size, like fwd/bwd: the split backward's halves, timed apart
+    # (`StageRuntime.backward_input`, then `backward_weight`); empty: not measured (a profile
+    # built in memory), the cost model then prices each half as half the backward
+    bwd_input: tuple[CurveFit, ...] = ()
+    bwd_weight: tuple[CurveFit, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,11 @@ class Profile:
         return max(f.rel_error for u in self.units for f in u.fwd + u.bwd)
 
     @property
+    def worst_split_error(self) -> float:
+        return max((f.rel_error for u in self.units for f in u.bwd_input + u.bwd_weight),
+                   default=0.0)
+
+    @property
     def worst_stash_error(self) -> float:
         return max((f.rel_error for u in self.units for f in u.stash), default=0.0)
 
@@ -78,9 +95,18 @@ def _to_obj(p: Profile) -> dict:
                    "bwd": [f.to_dict() for f in u.bwd], "kv_bytes_per_token": u.kv_bytes_per_token,
                    "param_bytes": u.param_bytes, "samples": [list(s) for s in u.samples],
                    "stash": [f.to_dict() for f in u.stash],
-                   "stash_samples": [list(s) for s in u.stash_samples]}
+                   "stash_samples": [list(s) for s in u.stash_samples],
+                   "bwd_input": [f.to_dict() for f in u.bwd_input],
+                   "bwd_weight": [f.to_dict() for f in u.bwd_weight]}
                   for u in p.units],
     }
+
+
+def _sample(s) -> tuple:
+    """(mb, l, c, then the times): three integers and at least forward and backward."""
+    if len(s) < 5:
+        raise ValueError(f"sample {s}")
+    return (int(s[0]), int(s[1]), int(s[2]), *(float(v) for v in s[3:]))
 
 
 def _from_obj(d: dict) -> Profile:
@@ -88,11 +114,12 @@ def _from_obj(d: dict) -> Profile:
                               bwd=tuple(CurveFit.from_dict(f) for f in u["bwd"]),
                               kv_bytes_per_token=int(u["kv_bytes_per_token"]),
                               param_bytes=int(u["param_bytes"]),
-                              samples=tuple((int(s[0]), int(s[1]), int(s[2]), float(s[3]), float(s[4]))
-                                            for s in u["samples"]),
+                              samples=tuple(_sample(s) for s in u["samples"]),
                               stash=tuple(StashFit.from_dict(f) for f in u["stash"]),
                               stash_samples=tuple((int(s[0]), int(s[1]), int(s[2]), int(s[3]))
-                                                  for s in u["stash_samples"]))
+                                                  for s in u["stash_samples"]),
+                              bwd_input=tuple(CurveFit.from_dict(f) for f in u["bwd_input"]),
+                              bwd_weight=tuple(CurveFit.from_dict(f) for f in u["bwd_weight"]))
                   for u in d["units"])
     return Profile(model_path=d["model_path"], model_sha256=d["model_sha256"], factory=d["factory"],
                    device=d["device"], seq_len=int(d["seq_len"]), hidden=int(d["hidden"]),
@@ -100,6 +127,12 @@ def _from_obj(d: dict) -> Profile:
                    act_bytes_per_token=int(d["act_bytes_per_token"]),
                    link_latency=float(d["link_latency"]), link_bandwidth=float(d["link_bandwidth"]),
                    version=int(d["version"]), notes=tuple(d.get("notes", ())))
+
+
+def _added_since(version: int) -> str:
+    """What the versions after `version` added, in words."""
+    added = [what for v, what in sorted(VERSION_ADDED.items()) if v > version]
+    return ", and ".join(added) if added else "more"
 
 
 def _reprofile_hint(obj: dict, path: Path) -> str:
@@ -143,7 +176,7 @@ def load_profile(path: str | Path, model_sha256: str | None = None, device: str 
         raise TpirError(Diagnostic(
             f"cost profile {path} is {'stale' if older else 'not readable'}: format version "
             f"{version}, this tpc reads version {PROFILE_VERSION}"
-            + (" (it also measures what each slice keeps for its backward)" if older else ""),
+            + (f" (a profile now also measures {_added_since(version)})" if older else ""),
             where=where, hint=_reprofile_hint(obj, path)))
     try:
         profile = _from_obj(obj)

@@ -84,7 +84,7 @@ def test_profiled_stash_matches_a_direct_measurement_off_the_grid(tiny, l, c, b)
 
 def test_stash_fits_are_stored_and_tight(tiny):
     prof = tiny["profile"]
-    assert prof.version == 2
+    assert prof.version == 3
     for u in prof.units:
         assert len(u.stash) == len(SIZES) and all(min(f.coef) >= 0 for f in u.stash)
         assert len(u.stash_samples) == len(u.samples)

@@ -1,0 +1,91 @@
+"""`tpc profile` times a split backward's two halves apart (`StageRuntime.backward_input`, then
+`backward_weight`), fits them like the backward, stores them (format version 3) and the
+profiled cost model prices them. A one-layer GPT of width 16, profiled at L = 16 for micro-batch
+sizes 1 and 3 (2 is priced between them)."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from tpc.compiler.costmodel import load_cost_model
+from tpc.compiler.costmodel.profile import device_name, profile_model
+from tpc.compiler.costmodel.store import load_profile, save_profile
+from tpc.compiler.frontend import file_sha256
+from tpc.ir.diagnostics import TpirError
+from tests.costmodel.tiny_model import write_tiny_gpt
+
+L = 16
+SIZES = (1, 3)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, repo_root):
+    tmp = tmp_path_factory.mktemp("split")
+    src = write_tiny_gpt(tmp / "tiny.py", repo_root)
+    prof = profile_model(str(src), L, SIZES, warmup=0, repeats=1)
+    path = tmp / "tiny.msgpack"
+    save_profile(prof, path)
+    loaded = load_profile(path, model_sha256=file_sha256(str(src)), device=device_name("cpu"))
+    assert loaded == prof  # the split fits and the samples' times survive the file
+    return dict(src=src, path=path, profile=loaded)
+
+
+def test_split_fits_are_stored_and_reproduce_their_samples(tiny):
+    prof = tiny["profile"]
+    assert prof.version == 3 and prof.num_units == 3
+    for u in prof.units:
+        assert len(u.bwd_input) == len(u.bwd_weight) == len(SIZES)
+        assert all(len(s) == 7 and min(s[3:]) > 0 for s in u.samples)
+        for k, b in enumerate(SIZES):
+            pts = np.array([s[1:] for s in u.samples if s[0] == b], dtype=np.float64)
+            assert len(pts) == len(u.samples) // len(SIZES)
+            for fit, t in ((u.bwd_input[k], pts[:, 4]), (u.bwd_weight[k], pts[:, 5])):
+                # the fit is of these samples: the lengths measured, and its stored error is
+                # the error at them
+                assert fit.lengths == tuple(sorted({int(v) for v in pts[:, 0]}))
+                rel = (fit(pts[:, 0], pts[:, 1]) - t) / t
+                assert np.sqrt(np.mean(rel ** 2)) == pytest.approx(fit.rel_error, rel=1e-9, abs=1e-12)
+                # and not the plain backward's fit under another name
+                assert fit != u.bwd[k]
+    assert prof.worst_split_error == max(f.rel_error for u in prof.units
+                                         for f in u.bwd_input + u.bwd_weight)
+
+
+def test_profiled_split_sums_units_and_interpolates_sizes(tiny):
+    prof = tiny["profile"]
+    cm = load_cost_model(cost=str(tiny["path"]), stage_units=[(0, 2), (2, 3)])
+    for stage, units in ((0, prof.units[0:2]), (1, prof.units[2:3])):
+        for l, c in ((5, 0), (6, 7), (16, 0), (3, 12)):
+            t_in, t_w = cm.split_backward_time(stage, l, c, 1)
+            assert t_in == pytest.approx(sum(float(u.bwd_input[0](l, c)) for u in units))
+            assert t_w == pytest.approx(sum(float(u.bwd_weight[0](l, c)) for u in units))
+            # size 2 lies halfway between the measured 1 and 3
+            mid = cm.split_backward_time(stage, l, c, 2)
+            hi = cm.split_backward_time(stage, l, c, 3)
+            assert mid[0] == pytest.approx((t_in + hi[0]) / 2)
+            assert mid[1] == pytest.approx((t_w + hi[1]) / 2)
+            # not the plain backward halved
+            _, t_bwd = cm.slice_time(stage, l, c, 1)
+            assert (t_in, t_w) != pytest.approx((t_bwd / 2, t_bwd / 2))
+
+
+def test_a_version_2_profile_is_refused_as_stale(tiny, tmp_path):
+    obj = msgpack.unpackb(tiny["path"].read_bytes(), raw=False)
+    obj["version"] = 2
+    for u in obj["units"]:  # what version 2 wrote: no split backward
+        u.pop("bwd_input")
+        u.pop("bwd_weight")
+        u["samples"] = [s[:5] for s in u["samples"]]
+    old = tmp_path / "v2.msgpack"
+    old.write_bytes(msgpack.packb(obj, use_bin_type=True))
+    for load in (lambda: load_profile(old),
+                 lambda: load_cost_model(cost=str(old), stage_units=[(0, 3)])):
+        with pytest.raises(TpirError) as e:
+            load()
+        text = str(e.value)
+        assert "stale" in text and "version 2" in text and "reads version 3" in text
+        assert "split backward" in text
+        assert f"tpc profile {tiny['src']} -o {old} --seq-len {L} --batch-sizes 1,3" in text
+
