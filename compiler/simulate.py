@@ -16,7 +16,11 @@ rule of docs/ir.md:
   stage S's gradients (`param_bytes(S)`) over the data-parallel replicas (they run identical
   streams, so nobody waits for anybody);
 * compute costs `slice_time(stage, l, c, mb_size)`: forward and recompute the first number,
-  backward the second, backward-input and backward-weight half of it each.
+  backward the second. A split backward's `backward-input` and `backward-weight` cost the
+  cost model's `split_backward_time(stage, l, c, mb_size)` -> (t_input, t_weight) where it has
+  one (the profiled model: both halves measured by `tpc profile`; they are uneven and together
+  cost more than a plain backward); under a model without it (unit costs, the analytic and
+  graph device models) each costs half the backward.
 
 Times are in the cost model's unit (seconds, or abstract units under `UnitCosts`). Every
 instruction becomes an `Event`; the part of an event spent waiting for a peer (a receive
@@ -49,7 +53,9 @@ class CostModel(Protocol):
     """What the simulator asks of a cost model (tpc.compiler.costmodel implements it).
 
     Optional extras, used when present: `stash_bytes(stage, l, c, mb_size)` (what a forward
-    keeps for its backward; else `activation_bytes`), `grad_sync_time(stage, data)` and
+    keeps for its backward; else `activation_bytes`), `split_backward_time(stage, l, c,
+    mb_size)` -> (backward-input, backward-weight) (else half the backward each),
+    `grad_sync_time(stage, data)` and
     `allreduce_time(nbytes, n)` (else a ring all-reduce made of `p2p_time` steps),
     `tied_bytes(name)` (else 0: the tied gradient is taken as small), `time_unit` ("s" unless
     said) and `memory_unit` ("B" unless said).
@@ -203,12 +209,14 @@ def message_key(rank: int, instr: Instr) -> tuple:
 
 def _compute_time(header: Header, instr: Instr, costs: CostModel) -> float:
     l, c, size = slice_extent(header, instr)
+    if instr.op in (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
+        split = getattr(costs, "split_backward_time", None)
+        if split is not None:
+            t_input, t_weight = split(instr.stage, l, c, size)
+            return t_input if instr.op is Op.BACKWARD_INPUT else t_weight
+        return costs.slice_time(instr.stage, l, c, size)[1] / 2
     t_fwd, t_bwd = costs.slice_time(instr.stage, l, c, size)
-    if instr.op in (Op.FORWARD, Op.RECOMPUTE):
-        return t_fwd
-    if instr.op is Op.BACKWARD:
-        return t_bwd
-    return t_bwd / 2  # backward-input, backward-weight
+    return t_fwd if instr.op in (Op.FORWARD, Op.RECOMPUTE) else t_bwd
 
 
 def _tie_ranks(header: Header, rank: int, instr: Instr) -> tuple[int, ...]:

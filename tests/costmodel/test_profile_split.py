@@ -1,6 +1,7 @@
 """`tpc profile` times a split backward's two halves apart (`StageRuntime.backward_input`, then
 `backward_weight`), fits them like the backward, stores them (format version 3) and the
-profiled cost model prices them. A one-layer GPT of width 16, profiled at L = 16 for micro-batch
+profiled cost model prices them; `tpc simulate` gives a plan's backward-input and
+backward-weight those times. A one-layer GPT of width 16, profiled at L = 16 for micro-batch
 sizes 1 and 3 (2 is priced between them)."""
 
 from __future__ import annotations
@@ -9,12 +10,16 @@ import msgpack
 import numpy as np
 import pytest
 
-from tpc.compiler.costmodel import load_cost_model
+from tpc.compiler.costmodel import ProfiledCostModel, load_cost_model
 from tpc.compiler.costmodel.profile import device_name, profile_model
 from tpc.compiler.costmodel.store import load_profile, save_profile
 from tpc.compiler.frontend import file_sha256
+from tpc.compiler.memory import slice_extent
+from tpc.compiler.simulate import simulate
 from tpc.ir.diagnostics import TpirError
+from tpc.ir.nodes import Op
 from tests.costmodel.tiny_model import write_tiny_gpt
+from tests.ir.plans import simple_plan
 
 L = 16
 SIZES = (1, 3)
@@ -89,3 +94,20 @@ def test_a_version_2_profile_is_refused_as_stale(tiny, tmp_path):
         assert "split backward" in text
         assert f"tpc profile {tiny['src']} -o {old} --seq-len {L} --batch-sizes 1,3" in text
 
+
+def test_simulate_gives_split_backward_the_profiled_times(tiny):
+    """A plan of the tiny model's 3 units on 3 ranks, its backward split: every backward-input
+    and backward-weight costs what the profile measured for that half."""
+    plan = simple_plan(3, 2, [4, 12], split_backward=True)
+    cm = ProfiledCostModel(tiny["profile"], [(0, 1), (1, 2), (2, 3)])
+    result = simulate(plan, cm)
+    seen = {Op.BACKWARD_INPUT: 0, Op.BACKWARD_WEIGHT: 0}
+    for e in result.events:
+        if e.instr.op not in seen:
+            continue
+        seen[e.instr.op] += 1
+        l, c, size = slice_extent(plan.header, e.instr)
+        t_in, t_w = cm.split_backward_time(e.instr.stage, l, c, size)
+        assert e.work == pytest.approx(t_in if e.instr.op is Op.BACKWARD_INPUT else t_w)
+        assert e.work != pytest.approx(cm.slice_time(e.instr.stage, l, c, size)[1] / 2)
+    assert seen == {Op.BACKWARD_INPUT: 12, Op.BACKWARD_WEIGHT: 12}
