@@ -10,32 +10,20 @@ import torch
 
 from tpc.compiler.compile import compile_plan, read_vocab
 from tpc.compiler.costmodel import load_cost_model
-from tpc.compiler.costmodel.profile import device_name, profile_model
-from tpc.compiler.costmodel.store import load_profile, save_profile
-from tpc.compiler.frontend import SlicedModel, file_sha256, load_model
+from tpc.compiler.frontend import SlicedModel, load_model
 from tpc.compiler.memory import rank_memory
 from tpc.executors.stage_runtime import StageRuntime
-from tpc.ir.diagnostics import TpirError
-from tests.costmodel.tiny_model import write_tiny_gpt
-
-L = 16
-SIZES = (1, 3)
+from tests.costmodel.tiny_model import L, SIZES, refusals
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, repo_root):
-    """The model file, its profile on disk, the profile as loaded back, the traced model."""
-    tmp = tmp_path_factory.mktemp("stash")
-    src = write_tiny_gpt(tmp / "tiny.py", repo_root)
-    prof = profile_model(str(src), L, SIZES, warmup=0, repeats=1)
-    path = tmp / "tiny.msgpack"
-    save_profile(prof, path)
-    loaded = load_profile(path, model_sha256=file_sha256(str(src)), device=device_name("cpu"))
-    assert loaded == prof  # the stash fits and samples survive the file
+def tiny(tiny_profile):
+    """The shared profile (conftest.py), with the traced model."""
+    src = tiny_profile["src"]
     model = load_model(str(src), "model")
     vocab = read_vocab(model, str(src))
     sliced = SlicedModel.from_model(model, seq_len=L, vocab=vocab)
-    return dict(src=src, path=path, profile=loaded, sliced=sliced, vocab=vocab)
+    return dict(tiny_profile, sliced=sliced, vocab=vocab)
 
 
 def saved_bytes(sliced, vocab, lo, hi, l, c, b) -> int:
@@ -154,10 +142,6 @@ def test_an_older_profile_is_refused_with_the_command_to_rerun(tiny, tmp_path):
         u.pop("stash_samples", None)
     old = tmp_path / "old.msgpack"
     old.write_bytes(msgpack.packb(obj, use_bin_type=True))
-    for load in (lambda: load_profile(old),
-                 lambda: load_cost_model(cost=str(old), stage_units=[(0, 3)])):
-        with pytest.raises(TpirError) as e:
-            load()
-        text = str(e.value)
+    for text in refusals(old):
         assert "stale" in text and "version 1" in text
         assert f"tpc profile {tiny['src']} -o {old} --seq-len {L} --batch-sizes 1,3" in text
