@@ -43,7 +43,6 @@ import contextlib
 import copy
 import gc
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -77,18 +76,14 @@ def compute_context(device, bf16: bool):
 
 
 def device_name(device) -> str:
+    """The GPU's name, or the CPU model and core count (the name `tpc profile` records)."""
     import torch
+
+    from tpc.compiler.costmodel.profile import device_name as profiled_name
 
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return f"CPU {line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return f"CPU {platform.machine()} ({os.cpu_count()} cores)"
+    return f"CPU {profiled_name('cpu').removeprefix('cpu:')} ({os.cpu_count()} cores)"
 
 
 def peak_preset(device):
