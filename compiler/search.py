@@ -238,8 +238,8 @@ class _Memo:
     """A cost model whose answers are remembered: the simulator asks per instruction, and
     the candidates of one mesh share most (stage, length, context, rows) points."""
 
-    _CACHED = ("slice_time", "p2p_time", "activation_bytes", "kv_bytes", "param_bytes",
-               "stash_bytes", "grad_sync_time")
+    _CACHED = ("slice_time", "split_backward_time", "p2p_time", "activation_bytes", "kv_bytes",
+               "param_bytes", "stash_bytes", "grad_sync_time")
 
     def __init__(self, cost):
         self.inner = cost
