@@ -1,14 +1,22 @@
-"""Fitting measured slice times: t(l, c) = t(l, 0) + a0 + a1*l + a2*c + a3*l*c.
+"""Fitting measured slice times: t(l, c) = t(l, 0) + [c > 0] * (a0 + a1*l) + a2*c + a3*l*c.
 
 The context-free part t(l, 0) is the measured curve itself (interpolated between the measured
 lengths): how a device's efficiency grows with the slice length is irregular (kernel selection,
 tile sizes, cache effects) and a low-degree polynomial would smooth away exactly the short-slice
-overheads the optimiser must see. What the context adds is simple (attention over c + l keys,
-the cache concatenation), so four coefficients fitted by least squares capture it and let the
-model price contexts that were never measured.
+overheads the optimiser must see. Below the shortest measured length the curve goes on along its
+first segment, but never below the shortest slice's time per token: a shorter slice never costs
+less per token.
 
-The fit keeps a2, a3 >= 0: a slice never gets faster because more tokens precede it, which
-the DP relies on when it skips slices that are too slow even without context.
+What a context adds is simple, so four coefficients fitted by least squares capture it and let
+the model price contexts that were never measured. A slice with a prefix pays once for having
+one (a0 + a1*l: attention switches from its causal path to a bottom-right mask, the cache is
+joined to the slice's keys and values), then for its length (a2*c + a3*l*c: attention over c
+more keys). The step is only taken where c > 0, so a slice without context costs exactly what
+was measured. The fit weighs every sample by its own time (relative least squares, the error it
+reports), so short slices count as much as long ones.
+
+All four coefficients are kept >= 0: a slice never gets faster because tokens precede it,
+which the DP relies on when it skips slices that are too slow even without context.
 """
 
 from __future__ import annotations
@@ -22,11 +30,12 @@ import numpy as np
 class CurveFit:
     lengths: tuple[int, ...]  # measured slice lengths, ascending
     base: tuple[float, ...]  # median t(l, 0) at those lengths (s)
-    coef: tuple[float, float, float, float]  # a0, a1, a2, a3
+    coef: tuple[float, float, float, float]  # a0, a1 (step at c > 0), a2, a3 (growth with c)
     rel_error: float  # root-mean-square relative error of the fit over the samples
 
     def base_at(self, l) -> np.ndarray:
-        """t(l, 0): linear between measured lengths, linear beyond them (never below 0)."""
+        """t(l, 0): linear between measured lengths, linear beyond them; below the shortest,
+        at least that slice's time per token times l."""
         x = np.asarray(self.lengths, dtype=np.float64)
         y = np.asarray(self.base, dtype=np.float64)
         l = np.asarray(l, dtype=np.float64)
@@ -35,7 +44,8 @@ class CurveFit:
         out = np.interp(l, x, y)
         lo_slope = (y[1] - y[0]) / (x[1] - x[0])
         hi_slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
-        out = np.where(l < x[0], y[0] + (l - x[0]) * lo_slope, out)
+        below = np.maximum(y[0] + (l - x[0]) * lo_slope, y[0] * l / x[0])
+        out = np.where(l < x[0], below, out)
         out = np.where(l > x[-1], y[-1] + (l - x[-1]) * hi_slope, out)
         return np.maximum(out, 0.0)
 
@@ -43,7 +53,8 @@ class CurveFit:
         l = np.asarray(l, dtype=np.float64)
         c = np.asarray(c, dtype=np.float64)
         a0, a1, a2, a3 = self.coef
-        return np.maximum(self.base_at(l) + a0 + a1 * l + a2 * c + a3 * l * c, 0.0)
+        step = np.where(c > 0, a0 + a1 * l, 0.0)
+        return np.maximum(self.base_at(l) + step + a2 * c + a3 * l * c, 0.0)
 
     def to_dict(self) -> dict:
         return {"lengths": list(self.lengths), "base": list(self.base), "coef": list(self.coef),
@@ -118,10 +129,13 @@ def fit_curve(l, c, t) -> CurveFit:
         base.append(float(np.median(at0)))
     fit0 = CurveFit(tuple(int(x) for x in lengths), tuple(base), (0.0, 0.0, 0.0, 0.0), 0.0)
     residual = t - fit0.base_at(l)
-    A = np.stack([np.ones_like(l), l, c, l * c], axis=1)
+    prefix = (c > 0).astype(np.float64)
+    A = np.stack([prefix, prefix * l, c, l * c], axis=1)
+    w = 1.0 / np.maximum(t, 1e-12)  # relative: a short slice's error counts as a long one's
+    Aw = A * w[:, None]
     # scale columns so one least-squares problem is well conditioned for any units
-    scale = np.maximum(np.abs(A).max(axis=0), 1e-300)
-    coef = lstsq_nonneg_tail(A / scale, residual, tail=(2, 3)) / scale
+    scale = np.maximum(np.abs(Aw).max(axis=0), 1e-300)
+    coef = np.maximum(lstsq_nonneg_tail(Aw / scale, residual * w, tail=(0, 1, 2, 3)) / scale, 0.0)
     fit = CurveFit(fit0.lengths, fit0.base, tuple(float(v) for v in coef), 0.0)
     pred = fit(l, c)
     rel = float(np.sqrt(np.mean(((pred - t) / np.maximum(t, 1e-12)) ** 2)))

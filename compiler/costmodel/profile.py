@@ -58,9 +58,11 @@ def _cpu_model() -> str:
 
 
 def grid_lengths(L: int) -> list[int]:
-    """Slice lengths to measure: L/16 .. L in powers of two (short slices are where time is
-    least proportional to length, so they get the densest sampling)."""
-    return sorted({max(1, L // d) for d in (16, 8, 4, 2, 1)})
+    """Slice lengths to measure: L/64 .. L in powers of two. Short slices are where time is
+    least proportional to length, so they get the densest sampling, and the optimiser weighs
+    slicings of many short slices: below the shortest measured length the model can only
+    guess (fit.py)."""
+    return sorted({max(1, L // d) for d in (64, 32, 16, 8, 4, 2, 1)})
 
 
 def grid_contexts(L: int, l: int) -> list[int]:

@@ -3,7 +3,8 @@
 A profile is only valid for the model file it measured (its SHA-256) and the device it ran on;
 loading it for another model or device raises a TpirError that says which and how to refresh
 it, rather than letting the optimiser plan with someone else's timings. A profile of an older
-format version (version 1 had no activation stash, version 2 no split backward) is refused as
+format version (version 1 had no activation stash, version 2 no split backward, version 3 fitted
+context terms that moved context-free slices off their measured times) is refused as
 stale the same way, saying what the newer version measures and how to write it again.
 """
 
@@ -18,11 +19,12 @@ from tpc.compiler.costmodel.fit import CurveFit, StashFit
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 PROFILE_FORMAT = "tpc-profile"
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 # what each version added, for the message that refuses an older file
 VERSION_ADDED = {
     2: "what each slice keeps for its backward",
     3: "the two halves of a split backward (backward-input and backward-weight)",
+    4: "slices down to L/64 and context terms that keep context-free slices at their measured times",
 }
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tpc.compiler.costmodel import ProfiledCostModel, load_cost_model
+from tpc.compiler.costmodel.store import PROFILE_VERSION
 from tpc.compiler.memory import slice_extent
 from tpc.compiler.simulate import simulate
 from tpc.ir.nodes import Op
@@ -25,7 +26,7 @@ def tiny(tiny_profile):
 
 def test_split_fits_are_stored_and_reproduce_their_samples(tiny):
     prof = tiny["profile"]
-    assert prof.version == 3 and prof.num_units == 3
+    assert prof.version == PROFILE_VERSION and prof.num_units == 3
     for u in prof.units:
         assert len(u.bwd_input) == len(u.bwd_weight) == len(SIZES)
         assert all(len(s) == 7 and min(s[3:]) > 0 for s in u.samples)
@@ -72,8 +73,19 @@ def test_a_version_2_profile_is_refused_as_stale(tiny, tmp_path):
     old = tmp_path / "v2.msgpack"
     old.write_bytes(msgpack.packb(obj, use_bin_type=True))
     for text in refusals(old):
-        assert "stale" in text and "version 2" in text and "reads version 3" in text
+        assert "stale" in text and "version 2" in text and f"reads version {PROFILE_VERSION}" in text
         assert "split backward" in text
+        assert f"tpc profile {tiny['src']} -o {old} --seq-len {L} --batch-sizes 1,3" in text
+
+
+def test_a_version_3_profile_is_refused_as_stale(tiny, tmp_path):
+    """Version 3 has the same fields; its context coefficients meant something else."""
+    obj = msgpack.unpackb(tiny["path"].read_bytes(), raw=False)
+    obj["version"] = 3
+    old = tmp_path / "v3.msgpack"
+    old.write_bytes(msgpack.packb(obj, use_bin_type=True))
+    for text in refusals(old):
+        assert "stale" in text and "version 3" in text and "context terms" in text
         assert f"tpc profile {tiny['src']} -o {old} --seq-len {L} --batch-sizes 1,3" in text
 
 

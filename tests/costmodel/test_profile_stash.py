@@ -10,6 +10,7 @@ import torch
 
 from tpc.compiler.compile import compile_plan, read_vocab
 from tpc.compiler.costmodel import load_cost_model
+from tpc.compiler.costmodel.store import PROFILE_VERSION
 from tpc.compiler.frontend import SlicedModel, load_model
 from tpc.compiler.memory import rank_memory
 from tpc.executors.stage_runtime import StageRuntime
@@ -72,7 +73,7 @@ def test_profiled_stash_matches_a_direct_measurement_off_the_grid(tiny, l, c, b)
 
 def test_stash_fits_are_stored_and_tight(tiny):
     prof = tiny["profile"]
-    assert prof.version == 3
+    assert prof.version == PROFILE_VERSION
     for u in prof.units:
         assert len(u.stash) == len(SIZES) and all(min(f.coef) >= 0 for f in u.stash)
         assert len(u.stash_samples) == len(u.samples)
