@@ -111,6 +111,16 @@ def lstsq_nonneg_tail(A: np.ndarray, y: np.ndarray, tail: tuple[int, ...]) -> np
         active.remove(min(negative, key=lambda i: x[i]))
 
 
+def relative_nonneg_lstsq(A: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[float, ...]:
+    """Coefficients x >= 0 minimising sum((w * (A x - y))^2): w = 1 / (measured value) makes
+    it the relative error, which every sample then weighs equally in."""
+    Aw = A * w[:, None]
+    # scale columns so one least-squares problem is well conditioned for any units
+    scale = np.maximum(np.abs(Aw).max(axis=0), 1e-300)
+    x = lstsq_nonneg_tail(Aw / scale, y * w, tail=tuple(range(A.shape[1]))) / scale
+    return tuple(float(v) for v in np.maximum(x, 0.0))
+
+
 def fit_curve(l, c, t) -> CurveFit:
     """Fit samples t measured at slice lengths l and contexts c (1-d arrays of equal length).
 
@@ -131,12 +141,9 @@ def fit_curve(l, c, t) -> CurveFit:
     residual = t - fit0.base_at(l)
     prefix = (c > 0).astype(np.float64)
     A = np.stack([prefix, prefix * l, c, l * c], axis=1)
-    w = 1.0 / np.maximum(t, 1e-12)  # relative: a short slice's error counts as a long one's
-    Aw = A * w[:, None]
-    # scale columns so one least-squares problem is well conditioned for any units
-    scale = np.maximum(np.abs(Aw).max(axis=0), 1e-300)
-    coef = np.maximum(lstsq_nonneg_tail(Aw / scale, residual * w, tail=(0, 1, 2, 3)) / scale, 0.0)
-    fit = CurveFit(fit0.lengths, fit0.base, tuple(float(v) for v in coef), 0.0)
+    # relative: a short slice's error counts as a long one's
+    coef = relative_nonneg_lstsq(A, residual, 1.0 / np.maximum(t, 1e-12))
+    fit = CurveFit(fit0.lengths, fit0.base, coef, 0.0)
     pred = fit(l, c)
     rel = float(np.sqrt(np.mean(((pred - t) / np.maximum(t, 1e-12)) ** 2)))
     return CurveFit(fit.lengths, fit.base, fit.coef, rel)
@@ -152,10 +159,7 @@ def fit_stash(l, c, y) -> StashFit:
         raise ValueError("l, c and y must be 1-d arrays of the same, non-zero length")
     prefix = (c > 0).astype(np.float64)
     A = np.stack([l, l * (c + l), prefix * c, prefix * l], axis=1)
-    w = 1.0 / np.maximum(y, 1.0)
-    Aw = A * w[:, None]
-    scale = np.maximum(np.abs(Aw).max(axis=0), 1e-300)
-    coef = np.maximum(lstsq_nonneg_tail(Aw / scale, y * w, tail=(0, 1, 2, 3)) / scale, 0.0)
-    fit = StashFit(tuple(float(v) for v in coef), 0.0)
+    coef = relative_nonneg_lstsq(A, y, 1.0 / np.maximum(y, 1.0))
+    fit = StashFit(coef, 0.0)
     rel = float(np.sqrt(np.mean(((fit(l, c) - y) / np.maximum(y, 1.0)) ** 2)))
     return StashFit(fit.coef, rel)
