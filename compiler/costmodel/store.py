@@ -24,7 +24,7 @@ PROFILE_VERSION = 4
 VERSION_ADDED = {
     2: "what each slice keeps for its backward",
     3: "the two halves of a split backward (backward-input and backward-weight)",
-    4: "slices down to L/64 and context terms that keep context-free slices at their measured times",
+    4: "slices down to L/64, and fits context terms that leave context-free slices at their measured times",
 }
 
 
