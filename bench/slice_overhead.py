@@ -4,7 +4,8 @@ Why this exists: `bench/token_slicing.py` misses its 1.4x target on this 2-core 
 script splits the cost of slicing into the parts that decide it, for each half of the
 bench/models/gpt_untied.py `long` model (the two stages of token_slicing.py), on one thread:
 
-- fixed cost per slice: forward + backward of L=64 tokens as 8 slices, minus as 1 slice, over 7.
+- fixed cost per slice: forward + backward of L=64 tokens as 8 slices, minus as 1 slice, over 7;
+  also given for the forward and the backward apart.
   At 8 tokens a slice does almost no arithmetic, so this is dispatch, autograd and runtime
   bookkeeping: what a slice costs whatever its length.
 - cost per extra slice at L=1024: the same difference for 1024 tokens (1 slice vs 8 slices).
@@ -48,8 +49,8 @@ def _stage(half: int):
     return sm.stage_module(lo, hi), sm.hidden_size
 
 
-def _step(stage, hidden: int, L: int, n: int) -> float:
-    """Seconds for the forward of n equal slices of L tokens, then their backward."""
+def _step(stage, hidden: int, L: int, n: int) -> tuple[float, float]:
+    """Seconds for the forward of n equal slices of L tokens, and for their backward after."""
     import torch
 
     from tpc.executors.stage_runtime import StageRuntime
@@ -63,22 +64,29 @@ def _step(stage, hidden: int, L: int, n: int) -> float:
     t0 = time.perf_counter()
     for i, (a, b) in enumerate(cuts):
         rt.forward(0, i, xs[i], a, ids[:, a + 1:b + 1])
+    t1 = time.perf_counter()
     for i in reversed(range(n)):
         rt.backward(0, i, gs[i])
     rt.free_kv(0)
-    t = time.perf_counter() - t0
+    t2 = time.perf_counter()
     stage.zero_grad(set_to_none=True)
-    return t
+    return t1 - t0, t2 - t1
 
 
 def _pair(stage, hidden, L, repeats):
-    """Median ms of 1 slice and of 8 slices of L tokens, alternating."""
+    """Median ms of 1 slice and of 8 slices of L tokens, alternating: each a (total, forward,
+    backward) triple."""
     one, eight = [], []
     _step(stage, hidden, L, 1), _step(stage, hidden, L, 8)
     for _ in range(repeats):
         one.append(_step(stage, hidden, L, 1))
         eight.append(_step(stage, hidden, L, 8))
-    return statistics.median(one) * 1e3, statistics.median(eight) * 1e3
+
+    def medians(steps):
+        return tuple(statistics.median(part(s) for s in steps) * 1e3
+                     for part in (lambda s: s[0] + s[1], lambda s: s[0], lambda s: s[1]))
+
+    return medians(one), medians(eight)
 
 
 def _corun_worker(half: int, repeats: int, start: float, out) -> None:
@@ -88,7 +96,7 @@ def _corun_worker(half: int, repeats: int, start: float, out) -> None:
     _step(stage, hidden, SEQ, 8)
     while time.time() < start:
         time.sleep(0.001)
-    out.put(statistics.median(_step(stage, hidden, SEQ, 8) for _ in range(repeats)) * 1e3)
+    out.put(statistics.median(sum(_step(stage, hidden, SEQ, 8)) for _ in range(repeats)) * 1e3)
 
 
 def _corun(halves, repeats: int) -> float:
@@ -116,12 +124,14 @@ def main() -> int:
         stage, hidden = _stage(half)
         s1, s8 = _pair(stage, hidden, 64, opts.repeats)
         l1, l8 = _pair(stage, hidden, SEQ, opts.repeats)
-        fixed, extra = (s8 - s1) / 7, (l8 - l1) / 7
-        rows.append([f"stage {half} ({stage.lo}:{stage.hi})", f"{l1:.1f}", f"{l8:.1f}", f"{extra:.2f}",
-                     f"{fixed:.2f}", f"{fixed / extra:.0%}" if extra > 0 else "-"])
+        fixed, fixed_fwd, fixed_bwd = ((s8[k] - s1[k]) / 7 for k in range(3))
+        extra = (l8[0] - l1[0]) / 7
+        rows.append([f"stage {half} ({stage.lo}:{stage.hi})", f"{l1[0]:.1f}", f"{l8[0]:.1f}", f"{extra:.2f}",
+                     f"{fixed:.2f}", f"{fixed_fwd:.2f} / {fixed_bwd:.2f}",
+                     f"{fixed / extra:.0%}" if extra > 0 else "-"])
     print(f"{MACHINE}, one thread per process, L={SEQ}")
     print(table(["stage", "1 slice ms", "8 slices ms", "ms per extra slice", "fixed ms per slice (L=64)",
-                 "fixed share"], rows))
+                 "of it forward / backward", "fixed share"], rows))
     alone = _corun((0,), opts.repeats)
     both = _corun((0, 1), opts.repeats)
     print(f"8 slices of L={SEQ}: stage 0 alone {alone:.1f} ms; stages 0 and 1 at once, in two "
