@@ -27,16 +27,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable, Mapping, Sequence
 
-from tpc.ir.nodes import (
-    BACKWARD_OPS,
-    COMPUTE_OPS,
-    Header,
-    Instr,
-    Op,
-    Payload,
-    Plan,
-    RankProgram,
-)
+from tpc.ir.nodes import BACKWARD_OPS, COMPUTE_OPS, Header, Instr, Op, Plan, RankProgram
+from tpc.ir.semantics import compute_messages
 
 Streams = dict[int, tuple[Instr, ...]]
 Pass = Callable[[Header, Streams], Streams]
@@ -98,27 +90,6 @@ def insert_loads(header: Header, streams: Streams) -> Streams:
     return out
 
 
-def _messages(header: Header, rank: int, instr: Instr):
-    """(what this compute receives, what it sends) as (payload, peer, message key) pairs.
-    A message key names a message the same way on both ends: (payload, sending stage, mb, slice)."""
-    if not _is_compute(instr):
-        return [], []
-    s, m, i = instr.key
-    last = header.num_stages - 1
-    recvs, sends = [], []
-    if instr.op is Op.FORWARD:
-        if s > 0 and header.stage_rank(s - 1) != rank:
-            recvs.append((Payload.ACT, header.stage_rank(s - 1), (Payload.ACT, s - 1, m, i)))
-        if s < last and header.stage_rank(s + 1) != rank:
-            sends.append((Payload.ACT, header.stage_rank(s + 1), (Payload.ACT, s, m, i)))
-    elif instr.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
-        if s < last and header.stage_rank(s + 1) != rank:
-            recvs.append((Payload.GRAD, header.stage_rank(s + 1), (Payload.GRAD, s + 1, m, i)))
-        if s > 0 and header.stage_rank(s - 1) != rank:
-            sends.append((Payload.GRAD, header.stage_rank(s - 1), (Payload.GRAD, s, m, i)))
-    return recvs, sends
-
-
 def insert_comm(header: Header, streams: Streams) -> Streams:
     """Send/recv for every activation and gradient crossing ranks (see the module docstring).
 
@@ -131,7 +102,7 @@ def insert_comm(header: Header, streams: Streams) -> Streams:
     before: dict[int, dict[int, list[Instr]]] = {r: defaultdict(list) for r in streams}
     for rank, stream in streams.items():
         for p, instr in enumerate(stream):
-            recvs, sends = _messages(header, rank, instr)
+            recvs, sends = compute_messages(header, rank, instr)
             for payload, peer, key in recvs:
                 recv_order[(peer, rank)].append(key)
                 before[rank][p].append(
@@ -160,11 +131,9 @@ def insert_comm(header: Header, streams: Streams) -> Streams:
     out: Streams = {}
     for rank, stream in streams.items():
         after: dict[int, list[Instr]] = defaultdict(list)
-        for pos, _, key in sorted(placed.get(rank, [])):
-            payload, stage, mb, slice_ = key
-            after[pos].append(
-                Instr(Op.SEND, payload=payload, stage=stage, mb=mb, slice=slice_, peer=produced[key][2])
-            )
+        for pos, _, msg in sorted(placed.get(rank, [])):
+            after[pos].append(Instr(Op.SEND, payload=msg.payload, stage=msg.sender_stage, mb=msg.mb,
+                                    slice=msg.slice, peer=produced[msg][2]))
         out[rank] = _insert(stream, before[rank], after)
     return out
 

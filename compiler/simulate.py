@@ -44,7 +44,8 @@ from typing import Protocol
 
 from tpc.compiler.memory import Memory, rank_memory, slice_extent
 from tpc.ir.diagnostics import Diagnostic, TpirError
-from tpc.ir.nodes import COMPUTE_OPS, Header, Instr, Op, Payload, Plan
+from tpc.ir.nodes import COMPUTE_OPS, Header, Instr, Op, Plan
+from tpc.ir.semantics import message_key, tie_ranks
 
 # ---------------------------------------------------------------------------- cost models
 
@@ -194,19 +195,6 @@ class SimResult:
 # ------------------------------------------------------------------------------- simulation
 
 
-def _boundary(instr: Instr) -> int:
-    """The stage boundary a message crosses: b is the edge between stage b and stage b+1."""
-    forward_going = instr.payload is Payload.ACT
-    sending = instr.op is Op.SEND
-    # send act S crosses S; recv act S crosses S-1; send grad S crosses S-1; recv grad S crosses S
-    return instr.stage if forward_going == sending else instr.stage - 1
-
-
-def message_key(rank: int, instr: Instr) -> tuple:
-    src, dst = (rank, instr.peer) if instr.op is Op.SEND else (instr.peer, rank)
-    return (src, dst, instr.payload, _boundary(instr), instr.mb, instr.slice)
-
-
 def _compute_time(header: Header, instr: Instr, costs: CostModel) -> float:
     l, c, size = slice_extent(header, instr)
     if instr.op in (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
@@ -220,9 +208,9 @@ def _compute_time(header: Header, instr: Instr, costs: CostModel) -> float:
 
 
 def _tie_ranks(header: Header, rank: int, instr: Instr) -> tuple[int, ...]:
-    for tie in header.ties:
-        if tie.name == instr.tie:
-            return tuple(sorted({header.stage_rank(s) for s in tie.stages}))
+    ranks = tie_ranks(header, instr.tie)
+    if ranks:
+        return ranks
     raise TpirError(
         Diagnostic(
             f"rank {rank} reduces tie {instr.tie!r}, which the header does not declare",

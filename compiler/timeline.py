@@ -47,6 +47,7 @@ from pathlib import Path
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Op
+from tpc.ir.semantics import message_key
 
 # --------------------------------------------------------------------------- Chrome trace
 
@@ -96,8 +97,6 @@ def message_pairs(events) -> list[tuple]:
     """(send event, receive event) of every message, matched as the simulator matches them:
     by sender, receiver, payload, stage boundary, micro-batch and slice, first sent first
     received. In the order of the receives."""
-    from tpc.compiler.simulate import message_key  # one definition of what a message is
-
     sends: dict[tuple, list] = {}
     for e in events:
         if e.instr.op is Op.SEND:

@@ -42,9 +42,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tpc.executors.engine import DTYPES, EngineOptions, Key, RankEngine, _key_str, stage_factory_from_model
+from tpc.executors.engine import DTYPES, EngineOptions, RankEngine, stage_factory_from_model
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Op, Plan
+from tpc.ir.semantics import Message
 
 
 # ------------------------------------------------------------------------- before anything
@@ -231,21 +232,21 @@ class DistTransport:
         work = dist.irecv(buf, src=src, tag=tag if self.tags else 0)
         self.posted[index] = (work, buf)
 
-    def recv(self, key: Key, src: int, shape, dtype, index: int) -> torch.Tensor:
+    def recv(self, key: Message, src: int, shape, dtype, index: int) -> torch.Tensor:
         if index not in self.posted:
             self._post(index)
         work, buf = self.posted.pop(index)
-        self._wait(work, f"the message {_key_str(key)} from rank {self._global(src)}")
+        self._wait(work, f"the message {key} from rank {self._global(src)}")
         return buf
 
     # ------------------------------------------------------------------------- sends
 
-    def send(self, key: Key, tensor: torch.Tensor, dst: int, index: int) -> None:
+    def send(self, key: Message, tensor: torch.Tensor, dst: int, index: int) -> None:
         dst_g = self._global(dst)
         tag = self.sent.get(dst_g, 0)
         self.sent[dst_g] = tag + 1
         work = dist.isend(tensor, dst=dst_g, tag=tag if self.tags else 0)
-        self.sends.append((work, tensor, f"the send of {_key_str(key)} to rank {dst_g}"))
+        self.sends.append((work, tensor, f"the send of {key} to rank {dst_g}"))
         # drop finished sends now and then, so their buffers are freed during the step
         if len(self.sends) > 16:
             self.sends = [s for s in self.sends if not s[0].is_completed()]

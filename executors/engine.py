@@ -4,11 +4,11 @@ Both executors run a rank the same way; they differ only in the `Transport` that
 messages and sums gradients (in-memory channels in the interpreter, torch.distributed under
 torchrun). The engine follows the torch.fx Interpreter pattern:
 
-- an environment of tensors keyed by `(payload, stage, mb, slice)`. An `act` entry is the input
-  of `stage` (a received activation, or the output of the previous stage on this rank); a `grad`
-  entry is the gradient of `stage`'s output (received, or handed down by the next stage on this
-  rank). The key of a message is the receiver's key, so a send pops the producer's entry and a
-  receive stores it under the same key. Every value is popped by its one use: freed after last use;
+- an environment of tensors keyed by `Message` (tpc.ir.semantics: payload, stage boundary,
+  micro-batch, slice), the name a value has on both sides of a boundary: a compute stores its
+  output activation or input gradient under it, and the consumer (the next stage on this rank,
+  or a send) pops it; a receive stores the same name. Every value is popped by its one use:
+  freed after last use;
 - one handler per `Op`;
 - any error raised by an instruction is re-raised as a located `TpirError`
   "rank r, line n: <instruction>: <cause>".
@@ -35,9 +35,8 @@ from tpc.executors.optim import OptimSpec, RankOptimizer
 from tpc.executors.param_groups import unique_parameters
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Instr, Op, Payload, Plan, Stage
+from tpc.ir.semantics import Message, input_message, message, output_message
 from tpc.ir.verify import DTYPES as PLAN_DTYPES
-
-Key = tuple[Payload, int, int, int]  # (payload, stage, mb, slice), see the module docstring
 
 # the parameter dtypes a plan may name (the verifier's list), as torch dtypes
 DTYPES = {name: getattr(torch, name) for name in PLAN_DTYPES}
@@ -55,9 +54,9 @@ class Blocked(Exception):
 class Transport(Protocol):
     """What the engine needs from the wire. Ranks are pipeline ranks of the caller's replica."""
 
-    def send(self, key: Key, tensor: torch.Tensor, dst: int, index: int) -> None: ...
+    def send(self, key: Message, tensor: torch.Tensor, dst: int, index: int) -> None: ...
 
-    def recv(self, key: Key, src: int, shape: tuple[int, ...], dtype: torch.dtype, index: int) -> torch.Tensor: ...
+    def recv(self, key: Message, src: int, shape: tuple[int, ...], dtype: torch.dtype, index: int) -> torch.Tensor: ...
 
     def allreduce(self, stage: int, tensors: list[torch.Tensor]) -> None: ...
 
@@ -197,7 +196,7 @@ class RankEngine:
         """Start one pass over the stream with the global batch `tokens` (batch, seq+1)."""
         self.step, self.pc = step, 0
         self.tokens = tokens
-        self.env: dict[Key, torch.Tensor] = {}
+        self.env: dict[Message, torch.Tensor] = {}
         self.ids: dict[int, torch.Tensor] = {}
         self.targets: dict[int, torch.Tensor] = {}
         self.step_loss = 0.0
@@ -223,7 +222,7 @@ class RankEngine:
         rank computed (the sum of its last-stage slices' scaled losses; 0 elsewhere)."""
         self.transport.flush()
         if self.env:
-            left = ", ".join(_key_str(k) for k in sorted(self.env, key=_key_order))
+            left = ", ".join(str(k) for k in sorted(self.env, key=_key_order))
             raise TpirError(Diagnostic(
                 f"rank {self.rank_name}: the stream ended with values nobody used: {left}",
                 loc=self.plan.program(self.pipe_rank).loc, where=self.plan.source,
@@ -289,18 +288,18 @@ class RankEngine:
 
     # ------------------------------------------------------------------------- helpers
 
-    def _need(self, key: Key, what: str) -> torch.Tensor:
+    def _need(self, key: Message, what: str) -> torch.Tensor:
         try:
             return self.env.pop(key)
         except KeyError:
             raise TpirError(Diagnostic(
-                f"{what} ({_key_str(key)}) is not available",
+                f"{what} ({key}) is not available",
                 hint="an earlier instruction must produce it: a recv, or the compute of the "
                      "neighbouring stage on this rank; it is used once")) from None
 
-    def _put(self, key: Key, value: torch.Tensor) -> None:
+    def _put(self, key: Message, value: torch.Tensor) -> None:
         if key in self.env:
-            raise TpirError(Diagnostic(f"{_key_str(key)} is produced twice before it is used",
+            raise TpirError(Diagnostic(f"{key} is produced twice before it is used",
                                        hint="each slice's activation and gradient is produced once"))
         self.env[key] = value
 
@@ -342,7 +341,7 @@ class RankEngine:
                                            hint=f"put `load mb {m}` before the first forward of it"))
             x = self.ids[m][:, lo:hi]
         else:
-            x = self._need((Payload.ACT, s, m, i), "the input activation")
+            x = self._need(input_message(Payload.ACT, s, m, i), "the input activation")
         targets = None
         if s == self.last_stage:
             if m not in self.targets:
@@ -355,7 +354,7 @@ class RankEngine:
         if s == self.last_stage:
             self.step_loss = self.step_loss + out.detach().double()  # on the device: no sync per slice
         else:
-            self._put((Payload.ACT, s + 1, m, i), out)
+            self._put(output_message(Payload.ACT, s, m, i), out)
 
     def _recompute(self, instr: Instr) -> None:
         s, m, i = instr.key
@@ -365,14 +364,14 @@ class RankEngine:
     def _grad_out(self, s: int, m: int, i: int) -> torch.Tensor | None:
         if s == self.last_stage:
             return None  # the last stage starts from its loss
-        return self._need((Payload.GRAD, s, m, i), "the output gradient")
+        return self._need(input_message(Payload.GRAD, s, m, i), "the output gradient")
 
     def _hand_down(self, s: int, m: int, i: int, grad_in: torch.Tensor | None) -> None:
         if s > 0:
             if grad_in is None:
                 raise TpirError(Diagnostic(f"stage {s} returned no input gradient",
                                            hint="a stage after the first must return the gradient of its input"))
-            self._put((Payload.GRAD, s - 1, m, i), grad_in)
+            self._put(output_message(Payload.GRAD, s, m, i), grad_in)
 
     def _backward(self, instr: Instr) -> None:
         s, m, i = instr.key
@@ -398,7 +397,7 @@ class RankEngine:
     def _send(self, instr: Instr) -> None:
         s, m, i = instr.key
         self._stage(s)
-        key = (Payload.ACT, s + 1, m, i) if instr.payload is Payload.ACT else (Payload.GRAD, s - 1, m, i)
+        key = message(instr)
         what = "the output activation" if instr.payload is Payload.ACT else "the input gradient"
         tensor = self._need(key, what)
         self.transport.send(key, tensor.detach().to(self.dtype).contiguous(), instr.peer, self.pc)
@@ -406,7 +405,7 @@ class RankEngine:
     def _recv(self, instr: Instr) -> None:
         s, m, i = instr.key
         self._stage(s)
-        key = (instr.payload, s, m, i)
+        key = message(instr)
         tensor = self.transport.recv(key, instr.peer, self._message_shape(m, i), self.dtype, self.pc)
         self._put(key, tensor)
 
@@ -462,13 +461,8 @@ def _grad_of(p: torch.nn.Parameter) -> torch.Tensor:
     return p.grad
 
 
-def _key_str(key: Key) -> str:
-    payload, s, m, i = key
-    return f"{payload.value} stage {s} mb {m} slice {i}"
-
-
-def _key_order(key: Key):
-    return (key[0].value, key[1], key[2], key[3])
+def _key_order(key: Message):
+    return (key.payload.value, key.receiver_stage, key.mb, key.slice)
 
 
 def chrome_trace(events: Iterable[TraceEvent]) -> dict:

@@ -29,15 +29,14 @@ from tpc.executors.data import BatchSource, RandomTokens
 from tpc.executors.engine import (
     Blocked,
     EngineOptions,
-    Key,
     RankEngine,
     TraceEvent,
-    _key_str,
     stage_factory_from_model,
 )
 from tpc.executors.optim import OptimSpec
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
+from tpc.ir.semantics import Message
 
 
 @dataclass
@@ -59,7 +58,7 @@ class _Hub:
     """The in-memory network shared by every rank: channels and pending collectives."""
 
     def __init__(self):
-        self.channels: dict[tuple[int, int], deque[tuple[Key, torch.Tensor]]] = {}
+        self.channels: dict[tuple[int, int], deque[tuple[Message, torch.Tensor]]] = {}
         self.pending: dict[tuple, dict] = {}
 
     def channel(self, src: int, dst: int) -> deque:
@@ -113,17 +112,17 @@ class LocalTransport:
     def _global(self, pipe_rank: int) -> int:
         return self.data_rank * self.pipe + pipe_rank
 
-    def send(self, key: Key, tensor: torch.Tensor, dst: int, index: int) -> None:
+    def send(self, key: Message, tensor: torch.Tensor, dst: int, index: int) -> None:
         self.hub.channel(self.me, self._global(dst)).append((key, tensor.clone()))
 
-    def recv(self, key: Key, src: int, shape, dtype, index: int) -> torch.Tensor:
+    def recv(self, key: Message, src: int, shape, dtype, index: int) -> torch.Tensor:
         queue = self.hub.channel(self._global(src), self.me)
         if not queue:
-            raise Blocked(f"waiting for {_key_str(key)} from rank {src}")
+            raise Blocked(f"waiting for {key} from rank {src}")
         got, tensor = queue[0]
         if got != key:
             raise TpirError(Diagnostic(
-                f"the next message from rank {src} is {_key_str(got)}, not {_key_str(key)}",
+                f"the next message from rank {src} is {got}, not {key}",
                 hint="messages between two ranks are received in the order they were sent; "
                      "reorder the sends or the receives"))
         if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:

@@ -89,6 +89,7 @@ from pathlib import Path
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import FORMAT_VERSION, Instr, Loc, Op, Payload, Plan
+from tpc.ir.semantics import Message, channel, message, neighbour_stage
 
 __all__ = ["verify", "check", "verify_file", "DTYPES"]
 
@@ -587,10 +588,7 @@ def _operand_problem(ins: Instr, r: int, shape: _Shape) -> tuple[str, str, bool]
 def _peer_problem(ins: Instr, r: int, shape: _Shape) -> tuple[str, str, bool] | None:
     s, last = ins.stage, shape.k - 1
     sends = ins.op is _O.SEND
-    if ins.payload is ACT:
-        nb = s + 1 if sends else s - 1
-    else:
-        nb = s - 1 if sends else s + 1
+    nb = neighbour_stage(ins)
     if not 0 <= nb <= last:
         why = {
             (True, ACT): "the last stage sends no activation: its output is the loss",
@@ -891,12 +889,9 @@ def _check_after_all(ins: Instr, r: int, p: int, shape: _Shape, idx: _Index,
 # ------------------------------------------------------------------------------------ FIFO
 
 
-def _message(ins: Instr, r: int) -> tuple[int, int, tuple]:
-    """(sender rank, receiver rank, message id) of a send or receive."""
-    if ins.op is _O.SEND:
-        to_stage = ins.stage + 1 if ins.payload is ACT else ins.stage - 1
-        return r, ins.peer, (ins.payload, to_stage, ins.mb, ins.slice)
-    return ins.peer, r, (ins.payload, ins.stage, ins.mb, ins.slice)
+def _message(ins: Instr, r: int) -> tuple[int, int, Message]:
+    """(sender rank, receiver rank, message) of a send or receive."""
+    return (*channel(r, ins), message(ins))
 
 
 def _channels(plan: Plan, idx: _Index):
