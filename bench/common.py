@@ -127,7 +127,7 @@ def cpu_profile(model: str, factory: str, seq_len: int, out: str | Path, *, batc
     (micro-batches of `batch` sequences), written to `out`; its time goes to stderr."""
     if given:
         return given
-    from tpc.compiler.cli import main
+    from tpc.cli.main import main
 
     t0 = time.monotonic()
     if main(["profile", model, "--factory", factory, "--seq-len", str(seq_len), "--batch-sizes", str(batch),
@@ -139,7 +139,7 @@ def cpu_profile(model: str, factory: str, seq_len: int, out: str | Path, *, batc
 
 def compile_plan(model: str, out: str | Path, *, factory: str = "model", **options) -> str:
     """`tpc compile MODEL -o OUT --key value ...` (underscores become dashes); the plan's path."""
-    from tpc.compiler.cli import main
+    from tpc.cli.main import main
 
     argv = ["compile", model, "-o", str(out), "--factory", factory, "-q"]
     for key, value in options.items():
@@ -189,10 +189,10 @@ def tpc_run(plan, model, sliced, rank: int, world: int, steps: int, *, optim=("s
     of seed 0, `optim` = (kind, lr, weight decay) (default: plain SGD); returns its RankOutcome."""
     import torch
 
-    from tpc.executors.data import RandomTokens
+    from tpc.executors.training.batches import RandomTokens
     from tpc.executors.distributed import World, run_plan
     from tpc.executors.engine import EngineOptions
-    from tpc.executors.optim import OptimSpec
+    from tpc.executors.training.optimizer import OptimSpec
 
     h = plan.header.shape
     options = EngineOptions(device=torch.device("cpu"), optim=OptimSpec(*optim), record_grads=record,

@@ -19,7 +19,7 @@ import time
 
 from tpc.compiler.costmodel import AnalyticCostModel, ModelShapes, even_layers
 from tpc.compiler.costmodel.devices import V100
-from tpc.compiler.optimiser import optimise
+from tpc.compiler.slice_optimiser import optimise
 
 
 def run(L: int, batch: int, K: int = 96, granularity: int = 8):
@@ -36,7 +36,7 @@ def run_search(L: int, batch: int, microbatches: int, ranks: int):
     from types import SimpleNamespace
 
     from tpc.compiler.compile import check_options, header_maker, search_space
-    from tpc.compiler.costmodel.load import load_cost_source
+    from tpc.compiler.costmodel.resolve import load_cost_source
     from tpc.compiler.search import search_plan
 
     shapes = ModelShapes(layers=24, hidden=2048, heads=16, vocab=50257)

@@ -79,7 +79,7 @@ def device_name(device) -> str:
     """The GPU's name, or the CPU model and core count (the name `tpc profile` records)."""
     import torch
 
-    from tpc.compiler.costmodel.profile import device_name as profiled_name
+    from tpc.executors.profile import device_name as profiled_name
 
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -161,7 +161,7 @@ def plan_flops(sliced, plan) -> float:
 
 def interpreter_block(plan, model, sliced, device, bf16: bool, steps: int, seed: int):
     """`interpret` of `steps` + 1 steps: the step times after the first, and the first loss."""
-    from tpc.executors.data import RandomTokens
+    from tpc.executors.training.batches import RandomTokens
     from tpc.executors.interpreter import interpret
 
     h = plan.header

@@ -33,7 +33,7 @@ def rank_alternate(rank: int, world: int, plan_path: str, warmup: int, steps: in
     import torch
     import torch.nn.functional as F
 
-    from tpc.executors.data import RandomTokens
+    from tpc.executors.training.batches import RandomTokens
     from tpc.executors.interpreter import load_plan_model
 
     plan, model, sliced = tpc_setup(plan_path)

@@ -129,7 +129,7 @@ class TorchPipe:
 
 def rank_time(rank: int, world: int, plan_path: str, schedule: str, warmup: int, steps: int):
     """Gradients of both from the same weights and batch, then alternating timed steps."""
-    from tpc.executors.data import RandomTokens
+    from tpc.executors.training.batches import RandomTokens
 
     plan, model, sliced = tpc_setup(plan_path)
     h = plan.header.shape
@@ -153,7 +153,7 @@ def rank_time(rank: int, world: int, plan_path: str, schedule: str, warmup: int,
 
 def rank_memory(rank: int, world: int, plan_path: str, schedule: str, framework: str, steps: int):
     """Peak RSS (KiB) above the RSS before the first step, over `steps` steps of one framework."""
-    from tpc.executors.data import RandomTokens
+    from tpc.executors.training.batches import RandomTokens
 
     from tpc.ir.verify import verify_file
 
@@ -181,7 +181,7 @@ def rank_memory(rank: int, world: int, plan_path: str, schedule: str, framework:
 
 
 def max_rel_error(a: dict, b: dict) -> float:
-    from tpc.executors.launch import compare_grads
+    from tpc.executors.run import compare_grads
 
     if set(a) != set(b):
         raise RuntimeError(f"different parameters: {sorted(set(a) ^ set(b))}")

@@ -294,7 +294,7 @@ def cost_source_for(model, sliced, vocab: int, sha256: str, *, cost, device_mode
     """The CostSource --cost / --device-model name: cost models for any stage partition of
     this model. A device model prices the traced graph's own FLOPs, bytes and kernels
     (costmodel/graph.py), so any model the front end captures can be priced."""
-    from tpc.compiler.costmodel.load import load_cost_source
+    from tpc.compiler.costmodel.resolve import load_cost_source
 
     return load_cost_source(cost=cost, device_model=device_model, sliced=sliced if device_model else None,
                             num_units=sliced.num_units, model_sha256=sha256 if cost else None)

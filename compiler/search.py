@@ -7,7 +7,7 @@ What is searched depends on the options; everything else is held fixed:
   batch divisible by data and at least `--microbatches` sequences per replica;
 * per mesh, a stage partition from the cost model's per-unit times (compiler/balance.py).
   With `--slices auto` it is found jointly with the slicing by alternating two exact steps:
-  TeraPipe's DP (compiler/optimiser.py) for the partition, then the partition minimising the
+  TeraPipe's DP (compiler/slice_optimiser.py) for the partition, then the partition minimising the
   DP's latency formula for that slicing, until the partition repeats (at most `ROUNDS` DP
   runs); the round with the lowest DP prediction is kept. With given slices, the partition
   minimising the formula for them;
@@ -51,8 +51,8 @@ import numpy as np
 from tpc.compiler.balance import Ranges, best_partition, minmax_partition
 from tpc.compiler.costmodel.base import slice_times_of, transfer_times
 from tpc.compiler.costmodel.source import CostSource
-from tpc.compiler.optimiser import DEFAULT_GRANULARITY, Choice, optimise
-from tpc.compiler.optimiser import explain as explain_choice
+from tpc.compiler.slice_optimiser import DEFAULT_GRANULARITY, Choice, optimise
+from tpc.compiler.slice_optimiser import explain as explain_choice
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Header, Microbatch
 

@@ -6,7 +6,7 @@ own source files. No download.
 Tokens are bytes (vocabulary 256: no tokenizer to train, every file encodes), stored as a flat
 array of uint16 ids (nanoGPT's `.bin` convention, read with numpy.memmap). `meta.json` beside
 the files records the dtype, the vocabulary and the token counts, so a reader can refuse a file
-that does not match (see tpc.executors.tokens).
+that does not match (see tpc.executors.training.token_file).
 """
 
 from __future__ import annotations

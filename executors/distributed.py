@@ -375,7 +375,7 @@ def run_plan(plan: Plan, world: World, *, model: torch.nn.Module, sliced=None, s
              hidden_size: int | None = None, batches, steps: int, options: EngineOptions,
              timeout: float, on_step=None, checkpoints=None) -> RankOutcome:
     """Run this rank's stream up to step `steps` in an initialised process group: from step 0,
-    or, when `checkpoints` (`tpc.executors.run_checkpoints.RunCheckpoints`) resumes, from the
+    or, when `checkpoints` (`tpc.executors.training.run_checkpoints.RunCheckpoints`) resumes, from the
     newest checkpoint's step. Every rank saves its own shard when a checkpoint is due. A failure
     of this rank's instruction raises (located); the caller decides how to leave."""
     pipe = plan.header.mesh.pipe
@@ -445,8 +445,8 @@ def main(plan_path: str, settings) -> int:
     import copy
 
     from tpc.executors.interpreter import load_plan_model, slice_model
-    from tpc.executors.run_checkpoints import RunCheckpoints
-    from tpc.executors.launch import (
+    from tpc.executors.training.run_checkpoints import RunCheckpoints
+    from tpc.executors.run import (
         Reporter,
         batch_source,
         check_bf16,

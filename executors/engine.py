@@ -30,9 +30,9 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 
-from tpc.executors.data import microbatch_tokens, split_tokens
-from tpc.executors.optim import OptimSpec, RankOptimizer
-from tpc.executors.param_groups import unique_parameters
+from tpc.executors.training.batches import microbatch_tokens, split_tokens
+from tpc.executors.training.optimizer import OptimSpec, RankOptimizer
+from tpc.executors.training.param_groups import unique_parameters
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Instr, Op, Payload, Plan, Stage
 from tpc.ir.semantics import Message, input_message, message, output_message
@@ -432,7 +432,7 @@ class RankEngine:
         if self.options.record_grads:  # the model's gradients, before clipping changes them
             self.grads = {n: _grad_of(p).detach().clone() for n, p in self.named_parameters}
         if self.options.grad_clip > 0 or self.options.grad_norm:
-            from tpc.executors.clip import clip_global, tied_copies_not_owned
+            from tpc.executors.training.clip import clip_global, tied_copies_not_owned
 
             for _, p in self.named_parameters:
                 _grad_of(p)

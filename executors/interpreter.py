@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tpc.executors.data import BatchSource, RandomTokens
+from tpc.executors.training.batches import BatchSource, RandomTokens
 from tpc.executors.engine import (
     Blocked,
     EngineOptions,
@@ -33,7 +33,7 @@ from tpc.executors.engine import (
     TraceEvent,
     stage_factory_from_model,
 )
-from tpc.executors.optim import OptimSpec
+from tpc.executors.training.optimizer import OptimSpec
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
 from tpc.ir.semantics import Message
@@ -218,7 +218,7 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
     `lr_at(step)` sets each step's learning rate; `grad_clip` > 0 clips the global gradient norm.
     `on_step(step, loss, info)` is called after every step; info has the step's "lr",
     "grad_norm" (with `grad_clip` or `grad_norm=True`, else None) and "step_time" in seconds.
-    `checkpoints` (`tpc.executors.run_checkpoints.RunCheckpoints`) saves all ranks' shards when
+    `checkpoints` (`tpc.executors.training.run_checkpoints.RunCheckpoints`) saves all ranks' shards when
     due and, when resuming, first loads the newest checkpoint: the run then goes from its step
     up to `steps` (the step the run ends at), and `losses` holds only the steps run here.
     `bf16`: compute under bf16 autocast (weights, gradients and messages stay fp32). On CUDA

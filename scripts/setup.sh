@@ -14,4 +14,4 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 # -e: the repository folders are the installed package (tpc.compiler = compiler/, ...).
 pipq -e ".[test]"
-"$PY" -c "import torch, lark, tpc.compiler.cli; print('setup: tpc ready (torch', torch.__version__ + ')')"
+"$PY" -c "import torch, lark, tpc.cli.main; print('setup: tpc ready (torch', torch.__version__ + ')')"

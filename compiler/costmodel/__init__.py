@@ -9,7 +9,7 @@ from tpc.compiler.costmodel.analytic import AnalyticCostModel, ModelShapes, even
 from tpc.compiler.costmodel.base import CostModel, slice_times_of, slot_times
 from tpc.compiler.costmodel.devices import PRESETS, DeviceSpec, load_device_spec
 from tpc.compiler.costmodel.fit import CurveFit, fit_curve
-from tpc.compiler.costmodel.load import load_cost_model
+from tpc.compiler.costmodel.resolve import load_cost_model
 from tpc.compiler.costmodel.profiled import ProfiledCostModel
 from tpc.compiler.costmodel.store import Profile, UnitProfile, load_profile, save_profile
 

@@ -2,7 +2,7 @@
 can be sliced by tokens, rewrite it (sliced causal attention with a KV cache, positions shifted by
 the slice offset, the loss appended), cut it into units and build stage modules."""
 
-from tpc.compiler.frontend.load import file_sha256, load_model
+from tpc.compiler.frontend.model_file import file_sha256, load_model
 from tpc.compiler.frontend.sliced import SlicedModel
 from tpc.compiler.frontend.stage import StageModule
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tpc.compiler.cli import build_parser, main
+from tpc.cli.main import build_parser, main
 
 SUBCOMMANDS = ["compile", "verify", "fmt", "show", "simulate", "run", "profile", "export", "sample"]
 
@@ -45,7 +45,7 @@ def test_missing_subcommand_is_a_usage_error(capsys):
 
 
 def test_console_script_is_installed():
-    out = subprocess.run([sys.executable, "-m", "tpc.compiler.cli", "--help"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "tpc.cli.main", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "usage: tpc" in out.stdout
 
 
@@ -65,7 +65,7 @@ def test_output_cut_short_by_the_reader_is_not_an_error(tmp_path):
 
     plan = tmp_path / "big.tpir"
     plan.write_text(print_plan(simple_plan(8, 32, 16)))
-    proc = subprocess.Popen([sys.executable, "-c", "from tpc.compiler.cli import entry; entry()", "show", str(plan)],
+    proc = subprocess.Popen([sys.executable, "-c", "from tpc.cli.main import entry; entry()", "show", str(plan)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.readline()
     proc.stdout.close()  # the reader goes away after one line

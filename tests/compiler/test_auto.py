@@ -16,17 +16,17 @@ from types import SimpleNamespace
 import pytest
 
 from tpc.compiler.compile import check_options, compile_plan, header_maker, microbatch_sizes, read_vocab, search_space
-from tpc.compiler.costmodel.load import load_cost_source
+from tpc.compiler.costmodel.resolve import load_cost_source
 from tpc.compiler.costmodel.store import save_profile
 from tpc.compiler.lower import lower
-from tpc.compiler.optimiser import DEFAULT_GRANULARITY
+from tpc.compiler.slice_optimiser import DEFAULT_GRANULARITY
 from tpc.compiler.schedules import SCHEDULES, build_schedule
 from tpc.compiler.search import format_bytes, parse_memory, search_plan
 from tpc.compiler.simulate import simulate
 from tpc.compiler.slicing import equal_slices
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.nodes import Microbatch, ScheduleLine
-from tests.costmodel import synthetic
+from tests.compiler.costmodel import synthetic
 
 TINY = str(Path(__file__).parent / "models" / "tiny_gpt.py")
 L = 64
@@ -59,7 +59,7 @@ def synthetic_path(tiny, tmp_path_factory):
 @pytest.fixture(scope="module")
 def measured_path(tiny, tmp_path_factory):
     """A real CPU profile of the tiny GPT (a few seconds)."""
-    from tpc.compiler.costmodel.profile import profile_model
+    from tpc.executors.profile import profile_model
 
     path = tmp_path_factory.mktemp("costs") / "measured.msgpack"
     save_profile(profile_model(TINY, L, [1, 2]), path)
@@ -234,7 +234,7 @@ def test_meshes_that_cannot_hold_the_batch_are_left_out(tiny, synthetic_path):
 def test_compile_stages_auto_end_to_end_trains_like_autograd(tmp_path, synthetic_path, capsys):
     """`tpc compile --stages auto --ranks 4 --schedule auto --explain` writes a plan the
     interpreter runs with plain autograd's gradients, and explains the choice."""
-    from tpc.compiler.cli import main
+    from tpc.cli.main import main
 
     out = tmp_path / "plan.tpir"
     argv = ["compile", TINY, "-o", str(out), "--stages", "auto", "--ranks", "4", "--microbatches", "2",
@@ -328,7 +328,7 @@ def test_microbatches_auto_takes_the_knapsacks_sizes(tiny, source):
     """With --microbatches auto the optimiser's batch knapsack chooses how many micro-batches
     and of what size, for the partition the search settled on; the equal slicings it is
     compared with use the same micro-batches."""
-    from tpc.compiler.optimiser import optimise
+    from tpc.compiler.slice_optimiser import optimise
 
     result = search(tiny, source, microbatches="auto")
     dp = [c for c in result.candidates if c.slicing.origin == "dp"]
@@ -342,7 +342,7 @@ def test_microbatches_auto_takes_the_knapsacks_sizes(tiny, source):
 
 
 def test_microbatches_auto_compiles_and_trains_like_autograd(tmp_path, synthetic_path, capsys):
-    from tpc.compiler.cli import main
+    from tpc.cli.main import main
 
     out = tmp_path / "plan.tpir"
     assert main(["compile", TINY, "-o", str(out), "--stages", "2", "--microbatches", "auto",

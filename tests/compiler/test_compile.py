@@ -137,7 +137,7 @@ def test_compile_each_schedule(schedule):
 
 
 def test_cli_compile_then_verify(tmp_path, capsys):
-    from tpc.compiler.cli import main
+    from tpc.cli.main import main
 
     out = tmp_path / "plan.tpir"
     argv = ["compile", TINY, "-o", str(out), "--stages", "2", "--microbatches", "2",
@@ -149,7 +149,7 @@ def test_cli_compile_then_verify(tmp_path, capsys):
 
 
 def test_cli_bad_slices_is_a_clear_error(tmp_path, capsys):
-    from tpc.compiler.cli import main
+    from tpc.cli.main import main
 
     out = tmp_path / "plan.tpir"
     argv = ["compile", TINY, "-o", str(out), "--stages", "2", "--seq-len", "16", "--batch", "4",
@@ -173,7 +173,7 @@ def test_a_failed_compile_leaves_an_existing_plan_untouched(tmp_path):
 def test_compiled_plan_trains_like_plain_autograd(tmp_path, capsys):
     """The oracle: the compiled seq1f1b plan (unequal slices, 2 replicas, a tied embedding)
     run by the reference interpreter gives plain autograd's loss and gradients."""
-    from tpc.compiler.cli import main
+    from tpc.cli.main import main
 
     out = tmp_path / "plan.tpir"
     argv = ["compile", TINY, "-o", str(out), "--stages", "2", "--microbatches", "2",
@@ -195,9 +195,9 @@ def test_auto_slices_without_a_cost_model_says_it_falls_back(capsys):
 def test_auto_slices_take_the_optimisers_choice(capsys):
     """With --device-model, --slices auto uses what `optimise` chooses under the device model
     of the tiny GPT's traced graph (2 layers, width 32, 2 heads, vocabulary 64)."""
-    from tpc.compiler.costmodel.load import load_cost_model
+    from tpc.compiler.costmodel.resolve import load_cost_model
     from tpc.compiler.frontend import SlicedModel, load_model
-    from tpc.compiler.optimiser import optimise
+    from tpc.compiler.slice_optimiser import optimise
 
     plan = compile_plan(TINY, stages="2", microbatches=2, seq_len=64, batch=4, slices="auto",
                         device_model="h100", explain=True)  # fmt: skip

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from tests.executors.fake import FakeLM, fake_factory, fake_plan
-from tpc.executors.data import RandomTokens
+from tpc.executors.training.batches import RandomTokens
 from tpc.executors.distributed import World, fail, init, run_plan
 from tpc.executors.engine import EngineOptions
-from tpc.executors.optim import OptimSpec
+from tpc.executors.training.optimizer import OptimSpec
 
 
 def _run(case: dict, world: World, timeout: float, hook=None):
@@ -25,7 +25,7 @@ def _run(case: dict, world: World, timeout: float, hook=None):
     if "warmup" in case:
         from functools import partial
 
-        from tpc.executors.lr import lr_at
+        from tpc.executors.training.lr import lr_at
 
         schedule = partial(lr_at, peak=spec.lr, warmup=case["warmup"], total=case.get("steps", 1))
     options = EngineOptions(optim=spec, record_grads=True, before_instr=hook, lr_at=schedule,

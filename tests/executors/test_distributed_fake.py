@@ -14,9 +14,9 @@ from tests.executors.dist_harness import launch
 from tests.executors.dist_harness import run_cases as harness_run_cases
 from tests.executors.fake import FakeLM, fake_factory, fake_plan, reference
 from tests.executors.fake_ranks import run_cases, run_with_fault
-from tpc.executors.data import RandomTokens
+from tpc.executors.training.batches import RandomTokens
 from tpc.executors.interpreter import interpret
-from tpc.executors.optim import OptimSpec, build_optimizer
+from tpc.executors.training.optimizer import OptimSpec, build_optimizer
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,7 @@ def _interpreted(case):
     if "warmup" in case:
         from functools import partial
 
-        from tpc.executors.lr import lr_at
+        from tpc.executors.training.lr import lr_at
 
         schedule = partial(lr_at, peak=spec.lr, warmup=case["warmup"], total=case["steps"])
     result = interpret(plan, steps=case.get("steps", 1), model=model, stage_factory_for=fake_factory,
@@ -115,7 +115,7 @@ def test_two_ranks_weights_after_several_steps(two_ranks):
 def test_two_ranks_clipping_and_lr_schedule(two_ranks):
     from functools import partial
 
-    from tpc.executors.lr import lr_at
+    from tpc.executors.training.lr import lr_at
 
     case, ranks = TWO_RANKS[4], two_ranks[4]
     _check_case(case, ranks)

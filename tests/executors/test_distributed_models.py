@@ -16,10 +16,10 @@ from tests.executors.dist_harness import free_port
 from tests.executors.dist_harness import run_cases as harness_run_cases
 from tests.executors.fake_ranks import run_real_cases
 from tests.executors.real import fresh_model, real_plan
-from tpc.executors.data import RandomTokens
+from tpc.executors.training.batches import RandomTokens
 from tpc.executors.interpreter import interpret
-from tpc.executors.launch import compare_grads, reference_gradients
-from tpc.executors.optim import OptimSpec, build_optimizer
+from tpc.executors.run import compare_grads, reference_gradients
+from tpc.executors.training.optimizer import OptimSpec, build_optimizer
 from tpc.ir.printer import print_plan
 
 pytestmark = pytest.mark.slow

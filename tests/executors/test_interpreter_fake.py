@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.executors.fake import FakeLM, fake_factory, fake_plan, reference
-from tpc.executors.data import RandomTokens
+from tpc.executors.training.batches import RandomTokens
 from tpc.executors.interpreter import interpret
-from tpc.executors.optim import OptimSpec, build_optimizer
+from tpc.executors.training.optimizer import OptimSpec, build_optimizer
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.nodes import Instr, Op, RankProgram
 from tpc.ir.parse import parse
@@ -94,7 +94,7 @@ def test_weights_after_several_steps_match_plain_training():
 def test_clipping_and_lr_schedule_match_plain_training():
     from functools import partial
 
-    from tpc.executors.lr import lr_at
+    from tpc.executors.training.lr import lr_at
 
     plan = fake_plan(schedule="1f1b", stages=3, slices="3", microbatches=2, tie=True)
     spec, clip, steps = OptimSpec("sgd", lr=0.5), 0.05, 3

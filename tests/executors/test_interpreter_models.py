@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from tests.executors.real import fresh_model, initial_model, real_plan
-from tpc.executors.data import RandomTokens
+from tpc.executors.training.batches import RandomTokens
 from tpc.executors.interpreter import interpret
-from tpc.executors.launch import compare_grads, reference_gradients
-from tpc.executors.optim import OptimSpec, build_optimizer
+from tpc.executors.run import compare_grads, reference_gradients
+from tpc.executors.training.optimizer import OptimSpec, build_optimizer
 
 TOL = 1e-5
 SEQ = 16

@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.executors.real import model_file, real_plan
-from tpc.compiler.cli import main
+from tpc.cli.main import main
 from tpc.ir.printer import print_plan
 
 
@@ -62,7 +62,7 @@ def test_warmup_and_clipping(tmp_path, capsys, no_torchrun):
 
 
 def test_metrics_file(tmp_path, no_torchrun):
-    from tpc.executors.lr import lr_at
+    from tpc.executors.training.lr import lr_at
 
     plan = write_plan(tmp_path)
     metrics = tmp_path / "m.jsonl"
@@ -74,8 +74,8 @@ def test_metrics_file(tmp_path, no_torchrun):
     assert all(r["grad_norm"] > 0 and r["loss"] > 0 and r["step_time"] > 0 for r in rows)
     # the first step's norm is the whole model's, a tied weight counted once
     from tests.executors.real import fresh_model
-    from tpc.executors.data import RandomTokens
-    from tpc.executors.launch import reference_gradients
+    from tpc.executors.training.batches import RandomTokens
+    from tpc.executors.run import reference_gradients
 
     _, grads = reference_gradients(fresh_model("gpt")[0], RandomTokens(0, 4, 16, 256).get(0))
     norm = sum(float(g.double().pow(2).sum()) for g in grads.values()) ** 0.5

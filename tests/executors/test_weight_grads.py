@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.frontend.harness import tiny_model
+from tests.compiler.frontend.harness import tiny_model
 from tpc.compiler.frontend import SlicedModel
 from tpc.executors.stage_runtime import StageRuntime
 

@@ -333,7 +333,7 @@ def test_control_characters_are_errors_not_crashes():
 
 
 def test_cli_fmt_check_and_rewrite(tmp_path, capsys):
-    from tpc.compiler.cli import main
+    from tpc.cli.main import main
 
     good = tmp_path / "good.tpir"
     good.write_text(DOCS_EXAMPLE)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tpc.compiler.cli import main
+from tpc.cli.main import main
 from tpc.ir.nodes import Instr, Op
 from tpc.ir.parse import parse
 from tpc.ir.show import LEGEND, cell, render_grid

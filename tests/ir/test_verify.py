@@ -946,7 +946,7 @@ def test_verifier_agrees_with_execution_on_reordered_plans(base, data):
 
 
 def test_cli_verify_prints_located_errors_and_exits_1(tmp_path, capsys):
-    from tpc.compiler.cli import main
+    from tpc.cli.main import main
 
     good, bad = tmp_path / "good.tpir", tmp_path / "bad.tpir"
     good.write_text(EXAMPLE, encoding="utf-8")

@@ -1,0 +1,282 @@
+"""`tpc`: the command line. Thin: each subcommand parses its arguments and calls one library
+function. `main(argv) -> int` is testable in-process; `entry()` is the console script.
+
+Errors a user can cause are `TpirError`s: printed with file:line:col and a hint, exit status 1,
+no traceback unless --debug. Exit status 2 is for bad command-line arguments (argparse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from tpc.ir.diagnostics import Diagnostic, TpirError
+
+DESCRIPTION = """\
+tpc compiles a Transformer language model into a token-level pipeline-parallel training plan
+(a readable .tpir file) and runs it.
+
+typical use:
+  tpc compile examples/gpt.py -o plan.tpir --stages 2 --microbatches 2 --seq-len 128 --batch 8
+  tpc verify plan.tpir
+  tpc show plan.tpir
+  tpc simulate plan.tpir --unit --png timeline.png
+  torchrun --nproc-per-node 2 --no-python tpc run plan.tpir --steps 20
+  tpc run --interpret plan.tpir --verify-grads
+"""
+
+
+def _read_text(path: str) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise TpirError(Diagnostic(f"no such file: {path}", hint="give the path of a .tpir plan"))
+    return p.read_text(encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------ subcommands
+
+
+def cmd_verify(args) -> int:
+    from tpc.ir.verify import verify_file
+
+    plan = verify_file(args.plan)
+    n = sum(len(r.instrs) for r in plan.ranks)
+    print(f"{args.plan}: ok ({len(plan.ranks)} ranks, {plan.header.num_stages} stages, {n} instructions)")
+    return 0
+
+
+def cmd_fmt(args) -> int:
+    from tpc.ir.parse import parse
+    from tpc.ir.printer import print_plan
+
+    status = 0
+    for path in args.plans:
+        text = _read_text(path)
+        canonical = print_plan(parse(text, file=path))
+        if canonical == text:
+            continue
+        if args.check:
+            print(f"{path}: not canonical (run `tpc fmt {path}`)")
+            status = 1
+        else:
+            Path(path).write_text(canonical, encoding="utf-8")
+            print(f"{path}: reformatted")
+    return status
+
+
+def cmd_show(args) -> int:
+    from tpc.ir.parse import parse
+    from tpc.ir.show import render_grid
+
+    plan = parse(_read_text(args.plan), file=args.plan)
+    print(render_grid(plan, width=args.width))
+    return 0
+
+
+def cmd_compile(args) -> int:
+    from tpc.compiler.compile import compile_to_file
+
+    compile_to_file(
+        args.model,
+        args.output,
+        stages=args.stages,
+        microbatches=args.microbatches,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        slices=args.slices,
+        schedule=args.schedule,
+        dp=args.dp,
+        ranks=args.ranks,
+        factory=args.factory,
+        cost=args.cost,
+        device_model=args.device_model,
+        memory_per_rank=args.memory_per_rank,
+        explain=args.explain,
+        quiet=args.quiet,
+    )
+    return 0
+
+
+def cmd_run(args) -> int:
+    from tpc.executors.run import run_from_cli
+
+    return run_from_cli(args)
+
+
+def cmd_simulate(args) -> int:
+    from tpc.compiler.simulate import simulate_from_cli
+
+    return simulate_from_cli(args)
+
+
+def cmd_export(args) -> int:
+    from tpc.executors.training.export import export_from_cli
+
+    return export_from_cli(args)
+
+
+def cmd_sample(args) -> int:
+    from tpc.executors.training.export import sample_from_cli
+
+    return sample_from_cli(args)
+
+
+def cmd_profile(args) -> int:
+    from tpc.executors.profile import profile_from_cli
+
+    return profile_from_cli(args)
+
+
+# --------------------------------------------------------------------------------- parsers
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tpc", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    c = sub.add_parser(
+        "compile",
+        help="compile a model file into a verified .tpir plan",
+        description="Trace MODEL with torch.fx, cut it into pipeline stages that run one token "
+        "slice at a time, choose micro-batches and token slices, build the schedule and write a "
+        "verified per-rank plan.",
+    )
+    c.add_argument("model", help="Python file defining a zero-argument callable that returns the model")
+    c.add_argument("-o", "--output", required=True, help="where to write the plan (.tpir)")
+    c.add_argument("--factory", default="model", help="name of the callable in MODEL (default: model)")
+    c.add_argument("--stages", default="2", help="pipeline stages K, or 'auto' to search pipeline × data splits of --ranks (default: 2)")
+    c.add_argument("--microbatches", default="1", help="micro-batches per step, or 'auto': the optimiser's batch knapsack chooses their number and sizes (needs --slices auto and a cost model) (default: 1)")
+    c.add_argument("--seq-len", type=int, required=True, help="training sequence length L")
+    c.add_argument("--batch", type=int, required=True, help="global batch size (sequences per step)")
+    c.add_argument("--slices", default="1", help="token slices per micro-batch: N (equal), l1,l2,... (lengths summing to L), or 'auto' (the optimiser chooses) (default: 1)")
+    c.add_argument("--schedule", default="seq1f1b", help="gpipe | 1f1b | terapipe | seq1f1b | auto (default: seq1f1b)")
+    c.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
+    c.add_argument("--ranks", type=int, default=None, help="total ranks, with --stages auto")
+    c.add_argument("--cost", default=None, help="measured cost profile (.msgpack from `tpc profile`) for --slices/--schedule auto")
+    c.add_argument("--device-model", default=None, help="analytic cost model instead of a profile: v100 | a100 | h100 | h200 | a spec file")
+    c.add_argument("--memory-per-rank", default=None, help="memory budget per rank for --schedule auto, e.g. 16GiB")
+    c.add_argument("--explain", action="store_true", help="print the candidates the optimiser considered and why it chose")
+    c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    c.set_defaults(func=cmd_compile)
+
+    v = sub.add_parser("verify", help="check a plan: dependencies, matching sends, deadlock freedom",
+                       description="Check every rule of the plan format and report every error with file:line:col.")
+    v.add_argument("plan", help="a .tpir file")
+    v.set_defaults(func=cmd_verify)
+
+    f = sub.add_parser("fmt", help="rewrite plans in canonical form",
+                       description="Re-print each plan canonically (after a hand edit).")
+    f.add_argument("plans", nargs="+", help=".tpir files")
+    f.add_argument("--check", action="store_true", help="change nothing; exit 1 if a file is not canonical")
+    f.set_defaults(func=cmd_fmt)
+
+    s = sub.add_parser("show", help="print a plan as a steps × ranks grid",
+                       description="Print each rank's compute order side by side, one row per step, communication left out.")
+    s.add_argument("plan", help="a .tpir file")
+    s.add_argument("--width", type=int, default=0, help="column width (default: fit the widest cell)")
+    s.set_defaults(func=cmd_show)
+
+    sim = sub.add_parser("simulate", help="predict a plan's timeline, bubble and memory",
+                         description="Discrete-event simulation of a plan under a cost model.")
+    sim.add_argument("plan", help="a .tpir file")
+    g = sim.add_mutually_exclusive_group()
+    g.add_argument("--cost", help="measured cost profile (.msgpack from `tpc profile`)")
+    g.add_argument("--device-model", help="analytic cost model: v100 | a100 | h100 | h200 | a spec file")
+    g.add_argument("--unit", action="store_true", help="unit costs: forward 1, backward 2 per slice (scaled by slice length)")
+    sim.add_argument("--trace", help="write a Chrome-trace JSON (opens in Perfetto)")
+    sim.add_argument("--png", help="write a Gantt chart picture")
+    sim.add_argument("--compare", help="a measured trace from `tpc run --trace`: print predicted vs measured")
+    sim.set_defaults(func=cmd_simulate)
+
+    r = sub.add_parser("run", help="execute a plan (under torchrun, or --interpret in one process)",
+                       description="Run a plan: under torchrun one process per rank (NCCL on CUDA, gloo on CPU), "
+                       "or with --interpret all ranks in this process (the reference interpreter).")
+    r.add_argument("plan", help="a .tpir file")
+    r.add_argument("--interpret", action="store_true", help="run every rank in this process with the reference interpreter")
+    r.add_argument("--steps", type=int, default=1, help="training steps (default: 1)")
+    r.add_argument("--verify-grads", action="store_true", help="compare loss and gradients with plain autograd on the unsliced model; exit 1 above --tolerance")
+    r.add_argument("--tolerance", type=float, default=1e-5, help="largest relative gradient error for --verify-grads (default: 1e-5)")
+    r.add_argument("--data", help="token file (.bin of uint16 ids, see examples/prepare_corpus.py); default: random tokens from --seed")
+    r.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default: 0)")
+    r.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: 3e-4)")
+    r.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default: 0.1)")
+    r.add_argument("--warmup", type=int, default=0, help="linear warm-up steps (default: 0)")
+    r.add_argument("--grad-clip", type=float, default=0.0, help="global gradient-norm clip, 0 for none (default: 0)")
+    r.add_argument("--optimizer", default="adamw", help="adamw | sgd (default: adamw)")
+    r.add_argument("--device", default="auto", help="cpu | cuda | auto (default: auto: cuda when present)")
+    r.add_argument("--bf16", action="store_true", help="bf16 autocast on CUDA (fp32 master weights)")
+    r.add_argument("--timeout", type=float, default=120.0, help="seconds a rank waits for a peer before giving up (default: 120)")
+    r.add_argument("--trace", help="write the measured per-instruction timeline (Chrome-trace JSON)")
+    r.add_argument("--metrics", help="write one JSON line of metrics per step")
+    r.add_argument("--checkpoint-dir", help="directory for checkpoints")
+    r.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (default: never)")
+    r.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    r.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    r.set_defaults(func=cmd_run)
+
+    pr = sub.add_parser("profile", help="measure a model's per-stage slice costs",
+                        description="Time forward and backward of the model's units over slice length × context × micro-batch size, fit the cost model and save it.")
+    pr.add_argument("model", help="Python model file")
+    pr.add_argument("-o", "--output", required=True, help="where to write the profile (.msgpack)")
+    pr.add_argument("--factory", default="model", help="name of the callable in MODEL (default: model)")
+    pr.add_argument("--seq-len", type=int, required=True, help="longest sequence to profile")
+    pr.add_argument("--device", default="cpu", help="cpu | cuda (default: cpu)")
+    pr.add_argument("--batch-sizes", default="1,2,4", help="micro-batch sizes to measure (default: 1,2,4)")
+    pr.set_defaults(func=cmd_profile)
+
+    ex = sub.add_parser("export", help="write a checkpoint as a plain state_dict of the unsliced model",
+                        description="Gather every stage's parameters from a checkpoint into one state_dict "
+                        "that loads into the model file's model() with load_state_dict.")
+    ex.add_argument("checkpoint", help="a checkpoint directory written by `tpc run --checkpoint-dir`")
+    ex.add_argument("-o", "--output", required=True, help="where to write the state_dict (.pt)")
+    ex.set_defaults(func=cmd_export)
+
+    sa = sub.add_parser("sample", help="generate text from a checkpoint",
+                        description="Load a checkpoint into the unsliced model and generate bytes after a prompt.")
+    sa.add_argument("checkpoint", help="a checkpoint directory, or a .pt state_dict from `tpc export`")
+    sa.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
+    sa.add_argument("--tokens", type=int, default=200, help="tokens to generate (default: 200)")
+    sa.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 for greedy (default: 0.8)")
+    sa.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens, 0 for all (default: 0)")
+    sa.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    sa.add_argument("--model", help="model file, for a .pt without its .pt.json beside it")
+    sa.add_argument("--factory", help="factory in --model (default: the one recorded, else model)")
+    sa.set_defaults(func=cmd_sample)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except TpirError as e:
+        if args.debug:
+            raise
+        print(e.render(), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def entry() -> None:
+    try:
+        status = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # the reader went away (`tpc show plan.tpir | head`): not an error of ours; point stdout
+        # at devnull so the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 0
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    entry()

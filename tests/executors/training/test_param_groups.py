@@ -1,0 +1,85 @@
+import torch
+
+from tests.executors.training.models.tiny_gpt import model as tiny_model
+from tpc.executors.training.param_groups import adamw_groups, build_optimizer, set_lr
+from tpc.ir.diagnostics import TpirError
+import pytest
+
+
+def test_decay_on_matrices_only_sorted_by_name():
+    net = tiny_model()
+    groups = adamw_groups(net.named_parameters(), 0.1)
+    decay, no_decay = groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert decay["names"] == sorted(decay["names"]) and no_decay["names"] == sorted(no_decay["names"])
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert "h.0.qkv.weight" in decay["names"] and "wpe.weight" in decay["names"]
+    assert "h.0.qkv.bias" in no_decay["names"] and "ln_f.weight" in no_decay["names"]
+    # the tied embedding / head is one tensor: listed once
+    all_params = decay["params"] + no_decay["params"]
+    assert len({id(p) for p in all_params}) == len(all_params) == len(list(net.parameters()))
+
+
+def test_order_does_not_depend_on_registration_order():
+    net = tiny_model()
+    fwd = adamw_groups(net.named_parameters(), 0.1)
+    rev = adamw_groups(list(net.named_parameters())[::-1], 0.1)
+    assert [g["names"] for g in fwd] == [g["names"] for g in rev]
+
+
+def test_frozen_parameters_and_empty_groups_are_left_out():
+    lin = torch.nn.Linear(3, 3, bias=False)
+    groups = adamw_groups(lin.named_parameters(), 0.1)
+    assert len(groups) == 1 and groups[0]["names"] == ["weight"]
+    lin.weight.requires_grad_(False)
+    assert adamw_groups(lin.named_parameters(), 0.1) == []
+
+
+def test_adamw_decays_matrices_but_not_biases():
+    lin = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+        lin.bias.fill_(1.0)
+    opt = build_optimizer("adamw", lin.named_parameters(), lr=0.5, weight_decay=0.1)
+    for p in lin.parameters():
+        p.grad = torch.zeros_like(p)  # only weight decay moves anything
+    opt.step()
+    assert torch.allclose(lin.weight, torch.full((2, 2), 1.0 - 0.5 * 0.1))
+    assert torch.equal(lin.bias, torch.ones(2))
+
+
+def test_sgd_and_set_lr():
+    lin = torch.nn.Linear(2, 2)
+    opt = build_optimizer("sgd", lin.named_parameters(), lr=0.1, weight_decay=0.1)
+    assert isinstance(opt, torch.optim.SGD)
+    set_lr(opt, 0.25)
+    before = lin.weight.detach().clone()
+    for p in lin.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert torch.allclose(lin.weight, before - 0.25)
+
+
+def test_split_model_steps_like_the_whole_model():
+    torch.manual_seed(0)
+    whole = tiny_model()
+    split = tiny_model()
+    split.load_state_dict(whole.state_dict())
+    x = torch.randint(0, 256, (2, 8))
+    for net in (whole, split):
+        net(x).square().mean().backward()
+    opt_whole = build_optimizer("adamw", whole.named_parameters(), 1e-2, 0.1)
+    names = [n for n, _ in split.named_parameters()]
+    half = len(names) // 2
+    params = dict(split.named_parameters())
+    opts = [build_optimizer("adamw", [(n, params[n]) for n in part], 1e-2, 0.1) for part in (names[:half], names[half:])]
+    opt_whole.step()
+    for o in opts:
+        o.step()
+    for (n, a), (_, b) in zip(whole.named_parameters(), split.named_parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_bad_kind_is_refused():
+    with pytest.raises(TpirError, match="unknown optimizer"):
+        build_optimizer("lamb", torch.nn.Linear(2, 2).named_parameters(), 0.1, 0.0)
