@@ -175,7 +175,7 @@ def ok(flag: bool) -> str:
 
 def tpc_setup(plan_path: str, seed: int = 0):
     """What `tpc run` does before running, in one rank: (plan, model, sliced model)."""
-    from tpc.executors.interpreter import load_plan_model, slice_model
+    from tpc.executors.plan_model import load_plan_model, slice_model
     from tpc.ir.verify import verify_file
 
     plan = verify_file(plan_path)
@@ -191,15 +191,15 @@ def tpc_run(plan, model, sliced, rank: int, world: int, steps: int, *, optim=("s
 
     from tpc.executors.training.batches import RandomTokens
     from tpc.executors.distributed import World, run_plan
-    from tpc.executors.engine import EngineOptions
+    from tpc.executors.options import RunOptions
     from tpc.executors.training.optimizer import OptimSpec
 
     h = plan.header.shape
-    options = EngineOptions(device=torch.device("cpu"), optim=OptimSpec(*optim), record_grads=record,
-                            trace=trace, before_instr=before)
-    return run_plan(plan, World(rank, world, rank), model=model, sliced=sliced,
-                    batches=RandomTokens(0, h.batch, h.seq, h.vocab), steps=steps, options=options,
-                    timeout=600.0, on_step=on_step)
+    options = RunOptions(steps=steps, optim=OptimSpec(*optim), record_grads=record, trace=trace,
+                         timeout=600.0)
+    return run_plan(plan, World(rank, world, rank), options, model=model, device=torch.device("cpu"),
+                    sliced=sliced, batches=RandomTokens(0, h.batch, h.seq, h.vocab), on_step=on_step,
+                    before_instr=before)
 
 
 def tpc_step_times(plan, model, sliced, rank: int, world: int, steps: int) -> list[float]:

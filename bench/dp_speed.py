@@ -35,7 +35,8 @@ def run_search(L: int, batch: int, microbatches: int, ranks: int):
     unit labels and ties are all a header needs from the front end."""
     from types import SimpleNamespace
 
-    from tpc.compiler.compile import check_options, header_maker, search_space
+    from tpc.cli.compile import check_options
+    from tpc.compiler.compile import header_maker, search_space
     from tpc.compiler.costmodel.resolve import load_cost_source
     from tpc.compiler.search import search_plan
 
@@ -44,11 +45,11 @@ def run_search(L: int, batch: int, microbatches: int, ranks: int):
     source = load_cost_source(device_model="a100", model_shapes=shapes, num_units=n)
     front = SimpleNamespace(unit_labels=[f"unit{u}" for u in range(n)], ties=lambda ranges: [])
     opts = check_options(stages="auto", microbatches=microbatches, seq_len=L, batch=batch,
-                         slices="auto", schedule="auto", dp=1, ranks=ranks, costs=True)
+                         slices="auto", schedule="auto", dp=1, ranks=ranks, device_model="a100")
     make = header_maker(model_path="gpt24.py", sha256="0" * 64, factory="model", opts=opts,
                         vocab=shapes.vocab, sliced=front)
     t0 = time.perf_counter()
-    result = search_plan(source, search_space(opts, n, None), make)
+    result = search_plan(source, search_space(opts, n), make)
     return time.perf_counter() - t0, result
 
 

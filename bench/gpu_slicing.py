@@ -5,7 +5,7 @@ The model is bench/models/gpt_untied.py's `gpt350m` (examples/gpt.py at GPT-2-me
 24 layers, width 1024, 16 heads, vocabulary 50304, tied embedding; 355.9M parameters), one
 sequence of L=2048 tokens, compiled in this process by `tpc compile --stages 4 --microbatches 1
 --schedule terapipe` twice: `--slices 8` (8 equal slices of 256 tokens) and `--slices 1`.
-Compute runs under bf16 autocast on CUDA (`EngineOptions(bf16=True)`, `tpc run --bf16`:
+Compute runs under bf16 autocast on CUDA (`RunOptions(bf16=True)`, `tpc run --bf16`:
 weights, gradients and messages fp32).
 
 1. Slicing overhead, per stage: the stage module of each of the 4 stages, run by the executors'
@@ -163,6 +163,7 @@ def interpreter_block(plan, model, sliced, device, bf16: bool, steps: int, seed:
     """`interpret` of `steps` + 1 steps: the step times after the first, and the first loss."""
     from tpc.executors.training.batches import RandomTokens
     from tpc.executors.interpreter import interpret
+    from tpc.executors.options import RunOptions
 
     h = plan.header
     times, losses, last = [], [], []
@@ -176,9 +177,9 @@ def interpreter_block(plan, model, sliced, device, bf16: bool, steps: int, seed:
         losses.append(loss)
 
     # the interpreter's own stages (cut from `sliced`), on `device`, under the engine's autocast
-    interpret(plan, steps=steps + 1, seed=seed, model=model, sliced=sliced,
-              batches=RandomTokens(seed, h.shape.batch, h.shape.seq, h.shape.vocab),
-              device=device, verify=False, on_step=on_step, bf16=bf16)
+    interpret(plan, RunOptions(steps=steps + 1, seed=seed, device=device.type, bf16=bf16),
+              model=model, sliced=sliced, batches=RandomTokens(seed, h.shape.batch, h.shape.seq, h.shape.vocab),
+              verify=False, on_step=on_step)
     gc.collect()
     if device.type == "cuda":
         import torch
@@ -277,7 +278,7 @@ def main(argv=None) -> int:
     bf16 = device.type == "cuda" if args.bf16 is None else args.bf16
     ctx = compute_context(device, bf16)
     at_root()
-    from tpc.executors.interpreter import load_plan_model, slice_model
+    from tpc.executors.plan_model import load_plan_model, slice_model
     from tpc.ir.verify import verify_file
 
     factory, L, n = FACTORIES[args.model], args.seq_len, args.slices

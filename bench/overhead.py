@@ -34,7 +34,7 @@ def rank_alternate(rank: int, world: int, plan_path: str, warmup: int, steps: in
     import torch.nn.functional as F
 
     from tpc.executors.training.batches import RandomTokens
-    from tpc.executors.interpreter import load_plan_model
+    from tpc.executors.plan_model import load_plan_model
 
     plan, model, sliced = tpc_setup(plan_path)
     plain = load_plan_model(plan, 0)  # the same initial weights

@@ -44,14 +44,13 @@ def measure(plan: str, trace: str, steps: int) -> None:
 
 def compare(plan_path: str, profile: str, trace: str):
     """What `tpc simulate PLAN --cost PROFILE --compare TRACE` prints, as rows."""
-    from argparse import Namespace
-
     from tpc.compiler import timeline
-    from tpc.compiler.simulate import load_costs, simulate
+    from tpc.compiler.costmodel.resolve import plan_cost_model
+    from tpc.compiler.simulate import simulate
     from tpc.ir.verify import verify_file
 
     plan = verify_file(plan_path)
-    result = simulate(plan, load_costs(Namespace(cost=profile, device_model=None), plan.header))
+    result = simulate(plan, plan_cost_model(plan.header, cost=profile))
     return timeline.compare(result, timeline.read_trace(trace)).rows
 
 

@@ -85,7 +85,7 @@ class TorchPipe:
         import torch.nn.functional as F
         from torch.distributed import pipelining
 
-        from tpc.executors.interpreter import load_plan_model
+        from tpc.executors.plan_model import load_plan_model
 
         self.rank, self.world = rank, world
         self.model = load_plan_model(plan, 0)  # the weights tpc builds (seed 0)
@@ -181,11 +181,11 @@ def rank_memory(rank: int, world: int, plan_path: str, schedule: str, framework:
 
 
 def max_rel_error(a: dict, b: dict) -> float:
-    from tpc.executors.run import compare_grads
+    from tpc.executors.oracle import gradient_error
 
     if set(a) != set(b):
         raise RuntimeError(f"different parameters: {sorted(set(a) ^ set(b))}")
-    return compare_grads(a, b)[0]
+    return gradient_error(a, b)[0]
 
 
 def main(argv=None) -> int:

@@ -75,58 +75,23 @@ def cmd_show(args) -> int:
     return 0
 
 
-def cmd_compile(args) -> int:
-    from tpc.compiler.compile import compile_to_file
+def _lazy(module: str, name: str):
+    """A subcommand's function, imported when it runs (`tpc --help` need not import torch)."""
 
-    compile_to_file(
-        args.model,
-        args.output,
-        stages=args.stages,
-        microbatches=args.microbatches,
-        seq_len=args.seq_len,
-        batch=args.batch,
-        slices=args.slices,
-        schedule=args.schedule,
-        dp=args.dp,
-        ranks=args.ranks,
-        factory=args.factory,
-        cost=args.cost,
-        device_model=args.device_model,
-        memory_per_rank=args.memory_per_rank,
-        explain=args.explain,
-        quiet=args.quiet,
-    )
-    return 0
+    def run(args) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)(args)
+
+    return run
 
 
-def cmd_run(args) -> int:
-    from tpc.executors.run import run_from_cli
-
-    return run_from_cli(args)
-
-
-def cmd_simulate(args) -> int:
-    from tpc.compiler.simulate import simulate_from_cli
-
-    return simulate_from_cli(args)
-
-
-def cmd_export(args) -> int:
-    from tpc.executors.training.export import export_from_cli
-
-    return export_from_cli(args)
-
-
-def cmd_sample(args) -> int:
-    from tpc.executors.training.export import sample_from_cli
-
-    return sample_from_cli(args)
-
-
-def cmd_profile(args) -> int:
-    from tpc.executors.profile import profile_from_cli
-
-    return profile_from_cli(args)
+cmd_compile = _lazy("tpc.cli.compile", "cmd_compile")
+cmd_run = _lazy("tpc.cli.run", "cmd_run")
+cmd_simulate = _lazy("tpc.cli.simulate", "cmd_simulate")
+cmd_profile = _lazy("tpc.cli.profile", "cmd_profile")
+cmd_export = _lazy("tpc.cli.export", "cmd_export")
+cmd_sample = _lazy("tpc.cli.export", "cmd_sample")
 
 
 # --------------------------------------------------------------------------------- parsers
@@ -143,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser(
         "compile",
         help="compile a model file into a verified .tpir plan",
-        description="Trace MODEL with torch.fx, cut it into pipeline stages that run one token "
+        description="Capture MODEL with torch.export, cut it into pipeline stages that run one token "
         "slice at a time, choose micro-batches and token slices, build the schedule and write a "
         "verified per-rank plan.",
     )
@@ -206,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default: 0)")
     r.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: 3e-4)")
     r.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default: 0.1)")
+    r.add_argument("--lr-schedule", default="cosine", choices=("cosine", "constant"),
+                   help="cosine: linear warm-up over --warmup steps, then half a cosine down to a tenth "
+                   "of --lr at --steps; constant: --lr throughout (default: cosine)")
     r.add_argument("--warmup", type=int, default=0, help="linear warm-up steps (default: 0)")
     r.add_argument("--grad-clip", type=float, default=0.0, help="global gradient-norm clip, 0 for none (default: 0)")
     r.add_argument("--optimizer", default="adamw", help="adamw | sgd (default: adamw)")

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tpc.compiler.schedules import SCHEDULES, build_schedule
-from tpc.compiler.slicing import AUTO, equal_slices, parse_slices
+from tpc.compiler.slicing import AUTO, check_slices, equal_slices, ranges_of
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import (
     Header,
@@ -44,27 +44,84 @@ def _error(option: str, message: str, hint: str) -> TpirError:
     return TpirError(Diagnostic(message, hint=hint, where=option))
 
 
-# ------------------------------------------------------------------------- option checks
+# ------------------------------------------------------------------------------ options
 
 
 @dataclass(frozen=True)
-class Options:
-    """The checked compile options (everything but the model itself).
+class CompileOptions:
+    """What `tpc compile` is asked for, typed (the command line parses its strings into this,
+    `tpc.cli.compile`). Checked on construction against itself, before any model is traced;
+    every mistake is a TpirError naming the option.
 
-    With `stages_auto` the mesh is searched (`stages` and `dp` are then the first candidate's
-    placeholders, 1 x `ranks` is never assumed); with `schedule_auto` the schedule is."""
+    `stages`, `microbatches`, `slices` and `schedule` may be AUTO: the plan search chooses them,
+    which needs a cost model (`cost`: a profile from `tpc profile`, or `device_model`).
+    `slices` is a count of equal slices, the lengths of each slice, or AUTO. With
+    `stages=AUTO` the search splits `ranks` into pipeline x data (`dp` stays 1)."""
 
-    stages: int
-    microbatches: int
     seq_len: int
     batch: int
-    dp: int
-    slices: tuple[tuple[int, int], ...]
-    slices_auto: bool
-    schedule: str
-    stages_auto: bool = False
-    schedule_auto: bool = False
+    stages: int | str = 2
+    microbatches: int | str = 1
+    slices: int | tuple[int, ...] | str = 1
+    schedule: str = "seq1f1b"
+    dp: int = 1
     ranks: int | None = None
+    factory: str = "model"
+    cost: str | None = None
+    device_model: str | None = None
+    memory_per_rank: float | None = None  # bytes, for the plan search
+    explain: bool = False
+    quiet: bool = False
+
+    def __post_init__(self):
+        _check_options(self)
+
+    # -- what the options say, derived
+
+    @property
+    def searching(self) -> bool:
+        """A cost model is named: the plan search prices the candidates."""
+        return bool(self.cost or self.device_model)
+
+    @property
+    def stages_auto(self) -> bool:
+        return self.stages == AUTO
+
+    @property
+    def schedule_auto(self) -> bool:
+        return self.schedule == AUTO
+
+    @property
+    def slices_auto(self) -> bool:
+        return self.slices == AUTO
+
+    @property
+    def microbatch_count(self) -> int | None:
+        """The number of micro-batches; None when the optimiser chooses (AUTO)."""
+        return None if self.microbatches == AUTO else self.microbatches
+
+    @property
+    def pipe(self) -> int:
+        """Pipeline ranks: the stages, or with `stages=AUTO` a placeholder until the search
+        picks the mesh (all ranks)."""
+        return self.ranks if self.stages_auto else self.stages
+
+    @property
+    def data(self) -> int:
+        return 1 if self.stages_auto else self.dp
+
+    @property
+    def cuts(self) -> tuple[tuple[int, int], ...]:
+        """The token slices as [start, end) ranges. With AUTO and no cost model, AUTO_SLICE_COUNT
+        equal slices (with one, the optimiser replaces them)."""
+        if self.slices_auto:
+            return equal_slices(min(AUTO_SLICE_COUNT, self.seq_len), self.seq_len)
+        if isinstance(self.slices, int):
+            return equal_slices(self.slices, self.seq_len)
+        return ranges_of(self.slices)
+
+
+_NEEDS_COSTS = ("give --cost FILE (from `tpc profile`) or --device-model v100|a100|h100|h200|SPEC.json")
 
 
 def _positive(option: str, value, what: str) -> int:
@@ -73,34 +130,21 @@ def _positive(option: str, value, what: str) -> int:
     return value
 
 
-_NEEDS_COSTS = ("give --cost FILE (from `tpc profile`) or --device-model v100|a100|h100|h200|SPEC.json")
-
-
-def parse_stages(spec) -> int | str:
-    """`--stages`: a positive count, or 'auto' (the plan search picks it; see check_options)."""
-    text = str(spec).strip()
-    if text.lower() == AUTO:
-        return AUTO
-    try:
-        count = int(text)
-    except ValueError:
-        raise _error("--stages", f"--stages {spec!r} is not a number", "give the number of pipeline stages, e.g. --stages 2") from None
-    return _positive("--stages", count, "the number of pipeline stages, e.g. --stages 2")
-
-
-def check_options(
-    *, stages, microbatches, seq_len, batch, slices, schedule, dp, ranks, costs: bool = False
-) -> Options:
-    """Every option checked against the others; nothing here needs the model. `costs`: a
-    cost model is named (--cost or --device-model), which the 'auto' choices need."""
-    K = parse_stages(stages)
-    stages_auto = K == AUTO
-    M = parse_microbatches(microbatches)
-    L = _positive("--seq-len", seq_len, "the training sequence length, e.g. --seq-len 128")
-    B = _positive("--batch", batch, "the global batch size in sequences, e.g. --batch 8")
-    D = _positive("--dp", dp, "the number of data-parallel replicas, e.g. --dp 1")
-    R = _positive("--ranks", ranks, "the total number of ranks") if ranks is not None else None
-    if stages_auto:
+def _check_options(o: CompileOptions) -> None:
+    """Every option checked against the others; nothing here needs the model."""
+    if not o.stages_auto:
+        _positive("--stages", o.stages, "the number of pipeline stages, e.g. --stages 2")
+    if o.microbatches != AUTO:
+        _positive("--microbatches", o.microbatches, "the number of micro-batches per step, e.g. --microbatches 4")
+    L = _positive("--seq-len", o.seq_len, "the training sequence length, e.g. --seq-len 128")
+    B = _positive("--batch", o.batch, "the global batch size in sequences, e.g. --batch 8")
+    D = _positive("--dp", o.dp, "the number of data-parallel replicas, e.g. --dp 1")
+    R = _positive("--ranks", o.ranks, "the total number of ranks") if o.ranks is not None else None
+    if o.memory_per_rank is not None and not o.memory_per_rank > 0:
+        raise _error("--memory-per-rank", f"--memory-per-rank must be positive, got {o.memory_per_rank}",
+                     "give a memory size, e.g. 16GiB")
+    costs = o.searching
+    if o.stages_auto:
         if not costs:
             raise _error("--stages", "--stages auto compares pipeline depths by their predicted "
                          "step time, which needs a cost model", f"{_NEEDS_COSTS}, or give the number of stages")
@@ -110,7 +154,7 @@ def check_options(
         if D != 1:
             raise _error("--dp", f"--dp {D} with --stages auto: the search chooses the "
                          "data-parallel degree", "leave out --dp (the search splits --ranks)")
-        K, D = R, 1  # placeholders until the search picks the mesh
+    K, D = o.pipe, o.data
     if B % D:
         raise _error(
             "--batch",
@@ -118,48 +162,31 @@ def check_options(
             f"make --batch a multiple of --dp {D} (e.g. {B - B % D or D} or {B - B % D + D})",
         )
     rows = B // D
+    M = o.microbatch_count
     if M is not None and M > rows:
         raise _error(
             "--microbatches",
             f"{M} micro-batches but each replica has only {rows} sequence(s) (--batch {B} / --dp {D})",
             f"use at most {rows} micro-batches, or a larger --batch",
         )
-    if R is not None and not stages_auto and R != K * D:
+    if R is not None and not o.stages_auto and R != K * D:
         raise _error(
             "--ranks",
             f"--ranks {R} does not match --stages {K} x --dp {D} = {K * D}",
             "leave out --ranks, or make it stages x dp",
         )
-    schedule_auto = str(schedule).strip().lower() == AUTO
-    if schedule_auto:
+    if o.schedule_auto:
         if not costs:
             raise _error("--schedule", "--schedule auto compares schedules by their simulated "
                          "step time, which needs a cost model",
                          f"{_NEEDS_COSTS}, or name a schedule: {', '.join(sorted(SCHEDULES))}")
-        schedule = AUTO
-    elif schedule not in SCHEDULES:
-        raise _error("--schedule", f"unknown schedule {schedule!r}", f"choose one of: {', '.join(sorted(SCHEDULES))}")
-    cuts = parse_slices(slices, L)
-    slices_auto = cuts == AUTO
-    if slices_auto:
-        cuts = equal_slices(min(AUTO_SLICE_COUNT, L), L)
-    if M is None and not (slices_auto and costs):
+    elif o.schedule not in SCHEDULES:
+        raise _error("--schedule", f"unknown schedule {o.schedule!r}", f"choose one of: {', '.join(sorted(SCHEDULES))}")
+    check_slices(o.slices, L)
+    if M is None and not (o.slices_auto and costs):
         raise _error("--microbatches", "--microbatches auto lets the optimiser's batch knapsack "
                      "choose micro-batch sizes together with their token slices",
                      f"add --slices auto and {_NEEDS_COSTS}, or give the number of micro-batches")
-    return Options(K, M, L, B, D, cuts, slices_auto, schedule, stages_auto, schedule_auto, R)
-
-
-def parse_microbatches(spec) -> int | None:
-    """`--microbatches`: a positive count, or 'auto' (None: the optimiser chooses)."""
-    if isinstance(spec, str) and spec.strip().lower() == AUTO:
-        return None
-    try:
-        count = int(spec)
-    except (TypeError, ValueError):
-        raise _error("--microbatches", f"--microbatches {spec!r} is not a number",
-                     "give the number of micro-batches per step, e.g. --microbatches 4, or auto") from None
-    return _positive("--microbatches", count, "the number of micro-batches per step, e.g. --microbatches 4")
 
 
 def microbatch_sizes(rows: int, count: int) -> list[int]:
@@ -182,14 +209,21 @@ def build_header(
     model_path: str,
     sha256: str,
     factory: str,
-    opts: Options,
+    opts: CompileOptions,
     vocab: int,
     unit_labels,
     ranges,
     ties,
+    pipe: int | None = None,
+    data: int | None = None,
+    schedule: str | None = None,
 ) -> Header:
     """The plan header; stage s runs on pipeline rank s. Ties within one stage are dropped: a
-    parameter used by one stage only needs no reduction between stages."""
+    parameter used by one stage only needs no reduction between stages. `pipe`, `data` and
+    `schedule` override the options' (the plan search's candidates)."""
+    pipe = opts.pipe if pipe is None else pipe
+    data = opts.data if data is None else data
+    schedule = opts.schedule if schedule is None else schedule
     stages = tuple(
         Stage(index=s, rank=s, units=(lo, hi), label=stage_label(unit_labels, lo, hi))
         for s, (lo, hi) in enumerate(ranges)
@@ -198,30 +232,30 @@ def build_header(
         Tie(name=name, stages=tuple(sorted(set(st)))) for name, st in ties if len(set(st)) > 1
     )
     # with --microbatches auto the search replaces this placeholder of one micro-batch
-    sizes = microbatch_sizes(opts.batch // opts.dp, opts.microbatches or 1)
+    sizes = microbatch_sizes(opts.batch // data, opts.microbatch_count or 1)
     return Header(
         model=ModelLine(path=model_path, sha256=sha256, factory=factory),
         shape=ShapeLine(batch=opts.batch, seq=opts.seq_len, vocab=vocab, dtype="float32"),
-        mesh=MeshLine(pipe=opts.stages, data=opts.dp),
-        schedule=ScheduleLine(name=opts.schedule),
+        mesh=MeshLine(pipe=pipe, data=data),
+        schedule=ScheduleLine(name=schedule),
         units=UnitsLine(count=len(unit_labels)),
         stages=stages,
         ties=tie_lines,
-        microbatches=tuple(Microbatch(index=m, size=n, slices=opts.slices) for m, n in enumerate(sizes)),
+        microbatches=tuple(Microbatch(index=m, size=n, slices=opts.cuts) for m, n in enumerate(sizes)),
     )
 
 
-def header_maker(*, model_path: str, sha256: str, factory: str, opts: Options, vocab: int, sliced):
+def header_maker(*, model_path: str, sha256: str, factory: str, opts: CompileOptions, vocab: int, sliced):
     """`make(pipe, data, ranges, schedule, microbatches=None) -> Header` for this model: the
     header of any candidate the plan search builds (ties follow the partition; without
     `microbatches`, the equal ones of `opts`)."""
     import dataclasses
 
     def make(pipe: int, data: int, ranges, schedule: str, microbatches=None) -> Header:
-        o = dataclasses.replace(opts, stages=pipe, dp=data, schedule=schedule)
         h = build_header(
-            model_path=model_path, sha256=sha256, factory=factory, opts=o, vocab=vocab,
+            model_path=model_path, sha256=sha256, factory=factory, opts=opts, vocab=vocab,
             unit_labels=sliced.unit_labels, ranges=ranges, ties=sliced.ties(ranges),
+            pipe=pipe, data=data, schedule=schedule,
         )  # fmt: skip
         return h if microbatches is None else dataclasses.replace(h, microbatches=tuple(microbatches))
 
@@ -236,56 +270,14 @@ def slicing_summary(header: Header) -> str:
     return f"{len(counts)} micro-batches, {sum(counts)} slices"
 
 
-def read_vocab(model, model_path: str) -> int:
-    """The vocabulary: the last dimension of the logits of a tiny (1, 2) forward."""
-    import torch
-
-    try:
-        with torch.no_grad():
-            out = model(torch.zeros((1, 2), dtype=torch.long))
-    except Exception as e:
-        raise TpirError(
-            Diagnostic(
-                f"the model failed on a (1, 2) batch of token ids: {type(e).__name__}: {e}",
-                where=model_path,
-                hint="the model must take a (batch, seq) LongTensor of token ids and return logits",
-            )
-        ) from None
-    logits = _logits_of(out)
-    if logits is None or logits.dim() != 3 or tuple(logits.shape[:2]) != (1, 2):
-        shape = tuple(logits.shape) if logits is not None else type(out).__name__
-        raise TpirError(
-            Diagnostic(
-                f"the model's output for a (1, 2) input is {shape}, not logits of shape (1, 2, vocab)",
-                where=model_path,
-                hint="return the logits (batch, seq, vocab) from forward; the loss is added by tpc",
-            )
-        )
-    return int(logits.shape[-1])
-
-
-def _logits_of(out):
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict):
-        return _logits_of(out.get("logits"))
-    if isinstance(out, (tuple, list)) and out:
-        return _logits_of(out[0])
-    if hasattr(out, "logits"):
-        return _logits_of(out.logits)
-    return None
-
-
 # ------------------------------------------------------------------------------ --slices auto
 
 
-def auto_slices_without_costs(opts: Options, progress) -> None:
-    """`--slices auto` with no cost model: the equal slices `check_options` chose, said in one
-    line (with a cost model the plan search chooses them)."""
+def auto_slices_without_costs(opts: CompileOptions, progress) -> None:
+    """`--slices auto` with no cost model: the equal slices of `opts.cuts`, said in one line
+    (with a cost model the plan search chooses them)."""
     progress.say(
-        f"--slices auto: {len(opts.slices)} equal slices of ~{opts.seq_len // len(opts.slices)} "
+        f"--slices auto: {len(opts.cuts)} equal slices of ~{opts.seq_len // len(opts.cuts)} "
         "tokens (give --cost or --device-model for the optimiser's choice)"
     )
 
@@ -300,14 +292,14 @@ def cost_source_for(model, sliced, vocab: int, sha256: str, *, cost, device_mode
                             num_units=sliced.num_units, model_sha256=sha256 if cost else None)
 
 
-def search_space(opts: Options, num_units: int, budget: float | None):
+def search_space(opts: CompileOptions, num_units: int):
     """What the plan search may choose (compiler/search.py): the meshes of --stages auto
     --ranks N or the given one, every schedule or the given one, the optimiser's slicing or
     the given slices."""
     from tpc.compiler.search import AUTO_SCHEDULES, Space, meshes_for_ranks
 
     if opts.stages_auto:
-        meshes, skipped = meshes_for_ranks(opts.ranks, num_units, opts.batch, opts.microbatches or 1)
+        meshes, skipped = meshes_for_ranks(opts.ranks, num_units, opts.batch, opts.microbatch_count or 1)
         if not meshes:
             raise _error(
                 "--stages",
@@ -317,25 +309,26 @@ def search_space(opts: Options, num_units: int, budget: float | None):
     else:
         meshes, skipped = [(opts.stages, opts.dp)], []
     return Space(
-        seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.microbatches,
+        seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.microbatch_count,
         meshes=tuple(meshes), schedules=AUTO_SCHEDULES if opts.schedule_auto else (opts.schedule,),
-        slices=None if opts.slices_auto else opts.slices, budget=budget, skipped=tuple(skipped),
+        slices=None if opts.slices_auto else opts.cuts, budget=opts.memory_per_rank,
+        skipped=tuple(skipped),
     )  # fmt: skip
 
 
-def search_header(opts: Options, source, make_header, *, budget, explain: bool, progress) -> Header:
+def search_header(opts: CompileOptions, source, make_header, progress) -> Header:
     """The header of the plan the search chooses among what the 'auto' options leave open;
     with nothing open, the given plan on the cost-balanced partition."""
     from tpc.compiler.search import explain as explain_search
     from tpc.compiler.search import search_plan
 
-    space = search_space(opts, source.num_units, budget)
+    space = search_space(opts, source.num_units)
     with progress.step("search") as d:
         result = search_plan(source, space, make_header)
         best = result.best
         d.append(f"{len(result.candidates)} candidates; {best.pipe}x{best.data} {best.schedule}, "
                  f"predicted step {best.time:.4g} s")
-    if explain:
+    if opts.explain:
         progress.say(explain_search(result))
     return best.header
 
@@ -365,48 +358,22 @@ class _Progress:
 # ------------------------------------------------------------------------------ compile
 
 
-def compile_plan(
-    model_path: str,
-    *,
-    stages,
-    microbatches: int | str,
-    seq_len: int,
-    batch: int,
-    slices="1",
-    schedule: str = "seq1f1b",
-    dp: int = 1,
-    ranks: int | None = None,
-    factory: str = "model",
-    cost: str | None = None,
-    device_model: str | None = None,
-    memory_per_rank: str | None = None,
-    explain: bool = False,
-    quiet: bool = False,
-) -> Plan:
+def compile_plan(model_path: str, options: CompileOptions) -> Plan:
     """Compile `model_path` into a verified plan (see the module docstring)."""
     from tpc.compiler.lower import lower
     from tpc.ir.verify import check
 
-    opts = check_options(
-        stages=stages, microbatches=microbatches, seq_len=seq_len, batch=batch,
-        slices=slices, schedule=schedule, dp=dp, ranks=ranks, costs=bool(cost or device_model),
-    )  # fmt: skip
-    budget = None
-    if memory_per_rank is not None:
-        from tpc.compiler.search import parse_memory
-
-        budget = parse_memory(memory_per_rank)
-    progress = _Progress(quiet)
-    searching = bool(cost or device_model)
-    unused = [o for o, v in (("--memory-per-rank", memory_per_rank), ("--explain", explain)) if v]
-    if unused and not searching:
+    opts = options
+    progress = _Progress(opts.quiet)
+    unused = [o for o, v in (("--memory-per-rank", opts.memory_per_rank), ("--explain", opts.explain)) if v]
+    if unused and not opts.searching:
         progress.say(f"note: {', '.join(unused)} serve(s) only the plan search, which needs "
                      "--cost or --device-model; ignored")
 
     with progress.step("trace") as d:
-        from tpc.compiler.frontend import SlicedModel, file_sha256, load_model
+        from tpc.compiler.frontend import SlicedModel, file_sha256, load_model, read_vocab
 
-        model = load_model(model_path, factory)
+        model = load_model(model_path, opts.factory)
         sha = file_sha256(model_path)
         vocab = read_vocab(model, model_path)
         sliced = SlicedModel.from_model(model, seq_len=opts.seq_len, vocab=vocab)
@@ -418,14 +385,13 @@ def compile_plan(
             f"use at most {sliced.num_units} stages",
         )
 
-    make_header = header_maker(model_path=model_path, sha256=sha, factory=factory, opts=opts,
+    make_header = header_maker(model_path=model_path, sha256=sha, factory=opts.factory, opts=opts,
                                vocab=vocab, sliced=sliced)  # fmt: skip
-    if searching:
+    if opts.searching:
         # a cost model is named: the partition comes from its unit times, and whatever is
         # 'auto' is chosen by simulated step time
-        source = cost_source_for(model, sliced, vocab, sha, cost=cost, device_model=device_model)
-        header = search_header(opts, source, make_header, budget=budget, explain=explain,
-                               progress=progress)  # fmt: skip
+        source = cost_source_for(model, sliced, vocab, sha, cost=opts.cost, device_model=opts.device_model)
+        header = search_header(opts, source, make_header, progress)
     else:
         with progress.step("partition") as d:
             ranges = [tuple(r) for r in sliced.partition_by_params(opts.stages)]
@@ -437,21 +403,21 @@ def compile_plan(
         compute = build_schedule(header.schedule.name, header)
         d.append(f"{header.schedule.name}: {slicing_summary(header)}")
     with progress.step("lower") as d:
-        plan = lower(header, compute, verify=False)
+        plan = lower(header, compute, verify=False)  # verified next, in a step of its own
         d.append(f"{sum(len(p.instrs) for p in plan.ranks)} instructions")
     with progress.step("verify"):
         check(plan)
     return plan
 
 
-def compile_to_file(model_path: str, output: str, **options) -> Plan:
+def compile_to_file(model_path: str, output: str, options: CompileOptions) -> Plan:
     """Compile, write the plan to `output` atomically, and return it. The written text is read
     back, parsed and verified before it replaces `output`."""
     from tpc.ir.parse import parse
     from tpc.ir.printer import print_plan
     from tpc.ir.verify import check
 
-    plan = compile_plan(model_path, **options)
+    plan = compile_plan(model_path, options)
     text = print_plan(plan)
     folder = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(folder):
@@ -468,7 +434,7 @@ def compile_to_file(model_path: str, output: str, **options) -> Plan:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    if not options.get("quiet"):
+    if not options.quiet:
         h = plan.header
         n = sum(len(p.instrs) for p in plan.ranks)
         print(

@@ -212,8 +212,9 @@ def to_plan(header: Header, streams: Streams) -> Plan:
 
 
 def lower(header: Header, compute: Mapping[int, Sequence[Instr]], *, verify: bool = True) -> Plan:
-    """Run every pass over the schedule's compute order and return the verified plan
-    (`verify=False` only for tests that inspect an intermediate, unverifiable state)."""
+    """Run every pass over the schedule's compute order and return the plan, verified unless
+    `verify=False` (for a caller that checks it itself, as `tpc compile` does in a step of its
+    own, or a test that studies an unverifiable intermediate)."""
     streams: Streams = {r: tuple(compute.get(r, ())) for r in range(header.mesh.pipe)}
     for _name, run in PASSES:
         streams = run(header, streams)

@@ -7,8 +7,8 @@ instruction and the peak. What is counted, from the cost model's byte functions:
 * parameters `param_bytes(stage)`, their gradients (same size) and the Adam optimizer state
   (two moments: 2x the parameters), for every stage the rank holds, the whole step long;
 * live activations: what a slice's forward keeps for its backward, `stash_bytes(stage, l, c,
-  mb_size)` (c: the tokens before the slice), or, for a cost model without it, the slice's
-  boundary activation `activation_bytes(l, mb_size)`; from the start of its forward (or
+  mb_size)` (c: the tokens before the slice; by default the slice's boundary activation
+  `activation_bytes(l, mb_size)`, costmodel/base.py); from the start of its forward (or
   recompute) to the end of its backward (of its backward-weight for a split backward). A `checkpoint` forward keeps no graph; its
   `recompute` rebuilds it. The input a checkpointed forward keeps to recompute from is left
   out (one hidden-state row per token, small next to the graph);
@@ -27,21 +27,10 @@ parameters, no KV), the total is the number of live slice activations.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Protocol
 
+from tpc.compiler.costmodel.base import CostModel
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Header, Instr, Op
-
-
-class MemoryCosts(Protocol):
-    """The byte functions of a cost model that memory accounting needs (and, when present,
-    `stash_bytes(stage, l, c, mb_size)`)."""
-
-    def activation_bytes(self, l: int, mb_size: int) -> float: ...
-
-    def kv_bytes(self, stage: int, l: int, mb_size: int) -> float: ...
-
-    def param_bytes(self, stage: int) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -97,12 +86,6 @@ def slice_extent(header: Header, instr: Instr) -> tuple[int, int, int]:
     return hi - lo, lo, mb.size
 
 
-def stash_bytes(costs: MemoryCosts, stage: int, l: int, c: int, mb_size: int) -> float:
-    """Bytes a slice's forward keeps for its backward (see the module docstring)."""
-    own = getattr(costs, "stash_bytes", None)
-    return own(stage, l, c, mb_size) if own is not None else costs.activation_bytes(l, mb_size)
-
-
 class _Held:
     """Named allocations of one kind with a running total (summing the dicts at every
     instruction would make long streams quadratic)."""
@@ -120,7 +103,7 @@ class _Held:
         self.total -= self.items.pop(key, 0.0)
 
 
-def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: MemoryCosts) -> RankMemory:
+def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: CostModel) -> RankMemory:
     """Walk one rank's stream and account its memory (see the module docstring)."""
     params = sum(costs.param_bytes(s) for s in header.stages_of_rank(rank))
     static = dict(params=params, grads=params, optimizer=2 * params)
@@ -138,7 +121,7 @@ def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: Mem
                 for j, (lo, hi) in enumerate(mb.slices):
                     kv.add((*owner, j), costs.kv_bytes(instr.stage, hi - lo, size))
             if not instr.checkpoint:
-                acts.add(instr.key, stash_bytes(costs, instr.stage, l, c, size))
+                acts.add(instr.key, costs.stash_bytes(instr.stage, l, c, size))
         elif instr.op in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
             slice_extent(header, instr)  # a located error for a slice the header lacks
             for j in kv_slices.get(owner, ()):

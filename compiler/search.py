@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -49,7 +48,7 @@ from typing import Callable
 import numpy as np
 
 from tpc.compiler.balance import Ranges, best_partition, minmax_partition
-from tpc.compiler.costmodel.base import slice_times_of, transfer_times
+from tpc.compiler.costmodel.base import transfer_times
 from tpc.compiler.costmodel.source import CostSource
 from tpc.compiler.slice_optimiser import DEFAULT_GRANULARITY, Choice, optimise
 from tpc.compiler.slice_optimiser import explain as explain_choice
@@ -68,24 +67,6 @@ MakeHeader = Callable[[int, int, Ranges, str, tuple[Microbatch, ...]], Header]
 
 
 # --------------------------------------------------------------------------- memory sizes
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6,
-          "mib": 2**20, "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12,
-          "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_memory(text: str) -> float:
-    """`--memory-per-rank`: bytes from '16GiB', '512 MiB', '1.5GB', '1000000' (KiB/MiB/GiB/TiB
-    are powers of 1024, kB/MB/GB/TB of 1000, a bare number is bytes)."""
-    m = _SIZE.match(str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS or float(m.group(1)) <= 0:
-        raise TpirError(Diagnostic(
-            f"--memory-per-rank {text!r} is not a memory size",
-            where="--memory-per-rank",
-            hint="give a positive size with a unit, e.g. 16GiB, 512MiB or 80GB"))
-    return float(m.group(1)) * _UNITS[unit]
 
 
 def format_bytes(n: float) -> str:
@@ -221,15 +202,13 @@ def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> Se
 def busy_bound(cost, slicing: Slicing, data: int) -> float:
     """A lower bound on any schedule's step time for a slicing: the busiest rank's compute
     (every forward and backward of its stage) plus its gradient all-reduce."""
-    from tpc.compiler.simulate import grad_sync_time
-
     l = np.array([hi - lo for s in slicing.slices for lo, hi in s], dtype=np.float64)
     c = np.array([lo for s in slicing.slices for lo, _ in s], dtype=np.float64)
     mb = np.array([b for b, s in zip(slicing.mb_sizes, slicing.slices) for _ in s], dtype=np.float64)
     busiest = 0.0
     for stage in range(cost.num_stages):
-        f, b = slice_times_of(cost, stage, l, c, mb)
-        sync = grad_sync_time(cost, stage, data) if data > 1 else 0.0
+        f, b = cost.slice_times(stage, l, c, mb)
+        sync = cost.grad_sync_time(stage, data) if data > 1 else 0.0
         busiest = max(busiest, float(np.sum(f + b)) + sync)
     return busiest
 

@@ -12,15 +12,14 @@ rule of docs/ir.md:
 * `reduce-tied NAME` starts when every rank holding a stage of the tie has reached it (the
   k-th `reduce-tied NAME` of each rank together), then costs an all-reduce of the tied bytes
   over those ranks;
-* `allreduce stage S` costs the cost model's `grad_sync_time(S, data)`, or an all-reduce of
-  stage S's gradients (`param_bytes(S)`) over the data-parallel replicas (they run identical
-  streams, so nobody waits for anybody);
+* `allreduce stage S` costs the cost model's `grad_sync_time(S, data)` (by default a ring
+  all-reduce of `param_bytes(S)` over the data-parallel replicas; they run identical streams,
+  so nobody waits for anybody);
 * compute costs `slice_time(stage, l, c, mb_size)`: forward and recompute the first number,
   backward the second. A split backward's `backward-input` and `backward-weight` cost the
-  cost model's `split_backward_time(stage, l, c, mb_size)` -> (t_input, t_weight) where it has
-  one (the profiled model: both halves measured by `tpc profile`; they are uneven and together
-  cost more than a plain backward); under a model without it (unit costs, the analytic and
-  graph device models) each costs half the backward.
+  cost model's `split_backward_time(stage, l, c, mb_size)` -> (t_input, t_weight) (the
+  profiled model: both halves measured by `tpc profile`, uneven and together more than a plain
+  backward; the other models: half the backward each, `CostModel`'s default).
 
 Times are in the cost model's unit (seconds, or abstract units under `UnitCosts`). Every
 instruction becomes an `Event`; the part of an event spent waiting for a peer (a receive
@@ -40,104 +39,12 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
 
+from tpc.compiler.costmodel.base import CostModel
 from tpc.compiler.memory import Memory, rank_memory, slice_extent
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Header, Instr, Op, Plan
 from tpc.ir.semantics import message_key, tie_ranks
-
-# ---------------------------------------------------------------------------- cost models
-
-
-class CostModel(Protocol):
-    """What the simulator asks of a cost model (tpc.compiler.costmodel implements it).
-
-    Optional extras, used when present: `stash_bytes(stage, l, c, mb_size)` (what a forward
-    keeps for its backward; else `activation_bytes`), `split_backward_time(stage, l, c,
-    mb_size)` -> (backward-input, backward-weight) (else half the backward each),
-    `grad_sync_time(stage, data)` and
-    `allreduce_time(nbytes, n)` (else a ring all-reduce made of `p2p_time` steps),
-    `tied_bytes(name)` (else 0: the tied gradient is taken as small), `time_unit` ("s" unless
-    said) and `memory_unit` ("B" unless said).
-    """
-
-    def slice_time(self, stage: int, l: int, c: int, mb_size: int) -> tuple[float, float]: ...
-
-    def p2p_time(self, nbytes: float) -> float: ...
-
-    def activation_bytes(self, l: int, mb_size: int) -> float: ...
-
-    def kv_bytes(self, stage: int, l: int, mb_size: int) -> float: ...
-
-    def param_bytes(self, stage: int) -> float: ...
-
-
-@dataclass(frozen=True)
-class UnitCosts:
-    """The textbook cost model: forward 1, backward 2 per slice, free communication.
-
-    With `ref_len` set, a slice of length l costs l / ref_len forwards (so slices of unequal
-    length cost in proportion; `for_plan` sets it to the plan's mean slice length, so an
-    average slice still costs 1). Memory is counted in slice activations: each live slice
-    graph is `activation_bytes` (1, or l / ref_len), parameters and KV caches count 0.
-    `p2p` is the time of every transfer (0 by default).
-    """
-
-    forward: float = 1.0
-    backward: float = 2.0
-    ref_len: float | None = None
-    p2p: float = 0.0
-    time_unit: str = "unit"
-    memory_unit: str = "act"
-
-    @classmethod
-    def for_plan(cls, header: Header, **kw) -> "UnitCosts":
-        """Unit costs scaled by slice length, an average slice of the plan costing 1."""
-        n = sum(len(m.slices) for m in header.microbatches)
-        return cls(ref_len=header.shape.seq * len(header.microbatches) / max(n, 1), **kw)
-
-    def _scale(self, l: int) -> float:
-        return 1.0 if self.ref_len is None else l / self.ref_len
-
-    def slice_time(self, stage: int, l: int, c: int, mb_size: int) -> tuple[float, float]:
-        return self.forward * self._scale(l), self.backward * self._scale(l)
-
-    def p2p_time(self, nbytes: float) -> float:
-        return self.p2p
-
-    def activation_bytes(self, l: int, mb_size: int) -> float:
-        return self._scale(l)
-
-    def kv_bytes(self, stage: int, l: int, mb_size: int) -> float:
-        return 0.0
-
-    def param_bytes(self, stage: int) -> float:
-        return 0.0
-
-    def describe(self) -> str:
-        scaled = ", scaled by slice length" if self.ref_len is not None else ""
-        return f"unit costs (forward {self.forward:g}, backward {self.backward:g} per slice{scaled})"
-
-
-def allreduce_time(costs: CostModel, nbytes: float, n: int) -> float:
-    """Time to sum `nbytes` over `n` ranks: the model's own, or a ring (2(n-1) steps of
-    nbytes/n each, the bandwidth-optimal algorithm NCCL and gloo use for large tensors)."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    own = getattr(costs, "allreduce_time", None)
-    if own is not None:
-        return own(nbytes, n)
-    return 2 * (n - 1) * costs.p2p_time(nbytes / n)
-
-
-def grad_sync_time(costs: CostModel, stage: int, data: int) -> float:
-    """Time to sum a stage's gradients over `data` replicas: the model's own, or a ring."""
-    own = getattr(costs, "grad_sync_time", None)
-    if own is not None:
-        return own(stage, data)
-    return allreduce_time(costs, costs.param_bytes(stage), data)
-
 
 # ---------------------------------------------------------------------------------- results
 
@@ -198,11 +105,8 @@ class SimResult:
 def _compute_time(header: Header, instr: Instr, costs: CostModel) -> float:
     l, c, size = slice_extent(header, instr)
     if instr.op in (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
-        split = getattr(costs, "split_backward_time", None)
-        if split is not None:
-            t_input, t_weight = split(instr.stage, l, c, size)
-            return t_input if instr.op is Op.BACKWARD_INPUT else t_weight
-        return costs.slice_time(instr.stage, l, c, size)[1] / 2
+        t_input, t_weight = costs.split_backward_time(instr.stage, l, c, size)
+        return t_input if instr.op is Op.BACKWARD_INPUT else t_weight
     t_fwd, t_bwd = costs.slice_time(instr.stage, l, c, size)
     return t_fwd if instr.op in (Op.FORWARD, Op.RECOMPUTE) else t_bwd
 
@@ -283,7 +187,7 @@ class _Sim:
         elif instr.op is Op.REDUCE_TIED:
             return self._reduce_tied(r, instr)
         elif instr.op is Op.ALLREDUCE:
-            cost = grad_sync_time(self.costs, instr.stage, self.header.mesh.data)
+            cost = self.costs.grad_sync_time(instr.stage, self.header.mesh.data)
             self._finish(r, t, t + cost, 0.0, prev)
         else:  # load, free-kv, step: bookkeeping the cost models do not time
             self._finish(r, t, t, 0.0, prev)
@@ -297,8 +201,7 @@ class _Sim:
         if any(q not in arrivals for q in ranks):
             return False
         ready, last = max((arrivals[q][0], q) for q in ranks)
-        nbytes = getattr(self.costs, "tied_bytes", lambda name: 0.0)(instr.tie)
-        cost = allreduce_time(self.costs, nbytes, len(ranks))
+        cost = self.costs.allreduce_time(self.costs.tied_bytes(instr.tie), len(ranks))
         t = self.clock[r]
         last_index = arrivals[last][1]
         pred = self._previous(r) if (last == r or ready <= t) else (
@@ -360,135 +263,6 @@ def simulate(plan: Plan, costs: CostModel) -> SimResult:
         events=events,
         ranks=tuple(ranks),
         critical_path=sim.critical_path(),
-        time_unit=getattr(costs, "time_unit", "s"),
-        memory_unit=getattr(costs, "memory_unit", "B"),
+        time_unit=costs.time_unit,
+        memory_unit=costs.memory_unit,
     )
-
-
-# ------------------------------------------------------------------------------------- CLI
-
-
-def load_costs(args, header: Header) -> CostModel:
-    """The cost model the options name: --unit (the default) or the cost-model package's
-    loader for --cost / --device-model."""
-    if not getattr(args, "cost", None) and not getattr(args, "device_model", None):
-        return UnitCosts.for_plan(header)
-    from tpc.compiler.costmodel import load_cost_model
-
-    ranges = [stage.units for stage in header.stages]
-    if args.cost:
-        return load_cost_model(cost=args.cost, stage_units=ranges, num_units=header.units.count,
-                               model_sha256=header.model.sha256)
-    # the device model prices the traced graph: build and trace the model the plan names
-    from tpc.compiler.frontend import SlicedModel, load_model
-
-    model = load_model(header.model.path, header.model.factory)
-    sliced = SlicedModel.from_model(model, seq_len=header.shape.seq, vocab=header.shape.vocab)
-    if sliced.num_units != header.units.count:
-        raise TpirError(Diagnostic(
-            f"the plan has {header.units.count} units, {header.model.path} traces to {sliced.num_units}",
-            where="--device-model", hint="recompile the plan from the current model file"))
-    return load_cost_model(device_model=args.device_model, sliced=sliced, stage_units=ranges)
-
-
-def format_quantity(value: float, unit: str) -> str:
-    """Bytes in binary units, seconds in ms, anything else as a plain number and its unit."""
-    if unit == "B":
-        for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-            if abs(value) >= size:
-                return f"{value / size:.2f} {name}"
-        return f"{value:.0f} B"
-    if unit == "s":
-        return f"{value * 1e3:.3f} ms"
-    if unit == "unit":
-        return f"{value:.4g} unit{'s' if value != 1 else ''}"
-    return f"{value:.4g} {unit}"
-
-
-def critical_path_summary(result: SimResult) -> str:
-    """Where the iteration time goes: the ranks the critical path crosses, and how much of it
-    is compute, other work and waiting for messages."""
-    path = result.critical_path
-    if not path:
-        return "critical path: empty plan"
-    hops = [path[0].rank]
-    for e in path[1:]:
-        if e.rank != hops[-1]:
-            hops.append(e.rank)
-    compute = math.fsum(e.work for e in path if e.instr.op in COMPUTE_OPS)
-    other = math.fsum(e.work for e in path if e.instr.op not in COMPUTE_OPS)
-    gaps = result.iteration_time - compute - other
-    n_compute = sum(1 for e in path if e.instr.op in COMPUTE_OPS)
-    u = result.time_unit
-    return (
-        f"critical path: {n_compute} compute instructions over ranks "
-        f"{' > '.join(map(str, hops))}\n"
-        f"  compute {format_quantity(compute, u)}, communication and other work "
-        f"{format_quantity(other, u)}, transfers {format_quantity(gaps, u)}\n"
-        f"  from `{path[0].instr}` (rank {path[0].rank}) to `{path[-1].instr}` (rank {path[-1].rank})"
-    )
-
-
-def format_report(result: SimResult, name: str, costs_text: str) -> str:
-    """The table `tpc simulate` prints."""
-    h = result.plan.header
-    from tpc.compiler.timeline import slices_summary
-
-    M = len(h.microbatches)
-    t, m = result.time_unit, result.memory_unit
-    lines = [
-        f"{name}: schedule {h.schedule.name!r}, {h.num_stages} stages on {h.mesh.pipe} ranks, "
-        f"{M} micro-batch{'es' if M != 1 else ''}, {slices_summary(h)}; {costs_text}",
-        "",
-        f"{'rank':>4}  {'busy':>14}  {'idle':>14}  {'bubble':>7}  {'peak memory':>14}",
-    ]
-    for r in result.ranks:
-        lines.append(
-            f"{r.rank:>4}  {format_quantity(r.busy, t):>14}  {format_quantity(r.idle, t):>14}  "
-            f"{r.bubble:>7.1%}  {format_quantity(r.peak_memory.total, m):>14}"
-        )
-    lines += [
-        "",
-        f"iteration time: {format_quantity(result.iteration_time, t)}   "
-        f"mean bubble: {result.bubble:.1%}",
-        critical_path_summary(result),
-    ]
-    if m == "act":
-        lines.append("memory in slice activations (graphs kept from a forward to its backward)")
-    return "\n".join(lines)
-
-
-def _writing(option: str, path: str, write) -> None:
-    """Run `write`; a file that cannot be written is the user's error, not a traceback."""
-    try:
-        write()
-    except OSError as e:
-        raise TpirError(Diagnostic(
-            f"cannot write {path}: {e.strerror or e}",
-            where=option,
-            hint="give a path in a folder that exists and that you may write to",
-        )) from None
-
-
-def simulate_from_cli(args) -> int:
-    """`tpc simulate PLAN [--cost F | --device-model N | --unit] [--trace J] [--png P]
-    [--compare M]`: verify, simulate, print the table, write what was asked."""
-    from tpc.compiler import timeline
-    from tpc.ir.verify import verify_file
-
-    plan = verify_file(args.plan)
-    costs = load_costs(args, plan.header)
-    result = simulate(plan, costs)
-    describe = getattr(costs, "describe", None)
-    print(format_report(result, args.plan, describe() if describe else type(costs).__name__))
-    if getattr(args, "trace", None):
-        _writing("--trace", args.trace, lambda: timeline.write_trace(result, args.trace, args.plan))
-        print(f"trace: {args.trace} (open it in https://ui.perfetto.dev)")
-    if getattr(args, "png", None):
-        _writing("--png", args.png, lambda: timeline.write_gantt(result, args.png))
-        print(f"timeline: {args.png}")
-    if getattr(args, "compare", None):
-        comparison = timeline.compare(result, timeline.read_trace(args.compare))
-        print(f"\npredicted vs measured ({args.compare}):")
-        print(timeline.format_comparison(comparison))
-    return 0

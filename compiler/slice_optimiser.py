@@ -70,10 +70,9 @@ def _check_inputs(K: int, L: int, batch: int, microbatches: int | None, granular
 
 def sync_time_of(cost: CostModel, data: int) -> float:
     """Gradient all-reduce over data replicas after the pipeline drains (slowest stage)."""
-    fn = getattr(cost, "grad_sync_time", None)
-    if fn is None or data <= 1:
+    if data <= 1:
         return 0.0
-    return max(fn(s, data) for s in range(cost.num_stages))
+    return max(cost.grad_sync_time(s, data) for s in range(cost.num_stages))
 
 
 def batch_only(cost: CostModel, K: int, L: int, batch: int, microbatches: int | None = None,

@@ -1,11 +1,13 @@
-"""`--slices`: how a micro-batch's sequence is cut into token slices.
+"""Token slices: how a micro-batch's sequence is cut (`--slices`).
 
-    "N"          N slices of (nearly) equal length; the first L mod N slices are one token
+    N            N slices of (nearly) equal length; the first L mod N slices are one token
                  longer, so lengths differ by at most one and still tile [0, L)
-    "l1,l2,..."  explicit lengths, which must be positive and sum to L
-    "auto"       left to the optimiser (returned as the string "auto")
+    (l1, l2,...) explicit lengths, which must be positive and sum to L
+    AUTO         left to the optimiser
 
-The result is the tuple of half-open [start, end) ranges the header's `microbatch` lines carry.
+The header's `microbatch` lines carry the half-open [start, end) ranges (`equal_slices`,
+`ranges_of`). The command line's spelling of these ("4", "6,3,1", "auto") is read by
+`tpc.cli.compile.parse_slices`.
 """
 
 from __future__ import annotations
@@ -35,48 +37,41 @@ def ranges_of(lengths) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def parse_slices(spec: str, seq_len: int) -> tuple[tuple[int, int], ...] | str:
-    """Parse a `--slices` value for sequences of `seq_len` tokens (see the module docstring)."""
-    text = str(spec).strip()
-    if text.lower() == AUTO:
-        return AUTO
+def check_slices(slices, seq_len: int) -> None:
+    """Refuse a `slices` value that cannot cut sequences of `seq_len` tokens: a count outside
+    1..seq_len, or lengths that are not positive or do not sum to seq_len (AUTO passes)."""
+    if slices == AUTO:
+        return
     form_hint = (
         f"give a slice count N (1..{seq_len}), comma-separated lengths summing to {seq_len} "
-        f"(e.g. {_example(seq_len)}), or 'auto'"
+        f"(e.g. {slice_example(seq_len)}), or 'auto'"
     )
-    parts = [p.strip() for p in text.split(",")]
-    if not text or any(not p for p in parts):
-        raise _error(f"empty slice length in {spec!r}", form_hint)
-    values = []
-    for p in parts:
-        try:
-            values.append(int(p))
-        except ValueError:
-            raise _error(f"{p!r} in {spec!r} is not a whole number", form_hint) from None
-    if len(values) == 1:
-        count = values[0]
-        if not 1 <= count <= seq_len:
+    if isinstance(slices, int) and not isinstance(slices, bool):
+        if not 1 <= slices <= seq_len:
             raise _error(
-                f"{count} slices cannot cut a sequence of {seq_len} tokens",
+                f"{slices} slices cannot cut a sequence of {seq_len} tokens",
                 f"every slice needs at least one token: use 1 to {seq_len} slices",
             )
-        return equal_slices(count, seq_len)
-    bad = [v for v in values if v < 1]
+        return
+    if not isinstance(slices, tuple) or not slices or not all(isinstance(v, int) for v in slices):
+        raise _error(f"slices {slices!r} is neither a count nor a tuple of lengths", form_hint)
+    spec = ",".join(map(str, slices))
+    bad = [v for v in slices if v < 1]
     if bad:
         raise _error(
             f"slice length {bad[0]} in {spec!r} is not positive",
             f"every slice needs at least one token; {form_hint}",
         )
-    total = sum(values)
+    total = sum(slices)
     if total != seq_len:
         raise _error(
             f"slice lengths {spec!r} sum to {total}, not to the sequence length {seq_len}",
             f"the slices must tile the whole sequence; {form_hint}",
         )
-    return ranges_of(values)
 
 
-def _example(seq_len: int) -> str:
+def slice_example(seq_len: int) -> str:
+    """A valid --slices example for sequences of `seq_len` tokens, for hints."""
     if seq_len >= 4:
         half = seq_len // 2
         quarter = (seq_len - half) // 2

@@ -29,22 +29,26 @@ not honour the timeout. So no run hangs.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from tpc.executors.engine import DTYPES, EngineOptions, RankEngine, stage_factory_from_model
+from tpc.executors.engine import DTYPES, RankEngine, stage_factory_from_model
+from tpc.executors.options import RunOptions
+from tpc.executors.plan_model import check_plan_model, load_plan_model, slice_model
+from tpc.executors.run import GradientCheck, Reporter, batch_source, check_bf16, write_trace
+from tpc.executors.training.run_checkpoints import RunCheckpoints
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Op, Plan
+from tpc.ir.verify import verify_file
 from tpc.ir.semantics import Message
 
 
@@ -65,7 +69,8 @@ class World:
                          int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
         except (KeyError, ValueError) as e:
             raise TpirError(Diagnostic(
-                f"the torchrun environment is incomplete or malformed ({e})",
+                f"`tpc run` without --interpret runs one rank per process under torchrun, but the "
+                f"torchrun environment is missing or malformed ({e})",
                 hint="start with `torchrun --nproc-per-node N --no-python tpc run PLAN`, or run "
                      "`tpc run --interpret PLAN` in one process")) from None
 
@@ -80,45 +85,6 @@ def check_world(plan: Plan, world: World) -> None:
             loc=plan.header.mesh.loc, where=plan.source,
             hint=f"run `torchrun --nproc-per-node {mesh.pipe * mesh.data} ...`, or compile a plan "
                  f"for {world.size} ranks"))
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def check_model_file(plan: Plan) -> None:
-    """Refuse a model file that is missing or differs from the one the plan was compiled from."""
-    line = plan.header.model
-    path = Path(line.path)
-    if not path.is_file():
-        raise TpirError(Diagnostic(
-            f"the plan's model file {line.path!r} does not exist", loc=line.loc, where=plan.source,
-            hint="run from the directory the plan was compiled in, or fix the path on the model line"))
-    actual = file_sha256(path)
-    if actual != line.sha256:
-        raise TpirError(Diagnostic(
-            f"the model file {line.path!r} has changed since the plan was compiled "
-            f"(sha256 {actual[:12]}..., the plan says {line.sha256[:12]}...)",
-            loc=line.loc, where=plan.source,
-            hint=f"recompile: `tpc compile {line.path} -o PLAN ...`, or restore the file the plan was made from"))
-
-
-def choose_device(name: str, world: World) -> torch.device:
-    """cpu, or cuda:LOCAL_RANK ('auto': CUDA when present)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return torch.device("cpu")
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise TpirError(Diagnostic("--device cuda, but CUDA is not available", where="--device",
-                                       hint="use --device cpu (gloo), or run on a machine with GPUs"))
-        return torch.device("cuda", world.local_rank)
-    raise TpirError(Diagnostic(f"unknown device {name!r}", where="--device", hint="use cpu, cuda or auto"))
 
 
 # ------------------------------------------------------------------------------ the groups
@@ -183,10 +149,22 @@ class DistTransport:
         self.sends: list[tuple[object, torch.Tensor, str]] = []
         self.sent: dict[int, int] = {}  # messages sent per destination (the tag of the next)
         self.received: dict[int, int] = {}  # receives posted per source
-        self.waiting: tuple[str, float] | None = None  # what this rank waits for, since when
+        # what this rank waits for and since when (read by the watchdog thread); set only
+        # through `waiting_for`
+        self.waiting: tuple[str, float] | None = None
 
     def _global(self, pipe_rank: int) -> int:
         return self.data_rank * self.pipe + pipe_rank
+
+    @contextmanager
+    def waiting_for(self, what: str):
+        """Mark a wait on the other ranks (a receive, a collective, a checkpoint), so that the
+        watchdog can say what this rank was waiting for if it never ends."""
+        self.waiting = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            self.waiting = None
 
     def start_step(self) -> None:
         self.posted.clear()
@@ -194,7 +172,7 @@ class DistTransport:
 
     # ---------------------------------------------------------------------- receives
 
-    def ahead(self, index: int) -> None:
+    def before_instruction(self, index: int) -> None:
         """About to run instruction `index`: post every receive up to the compute after the
         next one, in program order (so each channel's receives are posted in order).
 
@@ -288,17 +266,15 @@ class DistTransport:
     # ---------------------------------------------------------------------------- waits
 
     def _wait(self, work, what: str) -> None:
-        self.waiting = (what, time.monotonic())
-        try:
-            work.wait(timeout=timedelta(seconds=self.timeout))
-        except Exception as e:  # noqa: BLE001 - a failed peer surfaces as whatever the backend raises
-            cause = backend_cause(e)
-            raise TpirError(Diagnostic(
-                f"gave up waiting for {what}: {cause}",
-                hint="that rank failed or is stuck: see its own error above; if it is merely "
-                     "slow, raise --timeout")) from None
-        finally:
-            self.waiting = None
+        with self.waiting_for(what):
+            try:
+                work.wait(timeout=timedelta(seconds=self.timeout))
+            except Exception as e:  # noqa: BLE001 - a failed peer surfaces as whatever the backend raises
+                cause = backend_cause(e)
+                raise TpirError(Diagnostic(
+                    f"gave up waiting for {what}: {cause}",
+                    hint="that rank failed or is stuck: see its own error above; if it is merely "
+                         "slow, raise --timeout")) from None
 
 
 def backend_cause(e: Exception) -> str:
@@ -371,151 +347,106 @@ def init(world: World, device: torch.device, timeout: float) -> None:
                             world_size=world.size, timeout=timedelta(seconds=timeout))
 
 
-def run_plan(plan: Plan, world: World, *, model: torch.nn.Module, sliced=None, stage_factory=None,
-             hidden_size: int | None = None, batches, steps: int, options: EngineOptions,
-             timeout: float, on_step=None, checkpoints=None) -> RankOutcome:
-    """Run this rank's stream up to step `steps` in an initialised process group: from step 0,
-    or, when `checkpoints` (`tpc.executors.training.run_checkpoints.RunCheckpoints`) resumes, from the
-    newest checkpoint's step. Every rank saves its own shard when a checkpoint is due. A failure
-    of this rank's instruction raises (located); the caller decides how to leave."""
+def run_plan(plan: Plan, world: World, options: RunOptions, *, model: torch.nn.Module, device: torch.device,
+             sliced=None, stage_factory=None, hidden_size: int | None = None, batches,
+             on_step=None, checkpoints=None, before_instr=None) -> RankOutcome:
+    """Run this rank's stream up to step `options.steps` in an initialised process group: from
+    step 0, or, when `checkpoints` (`tpc.executors.training.run_checkpoints.RunCheckpoints`)
+    resumes, from the newest checkpoint's step. Every rank saves its own shard when a checkpoint
+    is due. A failure of this rank's instruction raises (located); the caller decides how to
+    leave. `before_instr(engine, index)` runs before each instruction (fault injection)."""
     pipe = plan.header.mesh.pipe
     pipe_rank, data_rank = world.rank % pipe, world.rank // pipe
     if stage_factory is None:
         stage_factory = stage_factory_from_model(sliced, model)
         hidden_size = sliced.hidden_size
-    groups = make_groups(plan, world, timeout, pipeline=options.grad_clip > 0 or options.grad_norm)
+    groups = make_groups(plan, world, options.timeout, pipeline=options.needs_grad_norm)
     dtype = DTYPES[plan.header.shape.dtype]  # the plan was verified: a known name
-    transport = DistTransport(plan, world, groups, device=options.device, hidden_size=hidden_size,
-                              dtype=dtype, timeout=timeout, tags=dist.get_backend() == "gloo")
+    transport = DistTransport(plan, world, groups, device=device, hidden_size=hidden_size,
+                              dtype=dtype, timeout=options.timeout, tags=dist.get_backend() == "gloo")
     engine = RankEngine(plan, pipe_rank, data_rank, transport, stage_factory, hidden_size=hidden_size,
-                        options=options)
-    hook = options.before_instr
-
-    def before(e: RankEngine, index: int) -> None:
-        transport.ahead(index)
-        if hook is not None:
-            hook(e, index)
-
-    engine.options = _with_hook(options, before)
-    watchdog = Watchdog(engine, transport, timeout)
+                        options=options, device=device, before_instr=before_instr)
+    watchdog = Watchdog(engine, transport, options.timeout)
     watchdog.start()
     losses, first_grads = [], {}
     try:
         start = 0
         if checkpoints is not None and checkpoints.resume:
-            transport.waiting = ("the other ranks to load the checkpoint", time.monotonic())
-            start = checkpoints.restore([engine])
-            transport.waiting = None
+            with transport.waiting_for("the other ranks to load the checkpoint"):
+                start = checkpoints.restore([engine])
         dist.barrier()
         engine.epoch = time.perf_counter()  # trace times count from a common start
-        for step in range(start, steps):
+        for step in range(start, options.steps):
             started = time.perf_counter()
             transport.start_step()
             engine.run_step(step, batches.get(step))
-            total = torch.tensor([engine.step_loss], dtype=torch.float64, device=options.device)
-            transport.waiting = ("the loss of the other ranks", time.monotonic())
-            dist.all_reduce(total)
-            transport.waiting = None
+            total = torch.tensor([engine.step_loss], dtype=torch.float64, device=device)
+            with transport.waiting_for("the loss of the other ranks"):
+                dist.all_reduce(total)
             losses.append(float(total))
             if step == start:
                 first_grads = dict(engine.grads)
             if on_step is not None:
-                lr = options.lr_at(step) if options.lr_at is not None else options.optim.lr
-                on_step(step, losses[-1], dict(lr=lr, grad_norm=engine.grad_norm,
+                on_step(step, losses[-1], dict(lr=options.lr_at(step), grad_norm=engine.grad_norm,
                                                step_time=time.perf_counter() - started))
             if checkpoints is not None:
-                transport.waiting = ("the other ranks to write their checkpoint shards", time.monotonic())
-                checkpoints.after_step([engine], step + 1)
-                transport.waiting = None
+                with transport.waiting_for("the other ranks to write their checkpoint shards"):
+                    checkpoints.after_step([engine], step + 1)
     finally:
         watchdog.stop.set()
     return RankOutcome(losses, first_grads, {n: p.detach().cpu().clone() for n, p in engine.named_parameters},
                        engine.peak_live, engine.events)
 
 
-def _with_hook(options: EngineOptions, hook) -> EngineOptions:
-    from dataclasses import replace
-
-    return replace(options, before_instr=hook)
-
-
-def main(plan_path: str, settings) -> int:
-    """`tpc run` under torchrun: this process runs one rank. Returns the exit status (the same
-    on every rank); a failure ends the process with status 1 (see `fail`)."""
-    import copy
-
-    from tpc.executors.interpreter import load_plan_model, slice_model
-    from tpc.executors.training.run_checkpoints import RunCheckpoints
-    from tpc.executors.run import (
-        Reporter,
-        batch_source,
-        check_bf16,
-        compare_grads,
-        reference_gradients,
-        report_check,
-        write_trace,
-    )
-    from tpc.ir.verify import verify_file
-
+def main(plan_path: str, options: RunOptions, world: World) -> int:
+    """`tpc run` under torchrun: this process runs rank `world.rank` (World.from_env()). Returns
+    the exit status (the same on every rank); a failure ends the process with status 1 (see
+    `fail`)."""
     torch.set_num_threads(1)
-    world = World.from_env()
     # every rank checks the same files: all refuse alike, before any communication
     plan = verify_file(plan_path)
     check_world(plan, world)
-    check_model_file(plan)
-    device = choose_device(settings.device, world)
-    check_bf16(settings, device)
-    model = load_plan_model(plan, settings.seed)
-    reference = copy.deepcopy(model) if settings.verify_grads else None
+    check_plan_model(plan)
+    device = options.torch_device(world.local_rank)
+    check_bf16(options, device)
+    model = load_plan_model(plan, options.seed)
     sliced = slice_model(model, plan)
+    gradient_check = GradientCheck(plan, options, model) if options.verify_grads else None
     model.to(device)
-    batches = batch_source(plan, settings)
+    batches = batch_source(plan, options)
     try:
-        init(world, device, settings.timeout)
+        init(world, device, options.timeout)
     except Exception as e:  # noqa: BLE001 - whatever the rendezvous raises, say what it means
         fail(f"rank {world.rank}: could not join the other {world.size - 1} rank(s) within "
-             f"{settings.timeout:g} s: {backend_cause(e)}",
+             f"{options.timeout:g} s: {backend_cause(e)}",
              hint="every rank must start (torchrun --nproc-per-node N) and reach MASTER_ADDR:MASTER_PORT")
-    options = EngineOptions(device=device, optim=settings.optim, trace=bool(settings.trace),
-                            bf16=settings.bf16, record_grads=settings.verify_grads,
-                            lr_at=settings.lr_schedule(), grad_clip=settings.grad_clip,
-                            grad_norm=bool(settings.metrics))
-    show = Reporter(settings, plan, world.rank)
-    checkpoints = RunCheckpoints.from_settings(plan, settings, say=show.message)
+    show = Reporter(options, plan, world.rank)
+    checkpoints = RunCheckpoints.from_options(plan, options, say=show.message)
     try:
-        outcome = run_plan(plan, world, model=model, sliced=sliced, batches=batches, steps=settings.steps,
-                           options=options, timeout=settings.timeout, on_step=show, checkpoints=checkpoints)
+        outcome = run_plan(plan, world, options, model=model, device=device, sliced=sliced,
+                           batches=batches, on_step=show, checkpoints=checkpoints)
         show.close()
     except TpirError as e:
         fail(e)
     except Exception as e:  # noqa: BLE001 - outside an instruction (setup): still report and leave
         fail(f"rank {world.rank}: {type(e).__name__}: {e}")
     status = 0
-    if settings.trace:
+    if options.trace_path:
         gathered = [None] * world.size if world.rank == 0 else None
         dist.gather_object(outcome.events, gathered, dst=0)
         if world.rank == 0:
-            write_trace(settings.trace, [ev for evs in gathered for ev in evs])
-    if settings.verify_grads:
-        status = _check_gradients(plan, world, outcome, reference, batches, settings, compare_grads,
-                                  reference_gradients, report_check)
+            write_trace(options.trace_path, [ev for evs in gathered for ev in evs])
+    if gradient_check is not None:
+        status = _check_gradients(world, outcome, gradient_check, batches)
     dist.barrier()
     dist.destroy_process_group()
     return status
 
 
-def _check_gradients(plan, world, outcome, reference, batches, settings, compare_grads,
-                     reference_gradients, report_check) -> int:
+def _check_gradients(world: World, outcome: RankOutcome, check, batches) -> int:
     """Every rank compares its own parameters' first-step gradients with plain autograd; the
     worst error over all ranks decides, the same on every rank; rank 0 prints it."""
-    ref_loss, ref_grads = reference_gradients(reference, batches.get(0))
-    mine = {n: ref_grads[n] for n in outcome.first_grads if n in ref_grads}
-    worst, name = compare_grads(outcome.first_grads, mine)
+    worst, name, held = check.compare_part(outcome.first_grads, batches.get(0))
     everyone = [None] * world.size
-    dist.all_gather_object(everyone, (worst, name, sorted(outcome.first_grads)))
-    worst, name, _ = max(everyone, key=lambda t: t[0])
-    held = set().union(*(set(names) for _, _, names in everyone))
-    missing = sorted(set(ref_grads) - held)
-    if missing:
-        worst, name = float("inf"), f"{missing[0]} is held by no stage"
-    return report_check(outcome.losses[0], ref_loss, worst, name, settings.tolerance, show=world.rank == 0)
+    dist.all_gather_object(everyone, (worst, name, sorted(held)))
+    return check.conclude(outcome.losses[0], everyone, show=world.rank == 0)

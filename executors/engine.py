@@ -31,7 +31,8 @@ from typing import Callable, Iterable, Protocol
 import torch
 
 from tpc.executors.training.batches import microbatch_tokens, split_tokens
-from tpc.executors.training.optimizer import OptimSpec, RankOptimizer
+from tpc.executors.options import RunOptions
+from tpc.executors.training.optimizer import RankOptimizer
 from tpc.executors.training.param_groups import unique_parameters
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Instr, Op, Payload, Plan, Stage
@@ -40,6 +41,11 @@ from tpc.ir.verify import DTYPES as PLAN_DTYPES
 
 # the parameter dtypes a plan may name (the verifier's list), as torch dtypes
 DTYPES = {name: getattr(torch, name) for name in PLAN_DTYPES}
+
+
+class RankError(TpirError):
+    """An error already located at a rank of the plan (and usually its instruction): the engine
+    raises it as it is, never wrapped in a second location."""
 
 
 class Blocked(Exception):
@@ -125,37 +131,24 @@ class TraceEvent:
     end: float
 
 
-@dataclass
-class EngineOptions:
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    optim: OptimSpec = field(default_factory=OptimSpec)
-    # record each instruction's start and end (on CUDA the engine waits for the device after
-    # each instruction, so an event spans its kernels; the run itself is slower)
-    trace: bool = False
-    # bf16 autocast around compute (CUDA only; weights, gradients and messages stay fp32)
-    bf16: bool = False
-    # keep a copy of every parameter's gradient at `step` (before the update), for checks
-    record_grads: bool = False
-    # the learning rate of each step (None: the optimizer's own, constant)
-    lr_at: Callable[[int], float] | None = None
-    # clip the global gradient norm to this before each update (0: no clipping)
-    grad_clip: float = 0.0
-    # compute the global gradient norm each step even without clipping (for metrics)
-    grad_norm: bool = False
-    # called before each instruction with (engine, index); tests use it to inject faults
-    before_instr: Callable[["RankEngine", int], None] | None = None
-
-
 class RankEngine:
     """Runs pipeline rank `pipe_rank` of data replica `data_rank` of `plan`."""
 
     def __init__(self, plan: Plan, pipe_rank: int, data_rank: int, transport: Transport,
-                 stage_factory: StageFactory, *, hidden_size: int, options: EngineOptions | None = None):
+                 stage_factory: StageFactory, *, hidden_size: int, options: RunOptions | None = None,
+                 device: torch.device | None = None,
+                 before_instr: Callable[["RankEngine", int], None] | None = None):
+        """`options` say how to train (optimizer, learning rate, clipping, tracing, bf16, ...);
+        `device` is where this rank computes (default: the CPU); `before_instr(engine, index)`
+        runs before each instruction (tests inject faults with it)."""
         self.plan, self.header = plan, plan.header
         self.pipe_rank, self.data_rank = pipe_rank, data_rank
         self.global_rank = data_rank * self.header.mesh.pipe + pipe_rank
         self.transport = transport
-        self.options = options or EngineOptions()
+        self.options = options or RunOptions()
+        self.device = device if device is not None else torch.device("cpu")
+        self.before_instr = before_instr
+        self.transport_before = getattr(transport, "before_instruction", None)
         self.hidden_size = hidden_size
         self.instrs: tuple[Instr, ...] = plan.program(pipe_rank).instrs
         self.dtype = DTYPES[self.header.shape.dtype]  # the plan was verified: a known name
@@ -238,22 +231,24 @@ class RankEngine:
         instr = self.instrs[index]
         start = time.perf_counter()
         try:
-            if self.options.before_instr is not None:
-                self.options.before_instr(self, index)
+            if self.transport_before is not None:
+                self.transport_before(index)
+            if self.before_instr is not None:
+                self.before_instr(self, index)
             self._dispatch[instr.op](instr)
         except Blocked:
             raise
+        except RankError:
+            raise
         except TpirError as e:
-            if getattr(e, "located", False):
-                raise
             raise self.locate(index, "; ".join(d.message for d in e.diagnostics),
                               hint=e.diagnostics[0].hint if e.diagnostics else "") from e
         except Exception as e:  # noqa: BLE001 - every failure of an instruction is reported located
             raise self.locate(index, f"{type(e).__name__}: {e}") from e
-        if self.options.trace and self.options.device.type == "cuda":
-            torch.cuda.synchronize(self.options.device)
+        if self.options.traced and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         end = time.perf_counter()
-        if self.options.trace:
+        if self.options.traced:
             self.events.append(TraceEvent(self.global_rank, self.line_of(index), str(instr),
                                           self.step, start - self.epoch, end - self.epoch))
         live = sum(getattr(b.runtime, "live_activations", 0) for b in self.stages.values())
@@ -278,13 +273,11 @@ class RankEngine:
         pos = f"line {instr.loc.line}" if instr.loc is not None else f"instruction {index}"
         return f"rank {self.rank_name}, {pos}: {instr}"
 
-    def locate(self, index: int, cause: str, hint: str = "") -> TpirError:
+    def locate(self, index: int, cause: str, hint: str = "") -> RankError:
         step = f" (step {self.step})" if self.step >= 0 else ""
-        err = TpirError(Diagnostic(
+        return RankError(Diagnostic(
             f"{self.where(index)}: {cause}{step}", loc=self.instrs[index].loc, where=self.plan.source,
             hint=hint or "run `tpc verify` on the plan; with --debug the Python traceback is shown"))
-        err.located = True
-        return err
 
     # ------------------------------------------------------------------------- helpers
 
@@ -314,7 +307,7 @@ class RankEngine:
 
     def _compute(self):
         if self.options.bf16:
-            return torch.autocast(device_type=self.options.device.type, dtype=torch.bfloat16)
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def _message_shape(self, mb: int, sl: int) -> tuple[int, int, int]:
@@ -327,9 +320,9 @@ class RankEngine:
         tokens = microbatch_tokens(self.tokens, self.header, self.data_rank, instr.mb)
         ids, targets = split_tokens(tokens)
         if 0 in self.stages:
-            self.ids[instr.mb] = ids.to(self.options.device)
+            self.ids[instr.mb] = ids.to(self.device)
         if self.last_stage in self.stages:
-            self.targets[instr.mb] = targets.to(self.options.device)
+            self.targets[instr.mb] = targets.to(self.device)
 
     def _forward(self, instr: Instr) -> None:
         s, m, i = instr.key
@@ -429,9 +422,9 @@ class RankEngine:
 
     def _step(self, instr: Instr) -> None:
         self.transport.flush()
-        if self.options.record_grads:  # the model's gradients, before clipping changes them
+        if self.options.keeps_grads:  # the model's gradients, before clipping changes them
             self.grads = {n: _grad_of(p).detach().clone() for n, p in self.named_parameters}
-        if self.options.grad_clip > 0 or self.options.grad_norm:
+        if self.options.needs_grad_norm:
             from tpc.executors.training.clip import clip_global, tied_copies_not_owned
 
             for _, p in self.named_parameters:
@@ -440,8 +433,7 @@ class RankEngine:
                 self.named_parameters, self.options.grad_clip,
                 skip=tied_copies_not_owned(self.header, self.pipe_rank),
                 sum_over_pipeline=self.transport.sum_over_pipeline)
-        if self.options.lr_at is not None:
-            self.optimizer.set_lr(self.options.lr_at(self.step))
+        self.optimizer.set_lr(self.options.lr_at(self.step))
         self.optimizer.step()
 
     # -------------------------------------------------------------------------- access

@@ -19,6 +19,7 @@ rank order), so the interpreter is deterministic.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,16 +27,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tpc.executors.training.batches import BatchSource, RandomTokens
-from tpc.executors.engine import (
-    Blocked,
-    EngineOptions,
-    RankEngine,
-    TraceEvent,
-    stage_factory_from_model,
-)
-from tpc.executors.training.optimizer import OptimSpec
+from tpc.executors.engine import Blocked, RankEngine, RankError, TraceEvent, stage_factory_from_model
+from tpc.executors.options import RunOptions
+from tpc.executors.plan_model import load_plan_model, slice_model
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
+from tpc.ir.verify import check
 from tpc.ir.semantics import Message
 
 
@@ -191,45 +188,37 @@ def deadlock_error(engines: list[RankEngine], waiting: dict[int, str]) -> TpirEr
     for e in stuck:
         diags.append(Diagnostic(f"{e.where(e.pc)}: blocked, {waiting.get(id(e), 'waiting')}",
                                 loc=e.current.loc, where=e.plan.source))
-    err = TpirError(diags)
-    err.located = True
-    return err
+    return RankError(diags)
 
 
-def _check_plan(plan: Plan) -> None:
-    from tpc.ir.verify import check
-
-    check(plan)
-
-
-def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Module | None = None,
+def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.Module | None = None,
               sliced=None, stage_factory_for=None, hidden_size: int | None = None,
-              batches: BatchSource | None = None, optim: OptimSpec | None = None,
-              device: str | torch.device = "cpu", trace: bool = False, verify: bool = True,
-              lr_at=None, grad_clip: float = 0.0, grad_norm: bool = False, on_step=None,
-              checkpoints=None, bf16: bool = False) -> RunResult:
-    """Run `plan` for `steps` training steps with every rank in this process.
+              batches: BatchSource | None = None, on_step=None, checkpoints=None,
+              verify: bool = True) -> RunResult:
+    """Run `plan` for `options.steps` training steps with every rank in this process.
 
-    The model comes from the plan's model file (built after `torch.manual_seed(seed)`) unless
-    `model` is given; `sliced` is its `SlicedModel` (built here when not given). Each (pipeline
-    rank, replica) trains its own copy of the model, as separate processes would.
+    How to train is `options` (tpc.executors.options.RunOptions; the interpreter always keeps
+    the gradients: `RunResult.grads` and `first_grads`). The model comes from the plan's model
+    file (built after `torch.manual_seed(options.seed)`) unless `model` is given; `sliced` is
+    its `SlicedModel` (built here when not given). Each (pipeline rank, replica) trains its own
+    copy of the model, as separate processes would.
     `stage_factory_for(model_copy) -> StageFactory` replaces the front end (tests use a fake one,
-    with `hidden_size`). `verify=False` skips the verifier (to study a broken plan).
-    `lr_at(step)` sets each step's learning rate; `grad_clip` > 0 clips the global gradient norm.
+    with `hidden_size`). `batches` default to random tokens from `options.seed`.
     `on_step(step, loss, info)` is called after every step; info has the step's "lr",
-    "grad_norm" (with `grad_clip` or `grad_norm=True`, else None) and "step_time" in seconds.
-    `checkpoints` (`tpc.executors.training.run_checkpoints.RunCheckpoints`) saves all ranks' shards when
-    due and, when resuming, first loads the newest checkpoint: the run then goes from its step
-    up to `steps` (the step the run ends at), and `losses` holds only the steps run here.
-    `bf16`: compute under bf16 autocast (weights, gradients and messages stay fp32). On CUDA
-    each step's time is taken after the device has finished the step.
+    "grad_norm" (when `options.needs_grad_norm`, else None) and "step_time" in seconds.
+    `checkpoints` (`tpc.executors.training.run_checkpoints.RunCheckpoints`) saves all ranks'
+    shards when due and, when resuming, first loads the newest checkpoint: the run then goes
+    from its step up to `options.steps`, and `losses` holds only the steps run here.
+    `verify=False` skips the verifier (to study a broken plan). On CUDA each step's time is
+    taken after the device has finished the step.
     """
+    options = options or RunOptions()
     if verify:
-        _check_plan(plan)
+        check(plan)
     header = plan.header
-    device = torch.device(device)
+    device = options.torch_device()
     if model is None and stage_factory_for is None:
-        model = load_plan_model(plan, seed)
+        model = load_plan_model(plan, options.seed)
     if stage_factory_for is None:
         if sliced is None:
             sliced = slice_model(model, plan)
@@ -240,22 +229,19 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
     if hidden_size is None:
         raise TpirError(Diagnostic("the hidden size of the model is unknown",
                                    hint="pass hidden_size with stage_factory_for"))
-    batches = batches or RandomTokens(seed, header.shape.batch, header.shape.seq, header.shape.vocab)
-    options = EngineOptions(device=device, optim=optim or OptimSpec(), trace=trace, record_grads=True,
-                            lr_at=lr_at, grad_clip=grad_clip, grad_norm=grad_norm, bf16=bf16)
+    batches = batches or RandomTokens(options.seed, header.shape.batch, header.shape.seq, header.shape.vocab)
+    options = dataclasses.replace(options, record_grads=True)
     hub = _Hub()
     engines: list[RankEngine] = []
-    copies: dict[tuple[int, int], torch.nn.Module] = {}
     for d in range(header.mesh.data):
         for p in range(header.mesh.pipe):
             copy_ = copy.deepcopy(model).to(device) if model is not None else None
-            copies[(p, d)] = copy_
             engines.append(RankEngine(plan, p, d, LocalTransport(hub, plan, p, d), stage_factory_for(copy_),
-                                      hidden_size=hidden_size, options=options))
+                                      hidden_size=hidden_size, options=options, device=device))
     start = checkpoints.restore(engines) if checkpoints is not None and checkpoints.resume else 0
     losses: list[float] = []
     first_grads: dict[str, torch.Tensor] = {}
-    for step in range(start, steps):
+    for step in range(start, options.steps):
         started = time.perf_counter()
         tokens = batches.get(step)
         for e in engines:
@@ -269,8 +255,7 @@ def interpret(plan: Plan, steps: int = 1, seed: int = 0, *, model: torch.nn.Modu
         if device.type == "cuda":  # the optimiser's kernels may still be running
             torch.cuda.synchronize(device)
         if on_step is not None:
-            lr = lr_at(step) if lr_at is not None else options.optim.lr
-            on_step(step, loss, dict(lr=lr, grad_norm=engines[0].grad_norm,
+            on_step(step, loss, dict(lr=options.lr_at(step), grad_norm=engines[0].grad_norm,
                                      step_time=time.perf_counter() - started))
         if checkpoints is not None:
             checkpoints.after_step(engines, step + 1)
@@ -320,19 +305,3 @@ def canonical_names(model: torch.nn.Module | None, tensors: dict[str, torch.Tens
     for name, p in model.named_parameters(remove_duplicate=False):
         canonical[name] = first.setdefault(id(p), name)
     return {canonical.get(n, n): t for n, t in tensors.items()}
-
-
-def load_plan_model(plan: Plan, seed: int) -> torch.nn.Module:
-    """The plan's model built from its file, with weights drawn after `torch.manual_seed(seed)`,
-    so every process that builds it gets the same weights."""
-    from tpc.compiler.frontend import load_model
-
-    torch.manual_seed(seed)
-    return load_model(plan.header.model.path, plan.header.model.factory)
-
-
-def slice_model(model: torch.nn.Module, plan: Plan):
-    from tpc.compiler.frontend import SlicedModel
-
-    shape = plan.header.shape
-    return SlicedModel.from_model(model, seq_len=shape.seq, vocab=shape.vocab)

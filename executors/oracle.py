@@ -1,33 +1,85 @@
 """The oracle: plain single-process autograd on the unsliced model. Every executor and schedule
-must reproduce its loss and gradients (fp32: relative error <= 1e-5)."""
+must reproduce its loss and gradients (fp32: relative error <= 1e-5).
+
+The one measure of a gradient's error, used by `--verify-grads`, the tests and the benchmarks
+(`gradient_error`): for each parameter,
+
+    max |a - b| / max |b|        (a: the plan's gradient, b: autograd's; max over elements)
+
+that is, the largest elementwise difference relative to the reference's largest entry (the
+plain difference where the reference is all zero). It is stricter than a norm ratio: one wrong
+entry of a large matrix is not averaged away. The error of a set of parameters is the worst
+one. A parameter the model's forward never uses gets no gradient from autograd; the plan holds
+no gradient for it either, so it is not an error when one side lacks it and autograd gave it
+none. Any other parameter missing on either side is an infinite error.
+"""
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tpc.compiler.frontend.model_file import logits_of
+
+
+class Reference(NamedTuple):
+    """Loss and gradients of one step of plain autograd: `unused` names the parameters the
+    forward never reached (autograd gives them no gradient; their entries in `grads` are 0)."""
+
+    loss: float
+    grads: dict[str, torch.Tensor]
+    unused: frozenset[str]
+
 
 def reference_step(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss (mean next-token cross-entropy over all tokens) and each parameter's gradient.
     The model's existing .grad fields are left as they were."""
+    ref = reference(model, ids, targets)
+    return ref.loss, ref.grads
+
+
+def reference(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> Reference:
+    """`reference_step`, also saying which parameters the forward never used. The ids are made
+    contiguous first: a model may `.view` its input."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    logits = model(ids)  # (B, T, V)
-    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+    logits = logits_of(model(ids.contiguous()))  # (B, T, V)
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.contiguous().reshape(-1))
     grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
     out = {n: (g if g is not None else torch.zeros_like(p)).detach() for (n, p), g in zip(params, grads)}
-    return float(loss.detach()), out
+    unused = frozenset(n for (n, _), g in zip(params, grads) if g is None)
+    return Reference(float(loss.detach()), out, unused)
 
 
-def max_rel_error(grads_a: dict[str, torch.Tensor], grads_b: dict[str, torch.Tensor]) -> float:
-    """max over parameters of ||a - b|| / max(||b||, tiny); b is the reference. A parameter
-    present in only one of the two is an infinite error."""
-    if set(grads_a) != set(grads_b):
-        return float("inf")
-    worst = 0.0
-    for name, b in grads_b.items():
-        a = grads_a[name].detach().to(torch.float64).cpu()
-        b = b.detach().to(torch.float64).cpu()
-        denom = max(float(b.norm()), 1e-30)
-        worst = max(worst, float((a - b).norm()) / denom)
-    return worst
+def batch_reference(model: nn.Module, tokens: torch.Tensor) -> Reference:
+    """The reference for a batch of tokens (batch, seq + 1): ids are all but the last token of
+    each row, targets all but the first; gradients on the CPU."""
+    ref = reference(model, tokens[:, :-1], tokens[:, 1:])
+    return ref._replace(grads={n: g.cpu() for n, g in ref.grads.items()})
+
+
+def gradient_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                   unused: frozenset[str] = frozenset()) -> tuple[float, str]:
+    """The largest relative error over parameters (see the module docstring) and the name of
+    the worst. `want` is the reference; `unused` the parameters it says the forward never used."""
+    worst, worst_name = 0.0, ""
+    for name in sorted(set(got) | set(want)):
+        if name not in got or name not in want:
+            if name in unused:
+                continue
+            return math.inf, name
+        a, b = got[name].detach().double().cpu(), want[name].detach().double().cpu()
+        scale = float(b.abs().max()) if b.numel() else 0.0
+        diff = float((a - b).abs().max()) if b.numel() else 0.0
+        err = diff / scale if scale > 0 else diff
+        if err > worst or not worst_name:
+            worst, worst_name = err, name
+    return worst, worst_name
+
+
+def max_rel_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """`gradient_error` without the name: the worst relative error."""
+    return gradient_error(got, want)[0]

@@ -25,7 +25,9 @@ import numpy as np
 import torch
 
 from tpc.compiler.costmodel.fit import fit_curve, fit_stash
-from tpc.compiler.costmodel.store import Profile, UnitProfile, save_profile
+from tpc.compiler.costmodel.store import Profile, UnitProfile
+from tpc.compiler.frontend import SlicedModel, file_sha256, load_model, read_vocab
+from tpc.executors.stage_runtime import StageRuntime
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 # a loopback gloo transfer on one host: latency and bandwidth of a memcpy through a socket
@@ -194,9 +196,6 @@ def stash_point(rt, stage, dev, vocab, hidden, l, c, b) -> int:
 def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu",
                   factory: str = "model", warmup: int = 1, repeats: int = 3, log=None) -> Profile:
     """Measure and fit every unit of the model in `model_path`; see the module docstring."""
-    from tpc.compiler.compile import read_vocab
-    from tpc.compiler.frontend import SlicedModel, file_sha256, load_model
-    from tpc.executors.stage_runtime import StageRuntime
 
     sizes = sorted({int(b) for b in batch_sizes})
     if not sizes or sizes[0] < 1:
@@ -245,11 +244,9 @@ def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu
                                  stash_samples=tuple(stash_samples), bwd_input=tuple(input_fits),
                                  bwd_weight=tuple(weight_fits)))
         if log:
-            worst = max(f.rel_error for f in fwd_fits + bwd_fits)
-            worst_stash = max(f.rel_error for f in stash_fits)
-            worst_split = max(f.rel_error for f in input_fits + weight_fits)
-            log(f"unit {u} {stage.label}: {len(samples)} points, fit error {worst:.1%}, "
-                f"split backward fit error {worst_split:.1%}, stash fit error {worst_stash:.1%}")
+            step = max(tf + tb for _, _, _, tf, tb, _, _ in samples)
+            log(f"unit {u} {stage.label}: {len(samples)} points, up to {step * 1e3:.3g} ms "
+                f"forward + backward, stash fit error {max(f.rel_error for f in stash_fits):.1%}")
     link = CUDA_LINK if dev.type == "cuda" else CPU_LINK
     return Profile(model_path=model_path, model_sha256=file_sha256(model_path), factory=factory,
                    device=name, seq_len=seq_len, hidden=hidden, batch_sizes=tuple(sizes),
@@ -265,20 +262,3 @@ def _kv_row_bytes(shape_fn, seq_dim: int, dtype) -> int:
     shape = list(shape_fn(1))
     shape[seq_dim] = 1
     return int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-
-
-def profile_from_cli(args) -> int:
-    try:
-        sizes = [int(v) for v in str(args.batch_sizes).split(",") if v.strip()]
-    except ValueError:
-        raise TpirError(Diagnostic(f"--batch-sizes {args.batch_sizes!r} is not a list of integers",
-                                   where="--batch-sizes", hint="e.g. --batch-sizes 1,2,4"))
-    t0 = time.perf_counter()
-    prof = profile_model(args.model, args.seq_len, sizes, device=args.device, factory=args.factory,
-                         log=print)
-    save_profile(prof, args.output)
-    print(f"{args.output}: {prof.num_units} units x {len(prof.batch_sizes)} micro-batch sizes on "
-          f"{prof.device}, worst fit error {prof.worst_fit_error:.1%} (split backward "
-          f"{prof.worst_split_error:.1%}, stash {prof.worst_stash_error:.1%}), "
-          f"{time.perf_counter() - t0:.1f} s")
-    return 0

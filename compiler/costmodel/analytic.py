@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tpc.compiler.costmodel.base import CostModel
 from tpc.compiler.costmodel.devices import DeviceSpec
 
 
@@ -58,7 +59,7 @@ def even_layers(layers: int, stages: int) -> tuple[int, ...]:
     return tuple(q + (1 if s < r else 0) for s in range(stages))
 
 
-class AnalyticCostModel:
+class AnalyticCostModel(CostModel):
     """CostModel for `shapes` cut into stages of `stage_layers` layers on `device` GPUs.
 
     `op` is the operator-parallel degree of every stage (the GPUs of one stage). Stage s of a

@@ -1,58 +1,117 @@
-"""The cost-model protocol: what the optimiser, the simulator and compile ask of a cost model.
+"""`CostModel`: what the optimiser, the plan search, the simulator and memory accounting ask of
+a cost model, in one base class.
 
-Times are seconds, sizes bytes. A "slice" is `l` tokens of every sequence of a micro-batch of
-`mb_size` sequences, with `c` tokens of context (the KV cache) before it. `stage` indexes the
-pipeline stages the model was built for.
+Times are seconds (or abstract units, `time_unit`), sizes bytes (or slice activations,
+`memory_unit`). A "slice" is `l` tokens of every sequence of a micro-batch of `mb_size`
+sequences, with `c` tokens of context (the KV cache) before it. `stage` indexes the pipeline
+stages the model was built for.
 
-A model may also provide `slice_times(stage, l, c, mb)` taking numpy arrays (broadcast
-together) and returning `(t_fwd, t_bwd)` arrays; the optimiser evaluates hundreds of thousands
-of (l, c, mb) points and uses it when present. `slice_times_of` falls back to the scalar method.
+A model implements the five required methods; every other method has a default here, which a
+model overrides where it knows better:
+
+    slice_time(stage, l, c, mb_size) -> (forward, backward)     required
+    p2p_time(nbytes)                                            required
+    activation_bytes(l, mb_size)                                required
+    kv_bytes(stage, l, mb_size)                                 required
+    param_bytes(stage)                                          required
+
+    slice_times(stage, l, c, mb)         the same over numpy arrays (the optimiser evaluates
+                                         hundreds of thousands of points): slice_time per point
+    split_backward_time(stage, l, c, mb_size)
+                                         (backward-input, backward-weight): half the backward each
+    stash_bytes(stage, l, c, mb_size)    what a forward keeps for its backward: activation_bytes
+    allreduce_time(nbytes, n)            a ring all-reduce: 2(n-1) steps of nbytes/n
+    grad_sync_time(stage, data)          allreduce_time(param_bytes(stage), data)
+    tied_bytes(name)                     a tied parameter's gradient: 0 (taken as small)
+    distinct_stages()                    stages whose costs cover all others: every stage
+    activation_bytes_array(l, mb), p2p_times(nbytes)
+                                         the array forms, point by point
+    describe()                           one line for reports
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from abc import ABC, abstractmethod
 
 import numpy as np
 
 
-@runtime_checkable
-class CostModel(Protocol):
-    num_stages: int
+class CostModel(ABC):
+    num_stages: int = 1
+    time_unit: str = "s"
+    memory_unit: str = "B"
 
+    # ------------------------------------------------------------------------- required
+
+    @abstractmethod
     def slice_time(self, stage: int, l: int, c: int, mb_size: int) -> tuple[float, float]:
-        """(forward, backward) seconds of one slice on one stage."""
-        ...
+        """(forward, backward) of one slice on one stage."""
 
-    def p2p_time(self, nbytes: int) -> float:
-        """Seconds to move `nbytes` from one stage's rank to the next's."""
-        ...
+    @abstractmethod
+    def p2p_time(self, nbytes: float) -> float:
+        """Time to move `nbytes` from one stage's rank to the next's."""
 
-    def activation_bytes(self, l: int, mb_size: int) -> int:
+    @abstractmethod
+    def activation_bytes(self, l: int, mb_size: int) -> float:
         """Bytes of the activation one slice sends to the next stage (and of its gradient)."""
-        ...
 
-    def kv_bytes(self, stage: int, l: int, mb_size: int) -> int:
+    @abstractmethod
+    def kv_bytes(self, stage: int, l: int, mb_size: int) -> float:
         """Bytes of the KV cache `l` tokens leave on `stage` (kept until their backward)."""
-        ...
 
-    def param_bytes(self, stage: int) -> int:
+    @abstractmethod
+    def param_bytes(self, stage: int) -> float:
         """Bytes of the parameters of `stage` (on one rank)."""
-        ...
 
+    # ------------------------------------------------------------------------- defaults
 
-def slice_times_of(cost: CostModel, stage: int, l, c, mb) -> tuple[np.ndarray, np.ndarray]:
-    """Vectorised (t_fwd, t_bwd) over broadcast arrays l, c, mb, using the model's fast path."""
-    fast = getattr(cost, "slice_times", None)
-    if fast is not None:
-        f, b = fast(stage, l, c, mb)
-        return np.asarray(f, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    l, c, mb = np.broadcast_arrays(np.asarray(l), np.asarray(c), np.asarray(mb))
-    f = np.empty(l.shape)
-    b = np.empty(l.shape)
-    for idx in np.ndindex(l.shape):
-        f[idx], b[idx] = cost.slice_time(stage, int(l[idx]), int(c[idx]), int(mb[idx]))
-    return f, b
+    def slice_times(self, stage: int, l, c, mb) -> tuple[np.ndarray, np.ndarray]:
+        """`slice_time` over arrays l, c, mb broadcast together: (forward, backward) arrays."""
+        l, c, mb = np.broadcast_arrays(np.asarray(l), np.asarray(c), np.asarray(mb))
+        f = np.empty(l.shape)
+        b = np.empty(l.shape)
+        for idx in np.ndindex(l.shape):
+            f[idx], b[idx] = self.slice_time(stage, int(l[idx]), int(c[idx]), int(mb[idx]))
+        return f, b
+
+    def split_backward_time(self, stage: int, l: int, c: int, mb_size: int) -> tuple[float, float]:
+        """(backward-input, backward-weight) of a split backward: half the backward each."""
+        half = self.slice_time(stage, l, c, mb_size)[1] / 2
+        return half, half
+
+    def stash_bytes(self, stage: int, l: int, c: int, mb_size: int) -> float:
+        """Bytes a slice's forward keeps for its backward."""
+        return self.activation_bytes(l, mb_size)
+
+    def allreduce_time(self, nbytes: float, n: int) -> float:
+        """Time to sum `nbytes` over `n` ranks: a ring (2(n-1) steps of nbytes/n each, the
+        bandwidth-optimal algorithm NCCL and gloo use for large tensors)."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        return 2 * (n - 1) * self.p2p_time(nbytes / n)
+
+    def grad_sync_time(self, stage: int, data: int) -> float:
+        """Time to sum a stage's gradients over `data` replicas."""
+        return self.allreduce_time(self.param_bytes(stage), data)
+
+    def tied_bytes(self, name: str) -> float:
+        """Bytes of a tied parameter's gradient (summed over the ranks holding it)."""
+        return 0.0
+
+    def distinct_stages(self) -> tuple[int, ...]:
+        """Stages whose costs cover all others (96 identical stages are priced once)."""
+        return tuple(range(self.num_stages))
+
+    def activation_bytes_array(self, l, mb) -> np.ndarray:
+        l, mb = np.broadcast_arrays(np.asarray(l), np.asarray(mb))
+        return np.vectorize(lambda a, b: float(self.activation_bytes(int(a), int(b))),
+                            otypes=[np.float64])(l, mb)
+
+    def p2p_times(self, nbytes) -> np.ndarray:
+        return np.vectorize(lambda n: self.p2p_time(int(n)), otypes=[np.float64])(np.asarray(nbytes))
+
+    def describe(self) -> str:
+        return type(self).__name__
 
 
 def slot_times(cost: CostModel, l, c, mb) -> np.ndarray:
@@ -67,9 +126,9 @@ def slot_times(cost: CostModel, l, c, mb) -> np.ndarray:
     l = np.asarray(l)
     mb = np.asarray(mb)
     worst = None
-    for s in representative_stages(cost):
-        f, b = slice_times_of(cost, s, l, c, mb)
-        t = f + b
+    for s in cost.distinct_stages():
+        f, b = cost.slice_times(s, l, c, mb)
+        t = np.asarray(f, dtype=np.float64) + np.asarray(b, dtype=np.float64)
         worst = t if worst is None else np.maximum(worst, t)
     return worst + transfer_times(cost, l, mb)
 
@@ -80,27 +139,5 @@ def transfer_times(cost: CostModel, l, mb) -> np.ndarray:
     l = np.asarray(l)
     if cost.num_stages <= 1:
         return np.zeros(np.broadcast(l, np.asarray(mb)).shape)
-    return 2 * _p2p_times_of(cost, _activation_bytes_of(cost, l, mb))
-
-
-def representative_stages(cost: CostModel) -> tuple[int, ...]:
-    """Stages whose costs cover all others: a model may say which are alike (`distinct_stages`),
-    so the bottleneck over 96 identical stages is priced once, not 96 times."""
-    fn = getattr(cost, "distinct_stages", None)
-    return tuple(fn()) if fn is not None else tuple(range(cost.num_stages))
-
-
-def _activation_bytes_of(cost: CostModel, l, mb) -> np.ndarray:
-    fast = getattr(cost, "activation_bytes_array", None)
-    if fast is not None:
-        return np.asarray(fast(l, mb), dtype=np.float64)
-    l, mb = np.broadcast_arrays(np.asarray(l), np.asarray(mb))
-    return np.vectorize(lambda a, b: float(cost.activation_bytes(int(a), int(b))),
-                        otypes=[np.float64])(l, mb)
-
-
-def _p2p_times_of(cost: CostModel, nbytes: np.ndarray) -> np.ndarray:
-    fast = getattr(cost, "p2p_times", None)
-    if fast is not None:
-        return np.asarray(fast(nbytes), dtype=np.float64)
-    return np.vectorize(lambda n: cost.p2p_time(int(n)), otypes=[np.float64])(nbytes)
+    nbytes = np.asarray(cost.activation_bytes_array(l, mb), dtype=np.float64)
+    return 2 * np.asarray(cost.p2p_times(nbytes), dtype=np.float64)

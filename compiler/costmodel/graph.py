@@ -28,6 +28,7 @@ from typing import Callable
 
 import numpy as np
 
+from tpc.compiler.costmodel.base import CostModel
 from tpc.compiler.costmodel.devices import DeviceSpec
 from tpc.compiler.costmodel.source import CostSource
 from tpc.compiler.frontend.flops import CLASSES, UnitCostFn
@@ -55,7 +56,7 @@ class GraphCosts:
         return len(self.unit_fns)
 
 
-class GraphCostModel:
+class GraphCostModel(CostModel):
     """CostModel of the stages `stage_units` ([lo, hi) unit ranges) of a traced model on
     `device` GPUs, one GPU per stage, consecutive stages on consecutive GPUs of a node."""
 

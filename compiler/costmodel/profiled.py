@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from tpc.compiler.costmodel.base import CostModel
 from tpc.compiler.costmodel.store import Profile
 
 
-class ProfiledCostModel:
+class ProfiledCostModel(CostModel):
     def __init__(self, profile: Profile, stage_units):
         ranges = [tuple(int(v) for v in r) for r in stage_units]
         ends = [0] + [hi for _, hi in ranges]

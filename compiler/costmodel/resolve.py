@@ -6,11 +6,13 @@ when it is given (`sliced`, what compile and simulate do), else a GPT of `ModelS
 from __future__ import annotations
 
 from tpc.compiler.costmodel.analytic import AnalyticCostModel, ModelShapes
+from tpc.compiler.costmodel.base import CostModel
 from tpc.compiler.costmodel.devices import load_device_spec
 from tpc.compiler.costmodel.graph import GraphCostModel, GraphCosts, graph_cost_source
 from tpc.compiler.costmodel.profiled import ProfiledCostModel
 from tpc.compiler.costmodel.source import CostSource
 from tpc.compiler.costmodel.store import load_profile
+from tpc.compiler.costmodel.unit import UnitCosts
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 
@@ -115,3 +117,23 @@ def load_cost_source(cost: str | None = None, device_model: str | None = None,
         return AnalyticCostModel(whole.device, model_shapes, _stage_layers(ranges, n, model_shapes), op)
 
     return CostSource(n, build, describe=f"analytic {whole.device.name}")
+
+
+def plan_cost_model(header, *, cost: str | None = None, device_model: str | None = None,
+                    source: str = "") -> CostModel:
+    """The cost model for a plan's own stages: unit costs scaled by slice length (neither
+    option), the profile `cost` (checked against the plan's model), or the device model
+    `device_model` pricing the traced graph of the plan's model (rebuilt from its file and
+    checked to cut into the plan's units)."""
+    if not cost and not device_model:
+        return UnitCosts.for_plan(header)
+    ranges = [stage.units for stage in header.stages]
+    if cost:
+        return load_cost_model(cost=cost, stage_units=ranges, num_units=header.units.count,
+                               model_sha256=header.model.sha256)
+    from tpc.compiler.frontend import load_model
+    from tpc.compiler.frontend.plan_trace import sliced_for_header
+
+    model = load_model(header.model.path, header.model.factory)
+    sliced = sliced_for_header(model, header, source)
+    return load_cost_model(device_model=device_model, sliced=sliced, stage_units=ranges)

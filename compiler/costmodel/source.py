@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from tpc.compiler.costmodel.base import CostModel, slice_times_of
+from tpc.compiler.costmodel.base import CostModel
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -41,7 +41,7 @@ class CostSource:
         singles = self.for_stages(tuple((u, u + 1) for u in range(self.num_units)))
         rows = []
         for u in range(self.num_units):
-            f, b = slice_times_of(singles, u, l, c, mb)
+            f, b = singles.slice_times(u, l, c, mb)
             rows.append(np.broadcast_to(f + b, np.broadcast(np.asarray(l), np.asarray(c),
                                                             np.asarray(mb)).shape))
         return np.stack(rows)

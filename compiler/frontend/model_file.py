@@ -90,3 +90,47 @@ def _def_loc(fn, path: str) -> Loc:
         return loc_at(path, inspect.getsourcelines(fn)[1])
     except (OSError, TypeError):
         return Loc(path, 1, 1)
+
+
+def read_vocab(model, model_path: str) -> int:
+    """The vocabulary: the last dimension of the logits of a tiny (1, 2) forward."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros((1, 2), dtype=torch.long))
+    except Exception as e:
+        raise TpirError(
+            Diagnostic(
+                f"the model failed on a (1, 2) batch of token ids: {type(e).__name__}: {e}",
+                where=model_path,
+                hint="the model must take a (batch, seq) LongTensor of token ids and return logits",
+            )
+        ) from None
+    logits = logits_of(out)
+    if logits is None or logits.dim() != 3 or tuple(logits.shape[:2]) != (1, 2):
+        shape = tuple(logits.shape) if logits is not None else type(out).__name__
+        raise TpirError(
+            Diagnostic(
+                f"the model's output for a (1, 2) input is {shape}, not logits of shape (1, 2, vocab)",
+                where=model_path,
+                hint="return the logits (batch, seq, vocab) from forward; the loss is added by tpc",
+            )
+        )
+    return int(logits.shape[-1])
+
+
+def logits_of(out):
+    """The logits in what a model returns: the tensor itself, a dict's or an output object's
+    "logits", or a tuple's first entry (None when there are none)."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        return logits_of(out.get("logits"))
+    if isinstance(out, (tuple, list)) and out:
+        return logits_of(out[0])
+    if hasattr(out, "logits"):
+        return logits_of(out.logits)
+    return None

@@ -1,4 +1,4 @@
-"""`tpc export` and `tpc sample`: from a sharded training checkpoint back to the plain model.
+"""`tpc export`: from a sharded training checkpoint back to the plain model.
 
 Export gathers every stage's parameters from the rank shards of a checkpoint (they are stored
 under the original model's parameter names) and writes one state_dict of the *unsliced* model,
@@ -15,9 +15,7 @@ which loads with `model().load_state_dict(sd)` (strict):
 Beside model.pt goes model.pt.json (model file, factory, step), so `tpc sample model.pt` can
 rebuild the model without the checkpoint; model.pt itself stays a plain state_dict.
 
-Sample generates byte tokens: the prompt is encoded as UTF-8 bytes, the model predicts the next
-byte from at most its training sequence length of context, and the result is decoded with
-`errors="replace"` (a model may emit an incomplete UTF-8 sequence).
+`tpc sample` (training/generate.py) loads either for generation.
 """
 
 from __future__ import annotations
@@ -35,24 +33,22 @@ from tpc.executors.training.checkpoint import load_checkpoint, read_meta, resolv
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 _PARAM_KEY = re.compile(r"^rank(\d+)\.params\.(.+)$")
-BYTE_VOCAB = 256
 
 
 # ------------------------------------------------------------------------------ export
 
 
-def export_from_cli(args) -> int:
-    """`tpc export CKPT -o model.pt`."""
-    sd, meta = export_state_dict(args.checkpoint)
-    out = Path(args.output)
+def write_export(checkpoint: str | os.PathLike, output: str | os.PathLike) -> tuple[dict, dict]:
+    """Write the unsliced model's state_dict of `checkpoint` to `output` (a .pt) and, beside it,
+    `output`.json (model file, factory, hash, step, shape). Returns the state_dict and the
+    checkpoint's metadata."""
+    sd, meta = export_state_dict(checkpoint)
+    out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(sd, out)
     sidecar = {k: meta[k] for k in ("model_path", "factory", "sha256", "step", "seq", "vocab") if k in meta}
     Path(f"{out}.json").write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    n_params = sum(t.numel() for t in {id(t): t for t in sd.values()}.values())
-    print(f"wrote {out}: {len(sd)} tensors, {n_params:,} values, from step {meta['step']} "
-          f"of {meta['model_path']}")
-    return 0
+    return sd, meta
 
 
 def export_state_dict(checkpoint: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
@@ -160,121 +156,4 @@ def _alias_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:
         group = tuple(names)
         for n in names:
             out[n] = group
-    return out
-
-
-# ------------------------------------------------------------------------------ sample
-
-
-def sample_from_cli(args) -> int:
-    """`tpc sample CKPT|model.pt --prompt TEXT --tokens N --temperature T --top-k K --seed S`."""
-    model, meta = load_for_sampling(args.checkpoint, model_path=getattr(args, "model", None),
-                                    factory=getattr(args, "factory", None))
-    prompt = args.prompt.encode("utf-8")
-    out = generate(model, list(prompt), args.tokens, context=context_length(model, meta),
-                   temperature=args.temperature, top_k=args.top_k, seed=args.seed)
-    print(bytes(out).decode("utf-8", errors="replace"))
-    return 0
-
-
-def load_for_sampling(source: str | os.PathLike, *, model_path: str | None = None,
-                      factory: str | None = None) -> tuple[nn.Module, dict]:
-    """The unsliced model with trained weights, from a checkpoint directory or an exported .pt
-    (whose model file comes from `model_path`, else from the .pt.json beside it)."""
-    p = Path(source)
-    if p.is_file():
-        meta = _pt_meta(p)
-        if model_path:
-            meta = {**meta, "model_path": os.path.abspath(model_path), "sha256": None}
-        if factory:
-            meta["factory"] = factory
-        if not meta.get("model_path"):
-            raise TpirError(Diagnostic(f"{p}: no model file known for these weights",
-                                       hint=f"keep {p.name}.json (written by `tpc export`) beside it, "
-                                            "or sample from the checkpoint directory"))
-        model = build_model(meta)
-        try:
-            sd = torch.load(p, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise TpirError(Diagnostic(f"{p}: not a state_dict file ({type(e).__name__}: {e})",
-                                       hint="give a .pt written by `tpc export`, or a checkpoint directory")) from None
-    else:
-        sd, meta = export_state_dict(p)
-        model = build_model(meta)
-    try:
-        model.load_state_dict(sd, strict=True)
-    except RuntimeError as e:
-        raise TpirError(Diagnostic(f"{p}: the weights do not fit the model ({str(e).splitlines()[0]})",
-                                   hint="sample with the model file the weights were trained with")) from None
-    return model.eval(), meta
-
-
-def _pt_meta(pt: Path) -> dict:
-    side = Path(f"{pt}.json")
-    if not side.is_file():
-        return {}
-    try:
-        return json.loads(side.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise TpirError(Diagnostic(f"{side}: unreadable ({e})", hint="re-run `tpc export`")) from None
-
-
-def context_length(model: nn.Module, meta: dict) -> int:
-    """The longest context to feed: the training sequence length (what the model has seen; a
-    learned position table may not cover more), else a block_size the model declares."""
-    if meta.get("seq"):
-        return int(meta["seq"])
-    for holder in (model, getattr(model, "cfg", None), getattr(model, "config", None)):
-        for attr in ("block_size", "max_seq_len", "max_position_embeddings"):
-            value = getattr(holder, attr, None) if holder is not None else None
-            if isinstance(value, int) and value > 0:
-                return value
-    raise TpirError(Diagnostic("cannot tell the model's maximum sequence length",
-                               hint="sample from a checkpoint (its tpc.json records it) or give the model a "
-                                    "`cfg.block_size`"))
-
-
-@torch.no_grad()
-def generate(model: nn.Module, prompt: list[int], n: int, *, context: int, temperature: float = 0.8,
-             top_k: int = 0, seed: int = 0) -> list[int]:
-    """Prompt followed by `n` generated byte ids. Temperature 0 is greedy (argmax); otherwise
-    sample from softmax(logits / temperature), restricted to the `top_k` likeliest when
-    top_k > 0. Only the first 256 logits (the byte values) are candidates, so the output always
-    decodes as bytes. Deterministic for a seed."""
-    if not prompt:
-        raise TpirError(Diagnostic("the prompt is empty", where="--prompt",
-                                   hint="give at least one character to continue, e.g. --prompt 'def '"))
-    if n < 0 or temperature < 0 or top_k < 0:
-        raise TpirError(Diagnostic(f"--tokens, --temperature and --top-k must be >= 0 (got {n}, {temperature}, {top_k})",
-                                   where="tpc sample", hint="e.g. --tokens 200 --temperature 0.8 --top-k 40"))
-    gen = torch.Generator().manual_seed(seed)
-    ids = list(prompt)
-    for _ in range(n):
-        x = torch.tensor([ids[-context:]], dtype=torch.long)
-        logits = _logits(model(x))[0, -1]
-        if logits.shape[0] < BYTE_VOCAB:
-            raise TpirError(Diagnostic(f"the model's vocabulary has {logits.shape[0]} entries, fewer than 256 bytes",
-                                       hint="tpc sample decodes byte-level models (vocabulary >= 256)"))
-        logits = logits[:BYTE_VOCAB].float()
-        if temperature == 0:
-            nxt = int(torch.argmax(logits))
-        else:
-            logits = logits / temperature
-            if 0 < top_k < BYTE_VOCAB:
-                kth = torch.topk(logits, top_k).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen))
-        ids.append(nxt)
-    return ids
-
-
-def _logits(out) -> torch.Tensor:
-    """Models return logits (B, T, V), or a tuple/dict whose first entry / "logits" they are."""
-    if isinstance(out, dict):
-        out = out.get("logits")
-    elif isinstance(out, (tuple, list)):
-        out = out[0]
-    if not isinstance(out, torch.Tensor) or out.dim() != 3:
-        raise TpirError(Diagnostic("the model's forward does not return logits of shape (batch, seq, vocab)",
-                                   hint="sampling needs `model(ids) -> logits`"))
     return out

@@ -3,9 +3,9 @@
 Both executors use this the same way (the interpreter with every rank's engine in one process,
 the distributed executor with its one engine per process):
 
-    ck = RunCheckpoints.from_settings(plan, settings)       # None without --checkpoint-dir
+    ck = RunCheckpoints.from_options(plan, options)        # None without --checkpoint-dir
     start = ck.restore(engines) if ck and ck.resume else 0  # weights, optimizer, RNG, step
-    for step in range(start, settings.steps):
+    for step in range(start, options.steps):
         ... run the step ...
         ck.after_step(engines, step + 1)                    # saves every N steps and at the end
 
@@ -59,13 +59,13 @@ class RunCheckpoints:
     say: Callable[[str], None] = field(default=lambda text: None)
 
     @staticmethod
-    def from_settings(plan, settings, say: Callable[[str], None] | None = None) -> "RunCheckpoints | None":
-        if not settings.checkpoint_dir:
+    def from_options(plan, options, say: Callable[[str], None] | None = None) -> "RunCheckpoints | None":
+        if not options.checkpoint_dir:
             return None
         return RunCheckpoints(
-            dir=Path(settings.checkpoint_dir), every=settings.save_every, total=settings.steps,
-            resume=settings.resume, meta=checkpoint.run_meta(plan.header, plan_sha256(plan)),
-            seed=settings.seed, source=str(Path(settings.data).name) if settings.data else "random",
+            dir=Path(options.checkpoint_dir), every=options.save_every, total=options.steps,
+            resume=options.resume, meta=checkpoint.run_meta(plan.header, plan_sha256(plan)),
+            seed=options.seed, source=str(Path(options.data).name) if options.data else "random",
             say=say or (lambda text: None))
 
     # ------------------------------------------------------------------------ saving

@@ -15,13 +15,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from tpc.compiler.compile import check_options, compile_plan, header_maker, microbatch_sizes, read_vocab, search_space
+from tpc.cli.compile import check_options, parse_memory
+from tpc.compiler.compile import compile_plan, header_maker, microbatch_sizes, search_space
+from tpc.compiler.frontend import read_vocab
 from tpc.compiler.costmodel.resolve import load_cost_source
 from tpc.compiler.costmodel.store import save_profile
 from tpc.compiler.lower import lower
 from tpc.compiler.slice_optimiser import DEFAULT_GRANULARITY
 from tpc.compiler.schedules import SCHEDULES, build_schedule
-from tpc.compiler.search import format_bytes, parse_memory, search_plan
+from tpc.compiler.search import format_bytes, search_plan
 from tpc.compiler.simulate import simulate
 from tpc.compiler.slicing import equal_slices
 from tpc.ir.diagnostics import TpirError
@@ -72,10 +74,10 @@ def source(request, tiny):
 
 
 def search(tiny, source, budget=None, **change):
-    opts = check_options(**{**BASE, **change}, costs=True)
+    opts = check_options(**{**BASE, **change}, device_model="h100", memory_per_rank=budget)
     make = header_maker(model_path=TINY, sha256=tiny.sha, factory="model", opts=opts,
                         vocab=tiny.vocab, sliced=tiny.sliced)
-    return search_plan(source, search_space(opts, tiny.sliced.num_units, budget), make)
+    return search_plan(source, search_space(opts, tiny.sliced.num_units), make)
 
 
 def simulated(header, source):
@@ -129,10 +131,10 @@ def test_cost_partition_follows_the_unit_times(tiny, tmp_path):
     balance puts it with a block."""
     path = tmp_path / "heavy-head.msgpack"
     save_profile(synthetic.tiny_gpt_profile(tiny.sha, head_scale=6.0), path)
-    plan = compile_plan(TINY, **{**BASE, "slices": "4"}, cost=str(path), quiet=True)
+    plan = compile_plan(TINY, check_options(**{**BASE, "slices": "4"}, cost=str(path), quiet=True))
     assert [s.units for s in plan.header.stages] == [(0, 3), (3, 4)]
     assert tiny.sliced.partition_by_params(2) != [(0, 3), (3, 4)]
-    plain = compile_plan(TINY, **{**BASE, "slices": "4"}, quiet=True)
+    plain = compile_plan(TINY, check_options(**{**BASE, "slices": "4"}, quiet=True))
     assert [s.units for s in plain.header.stages] == [tuple(r) for r in tiny.sliced.partition_by_params(2)]
 
 
@@ -257,8 +259,8 @@ def test_compile_stages_auto_end_to_end_trains_like_autograd(tmp_path, synthetic
 
 
 def test_explain_marks_candidates_over_budget(tmp_path, synthetic_path, capsys):
-    compile_plan(TINY, **{**BASE, "microbatches": 4, "slices": "8", "schedule": "auto"},
-                 cost=str(synthetic_path), memory_per_rank="300KiB", explain=True)  # fmt: skip
+    compile_plan(TINY, check_options(**{**BASE, "microbatches": 4, "slices": "8", "schedule": "auto"},
+                 cost=str(synthetic_path), memory_per_rank="300KiB", explain=True))  # fmt: skip
     err = capsys.readouterr().err
     fits = {}
     for line in err.splitlines():
@@ -282,7 +284,7 @@ def test_memory_sizes(text, value):
 @pytest.mark.parametrize("text", ["lots", "16 GiBs", "-1GiB", "0", ""])
 def test_bad_memory_sizes_are_refused_before_tracing(text, tmp_path):
     with pytest.raises(TpirError) as e:
-        compile_plan(str(tmp_path / "missing.py"), **BASE, device_model="h100", memory_per_rank=text)
+        compile_plan(str(tmp_path / "missing.py"), check_options(**BASE, device_model="h100", memory_per_rank=text))
     assert "is not a memory size" in e.value.render() and "e.g. 16GiB" in e.value.render()
 
 
@@ -308,14 +310,14 @@ def test_auto_without_a_cost_model_is_refused(change, words):
 )
 def test_stages_auto_option_mistakes(change, words):
     with pytest.raises(TpirError) as e:
-        check_options(**{**BASE, **change}, costs=True)
+        check_options(**{**BASE, **change}, device_model="h100")
     assert words in e.value.render() and "hint:" in e.value.render()
 
 
 def test_no_mesh_of_the_ranks_fits(synthetic_path):
     with pytest.raises(TpirError) as e:
-        compile_plan(TINY, **{**BASE, "stages": "auto", "ranks": 8, "batch": 3, "microbatches": 1},
-                     cost=str(synthetic_path), quiet=True)  # fmt: skip
+        compile_plan(TINY, check_options(**{**BASE, "stages": "auto", "ranks": 8, "batch": 3, "microbatches": 1},
+                     cost=str(synthetic_path), quiet=True))  # fmt: skip
     text = e.value.render()
     assert "no pipeline x data split of --ranks 8 fits" in text
     assert "8x1: 8 stages but the model has 4 units" in text and "4x2: a batch of 3" in text
@@ -356,7 +358,7 @@ def test_microbatches_auto_compiles_and_trains_like_autograd(tmp_path, synthetic
                                            (dict(microbatches="auto", slices="4"), True)])
 def test_microbatches_auto_needs_the_optimiser(change, costs):
     with pytest.raises(TpirError) as e:
-        check_options(**{**BASE, **change}, costs=costs)
+        check_options(**{**BASE, **change}, device_model="h100" if costs else None)
     text = e.value.render()
     assert "--microbatches auto lets the optimiser" in text and "--slices auto" in text
 
@@ -364,5 +366,5 @@ def test_microbatches_auto_needs_the_optimiser(change, costs):
 @pytest.mark.parametrize("spec", ["two", "0", "-1"])
 def test_bad_microbatch_counts_are_refused(spec):
     with pytest.raises(TpirError) as e:
-        check_options(**{**BASE, "microbatches": spec}, costs=True)
+        check_options(**{**BASE, "microbatches": spec}, device_model="h100")
     assert "--microbatches" in e.value.render() and "hint:" in e.value.render()

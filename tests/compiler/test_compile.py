@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tpc.compiler.compile import check_options, compile_plan, compile_to_file, microbatch_sizes
-from tpc.compiler.slicing import parse_slices
+from tpc.cli.compile import check_options
+from tpc.compiler.compile import compile_plan, compile_to_file, microbatch_sizes
+from tpc.compiler.slicing import equal_slices, ranges_of
 from tpc.ir.diagnostics import TpirError
 
 TINY = str(Path(__file__).parent / "models" / "tiny_gpt.py")
@@ -26,16 +27,21 @@ def _err(fn, *args, **kw) -> str:
 # ------------------------------------------------------------------------------ --slices
 
 
+def cuts(spec, seq_len: int):
+    """`--slices SPEC` as the header's ranges, read and checked as `tpc compile` reads it."""
+    return check_options(stages="1", microbatches=1, seq_len=seq_len, batch=1, slices=spec).cuts
+
+
 def test_equal_slices_spread_the_remainder_over_the_first():
-    assert parse_slices("3", 10) == ((0, 4), (4, 7), (7, 10))
-    assert parse_slices("1", 10) == ((0, 10),)
-    assert parse_slices("10", 10) == tuple((i, i + 1) for i in range(10))
+    assert cuts("3", 10) == ((0, 4), (4, 7), (7, 10)) == equal_slices(3, 10)
+    assert cuts("1", 10) == ((0, 10),)
+    assert cuts("10", 10) == tuple((i, i + 1) for i in range(10))
 
 
 def test_explicit_lengths():
-    assert parse_slices("6, 3,1", 10) == ((0, 6), (6, 9), (9, 10))
-    assert parse_slices("auto", 10) == "auto"
-    assert parse_slices("AUTO", 10) == "auto"
+    assert cuts("6, 3,1", 10) == ((0, 6), (6, 9), (9, 10)) == ranges_of((6, 3, 1))
+    for spec in ("auto", "AUTO"):
+        assert check_options(stages="1", microbatches=1, seq_len=10, batch=1, slices=spec).slices_auto
 
 
 @pytest.mark.parametrize(
@@ -53,7 +59,7 @@ def test_explicit_lengths():
     ],
 )
 def test_bad_slices_say_what_and_how(spec, words):
-    text = _err(parse_slices, spec, 10)
+    text = _err(cuts, spec, 10)
     assert words in text
     assert "--slices" in text
 
@@ -89,12 +95,12 @@ def test_bad_options_are_refused_before_tracing(change, words):
 
 def test_auto_slices_fall_back_to_eight_equal_slices():
     opts = check_options(**{**BASE, "slices": "auto", "seq_len": 20})
-    assert opts.slices_auto and [hi - lo for lo, hi in opts.slices] == [3, 3, 3, 3, 2, 2, 2, 2]
+    assert opts.slices_auto and [hi - lo for lo, hi in opts.cuts] == [3, 3, 3, 3, 2, 2, 2, 2]
 
 
 def test_options_mistakes_surface_from_compile_without_loading_the_model(tmp_path):
     # the model path does not exist: the option error must come first, not the file error
-    text = _err(compile_plan, str(tmp_path / "missing.py"), **{**BASE, "slices": "3,3"})
+    text = _err(lambda: compile_plan(str(tmp_path / "missing.py"), check_options(**{**BASE, "slices": "3,3"})))
     assert "sum to 6" in text
 
 
@@ -108,7 +114,7 @@ def test_compile_tiny_gpt_to_file_and_verify(tmp_path, capsys):
     from tpc.ir.verify import verify_file
 
     out = tmp_path / "plan.tpir"
-    plan = compile_to_file(TINY, str(out), stages="2", microbatches=2, seq_len=16, batch=4, slices="3", dp=2)
+    plan = compile_to_file(TINY, str(out), check_options(stages="2", microbatches=2, seq_len=16, batch=4, slices="3", dp=2))
     text = out.read_text()
     assert text == print_plan(plan) and verify_file(str(out)) == plan == parse(text)
     h = plan.header
@@ -130,8 +136,8 @@ def test_compile_tiny_gpt_to_file_and_verify(tmp_path, capsys):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "terapipe"])
 def test_compile_each_schedule(schedule):
-    plan = compile_plan(TINY, stages="2", microbatches=2, seq_len=8, batch=2, slices="5,3",
-                        schedule=schedule, quiet=True)  # fmt: skip
+    plan = compile_plan(TINY, check_options(stages="2", microbatches=2, seq_len=8, batch=2, slices="5,3",
+                        schedule=schedule, quiet=True))  # fmt: skip
     assert plan.header.schedule.name == schedule
     assert plan.header.microbatches[0].slices == ((0, 5), (5, 8))
 
@@ -165,7 +171,7 @@ def test_a_failed_compile_leaves_an_existing_plan_untouched(tmp_path):
     out = tmp_path / "plan.tpir"
     out.write_text("previous plan\n")
     with pytest.raises(TpirError):
-        compile_to_file(TINY, str(out), stages="9", microbatches=1, seq_len=8, batch=1, quiet=True)
+        compile_to_file(TINY, str(out), check_options(stages="9", microbatches=1, seq_len=8, batch=1, quiet=True))
     assert out.read_text() == "previous plan\n"
     assert os.listdir(tmp_path) == ["plan.tpir"]
 
@@ -187,7 +193,7 @@ def test_compiled_plan_trains_like_plain_autograd(tmp_path, capsys):
 
 
 def test_auto_slices_without_a_cost_model_says_it_falls_back(capsys):
-    plan = compile_plan(TINY, stages="2", microbatches=1, seq_len=16, batch=2, slices="auto")
+    plan = compile_plan(TINY, check_options(stages="2", microbatches=1, seq_len=16, batch=2, slices="auto"))
     assert plan.header.microbatches[0].slices == tuple((2 * i, 2 * i + 2) for i in range(8))
     assert "--slices auto: 8 equal slices of ~2 tokens" in capsys.readouterr().err
 
@@ -199,8 +205,8 @@ def test_auto_slices_take_the_optimisers_choice(capsys):
     from tpc.compiler.frontend import SlicedModel, load_model
     from tpc.compiler.slice_optimiser import optimise
 
-    plan = compile_plan(TINY, stages="2", microbatches=2, seq_len=64, batch=4, slices="auto",
-                        device_model="h100", explain=True)  # fmt: skip
+    plan = compile_plan(TINY, check_options(stages="2", microbatches=2, seq_len=64, batch=4, slices="auto",
+                        device_model="h100", explain=True))  # fmt: skip
     h = plan.header
     sliced = SlicedModel.from_model(load_model(TINY, "model"), seq_len=64, vocab=64)
     units = [s.units for s in h.stages]

@@ -14,7 +14,8 @@ from torch import nn
 
 from tpc.compiler.lower import lower
 from tpc.compiler.schedules import build_schedule
-from tpc.compiler.slicing import parse_slices
+from tpc.cli.compile import parse_slices
+from tpc.compiler.slicing import equal_slices, ranges_of
 from tpc.executors.engine import BuiltStage
 from tpc.ir.nodes import (
     Header,
@@ -189,7 +190,8 @@ def fake_header(*, schedule: str, stages: int = 2, ranks: list[int] | None = Non
     cuts = [round(units * s / stages) for s in range(stages + 1)]
     per_replica = batch // dp
     sizes = [per_replica // microbatches + (1 if m < per_replica % microbatches else 0) for m in range(microbatches)]
-    cut = parse_slices(slices, seq)
+    spec = parse_slices(slices, seq)
+    cut = equal_slices(spec, seq) if isinstance(spec, int) else ranges_of(spec)
     return Header(
         model=ModelLine(path="fake.py", sha256="0" * 64),
         shape=ShapeLine(batch=batch, seq=seq, vocab=VOCAB),

@@ -11,7 +11,7 @@ import torch
 from tests.executors.fake import FakeLM, fake_factory, fake_plan
 from tpc.executors.training.batches import RandomTokens
 from tpc.executors.distributed import World, fail, init, run_plan
-from tpc.executors.engine import EngineOptions
+from tpc.executors.options import RunOptions
 from tpc.executors.training.optimizer import OptimSpec
 
 
@@ -21,18 +21,13 @@ def _run(case: dict, world: World, timeout: float, hook=None):
     model = FakeLM(n_layer=case["plan"].get("n_layer", 2), tie=case["plan"].get("tie", False))
     h = plan.header.shape
     spec = OptimSpec(*case.get("optim", ("sgd", 0.1)))
-    schedule = None
-    if "warmup" in case:
-        from functools import partial
-
-        from tpc.executors.training.lr import lr_at
-
-        schedule = partial(lr_at, peak=spec.lr, warmup=case["warmup"], total=case.get("steps", 1))
-    options = EngineOptions(optim=spec, record_grads=True, before_instr=hook, lr_at=schedule,
-                            grad_clip=case.get("clip", 0.0))
-    return run_plan(plan, world, model=model, stage_factory=fake_factory(model), hidden_size=8,
-                    batches=RandomTokens(0, h.batch, h.seq, h.vocab), steps=case.get("steps", 1),
-                    options=options, timeout=timeout)
+    options = RunOptions(steps=case.get("steps", 1), optim=spec, record_grads=True,
+                         grad_clip=case.get("clip", 0.0), timeout=timeout,
+                         lr_schedule="cosine" if "warmup" in case else "constant",
+                         warmup=case.get("warmup", 0))
+    return run_plan(plan, world, options, model=model, device=torch.device("cpu"),
+                    stage_factory=fake_factory(model), hidden_size=8,
+                    batches=RandomTokens(0, h.batch, h.seq, h.vocab), before_instr=hook)
 
 
 def run_cases(rank: int, out_dir: str, cases: list[dict], timeout: float) -> None:
@@ -78,10 +73,10 @@ def run_real_cases(rank: int, out_dir: str, cases: list[dict], timeout: float) -
             plan = real_plan("gpt", **case["plan"])
             model, sliced = fresh_model("gpt", plan.header.shape.seq)
             h = plan.header.shape
-            options = EngineOptions(optim=OptimSpec(*case.get("optim", ("sgd", 0.1))), record_grads=True)
-            outcome = run_plan(plan, world, model=model, sliced=sliced,
-                               batches=RandomTokens(0, h.batch, h.seq, h.vocab), steps=case.get("steps", 1),
-                               options=options, timeout=timeout)
+            options = RunOptions(steps=case.get("steps", 1), optim=OptimSpec(*case.get("optim", ("sgd", 0.1))),
+                                 record_grads=True, timeout=timeout)
+            outcome = run_plan(plan, world, options, model=model, device=torch.device("cpu"), sliced=sliced,
+                               batches=RandomTokens(0, h.batch, h.seq, h.vocab))
         except Exception as e:  # noqa: BLE001
             fail(e if hasattr(e, "render") else f"{type(e).__name__}: {e}")
         torch.save({"losses": outcome.losses, "first_grads": outcome.first_grads, "params": outcome.params},

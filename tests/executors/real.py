@@ -13,11 +13,13 @@ from pathlib import Path
 
 import torch
 
-from tpc.compiler.compile import build_header, check_options, read_vocab
+from tpc.cli.compile import check_options
+from tpc.compiler.compile import build_header
+from tpc.compiler.frontend import read_vocab
 from tpc.compiler.frontend import SlicedModel, file_sha256
 from tpc.compiler.lower import lower
 from tpc.compiler.schedules import build_schedule
-from tpc.executors.interpreter import load_plan_model
+from tpc.executors.plan_model import load_plan_model
 from tpc.ir.nodes import Plan
 
 MODELS = Path(__file__).resolve().parent / "models"

@@ -15,6 +15,7 @@ from tests.executors.dist_harness import run_cases as harness_run_cases
 from tests.executors.fake import FakeLM, fake_factory, fake_plan, reference
 from tests.executors.fake_ranks import run_cases, run_with_fault
 from tpc.executors.training.batches import RandomTokens
+from tpc.executors.options import RunOptions
 from tpc.executors.interpreter import interpret
 from tpc.executors.training.optimizer import OptimSpec, build_optimizer
 
@@ -61,15 +62,10 @@ def _interpreted(case):
     torch.manual_seed(0)
     model = FakeLM(n_layer=2, tie=case["plan"].get("tie", False))
     spec = OptimSpec(*case.get("optim", ("sgd", 0.1)))
-    schedule = None
-    if "warmup" in case:
-        from functools import partial
-
-        from tpc.executors.training.lr import lr_at
-
-        schedule = partial(lr_at, peak=spec.lr, warmup=case["warmup"], total=case["steps"])
-    result = interpret(plan, steps=case.get("steps", 1), model=model, stage_factory_for=fake_factory,
-                       hidden_size=8, optim=spec, lr_at=schedule, grad_clip=case.get("clip", 0.0))
+    options = RunOptions(steps=case.get("steps", 1), optim=spec, grad_clip=case.get("clip", 0.0),
+                         lr_schedule="cosine" if "warmup" in case else "constant",
+                         warmup=case.get("warmup", 0))
+    result = interpret(plan, options, model=model, stage_factory_for=fake_factory, hidden_size=8)
     return plan, model, result
 
 

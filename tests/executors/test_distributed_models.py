@@ -18,7 +18,8 @@ from tests.executors.fake_ranks import run_real_cases
 from tests.executors.real import fresh_model, real_plan
 from tpc.executors.training.batches import RandomTokens
 from tpc.executors.interpreter import interpret
-from tpc.executors.run import compare_grads, reference_gradients
+from tpc.executors.oracle import gradient_error, batch_reference
+from tpc.executors.options import RunOptions
 from tpc.executors.training.optimizer import OptimSpec, build_optimizer
 from tpc.ir.printer import print_plan
 
@@ -57,17 +58,17 @@ def _check(case, ranks):
     plan = real_plan("gpt", **case["plan"])
     model, sliced = fresh_model("gpt", SEQ)
     reference = copy.deepcopy(model)
-    interp = interpret(plan, steps=case.get("steps", 1), model=model, sliced=sliced,
-                       optim=OptimSpec(*case.get("optim", ("sgd", 0.1))))
+    interp = interpret(plan, RunOptions(steps=case.get("steps", 1), optim=OptimSpec(*case.get("optim", ("sgd", 0.1)))),
+                       model=model, sliced=sliced)
     h = plan.header.shape
-    ref_loss, ref_grads = reference_gradients(reference, RandomTokens(0, h.batch, SEQ, h.vocab).get(0))
+    ref_loss, ref_grads, _ = batch_reference(reference, RandomTokens(0, h.batch, SEQ, h.vocab).get(0))
     held = {}
     for outcome in ranks:
         assert outcome["losses"] == pytest.approx(interp.losses, rel=1e-6)  # global loss on every rank
         assert abs(outcome["losses"][0] - ref_loss) <= TOL * abs(ref_loss)
         mine = outcome["first_grads"]
-        assert compare_grads(mine, {n: ref_grads[n] for n in mine})[0] <= TOL
-        assert compare_grads(mine, {n: interp.first_grads[n] for n in mine})[0] <= 1e-6
+        assert gradient_error(mine, {n: ref_grads[n] for n in mine})[0] <= TOL
+        assert gradient_error(mine, {n: interp.first_grads[n] for n in mine})[0] <= 1e-6
         held |= mine
     assert set(held) == set(ref_grads)  # every parameter is trained by some rank
     return interp
@@ -84,14 +85,14 @@ def test_two_ranks_weights_after_several_steps(two):
     ref, _ = fresh_model("gpt", SEQ)
     opt = build_optimizer(ref.named_parameters(), OptimSpec(*case["optim"]))
     for step in range(case["steps"]):
-        _, grads = reference_gradients(ref, RandomTokens(0, 4, SEQ, 256).get(step))
+        _, grads, _ = batch_reference(ref, RandomTokens(0, 4, SEQ, 256).get(step))
         for n, p in ref.named_parameters():
             p.grad = grads[n]
         opt.step()
     final = dict(ref.named_parameters(remove_duplicate=False))
     for outcome in ranks:
         got = outcome["params"]
-        assert compare_grads(got, {n: final[n].detach() for n in got})[0] <= TOL
+        assert gradient_error(got, {n: final[n].detach() for n in got})[0] <= TOL
 
 
 @pytest.mark.parametrize("i", range(len(FOUR)))

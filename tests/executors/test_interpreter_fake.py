@@ -13,6 +13,7 @@ import torch
 
 from tests.executors.fake import FakeLM, fake_factory, fake_plan, reference
 from tpc.executors.training.batches import RandomTokens
+from tpc.executors.options import RunOptions
 from tpc.executors.interpreter import interpret
 from tpc.executors.training.optimizer import OptimSpec, build_optimizer
 from tpc.ir.diagnostics import TpirError
@@ -27,11 +28,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def run_fake(plan, steps=1, optim=None, model=None, **kw):
+def run_fake(plan, steps=1, optim=None, model=None, verify=True, **kw):
+    """`interpret` of the fake LM; `kw` are RunOptions fields."""
     torch.manual_seed(0)
     model = model or FakeLM(n_layer=2, tie=bool(plan.header.ties))
-    result = interpret(plan, steps=steps, model=model, stage_factory_for=fake_factory, hidden_size=8,
-                       optim=optim or OptimSpec("sgd", lr=0.1), **kw)
+    options = RunOptions(steps=steps, optim=optim or OptimSpec("sgd", lr=0.1), **kw)
+    result = interpret(plan, options, model=model, stage_factory_for=fake_factory, hidden_size=8,
+                       verify=verify)
     return model, result
 
 
@@ -99,7 +102,7 @@ def test_clipping_and_lr_schedule_match_plain_training():
     plan = fake_plan(schedule="1f1b", stages=3, slices="3", microbatches=2, tie=True)
     spec, clip, steps = OptimSpec("sgd", lr=0.5), 0.05, 3
     schedule = partial(lr_at, peak=spec.lr, warmup=2, total=steps)
-    model, result = run_fake(plan, steps=steps, optim=spec, lr_at=schedule, grad_clip=clip)
+    model, result = run_fake(plan, steps=steps, optim=spec, lr_schedule="cosine", warmup=2, grad_clip=clip)
     ref = copy.deepcopy(model)
     opt = build_optimizer(ref.named_parameters(), spec)
     for step in range(steps):

@@ -14,7 +14,8 @@ import torch
 from tests.executors.real import fresh_model, initial_model, real_plan
 from tpc.executors.training.batches import RandomTokens
 from tpc.executors.interpreter import interpret
-from tpc.executors.run import compare_grads, reference_gradients
+from tpc.executors.oracle import gradient_error, batch_reference
+from tpc.executors.options import RunOptions
 from tpc.executors.training.optimizer import OptimSpec, build_optimizer
 
 TOL = 1e-5
@@ -27,8 +28,8 @@ def run_and_check(name: str, **plan_kw):
     reference = copy.deepcopy(model)
     result = interpret(plan, model=model, sliced=sliced)
     h = plan.header
-    ref_loss, ref_grads = reference_gradients(reference, RandomTokens(0, h.shape.batch, SEQ, h.shape.vocab).get(0))
-    worst, where = compare_grads(result.first_grads, ref_grads)
+    ref_loss, ref_grads, _ = batch_reference(reference, RandomTokens(0, h.shape.batch, SEQ, h.shape.vocab).get(0))
+    worst, where = gradient_error(result.first_grads, ref_grads)
     assert worst <= TOL, (worst, where)
     assert abs(result.losses[0] - ref_loss) <= TOL * abs(ref_loss)
     return result
@@ -77,18 +78,18 @@ def test_weights_after_several_steps_match_plain_training():
     plan = real_plan("gpt", schedule="seq1f1b", stages=2, slices="2,9,5", microbatches=2, seq_len=SEQ)
     model, sliced = fresh_model("gpt", SEQ)
     ref = copy.deepcopy(model)
-    result = interpret(plan, steps=3, model=model, sliced=sliced, optim=spec)
+    result = interpret(plan, RunOptions(steps=3, optim=spec), model=model, sliced=sliced)
     opt = build_optimizer(ref.named_parameters(), spec)
     losses = []
     for step in range(3):
-        loss, grads = reference_gradients(ref, RandomTokens(0, 4, SEQ, plan.header.shape.vocab).get(step))
+        loss, grads, _ = batch_reference(ref, RandomTokens(0, 4, SEQ, plan.header.shape.vocab).get(step))
         for n, p in ref.named_parameters():
             p.grad = grads[n]
         opt.step()
         losses.append(loss)
     assert result.losses == pytest.approx(losses, rel=TOL)
     final = dict(ref.named_parameters())
-    worst, where = compare_grads({n: result.state_dict[n] for n in final}, {n: final[n].detach() for n in final})
+    worst, where = gradient_error({n: result.state_dict[n] for n in final}, {n: final[n].detach() for n in final})
     assert worst <= TOL, (worst, where)
     # the whole model's state: a tie's every name, and the buffers, load into the model
     ref.load_state_dict(result.state_dict)
@@ -105,7 +106,7 @@ def test_bf16_autocast_reaches_the_compute():
     losses = {}
     for bf16 in (False, True):
         model, sliced = fresh_model("gpt", SEQ)
-        losses[bf16] = interpret(plan, model=model, sliced=sliced, bf16=bf16).losses[0]
+        losses[bf16] = interpret(plan, RunOptions(bf16=bf16), model=model, sliced=sliced).losses[0]
     assert losses[True] != losses[False]
     assert abs(losses[True] - losses[False]) <= 2e-2 * abs(losses[False])
 

@@ -9,7 +9,8 @@ import pytest
 
 from tests.compiler.simulate.plans import make_plan
 from tpc.cli.main import main
-from tpc.compiler.simulate import UnitCosts, simulate
+from tpc.compiler.costmodel.unit import UnitCosts
+from tpc.compiler.simulate import simulate
 from tpc.compiler.timeline import chrome_trace, compare, read_trace, write_gantt
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.nodes import Op

@@ -9,7 +9,8 @@ from tests.executors.training.test_checkpoint import _shards, _split
 from tpc.cli.main import main
 from tpc.compiler.frontend.model_file import file_sha256
 from tpc.executors.training.checkpoint import resume_expect, run_meta, save_checkpoint
-from tpc.executors.training.export import export_state_dict, generate, load_for_sampling
+from tpc.executors.training.export import export_state_dict
+from tpc.executors.training.generate import generate, load_for_sampling
 from tpc.executors.training.param_groups import build_optimizer
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.nodes import Header, MeshLine, Microbatch, ModelLine, ScheduleLine, ShapeLine, Stage, UnitsLine

@@ -1,0 +1,22 @@
+"""`tpc export` and `tpc sample`: trained weights out of a checkpoint, and text out of them."""
+
+from __future__ import annotations
+
+from tpc.executors.training.export import write_export
+from tpc.executors.training.generate import sample_text
+
+
+def cmd_export(args) -> int:
+    """`tpc export CKPT -o model.pt`."""
+    sd, meta = write_export(args.checkpoint, args.output)
+    n_params = sum(t.numel() for t in {id(t): t for t in sd.values()}.values())
+    print(f"wrote {args.output}: {len(sd)} tensors, {n_params:,} values, from step {meta['step']} "
+          f"of {meta['model_path']}")
+    return 0
+
+
+def cmd_sample(args) -> int:
+    """`tpc sample CKPT|model.pt --prompt TEXT --tokens N --temperature T --top-k K --seed S`."""
+    print(sample_text(args.checkpoint, args.prompt, args.tokens, temperature=args.temperature,
+                      top_k=args.top_k, seed=args.seed, model_path=args.model, factory=args.factory))
+    return 0

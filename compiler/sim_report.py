@@ -1,0 +1,74 @@
+"""What `tpc simulate` prints: the per-rank table, the iteration time and where it goes."""
+
+from __future__ import annotations
+
+import math
+
+from tpc.compiler.simulate import SimResult
+from tpc.compiler.timeline import slices_summary
+from tpc.ir.nodes import COMPUTE_OPS
+
+
+def format_quantity(value: float, unit: str) -> str:
+    """Bytes in binary units, seconds in ms, anything else as a plain number and its unit."""
+    if unit == "B":
+        for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if abs(value) >= size:
+                return f"{value / size:.2f} {name}"
+        return f"{value:.0f} B"
+    if unit == "s":
+        return f"{value * 1e3:.3f} ms"
+    if unit == "unit":
+        return f"{value:.4g} unit{'s' if value != 1 else ''}"
+    return f"{value:.4g} {unit}"
+
+
+def critical_path_summary(result: SimResult) -> str:
+    """Where the iteration time goes: the ranks the critical path crosses, and how much of it
+    is compute, other work and waiting for messages."""
+    path = result.critical_path
+    if not path:
+        return "critical path: empty plan"
+    hops = [path[0].rank]
+    for e in path[1:]:
+        if e.rank != hops[-1]:
+            hops.append(e.rank)
+    compute = math.fsum(e.work for e in path if e.instr.op in COMPUTE_OPS)
+    other = math.fsum(e.work for e in path if e.instr.op not in COMPUTE_OPS)
+    gaps = result.iteration_time - compute - other
+    n_compute = sum(1 for e in path if e.instr.op in COMPUTE_OPS)
+    u = result.time_unit
+    return (
+        f"critical path: {n_compute} compute instructions over ranks "
+        f"{' > '.join(map(str, hops))}\n"
+        f"  compute {format_quantity(compute, u)}, communication and other work "
+        f"{format_quantity(other, u)}, transfers {format_quantity(gaps, u)}\n"
+        f"  from `{path[0].instr}` (rank {path[0].rank}) to `{path[-1].instr}` (rank {path[-1].rank})"
+    )
+
+
+def format_report(result: SimResult, name: str, costs_text: str) -> str:
+    """The table `tpc simulate` prints."""
+    h = result.plan.header
+    M = len(h.microbatches)
+    t, m = result.time_unit, result.memory_unit
+    lines = [
+        f"{name}: schedule {h.schedule.name!r}, {h.num_stages} stages on {h.mesh.pipe} ranks, "
+        f"{M} micro-batch{'es' if M != 1 else ''}, {slices_summary(h)}; {costs_text}",
+        "",
+        f"{'rank':>4}  {'busy':>14}  {'idle':>14}  {'bubble':>7}  {'peak memory':>14}",
+    ]
+    for r in result.ranks:
+        lines.append(
+            f"{r.rank:>4}  {format_quantity(r.busy, t):>14}  {format_quantity(r.idle, t):>14}  "
+            f"{r.bubble:>7.1%}  {format_quantity(r.peak_memory.total, m):>14}"
+        )
+    lines += [
+        "",
+        f"iteration time: {format_quantity(result.iteration_time, t)}   "
+        f"mean bubble: {result.bubble:.1%}",
+        critical_path_summary(result),
+    ]
+    if m == "act":
+        lines.append("memory in slice activations (graphs kept from a forward to its backward)")
+    return "\n".join(lines)

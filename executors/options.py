@@ -1,0 +1,120 @@
+"""`RunOptions`: the one description of a training run, for both executors.
+
+`tpc run`'s flags are read into it (tpc.cli.run); the reference interpreter
+(`executors.interpreter.interpret`), the distributed executor (`executors.distributed`) and every
+rank's engine (`executors.engine.RankEngine`) read the fields they act on. Checked on
+construction: a meaningless setting is a TpirError naming its flag, before any work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tpc.executors.training.optimizer import OptimSpec
+from tpc.ir.diagnostics import Diagnostic, TpirError
+
+LR_SCHEDULES = ("cosine", "constant")
+
+
+def _refuse(flag: str, message: str, hint: str) -> TpirError:
+    return TpirError(Diagnostic(message, where=flag, hint=hint))
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    steps: int = 1
+    seed: int = 0  # weights (the model built after torch.manual_seed(seed)) and random batches
+    optim: OptimSpec = field(default_factory=OptimSpec)
+    # the learning rate of step s: "cosine" warms up linearly over `warmup` steps, then follows
+    # half a cosine down to a tenth of the peak at `steps` (training/lr.py); "constant" keeps
+    # the optimizer's own
+    lr_schedule: str = "constant"
+    warmup: int = 0
+    grad_clip: float = 0.0  # clip the global gradient norm to this before each update (0: never)
+    device: str = "auto"  # cpu | cuda | auto (cuda when present)
+    bf16: bool = False  # bf16 autocast around compute (CUDA only; weights, grads, messages fp32)
+    timeout: float = 120.0  # seconds a rank waits for a peer before giving up (torchrun)
+    data: str | None = None  # token file; None: random tokens from `seed`
+    # record each instruction's start and end; with `trace_path`, write them there (Chrome
+    # trace). On CUDA the engine waits for the device after each instruction, so a traced run
+    # is slower.
+    trace: bool = False
+    trace_path: str | None = None
+    metrics: str | None = None  # one JSON line per step
+    checkpoint_dir: str | None = None
+    save_every: int = 0  # save a checkpoint every N steps (and at the end); 0: only at the end
+    resume: bool = False  # continue from the newest checkpoint in `checkpoint_dir`
+    # compare the first step's loss and gradients with plain autograd; fail above `tolerance`
+    verify_grads: bool = False
+    tolerance: float = 1e-5
+    quiet: bool = False  # no progress line
+    # keep a copy of every gradient at `step` (before the update), for checks
+    record_grads: bool = False
+    # compute the global gradient norm every step even without clipping or metrics
+    grad_norm: bool = False
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise _refuse("--steps", f"--steps must be >= 1, got {self.steps}", "e.g. --steps 10")
+        if self.timeout <= 0:
+            raise _refuse("--timeout", f"--timeout must be > 0, got {self.timeout}",
+                          "seconds a rank waits for a peer, e.g. --timeout 120")
+        if self.grad_clip < 0:
+            raise _refuse("--grad-clip", f"--grad-clip must be >= 0, got {self.grad_clip}",
+                          "the largest global gradient norm, e.g. --grad-clip 1.0; 0 for none")
+        if self.tolerance <= 0:
+            raise _refuse("--tolerance", f"--tolerance must be > 0, got {self.tolerance}",
+                          "e.g. --tolerance 1e-5")
+        if self.save_every < 0:
+            raise _refuse("--save-every", f"--save-every must be >= 0, got {self.save_every}",
+                          "save every N steps, e.g. --save-every 100; 0 saves only at the end")
+        for flag, given in (("--save-every", self.save_every > 0), ("--resume", self.resume)):
+            if given and not self.checkpoint_dir:
+                raise _refuse(flag, f"{flag} needs --checkpoint-dir",
+                              f"e.g. --checkpoint-dir ckpt {flag}" + (" 100" if flag == "--save-every" else ""))
+        if self.resume and self.verify_grads:
+            raise _refuse("--verify-grads", "--verify-grads checks the first step from the initial "
+                          "weights; a resumed run does not start there", "check a fresh run (without --resume)")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise _refuse("--lr-schedule", f"unknown learning-rate schedule {self.lr_schedule!r}",
+                          f"use one of: {', '.join(LR_SCHEDULES)}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise _refuse("--device", f"unknown device {self.device!r}", "use cpu, cuda or auto")
+        self.lr_at(0)  # refuses a meaningless schedule (warm-up past the end) now
+
+    @property
+    def traced(self) -> bool:
+        """Each instruction's start and end are recorded (asked for, or to write a trace file)."""
+        return self.trace or self.trace_path is not None
+
+    @property
+    def keeps_grads(self) -> bool:
+        """Each step's gradients are kept (before the update): asked for, or to check them."""
+        return self.record_grads or self.verify_grads
+
+    @property
+    def needs_grad_norm(self) -> bool:
+        """The global gradient norm is computed each step: to clip, to log, or when asked."""
+        return self.grad_clip > 0 or self.metrics is not None or self.grad_norm
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (counting from 0)."""
+        if self.lr_schedule == "constant":
+            return self.optim.lr
+        from tpc.executors.training.lr import lr_at
+
+        return lr_at(step, peak=self.optim.lr, warmup=self.warmup, total=self.steps)
+
+    def torch_device(self, local_rank: int = 0) -> torch.device:
+        """The device this run computes on: cpu, or cuda:`local_rank` (auto: CUDA when present)."""
+        name = self.device
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        if name == "cuda":
+            if not torch.cuda.is_available():
+                raise _refuse("--device", "--device cuda, but CUDA is not available",
+                              "use --device cpu (gloo), or run on a machine with GPUs")
+            return torch.device("cuda", local_rank)
+        return torch.device("cpu")

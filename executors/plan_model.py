@@ -1,0 +1,50 @@
+"""The model a plan names: check its file, build it, trace it, and check that it still cuts
+into the plan's units.
+
+A plan records its model file's SHA-256 and the number of partition units the front end found
+(`units N`). Both executors rebuild the model from the file and re-trace it; a changed file, or
+a trace that cuts the model differently (a torch upgrade that moves a unit boundary,
+`compiler/frontend/plan_trace.py`), would run the plan on the wrong split, so each is refused
+with a located message before any work.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tpc.compiler.frontend import SlicedModel, file_sha256, load_model
+from tpc.compiler.frontend.plan_trace import sliced_for_header
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import Plan
+
+
+def check_plan_model(plan: Plan) -> None:
+    """Refuse a model file that is missing or differs from the one the plan was compiled from."""
+    line = plan.header.model
+    path = Path(line.path)
+    if not path.is_file():
+        raise TpirError(Diagnostic(
+            f"the plan's model file {line.path!r} does not exist", loc=line.loc, where=plan.source,
+            hint="run from the directory the plan was compiled in, or fix the path on the model line"))
+    actual = file_sha256(path)
+    if actual != line.sha256:
+        raise TpirError(Diagnostic(
+            f"the model file {line.path!r} has changed since the plan was compiled "
+            f"(sha256 {actual[:12]}..., the plan says {line.sha256[:12]}...)",
+            loc=line.loc, where=plan.source,
+            hint=f"recompile: `tpc compile {line.path} -o PLAN ...`, or restore the file the plan was made from"))
+
+
+def load_plan_model(plan: Plan, seed: int) -> torch.nn.Module:
+    """The plan's model built from its file, with weights drawn after `torch.manual_seed(seed)`,
+    so every process that builds it gets the same weights."""
+    torch.manual_seed(seed)
+    return load_model(plan.header.model.path, plan.header.model.factory)
+
+
+def slice_model(model: torch.nn.Module, plan: Plan) -> SlicedModel:
+    """The front end's `SlicedModel` of `model` at the plan's shape; refused when its trace cuts
+    the model into another number of units than the plan was compiled for."""
+    return sliced_for_header(model, plan.header, plan.source)
