@@ -50,11 +50,12 @@ class RankError(TpirError):
 
 class Blocked(Exception):
     """A receive or collective cannot complete yet; nothing was changed. `waiting_for` says on
-    what, for a deadlock report."""
+    what, and `ranks` on which (global) ranks, for a deadlock report."""
 
-    def __init__(self, waiting_for: str):
+    def __init__(self, waiting_for: str, ranks: tuple[int, ...] = ()):
         super().__init__(waiting_for)
         self.waiting_for = waiting_for
+        self.ranks = tuple(ranks)
 
 
 class Transport(Protocol):

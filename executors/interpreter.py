@@ -33,7 +33,7 @@ from tpc.executors.plan_model import load_plan_model, slice_model
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
 from tpc.ir.verify import check
-from tpc.ir.semantics import Message
+from tpc.ir.semantics import Message, wait_chain
 
 
 @dataclass
@@ -72,7 +72,7 @@ class _Hub:
         missing = [r for r in members if r not in entry["arrived"]]
         if missing:
             raise Blocked(f"{what}: waiting for rank{'s' if len(missing) > 1 else ''} "
-                          f"{', '.join(map(str, missing))}")
+                          f"{', '.join(map(str, missing))}", ranks=missing)
         if entry["result"] is None:
             counts = {len(entry["arrived"][r]) for r in members}
             if len(counts) != 1:
@@ -115,7 +115,7 @@ class LocalTransport:
     def recv(self, key: Message, src: int, shape, dtype, index: int) -> torch.Tensor:
         queue = self.hub.channel(self._global(src), self.me)
         if not queue:
-            raise Blocked(f"waiting for {key} from rank {src}")
+            raise Blocked(f"waiting for {key} from rank {src}", ranks=(self._global(src),))
         got, tensor = queue[0]
         if got != key:
             raise TpirError(Diagnostic(
@@ -159,14 +159,14 @@ def run_cooperatively(engines: list[RankEngine]) -> None:
     """Run every engine to the end of its stream; a round without progress is a deadlock."""
     while True:
         progressed = False
-        waiting: dict[int, str] = {}
+        waiting: dict[int, Blocked] = {}
         for e in engines:
             while not e.done:
                 try:
                     e.execute_next()
                     progressed = True
                 except Blocked as b:
-                    waiting[id(e)] = b.waiting_for
+                    waiting[id(e)] = b
                     break
         if all(e.done for e in engines):
             return
@@ -174,20 +174,33 @@ def run_cooperatively(engines: list[RankEngine]) -> None:
             raise deadlock_error(engines, waiting)
 
 
-def deadlock_error(engines: list[RankEngine], waiting: dict[int, str]) -> TpirError:
-    """One diagnostic for the deadlock, then one per stuck rank at its blocked instruction."""
+def deadlock_error(engines: list[RankEngine], waiting: dict[int, Blocked]) -> RankError:
+    """One diagnostic for the deadlock, with the wait-for cycle, then one per stuck rank at its
+    blocked instruction."""
     stuck = [e for e in engines if not e.done]
     finished = [e.rank_name for e in engines if e.done]
+    by_rank = {e.global_rank: e for e in stuck}
+    waits_for = {e.global_rank: [q for q in waiting[id(e)].ranks if q in by_rank]
+                 for e in stuck if id(e) in waiting}
+
+    def place(r: int) -> str:
+        e = by_rank[r]
+        return f"rank {e.rank_name} line {e.line_of(e.pc)}"
+
+    chain = wait_chain(waits_for, stuck[0].global_rank) if stuck[0].global_rank in waits_for else []
+    cycle = "".join((" waits for " if k == 1 else ", which waits for " if k else "") + place(r)
+                    for k, r in enumerate(chain))
     head = Diagnostic(
         f"deadlock: no rank can make progress ({len(stuck)} of {len(engines)} ranks are blocked"
-        + (f"; ranks {', '.join(finished)} finished" if finished else "") + ")",
+        + (f"; ranks {', '.join(finished)} finished" if finished else "") + ")"
+        + (f": {cycle}" if len(chain) > 1 else ""),
         where=stuck[0].plan.source,
         hint="each blocked rank waits for a message or a collective that no runnable rank will "
              "produce; `tpc verify` explains the ordering rule that is broken")
     diags = [head]
     for e in stuck:
-        diags.append(Diagnostic(f"{e.where(e.pc)}: blocked, {waiting.get(id(e), 'waiting')}",
-                                loc=e.current.loc, where=e.plan.source))
+        why = waiting[id(e)].waiting_for if id(e) in waiting else "waiting"
+        diags.append(Diagnostic(f"{e.where(e.pc)}: blocked, {why}", loc=e.current.loc, where=e.plan.source))
     return RankError(diags)
 
 

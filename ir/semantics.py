@@ -37,7 +37,9 @@ What blocks (the buffered semantics of the format)
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterable, Mapping, NamedTuple
+
+import networkx as nx
 
 from tpc.ir.nodes import Header, Instr, Op, Payload
 
@@ -147,3 +149,24 @@ def blocks(op: Op) -> bool:
     reduce-tied (for the tie's other ranks). Sends are buffered; allreduce waits only on
     replicas running the same stream."""
     return op is Op.RECV or op is Op.REDUCE_TIED
+
+
+def wait_chain(waits_for: Mapping[int, Iterable[int]], start: int) -> list[int]:
+    """The ranks a blocked rank waits on, transitively: `start`, the rank it waits for, the
+    rank that one waits for, ... up to and including the first rank seen twice (the wait-for
+    cycle that makes a deadlock), or up to a rank that waits on nobody still blocked.
+    `waits_for[r]` are the ranks blocked rank r waits for; only ranks that are keys are
+    blocked. Found with networkx on the wait-for graph."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(waits_for)
+    graph.add_edges_from((r, q) for r, qs in waits_for.items() for q in qs if q in waits_for)
+    try:
+        cycle = nx.find_cycle(graph, source=start)
+    except nx.NetworkXNoCycle:
+        path = [start]
+        while graph.out_degree(path[-1]):
+            path.append(next(iter(graph.successors(path[-1]))))
+        return path
+    entry = cycle[0][0]
+    path = nx.shortest_path(graph, start, entry)
+    return path + [v for _, v in cycle]

@@ -187,10 +187,15 @@ def test_deadlock_lists_every_stuck_rank():
         run_fake(edited, verify=False)
     text = str(err.value)
     assert "deadlock" in text
+    lines = {}
     for rank in (0, 1):
         line, instr = _line(edited, rank, Op.RECV)
+        lines[rank] = line
         assert f"rank {rank}, line {line}: {instr}: blocked" in text
     assert len(err.value.diagnostics) == 3  # the deadlock and one per stuck rank, at its line
+    # the wait-for cycle, in the first diagnostic
+    assert (f"rank 0 line {lines[0]} waits for rank 1 line {lines[1]}, which waits for rank 0 "
+            f"line {lines[0]}") in err.value.diagnostics[0].message
 
 
 def test_error_inside_an_instruction_is_located():

@@ -683,8 +683,8 @@ def test_deadlock_names_every_stuck_rank_and_the_cycle():
     got = expect(DEADLOCK,
                  (17, "deadlock: rank 0 waits here forever for rank 1"),
                  (29, "deadlock: rank 1 waits here forever for rank 0"))
-    assert got[0][2].startswith("rank 0 waits at line 17 for rank 1, which waits at line 29 for rank 0")
-    assert got[1][2].startswith("rank 1 waits at line 29 for rank 0, which waits at line 17 for rank 1")
+    assert got[0][2].startswith("rank 0 line 17 waits for rank 1 line 29, which waits for rank 0 line 17")
+    assert got[1][2].startswith("rank 1 line 29 waits for rank 0 line 17, which waits for rank 1 line 29")
     assert "the send at line 18 (send act stage 0 mb 0 slice 0 to 1) must run before rank 0 blocks at line 17" in got[1][2]
 
 

@@ -1,0 +1,221 @@
+"""Header rules H1-H6 (see tpc.ir.verify): the format version, the model and dtype, stages,
+units, ties, micro-batches and their slices, and the rank sections."""
+
+from __future__ import annotations
+
+import re
+
+from tpc.ir.nodes import FORMAT_VERSION, Plan
+from tpc.ir.verify.report import Report
+
+# parameter dtypes a plan may name (`shape ... dtype D`); the executors map them to torch dtypes
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+
+
+def check_header(plan: Plan, rep: Report) -> bool:
+    """Rules H1-H6. False when the numbering is too broken to check the instructions."""
+    h = plan.header
+    ok = True
+    if h.version != FORMAT_VERSION:
+        rep.add(h.version_loc, "header (tpir)", (0, 0), f"unknown format version {h.version}",
+                f"this tpc reads `tpir {FORMAT_VERSION}`")
+    _check_model_and_dtype(plan, rep)
+    ok &= _check_stages(plan, rep)
+    _check_units(plan, rep)
+    _check_ties(plan, rep)
+    ok &= _check_microbatches(plan, rep)
+    ok &= _check_sections(plan, rep)
+    return ok
+
+
+def _check_model_and_dtype(plan: Plan, rep: Report) -> None:
+    h = plan.header
+    if not _SHA256.fullmatch(h.model.sha256):
+        rep.add(h.model.loc, "header (model)", (0, 1),
+                f"\"{h.model.sha256}\" is not a SHA-256 digest",
+                "write the 64 hex digits of the model file's SHA-256 (`sha256sum FILE`); "
+                "`tpc run` compares it with the file")
+    if h.shape.dtype not in DTYPES:
+        rep.add(h.shape.loc, "header (shape)", (0, 2), f"unknown dtype {h.shape.dtype}",
+                "use one of " + ", ".join(DTYPES))
+
+
+def _check_stages(plan: Plan, rep: Report) -> bool:
+    h = plan.header
+    pipe = h.mesh.pipe
+    ok = True
+    if not h.stages:
+        rep.add(h.units.loc, "header (units)", (0, 5), "the plan has no stages",
+                'add `stage 0 rank 0 units 0:N "LABEL"` lines below `units`')
+        return False
+    for k, st in enumerate(h.stages):
+        where, order = f"header, stage line {k}", (0, 10 + k)
+        if st.index != k:
+            ok = False
+            rep.add(st.loc, where, order, f"stage {st.index} is listed where stage {k} belongs",
+                    f"number stage lines 0, 1, 2, ... in order: write `stage {k}` here")
+        if not 0 <= st.rank < pipe:
+            ok = False
+            rep.add(st.loc, where, order,
+                    f"stage {st.index} is placed on rank {st.rank}, but the mesh has pipeline "
+                    f"ranks 0..{pipe - 1}",
+                    f"use a rank in 0..{pipe - 1}, or raise `mesh pipe`")
+    if ok:
+        held = {st.rank for st in h.stages}
+        for r in range(pipe):
+            if r not in held:
+                rep.add(h.mesh.loc, "header (mesh)", (0, 3), f"pipeline rank {r} holds no stage",
+                        f"place a stage on rank {r}, or lower `mesh pipe` to the ranks in use")
+    return ok
+
+
+def tiling_problems(ranges, end: int):
+    """How consecutive [lo, hi) ranges fail to tile [0, end), in order: ("gap", i, lo, hi,
+    expect) when range i starts after the previous one ends (at `expect`), ("overlap", ...)
+    when it starts before, ("empty", ...) when hi <= lo, and finally ("end", None, None, None,
+    expect) when the last range does not end at `end`. The one tiling rule of stages over units
+    (H3) and of slices over a micro-batch's tokens (H5)."""
+    expect = 0
+    for i, (lo, hi) in enumerate(ranges):
+        if lo > expect:
+            yield "gap", i, lo, hi, expect
+        elif lo < expect:
+            yield "overlap", i, lo, hi, expect
+        if hi <= lo:
+            yield "empty", i, lo, hi, expect
+        expect = hi
+    if expect != end:
+        yield "end", None, None, None, expect
+
+
+def _check_units(plan: Plan, rep: Report) -> None:
+    h = plan.header
+    if not h.stages:
+        return
+    for kind, k, lo, hi, expect in tiling_problems([st.units for st in h.stages], h.units.count):
+        if kind == "end":
+            st = h.stages[-1]
+            rep.add(st.loc, f"header, stage line {len(h.stages) - 1}", (0, 10 + len(h.stages) - 1),
+                    f"the stages end at unit {expect}, but the model has {h.units.count} units",
+                    f"end the last stage at unit {h.units.count}")
+            continue
+        st = h.stages[k]
+        where, order = f"header, stage line {k}", (0, 10 + k)
+        if kind == "gap":
+            rep.add(st.loc, where, order,
+                    f"units {expect}:{lo} belong to no stage (stage {st.index} starts at {lo})",
+                    f"start stage {st.index} where the previous stage ends: units {expect}:{hi}")
+        elif kind == "overlap":
+            rep.add(st.loc, where, order,
+                    f"stage {st.index} units {lo}:{hi} overlap the previous stage, which ends at "
+                    f"{expect}", f"start stage {st.index} at unit {expect}")
+        else:
+            rep.add(st.loc, where, order, f"stage {st.index} has no units ({lo}:{hi})",
+                    "give every stage a range LO:HI with HI > LO")
+
+
+def _check_ties(plan: Plan, rep: Report) -> None:
+    h = plan.header
+    k = len(h.stages)
+    seen: dict[str, int] = {}
+    for n, tie in enumerate(h.ties):
+        where, order = f"header, tie line {n}", (0, 5000 + n)
+        if tie.name in seen:
+            rep.add(tie.loc, where, order, f"tie \"{tie.name}\" is declared twice",
+                    "merge the two tie lines into one that lists all its stages")
+        seen.setdefault(tie.name, n)
+        bad = [s for s in tie.stages if not 0 <= s < k]
+        if bad:
+            rep.add(tie.loc, where, order,
+                    f"tie \"{tie.name}\" names stage {bad[0]}, which does not exist",
+                    f"stages are 0..{k - 1}")
+        elif len(set(tie.stages)) < 2:
+            rep.add(tie.loc, where, order,
+                    f"tie \"{tie.name}\" names fewer than two distinct stages",
+                    "a tie is a parameter shared by two or more stages; list them all, "
+                    "or remove the line")
+
+
+def _check_microbatches(plan: Plan, rep: Report) -> bool:
+    h = plan.header
+    batch, data, seq = h.shape.batch, h.mesh.data, h.shape.seq
+    if batch % data:
+        rep.add(h.shape.loc, "header (shape)", (0, 2),
+                f"batch {batch} is not divisible by `mesh data {data}`",
+                f"use a global batch that is a multiple of {data}: each data-parallel replica "
+                "trains on batch / data rows")
+    if not h.microbatches:
+        rep.add(h.shape.loc, "header (shape)", (0, 2), "the plan has no micro-batches",
+                f"add `microbatch 0 size {batch // data} slices 0:{seq}` at the end of the header")
+        return False
+    ok = True
+    for k, mb in enumerate(h.microbatches):
+        where, order = f"header, microbatch line {k}", (0, 9000 + k)
+        if mb.index != k:
+            ok = False
+            rep.add(mb.loc, where, order,
+                    f"microbatch {mb.index} is listed where microbatch {k} belongs",
+                    f"number micro-batches 0, 1, 2, ... in order: write `microbatch {k}`")
+        if mb.size < 1:
+            rep.add(mb.loc, where, order, f"microbatch {mb.index} has size {mb.size}",
+                    "every micro-batch takes at least one row")
+        _check_slices(mb, seq, rep, where, order)
+    total = sum(mb.size for mb in h.microbatches)
+    if batch % data == 0 and total != batch // data:
+        last = h.microbatches[-1]
+        rep.add(last.loc, f"header, microbatch line {len(h.microbatches) - 1}",
+                (0, 9000 + len(h.microbatches) - 1),
+                f"micro-batch sizes sum to {total}, but each replica's batch is "
+                f"{batch // data} rows (batch {batch} / data {data})",
+                f"make the sizes sum to {batch // data}")
+    return ok
+
+
+def _check_slices(mb, seq: int, rep: Report, where: str, order: tuple) -> None:
+    if not mb.slices:
+        rep.add(mb.loc, where, order, f"microbatch {mb.index} has no token slices",
+                f"add `slices 0:{seq}` (or several slices that tile 0:{seq})")
+        return
+    for kind, i, lo, hi, expect in tiling_problems(mb.slices, seq):
+        if kind == "gap":
+            rep.add(mb.loc, where, order,
+                    f"microbatch {mb.index}: tokens {expect}:{lo} are in no slice "
+                    f"(slice {i} is {lo}:{hi})", f"start slice {i} at token {expect}")
+        elif kind == "overlap":
+            rep.add(mb.loc, where, order,
+                    f"microbatch {mb.index}: slice {i} ({lo}:{hi}) overlaps the slice before it, "
+                    f"which ends at {expect}", f"start slice {i} at token {expect}")
+        elif kind == "empty":
+            rep.add(mb.loc, where, order, f"microbatch {mb.index}: slice {i} ({lo}:{hi}) is empty",
+                    "every slice holds at least one token: write A:B with B > A")
+        else:
+            rep.add(mb.loc, where, order,
+                    f"microbatch {mb.index}: the slices end at token {expect}, but seq is {seq}",
+                    f"end the last slice at {seq}: slices tile 0:{seq}")
+
+
+def _check_sections(plan: Plan, rep: Report) -> bool:
+    pipe = plan.header.mesh.pipe
+    ok = True
+    for k, rp in enumerate(plan.ranks):
+        if k >= pipe:
+            ok = False
+            rep.add(rp.loc, f"rank section {k}", (1, k, -1),
+                    f"rank {rp.rank} section, but the mesh has {pipe} pipeline ranks",
+                    f"one `rank R` section per pipeline rank 0..{pipe - 1}: remove this section "
+                    "or raise `mesh pipe`")
+        elif rp.rank != k:
+            ok = False
+            rep.add(rp.loc, f"rank section {k}", (1, k, -1),
+                    f"rank {rp.rank} section where the section of rank {k} belongs",
+                    f"list one section per pipeline rank in order: write `rank {k}` here")
+    if len(plan.ranks) < pipe:
+        ok = False
+        missing = ", ".join(str(r) for r in range(len(plan.ranks), pipe))
+        loc = plan.header.mesh.loc
+        rep.add(loc, "header (mesh)", (0, 3),
+                f"the mesh has {pipe} pipeline ranks, but the plan has "
+                f"{len(plan.ranks)} rank sections (missing: {missing})",
+                f"add a `rank R` section for every rank 0..{pipe - 1}")
+    return ok

@@ -1,0 +1,191 @@
+"""What every rule of the verifier shares: the report that collects located diagnostics, the
+index of where each instruction is, and the shape of the plan the rules need."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from tpc.ir.diagnostics import Diagnostic
+from tpc.ir.nodes import Instr, Loc, Op, Payload, Plan
+
+ACT, GRAD = Payload.ACT, Payload.GRAD
+
+
+class O:
+    """The members of `Op` as plain class attributes. Reading an Enum member is a descriptor
+    call in Python 3.11, and the verifier reads them a few times per instruction."""
+
+    LOAD, FORWARD, RECOMPUTE, STEP = Op.LOAD, Op.FORWARD, Op.RECOMPUTE, Op.STEP
+    BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
+    SEND, RECV, FREE_KV = Op.SEND, Op.RECV, Op.FREE_KV
+    ALLREDUCE, REDUCE_TIED = Op.ALLREDUCE, Op.REDUCE_TIED
+
+
+# ops whose instructions are about one (stage, mb, slice)
+SLICE_OPS = (O.FORWARD, O.RECOMPUTE, O.BACKWARD, O.BACKWARD_INPUT, O.BACKWARD_WEIGHT)
+# ops that read or write parameters or their gradients: `step` must come after all of them
+PARAM_OPS = frozenset(SLICE_OPS) | {O.ALLREDUCE, O.REDUCE_TIED}
+# ops that add to a stage's weight gradients: allreduce and reduce-tied come after them
+WEIGHT_GRAD_OPS = frozenset({O.BACKWARD, O.BACKWARD_WEIGHT})
+
+
+class Report:
+    """Collects diagnostics with a sort key, and knows how to name a place in the plan."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self._items: list[tuple[tuple, Diagnostic]] = []
+        # errors that break send/receive or reduce-tied pairing: the deadlock simulation
+        # needs every receive paired with exactly one send, so it runs only when this is 0
+        self.comm_errors = 0
+
+    def add(self, loc: Loc | None, where: str, order: tuple, message: str, hint: str,
+            comm: bool = False) -> None:
+        diag = Diagnostic(message, loc=loc, hint=hint, where="" if loc else where)
+        self._items.append(((loc.line if loc else 0, loc.col if loc else 0, order), diag))
+        self.comm_errors += comm
+
+    def instr(self, r: int, p: int, message: str, hint: str, comm: bool = False) -> None:
+        ins = self.plan.ranks[r].instrs[p]
+        self.add(ins.loc, f"rank {r}, instruction {p} ({ins})", (1, r, p), message, hint, comm)
+
+    def section(self, r: int, message: str, hint: str, comm: bool = False) -> None:
+        """An error about something missing from rank r's section: located at `rank r`."""
+        self.add(self.plan.ranks[r].loc, f"rank {r}", (1, r, -1), message, hint, comm)
+
+    def sorted(self) -> list[Diagnostic]:
+        return [d for _, d in sorted(self._items, key=lambda kd: kd[0])]
+
+    # -- naming places, for messages and hints
+
+    def ref(self, r: int, p: int) -> str:
+        """'line 17 (backward stage 0 mb 0 slice 2)' or 'rank 0, instruction 7 (...)'."""
+        ins = self.plan.ranks[r].instrs[p]
+        return f"{self.at(r, p)} ({ins})"
+
+    def at(self, r: int, p: int) -> str:
+        """'line 17' or 'rank 0, instruction 7'."""
+        loc = self.plan.ranks[r].instrs[p].loc
+        return f"line {loc.line}" if loc else f"rank {r}, instruction {p}"
+
+
+def text(op: Op, stage=None, mb=None, slice=None, payload=None, peer=None, tie=None) -> str:
+    """An instruction as written in a plan, for hints that say what to add."""
+    return "`" + str(Instr(op, stage, mb, slice, payload, peer, tie)) + "`"
+
+
+# ----------------------------------------------------------------------------- the index
+
+
+@dataclass
+class Index:
+    """Where each instruction is: key -> [(rank, position)] in program order of each rank.
+
+    Keys: (op, payload, stage, mb, slice) for per-slice ops, send and recv; (op, stage, mb) for
+    free-kv; (op, stage) for allreduce; (op, rank, mb) for load; (op, rank, tie) for
+    reduce-tied; (op, rank) for step. Only instructions that passed the operand rules are here.
+    """
+
+    occ: dict[tuple, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
+    # per rank, the positions of the instructions that passed the operand rules
+    valid: list[list[bool]] = field(default_factory=list)
+    # per rank, each instruction's key (None for those that failed the operand rules)
+    keys: list[list[tuple | None]] = field(default_factory=list)
+    # (stage, mb) -> last position of an instruction about them other than free-kv
+    last_about: dict[tuple[int, int], int] = field(default_factory=dict)
+    # stage -> last position of a backward or backward-weight of it
+    last_wgrad: dict[int, int] = field(default_factory=dict)
+    # rank -> last position of an instruction that touches parameters
+    last_param: dict[int, int] = field(default_factory=dict)
+
+    def first(self, key: tuple) -> int | None:
+        """Position of the first copy of `key` (all copies are on one rank), or None."""
+        at = self.occ.get(key)
+        return at[0][1] if at else None
+
+    def backward(self, s: int, m: int, i: int) -> int | None:
+        """Position of the backward or backward-input of (s, m, i), whichever exists."""
+        p = self.first((O.BACKWARD, None, s, m, i))
+        return p if p is not None else self.first((O.BACKWARD_INPUT, None, s, m, i))
+
+
+def index_key(ins: Instr, r: int) -> tuple:
+    op = ins.op
+    if op is O.LOAD:
+        return (op, r, ins.mb)
+    if op is O.REDUCE_TIED:
+        return (op, r, ins.tie)
+    if op is O.STEP:
+        return (op, r)
+    if op is O.FREE_KV:
+        return (op, ins.stage, ins.mb)
+    if op is O.ALLREDUCE:
+        return (op, ins.stage)
+    return (op, ins.payload, ins.stage, ins.mb, ins.slice)
+
+
+def build_index(plan: Plan, valid: list[list[bool]]) -> Index:
+    idx = Index(valid=valid)
+    occ, last_about = idx.occ, idx.last_about
+    last_wgrad, last_param = idx.last_wgrad, idx.last_param
+    for r, rp in enumerate(plan.ranks):
+        ok = valid[r]
+        keys: list[tuple | None] = [None] * len(rp.instrs)
+        idx.keys.append(keys)
+        for p, ins in enumerate(rp.instrs):
+            if not ok[p]:
+                continue
+            key = keys[p] = index_key(ins, r)
+            occ[key].append((r, p))
+            op = ins.op
+            if ins.stage is not None and ins.mb is not None and op is not O.FREE_KV:
+                last_about[(ins.stage, ins.mb)] = p
+            if op in WEIGHT_GRAD_OPS:
+                last_wgrad[ins.stage] = p
+            if op in PARAM_OPS:
+                last_param[r] = p
+    return idx
+
+
+# ------------------------------------------------------------------------------ the shape
+
+
+@dataclass
+class Shape:
+    """What the rules need from the header, precomputed."""
+
+    k: int
+    pipe: int
+    data: int
+    stage_rank: list[int]
+    nslices: list[int]
+    ties: dict[str, frozenset[int]]
+    tie_names: frozenset[str]
+    # tie -> ranks holding its stages
+    tie_ranks: dict[str, frozenset[int]]
+    ends: frozenset[int]  # the ranks of the first and last stage: they load
+
+    @staticmethod
+    def of(plan: Plan) -> "Shape":
+        h = plan.header
+        stage_rank = [st.rank for st in h.stages]
+        ties = valid_ties(plan)
+        return Shape(
+            k=len(h.stages), pipe=h.mesh.pipe, data=h.mesh.data, stage_rank=stage_rank,
+            nslices=[len(mb.slices) for mb in h.microbatches], ties=ties,
+            tie_names=frozenset(t.name for t in h.ties),
+            tie_ranks={n: frozenset(stage_rank[s] for s in st) for n, st in ties.items()},
+            ends=frozenset({stage_rank[0], stage_rank[-1]}),
+        )
+
+
+def valid_ties(plan: Plan) -> dict[str, frozenset[int]]:
+    """Ties that passed H4 (first declaration of a name), as name -> stages."""
+    k = len(plan.header.stages)
+    out: dict[str, frozenset[int]] = {}
+    for tie in plan.header.ties:
+        stages = frozenset(tie.stages)
+        if tie.name not in out and len(stages) >= 2 and all(0 <= s < k for s in stages):
+            out[tie.name] = stages
+    return out
