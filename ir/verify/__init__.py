@@ -5,7 +5,7 @@ in memory without locations, at "rank R, instruction N (...)", N counting from 0
 `plan.ranks[R].instrs`), sorted by line; `check(plan)` raises them as one `TpirError`;
 `verify_file(path)` reads, parses and checks a `.tpir` file so that errors render with the
 source line and a caret. `tpc compile` checks the plan it has lowered (the lowering passes
-build an incomplete plan until the last one), `tpc fmt`, `verify`, `show` and `simulate` check
+build an incomplete plan until the last one), `tpc verify` and `tpc simulate` check
 what they read, and the executors check a plan before they run it, so this module is the
 precise statement of what a valid plan is. The rules are checked in this order, header.py
 (H), program.py (O, C, R) and comm.py (F, D); report.py holds what they share:
