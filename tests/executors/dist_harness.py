@@ -44,7 +44,6 @@ def launch(world: int, out_dir: Path, target, *args, limit: float = 120.0):
         p.start()
     for p in procs:
         p.join(max(0.1, limit - (time.monotonic() - start)))
-    elapsed = time.monotonic() - start
     codes = []
     for p in procs:
         if p.is_alive():
@@ -55,7 +54,7 @@ def launch(world: int, out_dir: Path, target, *args, limit: float = 120.0):
             codes.append(p.exitcode)
     errs = [(Path(out_dir) / f"rank{r}.err").read_text() if (Path(out_dir) / f"rank{r}.err").exists() else ""
             for r in range(world)]
-    return codes, errs, elapsed
+    return codes, errs
 
 
 def run_cases(out_dir: Path, world: int, target, cases, timeout: float, limit: float) -> list:
@@ -63,6 +62,13 @@ def run_cases(out_dir: Path, world: int, target, cases, timeout: float, limit: f
     case{i}_rank{r}.pt. Returns, per case, every rank's saved result."""
     import torch
 
-    codes, errs, _ = launch(world, out_dir, target, cases, timeout, limit=limit)
+    codes, errs = launch(world, out_dir, target, cases, timeout, limit=limit)
     assert codes == [0] * world, errs
     return [[torch.load(out_dir / f"case{i}_rank{r}.pt") for r in range(world)] for i in range(len(cases))]
+
+
+def tpc_command() -> str:
+    """The `tpc` console script of the Python running the tests (a virtual environment's own,
+    not whichever `tpc` comes first on PATH)."""
+    beside = Path(sys.executable).parent / "tpc"
+    return str(beside) if beside.exists() else "tpc"

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.executors.dist_harness import free_port
+from tests.executors.dist_harness import free_port, tpc_command
 from tests.executors.dist_harness import run_cases as harness_run_cases
 from tests.executors.fake_ranks import run_real_cases
 from tests.executors.real import fresh_model, real_plan
@@ -105,7 +105,7 @@ def test_torchrun_command_line(tmp_path):
     plan.write_text(print_plan(real_plan("gpt", **_plan("seq1f1b", stages=2))), encoding="utf-8")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), "--no-python", "tpc", "run", str(plan), "--verify-grads", "--steps", "2",
+           str(free_port()), "--no-python", tpc_command(), "run", str(plan), "--verify-grads", "--steps", "2",
            "--timeout", "60"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -118,7 +118,7 @@ def test_a_rank_that_never_comes_is_reported_not_waited_for(tmp_path):
     plan.write_text(print_plan(real_plan("gpt", **_plan("1f1b", stages=2))), encoding="utf-8")
     env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", RANK="0", LOCAL_RANK="0",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    done = subprocess.run(["tpc", "run", str(plan), "--timeout", "3"], capture_output=True, text=True,
+    done = subprocess.run([tpc_command(), "run", str(plan), "--timeout", "3"], capture_output=True, text=True,
                           env=env, timeout=120)
     assert done.returncode == 1
     assert "rank 0: could not join the other 1 rank(s) within 3 s" in done.stderr

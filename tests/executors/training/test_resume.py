@@ -117,12 +117,12 @@ def test_two_gloo_ranks_stop_and_resume(files, tmp_path):
     assert main(_run(plan, data, whole / "ck", whole / "m.jsonl", 10)) == 0
     argv = ["run", plan, "--steps", "10", "--data", data, *TRAIN, "--checkpoint-dir", str(tmp_path / "ck"),
             "--save-every", "5", "--metrics", str(tmp_path / "m.jsonl"), "-q", "--timeout", "60"]
-    codes, errs, _ = launch(2, tmp_path, run_cli_rank, argv, 5, limit=120)
+    codes, errs = launch(2, tmp_path, run_cli_rank, argv, 5, limit=120)
     assert codes == [130, 130], errs
     assert latest_checkpoint(tmp_path / "ck").name == "step_000005"
     step5 = tmp_path / "ck" / "step_000005"
     assert sorted(p.name for p in step5.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # a shard per rank
-    codes, errs, _ = launch(2, tmp_path, run_cli_rank, argv + ["--resume"], limit=120)
+    codes, errs = launch(2, tmp_path, run_cli_rank, argv + ["--resume"], limit=120)
     assert codes == [0, 0], errs
     rows = metrics(tmp_path / "m.jsonl")
     plain, _ = plain_training(data, 10, total=10)
