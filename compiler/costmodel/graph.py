@@ -157,5 +157,4 @@ class GraphCostModel(CostModel):
 def graph_cost_source(sliced, device: DeviceSpec, float_bytes: int = 2) -> CostSource:
     """A CostSource pricing any partition of `sliced` (a SlicedModel) on `device`."""
     costs = GraphCosts.from_sliced(sliced, float_bytes)
-    return CostSource(costs.num_units, lambda ranges: GraphCostModel(device, costs, ranges),
-                      describe=f"analytic {device.name} (traced graph)")
+    return CostSource(costs.num_units, lambda ranges: GraphCostModel(device, costs, ranges))

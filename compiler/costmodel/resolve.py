@@ -105,8 +105,7 @@ def load_cost_source(cost: str | None = None, device_model: str | None = None,
             raise TpirError(Diagnostic(
                 f"the profile has {profile.num_units} units, the model has {num_units}",
                 where="--cost", hint="profile the model at the same sequence length and factory"))
-        return CostSource(profile.num_units, lambda ranges: ProfiledCostModel(profile, ranges),
-                          describe=f"profile {cost}")
+        return CostSource(profile.num_units, lambda ranges: ProfiledCostModel(profile, ranges))
     if sliced is not None:
         return graph_cost_source(sliced, load_device_spec(device_model))
     n = num_units if num_units is not None else model_shapes.layers + 2
@@ -116,7 +115,7 @@ def load_cost_source(cost: str | None = None, device_model: str | None = None,
     def build(ranges):
         return AnalyticCostModel(whole.device, model_shapes, _stage_layers(ranges, n, model_shapes), op)
 
-    return CostSource(n, build, describe=f"analytic {whole.device.name}")
+    return CostSource(n, build)
 
 
 def plan_cost_model(header, *, cost: str | None = None, device_model: str | None = None,

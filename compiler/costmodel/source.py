@@ -21,13 +21,12 @@ Ranges = tuple[tuple[int, int], ...]
 class CostSource:
     """`build(ranges) -> CostModel` for the partitions of a model of `num_units` units."""
 
-    def __init__(self, num_units: int, build: Callable[[Ranges], CostModel], describe: str = ""):
+    def __init__(self, num_units: int, build: Callable[[Ranges], CostModel]):
         if num_units < 1:
             raise ValueError("a model has at least one unit")
         self.num_units = num_units
         self._build = build
         self._cache: dict[Ranges, CostModel] = {}
-        self.description = describe
 
     def for_stages(self, ranges) -> CostModel:
         key = tuple((int(lo), int(hi)) for lo, hi in ranges)

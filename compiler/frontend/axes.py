@@ -19,15 +19,6 @@ def size_expr(d):
     return sympy.Integer(int(d))
 
 
-def tensor_vals(node: fx.Node) -> list:
-    v = node.meta.get("val")
-    if isinstance(v, torch.Tensor):
-        return [v]
-    if isinstance(v, (list, tuple)):
-        return [x for x in v if isinstance(x, torch.Tensor)]
-    return []
-
-
 def token_axes(val, seq_sym) -> tuple[int, ...]:
     if not isinstance(val, torch.Tensor):
         return ()
@@ -44,8 +35,3 @@ def is_seq(x, seq_sym) -> bool:
     if isinstance(x, fx.Node):
         x = x.meta.get("val")
     return isinstance(x, torch.SymInt) and x.node.expr == seq_sym
-
-
-def annotate(graph: fx.Graph, seq_sym) -> None:
-    for n in graph.nodes:
-        n.meta["tpc_token_axes"] = node_token_axes(n, seq_sym)

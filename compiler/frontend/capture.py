@@ -24,10 +24,9 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.export import Dim, export
 
-from tpc.compiler.frontend.locate import loc_from_traceback, loc_of_node
+from tpc.compiler.frontend.locate import loc_from_traceback
 from tpc.compiler.frontend.static import prune_dead
 from tpc.ir.diagnostics import Diagnostic, TpirError
-from tpc.ir.nodes import Loc
 
 
 @dataclass
@@ -191,5 +190,3 @@ def _clean_copy(src: fx.Graph, canon: dict[str, str]) -> tuple[fx.Graph, fx.Node
     return g, ids
 
 
-def node_loc(node: fx.Node, model_file: str | None) -> Loc | None:
-    return loc_of_node(node, model_file)

@@ -38,11 +38,6 @@ def _refuse(node, ctx, message, hint):
     raise TpirError(Diagnostic(message, loc=loc, where="" if loc else where_of_node(node), hint=hint))
 
 
-def _mentions_seq(x, ctx) -> bool:
-    return isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.SymInt) and \
-        ctx.seq_sym in x.meta["val"].node.expr.free_symbols
-
-
 def _shift(graph, offset, x):
     return graph.call_function(operator.add, (offset, x))
 

@@ -5,7 +5,6 @@ static values it needs instead of receiving them, so they never cross a stage cu
 
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.fx as fx
@@ -57,7 +56,6 @@ def evaluate(node: fx.Node, sizes: dict, fetch, offset: int = 0, cache=None):
     return val
 
 
-ARITH = {operator.add, operator.sub, operator.mul, operator.floordiv, operator.neg}
 
 
 def prune_dead(graph: fx.Graph) -> None:
