@@ -1,8 +1,8 @@
 """What a training run shows and records per step: a progress line on rank 0, and a JSONL file.
 
-On a terminal the line is redrawn in place (carriage return), with a bar:
+On a terminal, a tqdm bar redrawn in place, the run's figures after it:
 
-    [########------------]  40/100  loss 2.3141  lr 3.00e-04  51.2k tok/s  0.160 s/step  ETA 0:00:09
+    40%|########            | 40/100, loss 2.3141  lr 3.00e-04  51.2k tok/s  0.160 s/step  ETA 0:00:09
 
 Into a file or pipe (a CI log, `| tee`), in-place redraws would be noise, so plain lines are
 written every `every` steps and at the last one:
@@ -10,7 +10,9 @@ written every `every` steps and at the last one:
     step 40/100  loss 2.3141  lr 3.00e-04  51.2k tok/s  0.160 s/step  ETA 0:00:09
 
 The ETA is the remaining steps times the mean time of the last few steps (the first steps of a
-run are slower: allocation, warm caches, so a run-long mean would overestimate).
+run are slower: allocation, warm caches, so a run-long mean would overestimate). The bar is
+tqdm's (what PyTorch users see from most training loops): it keeps the line the width of the
+terminal and lets a message (a checkpoint saved) print above it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import sys
 from collections import deque
 from typing import IO, Any
 
-_BAR = 20
+from tqdm import tqdm
+
 _RECENT = 10
 
 
@@ -53,11 +56,6 @@ def format_stats(*, loss: float, tokens_per_s: float, step_time: float, eta: flo
     return "  ".join(parts)
 
 
-def format_bar(done: int, total: int) -> str:
-    filled = _BAR if total <= 0 else min(_BAR, _BAR * done // total)
-    return "[" + "#" * filled + "-" * (_BAR - filled) + "]"
-
-
 class Progress:
     """`update(...)` after each step. Prints only on rank 0 and when not quiet.
 
@@ -73,7 +71,7 @@ class Progress:
         self.tty = _isatty(self.stream) if tty is None else tty
         self.every = every if every is not None else max(1, total_steps // 20)
         self._recent: deque[float] = deque(maxlen=_RECENT)
-        self._width = 0  # length of the line on screen, to blank out a longer previous one
+        self._bar: tqdm | None = None
 
     def eta(self, step: int) -> float:
         if not self._recent:
@@ -87,38 +85,39 @@ class Progress:
             return
         stats = format_stats(loss=loss, tokens_per_s=tokens / step_time if step_time > 0 else math.inf,
                              step_time=step_time, eta=self.eta(step), lr=lr, grad_norm=grad_norm)
-        width = len(str(self.total))
         if self.tty:
-            line = f"{format_bar(step, self.total)} {step:>{width}}/{self.total}  {stats}"
-            self._draw(line)
+            bar = self._open(step - 1)
+            bar.set_postfix_str(stats, refresh=False)
+            bar.update(step - bar.n)
             if step >= self.total:
                 self.close()
         elif step % self.every == 0 or step >= self.total or step == 1:
+            width = len(str(self.total))
             self.stream.write(f"step {step:>{width}}/{self.total}  {stats}\n")
             self.stream.flush()
+
+    def _open(self, done: int) -> tqdm:
+        if self._bar is None:
+            # every redraw shows the newest figures (mininterval 0); the figures are ours
+            self._bar = tqdm(total=self.total, initial=done, file=self.stream, mininterval=0,
+                             dynamic_ncols=True, bar_format="{l_bar}{bar:20}| {n_fmt}/{total_fmt}{postfix}")
+        return self._bar
 
     def message(self, text: str) -> None:
         """A line of its own (e.g. "saved checkpoint ..."), above the bar on a terminal."""
         if not self.enabled:
             return
-        if self.tty and self._width:
-            self.stream.write("\r" + " " * self._width + "\r")
-            self._width = 0
-        self.stream.write(text + "\n")
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            self.stream.write(text + "\n")
         self.stream.flush()
 
     def close(self) -> None:
-        """End the in-place line so later output starts on a fresh one."""
-        if self.enabled and self.tty and self._width:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._width = 0
-
-    def _draw(self, line: str) -> None:
-        pad = " " * max(0, self._width - len(line))
-        self.stream.write("\r" + line + pad)
-        self.stream.flush()
-        self._width = len(line)
+        """End the bar so later output starts on a fresh line."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def _isatty(stream) -> bool:
