@@ -368,19 +368,20 @@ class RankEngine:
             self._put(output_message(Payload.GRAD, s, m, i), grad_in)
 
     def _backward(self, instr: Instr) -> None:
-        s, m, i = instr.key
-        stage = self._stage(s)
-        grad_out = self._grad_out(s, m, i)
-        with self._compute():
-            grad_in = stage.runtime.backward(m, i, grad_out)
-        self._hand_down(s, m, i, grad_in)
+        self._input_gradient(instr, whole=True)
 
     def _backward_input(self, instr: Instr) -> None:
+        self._input_gradient(instr, whole=False)
+
+    def _input_gradient(self, instr: Instr, whole: bool) -> None:
+        """`backward` (`whole`: input and weight gradients) or `backward-input`: the gradient of
+        the slice's input goes on to the previous stage."""
         s, m, i = instr.key
-        stage = self._stage(s)
+        runtime = self._stage(s).runtime
         grad_out = self._grad_out(s, m, i)
         with self._compute():
-            grad_in = stage.runtime.backward_input(m, i, grad_out)
+            run = runtime.backward if whole else runtime.backward_input
+            grad_in = run(m, i, grad_out)
         self._hand_down(s, m, i, grad_in)
 
     def _backward_weight(self, instr: Instr) -> None:

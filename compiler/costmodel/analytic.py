@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tpc.compiler.costmodel.base import CostModel
+from tpc.compiler.costmodel.on_device import DeviceCostModel
 from tpc.compiler.costmodel.devices import DeviceSpec
 
 
@@ -59,7 +59,7 @@ def even_layers(layers: int, stages: int) -> tuple[int, ...]:
     return tuple(q + (1 if s < r else 0) for s in range(stages))
 
 
-class AnalyticCostModel(CostModel):
+class AnalyticCostModel(DeviceCostModel):
     """CostModel for `shapes` cut into stages of `stage_layers` layers on `device` GPUs.
 
     `op` is the operator-parallel degree of every stage (the GPUs of one stage). Stage s of a
@@ -188,26 +188,6 @@ class AnalyticCostModel(CostModel):
     def activation_bytes_array(self, l, mb):
         return np.asarray(l, dtype=np.float64) * mb * self.shapes.hidden * self.shapes.dtype_bytes
 
-    def _boundary_crosses_node(self, stage: int) -> bool:
-        g = self.device.gpus_per_node
-        return (stage * self.op) // g != ((stage + 1) * self.op) // g or self.op >= g
-
-    def p2p_times(self, nbytes):
-        """Worst boundary: a send between nodes when any boundary crosses one.
-
-        The `op` GPUs of a stage hold the same activation after the layer's all-reduce; each
-        sends its 1/op share, so the node's link carries the activation once.
-        """
-        d = self.device
-        nbytes = np.asarray(nbytes, dtype=np.float64)
-        crossing = any(self._boundary_crosses_node(s) for s in range(self.num_stages - 1))
-        if crossing:
-            return d.inter_node_latency + nbytes / d.inter_node_bandwidth
-        return d.intra_node_latency + nbytes / d.intra_node_bandwidth
-
-    def p2p_time(self, nbytes: int) -> float:
-        return float(self.p2p_times(nbytes))
-
     def kv_bytes(self, stage: int, l: int, mb_size: int) -> int:
         s = self.shapes
         return int(2 * self.stage_layers[stage] * l * mb_size * s.hidden // self.op * s.dtype_bytes)
@@ -231,10 +211,6 @@ class AnalyticCostModel(CostModel):
         if stage == self.num_stages - 1 and s.with_head:
             n += s.vocab * s.hidden + 2 * s.hidden
         return int(n // self.op * s.dtype_bytes)
-
-    def grad_sync_time(self, stage: int, data: int) -> float:
-        """All-reduce of a stage's gradients over `data` replicas on different nodes."""
-        return self.device.internode_allreduce_time(self.param_bytes(stage), data)
 
     def describe(self) -> str:
         s = self.shapes

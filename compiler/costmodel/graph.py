@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from tpc.compiler.costmodel.base import CostModel
+from tpc.compiler.costmodel.on_device import DeviceCostModel
 from tpc.compiler.costmodel.devices import DeviceSpec
 from tpc.compiler.costmodel.source import CostSource
 from tpc.compiler.frontend.flops import CLASSES, UnitCostFn
@@ -56,7 +56,7 @@ class GraphCosts:
         return len(self.unit_fns)
 
 
-class GraphCostModel(CostModel):
+class GraphCostModel(DeviceCostModel):
     """CostModel of the stages `stage_units` ([lo, hi) unit ranges) of a traced model on
     `device` GPUs, one GPU per stage, consecutive stages on consecutive GPUs of a node."""
 
@@ -128,25 +128,6 @@ class GraphCostModel(CostModel):
         return int(self._params[stage] * self.costs.float_bytes)
 
     # ------------------------------------------------------------------------ links
-
-    def _boundary_crosses_node(self, stage: int) -> bool:
-        g = self.device.gpus_per_node
-        return stage // g != (stage + 1) // g or g == 1
-
-    def p2p_times(self, nbytes):
-        """The worst boundary: between nodes when any stage boundary crosses one."""
-        d = self.device
-        nbytes = np.asarray(nbytes, dtype=np.float64)
-        if any(self._boundary_crosses_node(s) for s in range(self.num_stages - 1)):
-            return d.inter_node_latency + nbytes / d.inter_node_bandwidth
-        return d.intra_node_latency + nbytes / d.intra_node_bandwidth
-
-    def p2p_time(self, nbytes: int) -> float:
-        return float(self.p2p_times(nbytes))
-
-    def grad_sync_time(self, stage: int, data: int) -> float:
-        """All-reduce of a stage's gradients over `data` replicas on different nodes."""
-        return self.device.internode_allreduce_time(self.param_bytes(stage), data)
 
     def describe(self) -> str:
         c = self.costs
