@@ -21,7 +21,9 @@ Rules (`list_scheduler`'s, on slices). Rank r, with n the most slices of any mic
            the rank holds `hold` slices beyond the warm-up's n - 1 (default p: seq1f1b's first
            rank's n + p - 1 in all) and must free one before its next forward, the oldest W;
   cool-down the remaining B's as they arrive, W's in the gaps, then the remaining W's.
-Parameter `hold` (slices, default p) trades memory for bubble, as ZB-H2 does for ZB-H1.
+Parameter `hold` (slices beyond the warm-up's n - 1, default p) trades memory for bubble as
+ZB-H2 does for ZB-H1: the warm-up's second term becomes min(2(p - 1 - r), hold - 1 - r), so
+hold = 2p - 1 gives ZB-H2's warm-up and no gap inside any rank's step under F = B = W.
 
 Why it cannot deadlock: the order of every rank is the projection of one simulated execution
 that respects every dependency of DESIGN.md section 4 (forward after the previous stage's and
@@ -46,6 +48,7 @@ def build(header: Header, *, hold: int | None = None) -> Compute:
     if hold is not None and (isinstance(hold, bool) or not isinstance(hold, int) or hold < 1):
         raise TpirError(Diagnostic(f"seq-zb: hold must be a positive number of slices, got {hold!r}",
                                    where="--schedule seq-zb", hint="leave it out for the default, p"))
+    h = p if hold is None else hold
     units = list_scheduler.slice_units(header)
-    return list_scheduler.build(header, units, split=True, extra=lambda r: p - 1 - r,
-                                hold=lambda r: p if hold is None else hold)
+    return list_scheduler.build(header, units, split=True, extra=lambda r: max(0, min(2 * (p - 1 - r), h - 1 - r)),
+                                hold=lambda r: h)
