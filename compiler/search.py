@@ -49,6 +49,7 @@ import numpy as np
 
 from tpc.compiler.balance import Ranges, best_partition, minmax_partition
 from tpc.compiler.costmodel.base import transfer_times
+from tpc.compiler.quantities import format_bytes
 from tpc.compiler.costmodel.source import CostSource
 from tpc.compiler.slice_optimiser import DEFAULT_GRANULARITY, Choice, optimise
 from tpc.compiler.slice_optimiser import explain as explain_choice
@@ -64,16 +65,6 @@ TIE = 1e-9
 
 Slices = tuple[tuple[int, int], ...]
 MakeHeader = Callable[[int, int, Ranges, str, tuple[Microbatch, ...]], Header]
-
-
-# --------------------------------------------------------------------------- memory sizes
-
-
-def format_bytes(n: float) -> str:
-    for name, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {name}"
-    return f"{n:.0f} B"
 
 
 # ------------------------------------------------------------------------------- meshes

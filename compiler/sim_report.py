@@ -4,23 +4,10 @@ from __future__ import annotations
 
 import math
 
+from tpc.compiler.quantities import format_quantity
 from tpc.compiler.simulate import SimResult
 from tpc.compiler.timeline import slices_summary
 from tpc.ir.nodes import COMPUTE_OPS
-
-
-def format_quantity(value: float, unit: str) -> str:
-    """Bytes in binary units, seconds in ms, anything else as a plain number and its unit."""
-    if unit == "B":
-        for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-            if abs(value) >= size:
-                return f"{value / size:.2f} {name}"
-        return f"{value:.0f} B"
-    if unit == "s":
-        return f"{value * 1e3:.3f} ms"
-    if unit == "unit":
-        return f"{value:.4g} unit{'s' if value != 1 else ''}"
-    return f"{value:.4g} {unit}"
 
 
 def critical_path_summary(result: SimResult) -> str:

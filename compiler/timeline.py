@@ -256,7 +256,7 @@ COLOURS = {
     Op.FORWARD: "#4C72B0",
     Op.RECOMPUTE: "#8FAADC",
     Op.BACKWARD: "#DD8452",
-    Op.BACKWARD_INPUT: "#DD8452",
+    Op.BACKWARD_INPUT: "#E9B949",
     Op.BACKWARD_WEIGHT: "#C44E52",
     Op.ALLREDUCE: "#8C8C8C",
     Op.REDUCE_TIED: "#8C8C8C",
@@ -307,10 +307,32 @@ def _label_size(result, px_per_unit: float) -> float:
     return 0
 
 
+def shade(colour: str, chunk: int, chunks: int) -> str:
+    """`colour` for chunk `chunk` of a rank holding `chunks` stages: chunk 0 as it is, later
+    chunks mixed with up to 55% white, so the chunks of an interleaved rank tell apart."""
+    if chunks <= 1 or chunk <= 0:
+        return colour
+    mix = 0.55 * chunk / (chunks - 1)
+    rgb = [int(colour[i:i + 2], 16) for i in (1, 3, 5)]
+    return "#" + "".join(f"{round(c + (255 - c) * mix):02X}" for c in rgb)
+
+
+def _chunk_of(header) -> dict[int, tuple[int, int]]:
+    """stage -> (its chunk index on its rank, how many stages that rank holds)."""
+    out = {}
+    for r in range(header.mesh.pipe):
+        held = sorted(header.stages_of_rank(r))
+        for k, s in enumerate(held):
+            out[s] = (k, len(held))
+    return out
+
+
 def write_gantt(result, path: str, width_in: float = 12.0) -> None:
     """A Gantt chart: one row per rank (rank 0 on top), one box per instruction that takes
-    time, forward and backward in their colours, 'mb.slice' inside a box wide enough to hold
-    it; the idle time of a rank shows as the grey background between boxes."""
+    time: forward, recompute (hatched), backward, backward-input and backward-weight in their
+    colours, 'mb.slice' inside a box wide enough to hold it; the idle time of a rank shows as the
+    grey background between boxes. On a rank holding several stages (interleaved chunks) each
+    later chunk's boxes are lighter, and the rank's label lists its stages."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -328,6 +350,8 @@ def write_gantt(result, path: str, width_in: float = 12.0) -> None:
     for p in result.plan.ranks:
         y = P - 1 - p.rank
         ax.broken_barh([(0, T)], (y - row_h / 2, row_h), facecolors=IDLE, edgecolor="none")
+    chunk_of = _chunk_of(result.plan.header)
+    several = any(n > 1 for _, n in chunk_of.values())
     for e in result.events:
         dur = e.work * scale
         if dur <= 0 or e.instr.op not in COLOURS:
@@ -335,14 +359,22 @@ def write_gantt(result, path: str, width_in: float = 12.0) -> None:
         used.add(e.instr.op)
         y = P - 1 - e.rank
         x = (e.start + e.wait) * scale
-        ax.broken_barh([(x, dur)], (y - row_h / 2, row_h), facecolors=COLOURS[e.instr.op],
+        colour = COLOURS[e.instr.op]
+        if e.instr.stage is not None and e.instr.stage in chunk_of:
+            colour = shade(colour, *chunk_of[e.instr.stage])
+        ax.broken_barh([(x, dur)], (y - row_h / 2, row_h), facecolors=colour,
                        edgecolor="white", linewidth=0.6,
                        hatch="//" if e.instr.op is Op.RECOMPUTE else None)
         if e.instr.slice is not None and fontsize:
             ax.text(x + dur / 2, y, box_label(e.instr), ha="center", va="center",
-                    fontsize=fontsize, color="black" if e.instr.op is Op.RECOMPUTE else "white")
+                    fontsize=fontsize, color="white" if colour == COLOURS[e.instr.op]
+                    and e.instr.op is not Op.RECOMPUTE else "black")
     ax.set_yticks(range(P))
-    ax.set_yticklabels([f"rank {P - 1 - y}" for y in range(P)])
+    def rank_label(r: int) -> str:
+        held = sorted(result.plan.header.stages_of_rank(r))
+        return f"rank {r}" if len(held) <= 1 else f"rank {r}\nstages {','.join(map(str, held))}"
+
+    ax.set_yticklabels([rank_label(P - 1 - y) for y in range(P)])
     ax.set_ylim(-0.6, P - 0.4)
     ax.set_xlim(0, T)
     ax.set_xlabel(xlabel + ("   (labels: micro-batch.slice, * checkpointed)" if fontsize else ""))
@@ -355,6 +387,8 @@ def write_gantt(result, path: str, width_in: float = 12.0) -> None:
             seen.add(LEGEND[op])
             handles.append(Patch(facecolor=COLOURS[op], label=LEGEND[op],
                                  hatch="//" if op is Op.RECOMPUTE else None))
+    if several:
+        handles.append(Patch(facecolor=shade(COLOURS[Op.FORWARD], 1, 2), label="later chunk (lighter)"))
     handles.append(Patch(facecolor=IDLE, label="idle (bubble)"))
     fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0),
                ncol=len(handles), frameon=False, fontsize=8)

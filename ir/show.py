@@ -4,6 +4,10 @@ One column per pipeline rank, one row per step, where step n of a rank is the n-
 instruction of its stream (an order, not a time: the simulator draws times). Communication,
 loads and KV-cache frees are left out so that the compute order, which is what a schedule
 chooses, can be read at a glance; the legend under the grid says so.
+
+A rank that holds several stages (the chunks of an interleaved or V-shaped schedule) is titled
+with them, `rank 0 [0,4]`, and its cells carry the chunk: `F4.0.1:c1` is stage 4, the rank's
+chunk 1 (its stages in pipeline order are chunks 0, 1, ...).
 """
 
 from __future__ import annotations
@@ -30,26 +34,48 @@ LEGEND = (
     "Row n is each rank's n-th compute instruction (an order, not a time); send, recv, load, "
     "free-kv, allreduce and reduce-tied are not shown."
 )
+CHUNK_LEGEND = (
+    "\nA rank holding several stages is titled with them, [0,4]; :c<k> marks its chunk k (its "
+    "k-th stage in pipeline order)."
+)
 
 
-def cell(instr: Instr) -> str:
-    """`F0.1.2` is the forward of stage 0, micro-batch 1, slice 2; `F0.1.2*` checkpointed."""
+def cell(instr: Instr, chunk: int | None = None) -> str:
+    """`F0.1.2` is the forward of stage 0, micro-batch 1, slice 2; `F0.1.2*` checkpointed;
+    `F4.1.2:c1` on a rank whose chunk 1 is stage 4."""
     short = SHORT[instr.op]
     if instr.op is Op.STEP:
         return short
     text = f"{short}{instr.stage}.{instr.mb}.{instr.slice}"
-    return text + "*" if instr.checkpoint else text
+    text = text + "*" if instr.checkpoint else text
+    return text if chunk is None else f"{text}:c{chunk}"
+
+
+def _chunks(plan: Plan, rank: int) -> dict[int, int] | None:
+    """stage -> chunk index on a rank holding several stages; None for one stage."""
+    held = sorted(plan.header.stages_of_rank(rank))
+    return {s: k for k, s in enumerate(held)} if len(held) > 1 else None
 
 
 def columns(plan: Plan) -> list[list[str]]:
     """Per pipeline rank, the cells of its shown instructions in stream order."""
-    return [[cell(i) for i in program.instrs if i.op in SHORT] for program in plan.ranks]
+    out = []
+    for program in plan.ranks:
+        chunk = _chunks(plan, program.rank)
+        out.append([cell(i, None if chunk is None or i.stage is None else chunk.get(i.stage))
+                    for i in program.instrs if i.op in SHORT])
+    return out
+
+
+def _title(plan: Plan, rank: int) -> str:
+    chunk = _chunks(plan, rank)
+    return f"rank {rank}" if chunk is None else f"rank {rank} [{','.join(map(str, chunk))}]"
 
 
 def render_grid(plan: Plan, width: int = 0) -> str:
     """The grid, then the legend. Column width is the widest cell, or `width` when > 0."""
     cols = columns(plan)
-    titles = [f"rank {program.rank}" for program in plan.ranks]
+    titles = [_title(plan, program.rank) for program in plan.ranks]
     rows = max((len(c) for c in cols), default=0)
     if width > 0:
         col_width = width
@@ -63,7 +89,8 @@ def render_grid(plan: Plan, width: int = 0) -> str:
     for n in range(rows):
         cells = [col[n] if n < len(col) else IDLE for col in cols]
         lines.append(_row(str(n).rjust(step_width), cells, col_width))
-    return "\n".join(lines) + "\n\n" + LEGEND
+    several = any(_chunks(plan, program.rank) for program in plan.ranks)
+    return "\n".join(lines) + "\n\n" + LEGEND + (CHUNK_LEGEND if several else "")
 
 
 def _fit(text: str, width: int) -> str:

@@ -1,34 +1,75 @@
 """Schedule builders: from a Header, each pipeline rank's compute order.
 
-Each schedule is its own module with `NAME` and `build(header) -> dict[rank, list[Instr]]`
-(forward/backward instructions only). Adding a schedule is one new module and one line in
-`SCHEDULES`; no other schedule changes.
+Each schedule is its own module with `NAME`, `PLACEMENT` (the name of the stage placement it is
+made for, a key of `placement.PLACEMENTS`: where the compiler puts the stages when a rank holds
+several) and `build(header, **params) -> dict[rank, list[Instr]]` (compute instructions only:
+forward, backward, backward-input, backward-weight). Parameters are keyword-only arguments of
+`build` with defaults; `build_schedule` refuses unknown ones with a located error. Adding a
+schedule is one new module and one line in `SCHEDULES`; no other schedule changes.
 """
 
 from __future__ import annotations
 
+import inspect
+from types import ModuleType
 from typing import Callable
 
-from tpc.compiler.schedules import gpipe, one_f_one_b, seq1f1b, terapipe
+from tpc.compiler.schedules import (
+    gpipe,
+    interleaved,
+    looped_bfs,
+    one_f_one_b,
+    seq1f1b,
+    seq_interleaved,
+    seq_zb,
+    terapipe,
+    zb_h1,
+    zb_h2,
+)
 from tpc.compiler.schedules.common import Compute
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Header
 
-SCHEDULES: dict[str, Callable[[Header], Compute]] = {
-    mod.NAME: mod.build for mod in (gpipe, one_f_one_b, terapipe, seq1f1b)
+MODULES: dict[str, ModuleType] = {
+    mod.NAME: mod
+    for mod in (gpipe, one_f_one_b, terapipe, seq1f1b, interleaved, looped_bfs, zb_h1, zb_h2,
+                seq_zb, seq_interleaved)
 }
+SCHEDULES: dict[str, Callable[..., Compute]] = {name: mod.build for name, mod in MODULES.items()}
 
 
-def build_schedule(name: str, header: Header) -> Compute:
-    """The compute order of schedule `name` for `header`; TpirError for an unknown name."""
+def _unknown(name: str) -> TpirError:
+    known = ", ".join(sorted(SCHEDULES))
+    return TpirError(Diagnostic(f"unknown schedule {name!r}", where="--schedule",
+                                hint=f"choose one of: {known}"))
+
+
+def parameters(name: str) -> dict[str, object]:
+    """The parameters schedule `name` takes, with their defaults."""
+    if name not in MODULES:
+        raise _unknown(name)
+    sig = inspect.signature(MODULES[name].build)
+    return {p.name: p.default for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY}
+
+
+def placement_of(name: str) -> str:
+    """The stage placement schedule `name` is made for ('linear', 'looped' or 'vshape')."""
+    if name not in MODULES:
+        raise _unknown(name)
+    return getattr(MODULES[name], "PLACEMENT", "linear")
+
+
+def build_schedule(name: str, header: Header, **params) -> Compute:
+    """The compute order of schedule `name` for `header`; TpirError for an unknown name or
+    parameter."""
     builder = SCHEDULES.get(name)
     if builder is None:
-        known = ", ".join(sorted(SCHEDULES))
-        raise TpirError(
-            Diagnostic(
-                f"unknown schedule {name!r}",
-                where="--schedule",
-                hint=f"choose one of: {known}",
-            )
-        )
-    return builder(header)
+        raise _unknown(name)
+    known = parameters(name)
+    bad = sorted(set(params) - set(known))
+    if bad:
+        takes = ", ".join(known) or "none"
+        raise TpirError(Diagnostic(f"schedule {name!r} has no parameter {bad[0]!r}",
+                                   where=f"--schedule {name}",
+                                   hint=f"its parameters: {takes}"))
+    return builder(header, **params)

@@ -16,6 +16,7 @@ from tpc.compiler.schedules.common import Compute, backward, backward_units, for
 from tpc.ir.nodes import Header
 
 NAME = "gpipe"
+PLACEMENT = "looped"
 
 
 def build(header: Header) -> Compute:

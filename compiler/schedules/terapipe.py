@@ -15,6 +15,7 @@ from tpc.compiler.schedules.common import Compute, backward, backward_units, for
 from tpc.ir.nodes import Header
 
 NAME = "terapipe"
+PLACEMENT = "looped"
 
 
 def build(header: Header) -> Compute:

@@ -22,8 +22,9 @@ from tpc.compiler.costmodel.resolve import load_cost_source
 from tpc.compiler.costmodel.store import save_profile
 from tpc.compiler.lower import lower
 from tpc.compiler.slice_optimiser import DEFAULT_GRANULARITY
-from tpc.compiler.schedules import SCHEDULES, build_schedule
-from tpc.compiler.search import format_bytes, search_plan
+from tpc.compiler.schedules import build_schedule
+from tpc.compiler.quantities import format_bytes
+from tpc.compiler.search import AUTO_SCHEDULES, search_plan
 from tpc.compiler.simulate import simulate
 from tpc.compiler.slicing import equal_slices
 from tpc.ir.diagnostics import TpirError
@@ -148,14 +149,14 @@ def _fixed_slices_search(tiny, source, budget=None):
 
 @pytest.mark.parametrize("which_budget", ["none", "between"])
 def test_schedule_auto_is_the_fastest_schedule_that_fits(tiny, source, which_budget):
-    """Brute force: every schedule of SCHEDULES built on the chosen partition and simulated
-    here; the search's choice is the fastest of those within the budget."""
+    """Brute force: every schedule the search compares (AUTO_SCHEDULES) built on the chosen
+    partition and simulated here; the search's choice is the fastest of those within the budget."""
     free = _fixed_slices_search(tiny, source)
     peaks = sorted({c.peak for c in free.candidates})
     budget = None if which_budget == "none" else (peaks[0] + peaks[1]) / 2
     result = _fixed_slices_search(tiny, source, budget)
     brute = {}
-    for name in sorted(SCHEDULES):
+    for name in sorted(AUTO_SCHEDULES):
         h = dataclasses.replace(result.best.header, schedule=ScheduleLine(name=name))
         t, peak = simulated(h, source)
         if budget is None or peak <= budget:
@@ -164,12 +165,12 @@ def test_schedule_auto_is_the_fastest_schedule_that_fits(tiny, source, which_bud
     assert result.best.time == pytest.approx(min(brute.values()), rel=1e-12)
     assert brute[result.best.schedule] == pytest.approx(min(brute.values()), rel=1e-12)
     if budget is not None:
-        assert result.best.peak <= budget and len(brute) < len(SCHEDULES)
+        assert result.best.peak <= budget and len(brute) < len(AUTO_SCHEDULES)
 
 
 def test_schedule_auto_with_slices_auto_matches_each_schedule_searched_alone(tiny, source):
     auto = search(tiny, source, schedule="auto", microbatches=2)
-    alone = {name: search(tiny, source, schedule=name, microbatches=2).best.time for name in SCHEDULES}
+    alone = {name: search(tiny, source, schedule=name, microbatches=2).best.time for name in AUTO_SCHEDULES}
     assert auto.best.time == pytest.approx(min(alone.values()), rel=1e-12)
     assert alone[auto.best.schedule] == pytest.approx(auto.best.time, rel=1e-12)
 
@@ -268,7 +269,7 @@ def test_explain_marks_candidates_over_budget(tmp_path, synthetic_path, capsys):
             cells = line.split()
             cells = cells[1:] if cells[0] == "*" else cells
             fits[cells[2]] = cells[-1]
-    assert fits["terapipe"] == "NO" and "yes" in fits.values() and len(fits) == len(SCHEDULES)
+    assert fits["terapipe"] == "NO" and "yes" in fits.values() and len(fits) == len(AUTO_SCHEDULES)
     assert "memory budget 300.00 KiB per rank" in err
 
 

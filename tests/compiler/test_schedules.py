@@ -26,8 +26,14 @@ def _compute_key(instr):
     return (instr.op, instr.stage, instr.mb, instr.slice)
 
 
+SPLIT = ("zb-h1", "zb-h2", "seq-zb")  # backward-input / backward-weight instead of backward
+# schedules that need the looped placement when a rank holds several stages
+LOOPED_ONLY = ("interleaved", "seq-interleaved")
+
+
 def test_registry_names():
-    assert sorted(SCHEDULES) == ["1f1b", "gpipe", "seq1f1b", "terapipe"]
+    assert sorted(SCHEDULES) == ["1f1b", "gpipe", "interleaved", "looped-bfs", "seq-interleaved",
+                                 "seq-zb", "seq1f1b", "terapipe", "zb-h1", "zb-h2"]
 
 
 def test_unknown_schedule_lists_the_known_ones():
@@ -56,14 +62,15 @@ def test_every_shape_lowers_to_a_verified_plan(name):
 def test_each_unit_has_one_forward_and_one_backward_on_its_rank(name):
     header = make_header(4, slices=UNEQUAL, mbs=3, schedule=name)
     compute = build_schedule(name, header)
+    ops = (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) if name in SPLIT else (Op.FORWARD, Op.BACKWARD)
     assert sorted(compute) == [0, 1, 2, 3]
     for rank, instrs in compute.items():
-        assert all(i.op in (Op.FORWARD, Op.BACKWARD) for i in instrs)
+        assert all(i.op in ops for i in instrs)
         assert all(header.stage_rank(i.stage) == rank for i in instrs)
     counts = Counter(_compute_key(i) for instrs in compute.values() for i in instrs)
     want = {
         (op, s, m, i)
-        for op in (Op.FORWARD, Op.BACKWARD)
+        for op in ops
         for s in range(4)
         for m in range(3)
         for i in range(len(UNEQUAL))

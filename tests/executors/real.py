@@ -18,7 +18,10 @@ from tpc.compiler.compile import build_header
 from tpc.compiler.frontend import read_vocab
 from tpc.compiler.frontend import SlicedModel, file_sha256
 from tpc.compiler.lower import lower
-from tpc.compiler.schedules import build_schedule
+from tpc.compiler.recompute import apply as apply_recompute
+from tpc.compiler.recompute import uniform
+from tpc.compiler.schedules import build_schedule, placement_of
+from tpc.compiler.schedules.placement import PLACEMENTS, place
 from tpc.executors.plan_model import load_plan_model
 from tpc.ir.nodes import Plan
 
@@ -41,8 +44,11 @@ def traced(path: str, seq_len: int):
 
 
 def real_plan(name: str, *, stages: int, microbatches: int, slices: str, schedule: str, seq_len: int = 16,
-              batch: int = 4, dp: int = 1, path: str | None = None) -> Plan:
-    """A verified plan for tiny_NAME.py (or the model file `path`)."""
+              batch: int = 4, dp: int = 1, path: str | None = None, ranks: int | None = None,
+              recompute: str | dict = "none") -> Plan:
+    """A verified plan for tiny_NAME.py (or the model file `path`). `ranks`: put the stages on
+    that many pipeline ranks in the schedule's placement (several chunks per rank); `recompute`:
+    'none', 'full', or a choice per stage."""
     path = path or model_file(name)
     model, sliced, vocab = traced(path, seq_len)
     opts = check_options(stages=str(stages), microbatches=microbatches, seq_len=seq_len, batch=batch,
@@ -50,7 +56,11 @@ def real_plan(name: str, *, stages: int, microbatches: int, slices: str, schedul
     ranges = [tuple(r) for r in sliced.partition_by_params(stages)]
     header = build_header(model_path=path, sha256=file_sha256(path), factory="model", opts=opts, vocab=vocab,
                           unit_labels=sliced.unit_labels, ranges=ranges, ties=sliced.ties(ranges))
-    return lower(header, build_schedule(schedule, header))
+    if ranks is not None and ranks != stages:
+        header = place(header, PLACEMENTS[placement_of(schedule)](stages, ranks))
+    compute = build_schedule(schedule, header)
+    choice = uniform(header, recompute) if isinstance(recompute, str) else recompute
+    return lower(header, apply_recompute(compute, choice))
 
 
 def fresh_model(name: str, seq_len: int = 16):

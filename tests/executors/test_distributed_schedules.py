@@ -1,0 +1,47 @@
+"""The new schedules and recomputation under the distributed executor (gloo, one process per
+rank), a representative few: several chunks per rank, split backward, unequal token slices,
+recomputation, and pipeline x data parallel. Each rank's loss and gradients equal plain autograd
+(<= 1e-5) and the interpreter's (<= 1e-6). One process group per world size runs every case."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.executors.test_distributed_models import _check, _launch
+
+pytestmark = pytest.mark.slow
+
+
+def _plan(schedule, **kw):
+    return dict(schedule=schedule, slices="2,9,5", microbatches=2, seq_len=16) | kw
+
+
+TWO = [
+    dict(plan=_plan("interleaved", stages=4, ranks=2)),
+    dict(plan=_plan("seq-zb", stages=4, ranks=2, recompute={0: "full", 1: "none", 2: "none", 3: "none"})),
+    dict(plan=_plan("zb-h2", stages=2, slices="3", microbatches=3, batch=6, recompute="full")),
+]
+FOUR = [  # pipe 2 x data 2
+    dict(plan=_plan("seq-zb", stages=2, dp=2, batch=8)),
+    dict(plan=_plan("seq-interleaved", stages=4, ranks=2, dp=2, batch=8)),
+]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    return _launch(tmp_path_factory, 2, TWO)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return _launch(tmp_path_factory, 4, FOUR)
+
+
+@pytest.mark.parametrize("i", range(len(TWO)))
+def test_two_ranks(two, i):
+    _check(TWO[i], two[i])
+
+
+@pytest.mark.parametrize("i", range(len(FOUR)))
+def test_pipe_by_data(four, i):
+    _check(FOUR[i], four[i])
