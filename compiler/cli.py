@@ -95,6 +95,7 @@ def cmd_compile(args) -> int:
         memory_per_rank=args.memory_per_rank,
         explain=args.explain,
         quiet=args.quiet,
+        schedule_file=args.schedule_file,
     )
     return 0
 
@@ -150,12 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", help="Python file defining a zero-argument callable that returns the model")
     c.add_argument("-o", "--output", required=True, help="where to write the plan (.tpir)")
     c.add_argument("--factory", default="model", help="name of the callable in MODEL (default: model)")
-    c.add_argument("--stages", default="2", help="pipeline stages K, or 'auto' to search pipeline × data splits of --ranks (default: 2)")
-    c.add_argument("--microbatches", default="1", help="micro-batches per step, or 'auto': the optimiser's batch knapsack chooses their number and sizes (needs --slices auto and a cost model) (default: 1)")
+    c.add_argument("--stages", default=None, help="pipeline stages K, or 'auto' to search pipeline × data splits of --ranks (default: 2, or what --schedule-file runs)")
+    c.add_argument("--microbatches", default=None, help="micro-batches per step, or 'auto': the optimiser's batch knapsack chooses their number and sizes (needs --slices auto and a cost model) (default: 1, or what --schedule-file names)")
     c.add_argument("--seq-len", type=int, required=True, help="training sequence length L")
     c.add_argument("--batch", type=int, required=True, help="global batch size (sequences per step)")
     c.add_argument("--slices", default="1", help="token slices per micro-batch: N (equal), l1,l2,... (lengths summing to L), or 'auto' (the optimiser chooses) (default: 1)")
-    c.add_argument("--schedule", default="seq1f1b", help="gpipe | 1f1b | terapipe | seq1f1b | auto (default: seq1f1b)")
+    c.add_argument("--schedule", default=None, help="gpipe | 1f1b | terapipe | seq1f1b | auto (default: seq1f1b)")
+    c.add_argument("--schedule-file", default=None, help="a torch.distributed.pipelining schedule CSV (_dump_csv) giving the compute order, stages, their ranks and the micro-batches (docs/torch-pipelining.md)")
     c.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
     c.add_argument("--ranks", type=int, default=None, help="total ranks, with --stages auto")
     c.add_argument("--cost", default=None, help="measured cost profile (.msgpack from `tpc profile`) for --slices/--schedule auto")

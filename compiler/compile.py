@@ -368,12 +368,12 @@ class _Progress:
 def compile_plan(
     model_path: str,
     *,
-    stages,
-    microbatches: int | str,
+    stages=None,
+    microbatches: int | str | None = None,
     seq_len: int,
     batch: int,
     slices="1",
-    schedule: str = "seq1f1b",
+    schedule: str | None = None,
     dp: int = 1,
     ranks: int | None = None,
     factory: str = "model",
@@ -382,10 +382,28 @@ def compile_plan(
     memory_per_rank: str | None = None,
     explain: bool = False,
     quiet: bool = False,
+    schedule_file: str | None = None,
 ) -> Plan:
-    """Compile `model_path` into a verified plan (see the module docstring)."""
+    """Compile `model_path` into a verified plan (see the module docstring). `schedule_file`:
+    a torch.distributed.pipelining schedule CSV gives the compute order (and the stages and
+    micro-batches, where `stages` / `microbatches` are None) instead of `schedule`."""
     from tpc.compiler.lower import lower
     from tpc.ir.verify import check
+
+    if schedule_file is not None:
+        from tpc.compiler.torch_schedule.compile import compile_schedule_file
+
+        for option, value in (("--schedule", schedule), ("--ranks", ranks), ("--cost", cost),
+                              ("--device-model", device_model), ("--memory-per-rank", memory_per_rank)):
+            if value is not None:
+                raise _error(option, f"{option} with --schedule-file: the schedule file fixes the schedule, "
+                             "the stages and their placement", f"leave out {option}")
+        return compile_schedule_file(model_path, schedule_file, seq_len=seq_len, batch=batch,
+                                     microbatches=microbatches, slices=slices, dp=dp, stages=stages,
+                                     factory=factory, quiet=quiet)
+    stages = "2" if stages is None else stages
+    microbatches = "1" if microbatches is None else microbatches
+    schedule = "seq1f1b" if schedule is None else schedule
 
     opts = check_options(
         stages=stages, microbatches=microbatches, seq_len=seq_len, batch=batch,
