@@ -25,6 +25,7 @@ typical use:
   tpc simulate plan.tpir --unit --png timeline.png
   torchrun --nproc-per-node 2 --no-python tpc run plan.tpir --steps 20
   tpc run --interpret plan.tpir --verify-grads
+  tpc verify schedule.csv              # a torch.distributed.pipelining schedule (docs/torch-pipelining.md)
 """
 
 
@@ -39,9 +40,9 @@ def _read_text(path: str) -> str:
 
 
 def cmd_verify(args) -> int:
-    from tpc.ir.verify import verify_file
+    from tpc.compiler.torch_schedule.load import load_checked_plan
 
-    plan = verify_file(args.plan)
+    plan = load_checked_plan(args.plan)
     n = sum(len(r.instrs) for r in plan.ranks)
     print(f"{args.plan}: ok ({len(plan.ranks)} ranks, {plan.header.num_stages} stages, {n} instructions)")
     return 0
@@ -118,6 +119,14 @@ def cmd_export(args) -> int:
     return export_from_cli(args)
 
 
+def cmd_export_schedule(args) -> int:
+    from tpc.compiler.torch_schedule.exporter import export_schedule
+    from tpc.compiler.torch_schedule.load import load_checked_plan
+
+    print(export_schedule(load_checked_plan(args.plan), args.output, fmt=args.format, plan_name=args.plan).summary())
+    return 0
+
+
 def cmd_sample(args) -> int:
     from tpc.executors.export import sample_from_cli
 
@@ -169,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="check a plan: dependencies, matching sends, deadlock freedom",
                        description="Check every rule of the plan format and report every error with file:line:col.")
-    v.add_argument("plan", help="a .tpir file")
+    v.add_argument("plan", help="a .tpir file, or a torch.distributed.pipelining schedule .csv")
     v.set_defaults(func=cmd_verify)
 
     f = sub.add_parser("fmt", help="rewrite plans in canonical form",
@@ -186,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("simulate", help="predict a plan's timeline, bubble and memory",
                          description="Discrete-event simulation of a plan under a cost model.")
-    sim.add_argument("plan", help="a .tpir file")
+    sim.add_argument("plan", help="a .tpir file, or a torch.distributed.pipelining schedule .csv (with --unit)")
     g = sim.add_mutually_exclusive_group()
     g.add_argument("--cost", help="measured cost profile (.msgpack from `tpc profile`)")
     g.add_argument("--device-model", help="analytic cost model: v100 | a100 | h100 | h200 | a spec file")
@@ -238,6 +247,17 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("checkpoint", help="a checkpoint directory written by `tpc run --checkpoint-dir`")
     ex.add_argument("-o", "--output", required=True, help="where to write the state_dict (.pt)")
     ex.set_defaults(func=cmd_export)
+
+    es = sub.add_parser("export-schedule", help="write a plan's schedule as a torch.distributed.pipelining CSV",
+                        description="Write each rank's compute order (and, with --format compute_comms, its sends "
+                        "and receives) in the CSV torch's _PipelineScheduleRuntime._load_csv reads, with a map "
+                        "of token slices to torch micro-batch indices beside it (SCHED.csv.map.json).")
+    es.add_argument("plan", help="a .tpir file (or a torch schedule .csv)")
+    es.add_argument("-o", "--output", required=True, help="where to write the schedule (.csv)")
+    es.add_argument("--format", default="compute_only", choices=["compute_only", "compute_comms"],
+                    help="compute_only: torch adds the communication (its _load_csv default); compute_comms: "
+                    "the plan's own sends and receives (default: compute_only)")
+    es.set_defaults(func=cmd_export_schedule)
 
     sa = sub.add_parser("sample", help="generate text from a checkpoint",
                         description="Load a checkpoint into the unsliced model and generate bytes after a prompt.")

@@ -486,9 +486,9 @@ def simulate_from_cli(args) -> int:
     """`tpc simulate PLAN [--cost F | --device-model N | --unit] [--trace J] [--png P]
     [--compare M]`: verify, simulate, print the table, write what was asked."""
     from tpc.compiler import timeline
-    from tpc.ir.verify import verify_file
+    from tpc.compiler.torch_schedule.load import load_checked_plan
 
-    plan = verify_file(args.plan)
+    plan = load_checked_plan(args.plan, needs_model=bool(getattr(args, "cost", None) or getattr(args, "device_model", None)))
     costs = load_costs(args, plan.header)
     result = simulate(plan, costs)
     describe = getattr(costs, "describe", None)
