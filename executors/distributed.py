@@ -52,33 +52,56 @@ from tpc.ir.nodes import COMPUTE_OPS, Op, Plan
 
 @dataclass(frozen=True)
 class World:
+    """This process's place: `rank` and `size` are global (all nodes), `local_rank` and
+    `local_size` count the processes of this node (the GPU is cuda:local_rank), `node` is the
+    node's index (torchrun's GROUP_RANK)."""
+
     rank: int
     size: int
     local_rank: int
+    local_size: int = 0  # 0: unknown (taken as `size`: one node)
+    node: int = 0
+
+    @property
+    def nodes(self) -> int:
+        """How many nodes the world spans (all with `local_size` processes, as torchrun starts them)."""
+        return max(1, self.size // (self.local_size or self.size))
 
     @staticmethod
     def from_env() -> "World":
-        """The process's place as torchrun describes it (RANK, WORLD_SIZE, LOCAL_RANK)."""
+        """The process's place as torchrun describes it: RANK, WORLD_SIZE (global), LOCAL_RANK,
+        LOCAL_WORLD_SIZE, GROUP_RANK (this node). Started by hand without the local ones, a
+        process is taken to be on one node with all the others."""
+        env = os.environ
         try:
-            return World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                         int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
-        except (KeyError, ValueError) as e:
+            rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+            local_size = int(env.get("LOCAL_WORLD_SIZE", size))
+            local_rank = int(env.get("LOCAL_RANK", rank % local_size))
+            node = int(env.get("GROUP_RANK", rank // local_size))
+        except (KeyError, ValueError, ZeroDivisionError) as e:
             raise TpirError(Diagnostic(
                 f"the torchrun environment is incomplete or malformed ({e})",
-                hint="start with `torchrun --nproc-per-node N --no-python tpc run PLAN`, or run "
+                hint="start with `torchrun --nproc-per-node N --no-python tpc run PLAN` (on several "
+                     "machines: `torchrun --nnodes K --nproc-per-node N --rdzv-backend c10d "
+                     "--rdzv-endpoint HOST:PORT ...` on each, docs/training.md), or run "
                      "`tpc run --interpret PLAN` in one process")) from None
+        return World(rank, size, local_rank, local_size, node)
 
 
 def check_world(plan: Plan, world: World) -> None:
     """Refuse a world that does not match the plan's mesh."""
     mesh = plan.header.mesh
-    if world.size != mesh.pipe * mesh.data:
+    need = mesh.pipe * mesh.data
+    if world.size != need:
+        nodes = world.nodes
+        started = f"{world.size}" if nodes == 1 else f"{world.size} ({nodes} nodes x {world.local_size})"
+        launch = (f"`torchrun --nproc-per-node {need} ...`" if nodes == 1 or need % nodes else
+                  f"`torchrun --nnodes {nodes} --nproc-per-node {need // nodes} ...` on each node")
         raise TpirError(Diagnostic(
-            f"the plan needs {mesh.pipe * mesh.data} processes (mesh pipe {mesh.pipe} data "
-            f"{mesh.data}), but torchrun started {world.size}",
+            f"the plan needs {need} processes (mesh pipe {mesh.pipe} data {mesh.data}), but "
+            f"torchrun started {started}",
             loc=plan.header.mesh.loc, where=plan.source,
-            hint=f"run `torchrun --nproc-per-node {mesh.pipe * mesh.data} ...`, or compile a plan "
-                 f"for {world.size} ranks"))
+            hint=f"run {launch}, or compile a plan for {world.size} ranks"))
 
 
 def file_sha256(path: str | Path) -> str:
@@ -116,6 +139,12 @@ def choose_device(name: str, world: World) -> torch.device:
         if not torch.cuda.is_available():
             raise TpirError(Diagnostic("--device cuda, but CUDA is not available", where="--device",
                                        hint="use --device cpu (gloo), or run on a machine with GPUs"))
+        count = torch.cuda.device_count()
+        if world.local_rank >= count:
+            raise TpirError(Diagnostic(
+                f"rank {world.rank} is process {world.local_rank} of its node, which has {count} GPU(s)",
+                where="--device", hint=f"start at most {count} processes per node (torchrun --nproc-per-node "
+                                       f"{count}, and --nnodes for more), one per GPU"))
         return torch.device("cuda", world.local_rank)
     raise TpirError(Diagnostic(f"unknown device {name!r}", where="--device", hint="use cpu, cuda or auto"))
 
@@ -474,7 +503,8 @@ def main(plan_path: str, settings) -> int:
     except Exception as e:  # noqa: BLE001 - whatever the rendezvous raises, say what it means
         fail(f"rank {world.rank}: could not join the other {world.size - 1} rank(s) within "
              f"{settings.timeout:g} s: {backend_cause(e)}",
-             hint="every rank must start (torchrun --nproc-per-node N) and reach MASTER_ADDR:MASTER_PORT")
+             hint="every rank must start (torchrun --nproc-per-node N, and --nnodes K on each of K "
+                  "machines) and reach MASTER_ADDR:MASTER_PORT")
     options = EngineOptions(device=device, optim=settings.optim, trace=bool(settings.trace),
                             bf16=settings.bf16, record_grads=settings.verify_grads,
                             lr_at=settings.lr_schedule(), grad_clip=settings.grad_clip,
