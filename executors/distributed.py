@@ -510,6 +510,7 @@ def main(plan_path: str, settings) -> int:
                             lr_at=settings.lr_schedule(), grad_clip=settings.grad_clip,
                             grad_norm=bool(settings.metrics))
     show = Reporter(settings, plan, world.rank)
+    report_layout(plan, world, show.message)
     checkpoints = RunCheckpoints.from_settings(plan, settings, say=show.message)
     try:
         outcome = run_plan(plan, world, model=model, sliced=sliced, batches=batches, steps=settings.steps,
@@ -531,6 +532,20 @@ def main(plan_path: str, settings) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return status
+
+
+def report_layout(plan: Plan, world: World, say) -> None:
+    """On several nodes, rank 0 says which global ranks form each pipeline, on which nodes, and
+    which pipeline links cross nodes (executors/rank_layout.py). Every rank takes part."""
+    if world.nodes == 1:
+        return
+    from tpc.executors.rank_layout import describe
+
+    node_of = [0] * world.size
+    dist.all_gather_object(node_of, world.node)
+    if world.rank == 0:
+        for line in describe(plan.header.mesh.pipe, plan.header.mesh.data, node_of):
+            say(line)
 
 
 def _check_gradients(plan, world, outcome, reference, batches, settings, compare_grads,
