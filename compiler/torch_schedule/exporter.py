@@ -114,6 +114,18 @@ def _refuse_recompute(plan: Plan) -> None:
         raise TpirError(problems)
 
 
+def _json_lines(info: dict) -> str:
+    """JSON a person can read: one key per line, each entry of a list of objects on a line."""
+    parts = []
+    for key, value in info.items():
+        if isinstance(value, list) and value and isinstance(value[0], (dict, str)):
+            items = ",\n".join("  " + json.dumps(v) for v in value)
+            parts.append(f" {json.dumps(key)}: [\n{items}\n ]")
+        else:
+            parts.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
 def export_schedule(plan: Plan, output: str, *, fmt: str = "compute_only", plan_name: str = "") -> Exported:
     """Write `plan`'s schedule to `output` as a torch CSV and its slice map beside it."""
     rows, left_out = schedule_rows(plan, fmt)
@@ -138,6 +150,6 @@ def export_schedule(plan: Plan, output: str, *, fmt: str = "compute_only", plan_
                                      for st in plan.header.stages])
     Path(output).write_text(format_csv([list(r) for r in rows]), encoding="utf-8", newline="")
     mp = map_path(output)
-    Path(mp).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+    Path(mp).write_text(_json_lines(info), encoding="utf-8")
     return Exported(rows, output, mp, left_out, exact)
 
