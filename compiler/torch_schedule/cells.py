@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from tpc.compiler.torch_schedule.actions import Action
 from tpc.ir.diagnostics import Diagnostic
-from tpc.ir.nodes import Instr, Loc, Plan
+from tpc.ir.nodes import COMPUTE_OPS, Instr, Loc, Plan
 
 _LINE = re.compile(r"\bline (\d+)")
 _INSTR = re.compile(r"`(forward|backward-input|backward-weight|backward|send act|send grad|recv act|recv grad) "
@@ -112,13 +112,9 @@ class Cells:
             for ins in rp.instrs:
                 origin, _ = self._by_id[ins.loc.line]
                 note = None
-                if not origin.implied and origin.action is not None and ins.op.value in _COMPUTE_OPS:
+                if not origin.implied and origin.action is not None and ins.op in COMPUTE_OPS:
                     a = origin.action
                     note = f"torch {a}" + (f" in {a.overlap}" if a.overlap else "") + f" at {a.loc.line}:{a.loc.col}"
                 instrs.append(ins.with_trivia(loc=origin.loc(self.path), note=note))
-            origin, _ = self._by_id[rp.loc.line]
             ranks.append(dataclasses.replace(rp, instrs=tuple(instrs), loc=Loc(self.path, rp.rank + 1, 1)))
         return dataclasses.replace(plan, ranks=tuple(ranks))
-
-
-_COMPUTE_OPS = {"forward", "backward", "backward-input", "backward-weight", "recompute"}

@@ -135,7 +135,7 @@ def export_schedule(plan: Plan, output: str, *, fmt: str = "compute_only", plan_
                                    hint="create the folder first, or write the schedule elsewhere"))
     slice_map = SliceMap.of_header(plan.header)
     exact = all(len(mb.slices) == 1 for mb in plan.header.microbatches)
-    notes = [f"left out (torch's schedule has no action for them): "
+    notes = ["left out (torch's schedule has no action for them): "
              + ", ".join(f"{n} {k}" for k, n in sorted(left_out.items()))] if left_out else []
     if not exact:
         notes.append("torch runs each index as a whole micro-batch (a chunk of the batch's rows); "
