@@ -97,12 +97,41 @@ def check_options(*, stages, microbatches, seq_len, batch, slices="1", schedule=
 
 def options_from_args(args) -> CompileOptions:
     return check_options(
-        stages=args.stages, microbatches=args.microbatches, seq_len=args.seq_len, batch=args.batch,
-        slices=args.slices, schedule=args.schedule, dp=args.dp, ranks=args.ranks,
-        factory=args.factory, cost=args.cost, device_model=args.device_model,
+        stages=2 if args.stages is None else args.stages,
+        microbatches=1 if args.microbatches is None else args.microbatches,
+        seq_len=args.seq_len, batch=args.batch, slices=args.slices,
+        schedule="seq1f1b" if args.schedule is None else args.schedule, dp=args.dp,
+        ranks=args.ranks, factory=args.factory, cost=args.cost, device_model=args.device_model,
         memory_per_rank=args.memory_per_rank, explain=args.explain, quiet=args.quiet)
 
 
+def compile_schedule_from_args(args):
+    """`tpc compile MODEL --schedule-file SCHED.csv`: the CSV fixes the schedule, the stages and
+    their placement (and, unless given, the micro-batches)."""
+    from tpc.compiler.torch_schedule.compile import compile_schedule_file
+
+    for option, value in (("--schedule", args.schedule), ("--ranks", args.ranks), ("--cost", args.cost),
+                          ("--device-model", args.device_model),
+                          ("--memory-per-rank", args.memory_per_rank)):
+        if value is not None:
+            raise _error(option, f"{option} with --schedule-file: the schedule file fixes the schedule, "
+                         "the stages and their placement", f"leave out {option}")
+    stages = None if args.stages is None else parse_stages(args.stages)
+    microbatches = None if args.microbatches is None else parse_microbatches(args.microbatches)
+    for option, value in (("--stages", stages), ("--microbatches", microbatches)):
+        if value == AUTO:
+            raise _error(option, f"{option} auto with --schedule-file: the schedule file says it",
+                         f"leave out {option}")
+    return compile_schedule_file(args.model, args.schedule_file, seq_len=args.seq_len, batch=args.batch,
+                                 microbatches=microbatches, slices=parse_slices(args.slices, args.seq_len),
+                                 dp=args.dp, stages=stages, factory=args.factory, quiet=args.quiet)
+
+
 def cmd_compile(args) -> int:
-    compile_to_file(args.model, args.output, options_from_args(args))
+    if args.schedule_file:
+        from tpc.compiler.compile import write_plan
+
+        write_plan(compile_schedule_from_args(args), args.output, quiet=args.quiet)
+    else:
+        compile_to_file(args.model, args.output, options_from_args(args))
     return 0

@@ -1,4 +1,5 @@
-"""`tpc export` and `tpc sample`: trained weights out of a checkpoint, and text out of them."""
+"""`tpc export`, `tpc sample` and `tpc export-schedule`: trained weights out of a checkpoint,
+text out of them, and a plan's schedule out in torch's CSV."""
 
 from __future__ import annotations
 
@@ -19,4 +20,13 @@ def cmd_sample(args) -> int:
     """`tpc sample CKPT|model.pt --prompt TEXT --tokens N --temperature T --top-k K --seed S`."""
     print(sample_text(args.checkpoint, args.prompt, args.tokens, temperature=args.temperature,
                       top_k=args.top_k, seed=args.seed, model_path=args.model, factory=args.factory))
+    return 0
+
+
+def cmd_export_schedule(args) -> int:
+    """`tpc export-schedule PLAN -o SCHED.csv [--format compute_only|compute_comms]`."""
+    from tpc.compiler.torch_schedule.exporter import export_schedule
+    from tpc.compiler.torch_schedule.load import load_checked_plan
+
+    print(export_schedule(load_checked_plan(args.plan), args.output, fmt=args.format, plan_name=args.plan).summary())
     return 0

@@ -25,6 +25,7 @@ typical use:
   tpc simulate plan.tpir --unit --png timeline.png
   torchrun --nproc-per-node 2 --no-python tpc run plan.tpir --steps 20
   tpc run --interpret plan.tpir --verify-grads
+  tpc verify schedule.csv              # a torch.distributed.pipelining schedule (docs/torch-pipelining.md)
 """
 
 
@@ -39,9 +40,9 @@ def _read_text(path: str) -> str:
 
 
 def cmd_verify(args) -> int:
-    from tpc.ir.verify import verify_file
+    from tpc.compiler.torch_schedule.load import load_checked_plan
 
-    plan = verify_file(args.plan)
+    plan = load_checked_plan(args.plan)
     n = sum(len(r.instrs) for r in plan.ranks)
     print(f"{args.plan}: ok ({len(plan.ranks)} ranks, {plan.header.num_stages} stages, {n} instructions)")
     return 0
@@ -92,6 +93,7 @@ cmd_simulate = _lazy("tpc.cli.simulate", "cmd_simulate")
 cmd_profile = _lazy("tpc.cli.profile", "cmd_profile")
 cmd_export = _lazy("tpc.cli.export", "cmd_export")
 cmd_sample = _lazy("tpc.cli.export", "cmd_sample")
+cmd_export_schedule = _lazy("tpc.cli.export", "cmd_export_schedule")
 
 
 # --------------------------------------------------------------------------------- parsers
@@ -115,12 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", help="Python file defining a zero-argument callable that returns the model")
     c.add_argument("-o", "--output", required=True, help="where to write the plan (.tpir)")
     c.add_argument("--factory", default="model", help="name of the callable in MODEL (default: model)")
-    c.add_argument("--stages", default="2", help="pipeline stages K, or 'auto' to search pipeline × data splits of --ranks (default: 2)")
-    c.add_argument("--microbatches", default="1", help="micro-batches per step, or 'auto': the optimiser's batch knapsack chooses their number and sizes (needs --slices auto and a cost model) (default: 1)")
+    c.add_argument("--stages", default=None, help="pipeline stages K, or 'auto' to search pipeline × data splits of --ranks (default: 2, or what --schedule-file runs)")
+    c.add_argument("--microbatches", default=None, help="micro-batches per step, or 'auto': the optimiser's batch knapsack chooses their number and sizes (needs --slices auto and a cost model) (default: 1, or what --schedule-file names)")
     c.add_argument("--seq-len", type=int, required=True, help="training sequence length L")
     c.add_argument("--batch", type=int, required=True, help="global batch size (sequences per step)")
     c.add_argument("--slices", default="1", help="token slices per micro-batch: N (equal), l1,l2,... (lengths summing to L), or 'auto' (the optimiser chooses) (default: 1)")
-    c.add_argument("--schedule", default="seq1f1b", help="gpipe | 1f1b | terapipe | seq1f1b | auto (default: seq1f1b)")
+    c.add_argument("--schedule", default=None, help="gpipe | 1f1b | terapipe | seq1f1b | auto (default: seq1f1b)")
+    c.add_argument("--schedule-file", default=None, help="a torch.distributed.pipelining schedule CSV (_dump_csv) giving the compute order, stages, their ranks and the micro-batches (docs/torch-pipelining.md)")
     c.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
     c.add_argument("--ranks", type=int, default=None, help="total ranks, with --stages auto")
     c.add_argument("--cost", default=None, help="measured cost profile (.msgpack from `tpc profile`) for --slices/--schedule auto")
@@ -132,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="check a plan: dependencies, matching sends, deadlock freedom",
                        description="Check every rule of the plan format and report every error with file:line:col.")
-    v.add_argument("plan", help="a .tpir file")
+    v.add_argument("plan", help="a .tpir file, or a torch.distributed.pipelining schedule .csv")
     v.set_defaults(func=cmd_verify)
 
     f = sub.add_parser("fmt", help="rewrite plans in canonical form",
@@ -149,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("simulate", help="predict a plan's timeline, bubble and memory",
                          description="Discrete-event simulation of a plan under a cost model.")
-    sim.add_argument("plan", help="a .tpir file")
+    sim.add_argument("plan", help="a .tpir file, or a torch.distributed.pipelining schedule .csv (with --unit)")
     g = sim.add_mutually_exclusive_group()
     g.add_argument("--cost", help="measured cost profile (.msgpack from `tpc profile`)")
     g.add_argument("--device-model", help="analytic cost model: v100 | a100 | h100 | h200 | a spec file")
@@ -204,6 +207,17 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("checkpoint", help="a checkpoint directory written by `tpc run --checkpoint-dir`")
     ex.add_argument("-o", "--output", required=True, help="where to write the state_dict (.pt)")
     ex.set_defaults(func=cmd_export)
+
+    es = sub.add_parser("export-schedule", help="write a plan's schedule as a torch.distributed.pipelining CSV",
+                        description="Write each rank's compute order (and, with --format compute_comms, its sends "
+                        "and receives) in the CSV torch's _PipelineScheduleRuntime._load_csv reads, with a map "
+                        "of token slices to torch micro-batch indices beside it (SCHED.csv.map.json).")
+    es.add_argument("plan", help="a .tpir file (or a torch schedule .csv)")
+    es.add_argument("-o", "--output", required=True, help="where to write the schedule (.csv)")
+    es.add_argument("--format", default="compute_only", choices=["compute_only", "compute_comms"],
+                    help="compute_only: torch adds the communication (its _load_csv default); compute_comms: "
+                    "the plan's own sends and receives (default: compute_only)")
+    es.set_defaults(func=cmd_export_schedule)
 
     sa = sub.add_parser("sample", help="generate text from a checkpoint",
                         description="Load a checkpoint into the unsliced model and generate bytes after a prompt.")

@@ -8,7 +8,7 @@ from tpc.compiler.costmodel.resolve import plan_cost_model
 from tpc.compiler.sim_report import format_report
 from tpc.compiler.simulate import simulate
 from tpc.ir.diagnostics import Diagnostic, TpirError
-from tpc.ir.verify import verify_file
+from tpc.compiler.torch_schedule.load import load_checked_plan
 
 
 def _writing(option: str, path: str, write) -> None:
@@ -24,7 +24,7 @@ def _writing(option: str, path: str, write) -> None:
 
 
 def cmd_simulate(args) -> int:
-    plan = verify_file(args.plan)
+    plan = load_checked_plan(args.plan, needs_model=bool(args.cost or args.device_model))
     costs = plan_cost_model(plan.header, cost=args.cost, device_model=args.device_model,
                             source=args.plan)
     result = simulate(plan, costs)

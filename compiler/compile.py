@@ -413,11 +413,16 @@ def compile_plan(model_path: str, options: CompileOptions) -> Plan:
 def compile_to_file(model_path: str, output: str, options: CompileOptions) -> Plan:
     """Compile, write the plan to `output` atomically, and return it. The written text is read
     back, parsed and verified before it replaces `output`."""
+    return write_plan(compile_plan(model_path, options), output, quiet=options.quiet)
+
+
+def write_plan(plan: Plan, output: str, *, quiet: bool = False) -> Plan:
+    """Write a verified plan to `output` atomically: the text is read back, parsed and verified
+    before it replaces `output`. Says what was written unless `quiet`."""
     from tpc.ir.parse import parse
     from tpc.ir.printer import print_plan
     from tpc.ir.verify import check
 
-    plan = compile_plan(model_path, options)
     text = print_plan(plan)
     folder = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(folder):
@@ -434,7 +439,7 @@ def compile_to_file(model_path: str, output: str, options: CompileOptions) -> Pl
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    if not options.quiet:
+    if not quiet:
         h = plan.header
         n = sum(len(p.instrs) for p in plan.ranks)
         print(

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from tpc.executors.engine import DTYPES, RankEngine, stage_factory_from_model
 from tpc.executors.options import RunOptions
 from tpc.executors.plan_model import check_plan_model, load_plan_model, slice_model
+from tpc.executors.rank_layout import describe as describe_layout
 from tpc.executors.run import GradientCheck, Reporter, batch_source, check_bf16, write_trace
 from tpc.executors.training.run_checkpoints import RunCheckpoints
 from tpc.ir.diagnostics import Diagnostic, TpirError
@@ -57,34 +58,57 @@ from tpc.ir.semantics import Message
 
 @dataclass(frozen=True)
 class World:
+    """This process's place: `rank` and `size` are global (all nodes), `local_rank` and
+    `local_size` count the processes of this node (the GPU is cuda:local_rank), `node` is the
+    node's index (torchrun's GROUP_RANK)."""
+
     rank: int
     size: int
     local_rank: int
+    local_size: int = 0  # 0: unknown (taken as `size`: one node)
+    node: int = 0
+
+    @property
+    def nodes(self) -> int:
+        """How many nodes the world spans (all with `local_size` processes, as torchrun starts them)."""
+        return max(1, self.size // (self.local_size or self.size))
 
     @staticmethod
     def from_env() -> "World":
-        """The process's place as torchrun describes it (RANK, WORLD_SIZE, LOCAL_RANK)."""
+        """The process's place as torchrun describes it: RANK, WORLD_SIZE (global), LOCAL_RANK,
+        LOCAL_WORLD_SIZE, GROUP_RANK (this node). Started by hand without the local ones, a
+        process is taken to be on one node with all the others."""
+        env = os.environ
         try:
-            return World(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                         int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
-        except (KeyError, ValueError) as e:
+            rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+            local_size = int(env.get("LOCAL_WORLD_SIZE", size))
+            local_rank = int(env.get("LOCAL_RANK", rank % local_size))
+            node = int(env.get("GROUP_RANK", rank // local_size))
+        except (KeyError, ValueError, ZeroDivisionError) as e:
             raise TpirError(Diagnostic(
                 f"`tpc run` without --interpret runs one rank per process under torchrun, but the "
                 f"torchrun environment is missing or malformed ({e})",
-                hint="start with `torchrun --nproc-per-node N --no-python tpc run PLAN`, or run "
+                hint="start with `torchrun --nproc-per-node N --no-python tpc run PLAN` (on several "
+                     "machines: `torchrun --nnodes K --nproc-per-node N --rdzv-backend c10d "
+                     "--rdzv-endpoint HOST:PORT ...` on each, docs/training.md), or run "
                      "`tpc run --interpret PLAN` in one process")) from None
+        return World(rank, size, local_rank, local_size, node)
 
 
 def check_world(plan: Plan, world: World) -> None:
     """Refuse a world that does not match the plan's mesh."""
     mesh = plan.header.mesh
-    if world.size != mesh.pipe * mesh.data:
+    need = mesh.pipe * mesh.data
+    if world.size != need:
+        nodes = world.nodes
+        started = f"{world.size}" if nodes == 1 else f"{world.size} ({nodes} nodes x {world.local_size})"
+        launch = (f"`torchrun --nproc-per-node {need} ...`" if nodes == 1 or need % nodes else
+                  f"`torchrun --nnodes {nodes} --nproc-per-node {need // nodes} ...` on each node")
         raise TpirError(Diagnostic(
-            f"the plan needs {mesh.pipe * mesh.data} processes (mesh pipe {mesh.pipe} data "
-            f"{mesh.data}), but torchrun started {world.size}",
+            f"the plan needs {need} processes (mesh pipe {mesh.pipe} data {mesh.data}), but "
+            f"torchrun started {started}",
             loc=plan.header.mesh.loc, where=plan.source,
-            hint=f"run `torchrun --nproc-per-node {mesh.pipe * mesh.data} ...`, or compile a plan "
-                 f"for {world.size} ranks"))
+            hint=f"run {launch}, or compile a plan for {world.size} ranks"))
 
 
 # ------------------------------------------------------------------------------ the groups
@@ -419,8 +443,10 @@ def main(plan_path: str, options: RunOptions, world: World) -> int:
     except Exception as e:  # noqa: BLE001 - whatever the rendezvous raises, say what it means
         fail(f"rank {world.rank}: could not join the other {world.size - 1} rank(s) within "
              f"{options.timeout:g} s: {backend_cause(e)}",
-             hint="every rank must start (torchrun --nproc-per-node N) and reach MASTER_ADDR:MASTER_PORT")
+             hint="every rank must start (torchrun --nproc-per-node N, and --nnodes K on each of K "
+                  "machines) and reach MASTER_ADDR:MASTER_PORT")
     show = Reporter(options, plan, world.rank)
+    report_layout(plan, world, show.message)
     checkpoints = RunCheckpoints.from_options(plan, options, say=show.message)
     try:
         outcome = run_plan(plan, world, options, model=model, device=device, sliced=sliced,
@@ -441,6 +467,18 @@ def main(plan_path: str, options: RunOptions, world: World) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return status
+
+
+def report_layout(plan: Plan, world: World, say) -> None:
+    """On several nodes, rank 0 says which global ranks form each pipeline, on which nodes, and
+    which pipeline links cross nodes (executors/rank_layout.py). Every rank takes part."""
+    if world.nodes == 1:
+        return
+    node_of = [0] * world.size
+    dist.all_gather_object(node_of, world.node)
+    if world.rank == 0:
+        for line in describe_layout(plan.header.mesh.pipe, plan.header.mesh.data, node_of):
+            say(line)
 
 
 def _check_gradients(world: World, outcome: RankOutcome, check, batches) -> int:

@@ -116,5 +116,10 @@ class RunOptions:
             if not torch.cuda.is_available():
                 raise _refuse("--device", "--device cuda, but CUDA is not available",
                               "use --device cpu (gloo), or run on a machine with GPUs")
+            count = torch.cuda.device_count()
+            if local_rank >= count:
+                raise _refuse("--device", f"this is process {local_rank} of its node, which has {count} GPU(s)",
+                              f"start at most {count} processes per node (torchrun --nproc-per-node "
+                              f"{count}, and --nnodes for more), one per GPU")
             return torch.device("cuda", local_rank)
         return torch.device("cpu")

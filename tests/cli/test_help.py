@@ -9,7 +9,8 @@ import pytest
 
 from tpc.cli.main import build_parser, main
 
-SUBCOMMANDS = ["compile", "verify", "fmt", "show", "simulate", "run", "profile", "export", "sample"]
+SUBCOMMANDS = ["compile", "verify", "fmt", "show", "simulate", "run", "profile", "export", "export-schedule",
+               "sample"]
 
 
 def test_top_level_help_lists_every_subcommand(capsys):
