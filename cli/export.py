@@ -8,10 +8,11 @@ from tpc.executors.training.generate import sample_text
 
 
 def cmd_export(args) -> int:
-    """`tpc export CKPT -o model.pt`."""
-    sd, meta = write_export(args.checkpoint, args.output)
+    """`tpc export CKPT -o model.pt|model.safetensors|DIR [--format pt|safetensors|hf]`."""
+    sd, meta, fmt = write_export(args.checkpoint, args.output, args.format)
     n_params = sum(t.numel() for t in {id(t): t for t in sd.values()}.values())
-    print(f"wrote {args.output}: {len(sd)} tensors, {n_params:,} values, from step {meta['step']} "
+    what = {"pt": "", "safetensors": "safetensors, ", "hf": "Hugging Face model directory, "}[fmt]
+    print(f"wrote {args.output}: {what}{len(sd)} tensors, {n_params:,} values, from step {meta['step']} "
           f"of {meta['model_path']}")
     return 0
 

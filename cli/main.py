@@ -187,7 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--metrics", help="write one JSON line of metrics per step")
     r.add_argument("--checkpoint-dir", help="directory for checkpoints")
     r.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (default: never)")
-    r.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    r.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir, "
+                   "written by this plan or any other plan of the same model")
+    r.add_argument("--init-from", metavar="PATH", help="start from these weights: a state_dict .pt (read "
+                   "weights-only), a .safetensors file, a Hugging Face model directory (config.json + "
+                   "safetensors) or a checkpoint directory")
     r.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     r.set_defaults(func=cmd_run)
 
@@ -203,9 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = sub.add_parser("export", help="write a checkpoint as a plain state_dict of the unsliced model",
                         description="Gather every stage's parameters from a checkpoint into one state_dict "
-                        "that loads into the model file's model() with load_state_dict.")
+                        "that loads into the model file's model() with load_state_dict: a .pt, a "
+                        ".safetensors file, or, for a Hugging Face model, a directory from_pretrained loads.")
     ex.add_argument("checkpoint", help="a checkpoint directory written by `tpc run --checkpoint-dir`")
-    ex.add_argument("-o", "--output", required=True, help="where to write the state_dict (.pt)")
+    ex.add_argument("-o", "--output", required=True, help="where to write: model.pt, model.safetensors, or a "
+                    "directory (a Hugging Face model)")
+    ex.add_argument("--format", choices=("pt", "safetensors", "hf"), default=None,
+                    help="pt | safetensors | hf (default: from the suffix of -o; none: hf)")
     ex.set_defaults(func=cmd_export)
 
     es = sub.add_parser("export-schedule", help="write a plan's schedule as a torch.distributed.pipelining CSV",

@@ -18,7 +18,7 @@ def options_from_args(args) -> RunOptions:
         lr_schedule=args.lr_schedule, warmup=args.warmup, grad_clip=args.grad_clip,
         device=args.device, bf16=args.bf16, timeout=args.timeout, data=args.data,
         trace_path=args.trace, metrics=args.metrics, checkpoint_dir=args.checkpoint_dir,
-        save_every=args.save_every, resume=args.resume, verify_grads=args.verify_grads,
+        save_every=args.save_every, resume=args.resume, init_from=args.init_from, verify_grads=args.verify_grads,
         tolerance=args.tolerance, quiet=args.quiet)
 
 

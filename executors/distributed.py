@@ -375,9 +375,9 @@ def run_plan(plan: Plan, world: World, options: RunOptions, *, model: torch.nn.M
              sliced=None, stage_factory=None, hidden_size: int | None = None, batches,
              on_step=None, checkpoints=None, before_instr=None) -> RankOutcome:
     """Run this rank's stream up to step `options.steps` in an initialised process group: from
-    step 0, or, when `checkpoints` (`tpc.executors.training.run_checkpoints.RunCheckpoints`)
-    resumes, from the newest checkpoint's step. Every rank saves its own shard when a checkpoint
-    is due. A failure of this rank's instruction raises (located); the caller decides how to
+    step 0 (from --init-from weights, when `checkpoints` has them), or, when `checkpoints`
+    (`tpc.executors.training.run_checkpoints.RunCheckpoints`) resumes, from the newest
+    checkpoint's step. Every rank saves its own parameters when a checkpoint is due. A failure of this rank's instruction raises (located); the caller decides how to
     leave. `before_instr(engine, index)` runs before each instruction (fault injection)."""
     pipe = plan.header.mesh.pipe
     pipe_rank, data_rank = world.rank % pipe, world.rank // pipe
@@ -395,9 +395,9 @@ def run_plan(plan: Plan, world: World, options: RunOptions, *, model: torch.nn.M
     losses, first_grads = [], {}
     try:
         start = 0
-        if checkpoints is not None and checkpoints.resume:
+        if checkpoints is not None:
             with transport.waiting_for("the other ranks to load the checkpoint"):
-                start = checkpoints.restore([engine])
+                start = checkpoints.start([engine])
         dist.barrier()
         engine.epoch = time.perf_counter()  # trace times count from a common start
         for step in range(start, options.steps):
@@ -447,7 +447,7 @@ def main(plan_path: str, options: RunOptions, world: World) -> int:
                   "machines) and reach MASTER_ADDR:MASTER_PORT")
     show = Reporter(options, plan, world.rank)
     report_layout(plan, world, show.message)
-    checkpoints = RunCheckpoints.from_options(plan, options, say=show.message)
+    checkpoints = RunCheckpoints.from_options(plan, options, say=show.message, model=model)
     try:
         outcome = run_plan(plan, world, options, model=model, device=device, sliced=sliced,
                            batches=batches, on_step=show, checkpoints=checkpoints)

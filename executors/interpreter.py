@@ -219,9 +219,10 @@ def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.
     with `hidden_size`). `batches` default to random tokens from `options.seed`.
     `on_step(step, loss, info)` is called after every step; info has the step's "lr",
     "grad_norm" (when `options.needs_grad_norm`, else None) and "step_time" in seconds.
-    `checkpoints` (`tpc.executors.training.run_checkpoints.RunCheckpoints`) saves all ranks'
-    shards when due and, when resuming, first loads the newest checkpoint: the run then goes
-    from its step up to `options.steps`, and `losses` holds only the steps run here.
+    `checkpoints` (`tpc.executors.training.run_checkpoints.RunCheckpoints`) first loads what
+    the run starts from (the newest checkpoint when resuming: the run then goes from its step
+    up to `options.steps`, and `losses` holds only the steps run here; or --init-from weights)
+    and saves all ranks' state when due.
     `verify=False` skips the verifier (to study a broken plan). On CUDA each step's time is
     taken after the device has finished the step.
     """
@@ -251,7 +252,7 @@ def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.
             copy_ = copy.deepcopy(model).to(device) if model is not None else None
             engines.append(RankEngine(plan, p, d, LocalTransport(hub, plan, p, d), stage_factory_for(copy_),
                                       hidden_size=hidden_size, options=options, device=device))
-    start = checkpoints.restore(engines) if checkpoints is not None and checkpoints.resume else 0
+    start = checkpoints.start(engines) if checkpoints is not None else 0
     losses: list[float] = []
     first_grads: dict[str, torch.Tensor] = {}
     for step in range(start, options.steps):

@@ -9,6 +9,7 @@ construction: a meaningless setting is a TpirError naming its flag, before any w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -46,6 +47,10 @@ class RunOptions:
     checkpoint_dir: str | None = None
     save_every: int = 0  # save a checkpoint every N steps (and at the end); 0: only at the end
     resume: bool = False  # continue from the newest checkpoint in `checkpoint_dir`
+    # start from these weights (a state_dict .pt, a .safetensors file, a Hugging Face model
+    # directory or a tpc checkpoint; training/weight_files.py); with `resume`, only when
+    # `checkpoint_dir` holds no checkpoint yet
+    init_from: str | None = None
     # compare the first step's loss and gradients with plain autograd; fail above `tolerance`
     verify_grads: bool = False
     tolerance: float = 1e-5
@@ -77,6 +82,10 @@ class RunOptions:
         if self.resume and self.verify_grads:
             raise _refuse("--verify-grads", "--verify-grads checks the first step from the initial "
                           "weights; a resumed run does not start there", "check a fresh run (without --resume)")
+        if self.init_from is not None and not Path(self.init_from).exists():
+            raise _refuse("--init-from", f"--init-from {self.init_from}: no such file or directory",
+                          "give a state_dict .pt, a .safetensors file, a Hugging Face model directory "
+                          "(config.json + safetensors) or a checkpoint directory")
         if self.lr_schedule not in LR_SCHEDULES:
             raise _refuse("--lr-schedule", f"unknown learning-rate schedule {self.lr_schedule!r}",
                           f"use one of: {', '.join(LR_SCHEDULES)}")

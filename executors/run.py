@@ -62,7 +62,7 @@ def interpret_plan(plan: Plan, options: RunOptions) -> int:
     check = GradientCheck(plan, options, model) if options.verify_grads else None
     batches = batch_source(plan, options)
     reporter = Reporter(options, plan, rank=0)
-    checkpoints = RunCheckpoints.from_options(plan, options, say=reporter.message)
+    checkpoints = RunCheckpoints.from_options(plan, options, say=reporter.message, model=model)
     result = interpret(plan, options, model=model, batches=batches, on_step=reporter,
                        checkpoints=checkpoints, verify=False)
     reporter.close()
@@ -82,6 +82,10 @@ class GradientCheck:
         self.tolerance = options.tolerance
         self.model = load_plan_model(plan, options.seed)
         self.model.load_state_dict(model.state_dict())
+        if options.init_from:  # the run starts from these weights: so does the reference
+            from tpc.executors.training.init_from import init_model
+
+            init_model(self.model, options.init_from)
         self._ref = None
 
     def reference(self, tokens: torch.Tensor):

@@ -1,26 +1,28 @@
-"""Sharded training checkpoints with torch.distributed.checkpoint (DCP).
+"""Sharded training checkpoints with torch.distributed.checkpoint (DCP): the files.
 
 Layout of a checkpoint directory DIR:
 
     DIR/step_000020/            one complete checkpoint: DCP files (.metadata, *.distcp) ...
-    DIR/step_000020/tpc.json    ... and what it belongs to: step, plan hash, mesh, model file
+    DIR/step_000020/tpc.json    ... and what it belongs to: format, step, model, plan, mesh
     DIR/latest                  text file naming the newest complete step directory
 
-What is saved is a dict of *shards*, one per rank, under keys the ranks choose (`shard_key`:
-"rank<global rank>"), each a nested dict of tensors and plain values (see `rank_shard`). Under
-torchrun every process passes only its own shard and DCP writes them in parallel into one
-directory; the interpreter passes every rank's shard from one process (`no_dist`). Both write
-the same format, so a checkpoint written by either can be resumed by the other, and
-`tpc export` reads any of them in one process.
+This module writes and reads a checkpoint whatever its keys: a dict of tensors and plain values
+(nested dicts are stored under their dotted paths). Which keys a run writes, and how a run of
+another plan finds its parameters in them, is `model_state.py` (format 2: keyed by the unsliced
+model's parameter names; format 1, written by earlier versions: one shard per rank). Under
+torchrun every process passes its own part and DCP writes them in parallel into one directory,
+an entry several processes hold (a replicated parameter, the step) written once; the
+interpreter passes everything from one process (`no_dist`). Both write the same files.
 
 Saving is atomic: the shards go to DIR/.tmp_step_000020, tpc.json is written last, then the
 directory is renamed to step_000020 and `latest` is replaced via a temporary file and
 os.replace. A crash at any point before the rename leaves `latest` naming the previous complete
 checkpoint, which still loads; a stale .tmp_ directory is removed by the next save.
 
-Loading is in place: the caller passes a template with the same structure holding the live
-tensors (parameters, optimizer state) and DCP copies the stored values into them. Plain values
-(step, data position) are replaced in the template dicts.
+Loading is in place: the caller passes a template holding the live tensors (parameters,
+optimizer state) under the stored keys and DCP copies the stored values into them; each process
+reads only the entries of its template. Plain values (step, data position) are replaced in the
+template.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
-FORMAT = 1
+FORMAT = 2  # the layout `tpc run` writes (model_state.py)
+READABLE = (1, 2)  # the layouts this version reads
 META_FILE = "tpc.json"
 LATEST = "latest"
 _PREFIX = "step_"
@@ -57,20 +60,17 @@ def step_dir_name(step: int) -> str:
     return f"{_PREFIX}{step:06d}"
 
 
-def shard_key(global_rank: int) -> str:
-    """The key of one rank's shard. Global rank = data rank * pipe + pipe rank, so ranks
-    0 .. pipe-1 are the first data-parallel replica (the one `tpc export` reads)."""
-    return f"rank{global_rank}"
-
-
-def run_meta(header, plan_sha256: str) -> dict:
-    """What tpc.json records about the run, from the plan's header (`tpc.ir.nodes.Header`):
-    the plan hash and mesh (a resume must match them: `resume_expect`), and the model file,
-    factory and file hash (`tpc export` / `tpc sample` rebuild the unsliced model from them).
-    The model path is made absolute: export may run from another directory."""
+def run_meta(header, plan_sha256: str, optimizer: str) -> dict:
+    """What tpc.json records about the run, from the plan's header (`tpc.ir.nodes.Header`): the
+    model (file, factory and file hash: a resume needs the same model; `tpc export` and `tpc
+    sample` rebuild it), the optimizer kind (its state must fit), and the plan that wrote it
+    (hash, mesh and a summary, for the line a resume under another plan prints). The model
+    path is made absolute: export may run from another directory."""
     return {
         "plan_sha256": plan_sha256,
         "mesh": {"pipe": header.mesh.pipe, "data": header.mesh.data},
+        "plan": plan_summary(header),
+        "optimizer": optimizer,
         "model_path": os.path.abspath(header.model.path),
         "factory": header.model.factory,
         "sha256": header.model.sha256,
@@ -79,9 +79,24 @@ def run_meta(header, plan_sha256: str) -> dict:
     }
 
 
-def resume_expect(meta: Mapping) -> dict:
-    """The entries of `run_meta` a resumed run must share with the checkpoint."""
-    return {k: meta[k] for k in ("plan_sha256", "mesh")}
+def plan_summary(header) -> dict[str, str]:
+    """The plan in a few words, each entry comparable on its own: mesh (pipe x data), stages (unit
+    ranges, with their ranks when a rank holds several), schedule, micro-batches (a replica's
+    rows), token slices (lengths; per micro-batch when they differ) and the sequence length."""
+    stages = " ".join(f"{st.units[0]}:{st.units[1]}" for st in header.stages)
+    if any(st.rank != st.index for st in header.stages):
+        stages += " on ranks " + ",".join(str(st.rank) for st in header.stages)
+    slices = [",".join(str(hi - lo) for lo, hi in mb.slices) for mb in header.microbatches]
+    sizes = [mb.size for mb in header.microbatches]
+    return {
+        "mesh": f"{header.mesh.pipe}x{header.mesh.data}",
+        "stages": stages,
+        "schedule": header.schedule.name,
+        "micro-batches": (f"{len(sizes)} of {sizes[0]} rows" if len(set(sizes)) == 1
+                          else "of " + ",".join(map(str, sizes)) + " rows"),
+        "slices": slices[0] if len(set(slices)) == 1 else " | ".join(slices),
+        "seq": str(header.shape.seq),
+    }
 
 
 # ------------------------------------------------------------------------------ saving
@@ -90,6 +105,7 @@ def resume_expect(meta: Mapping) -> dict:
 def save_checkpoint(dir: str | os.PathLike, step: int, shards: dict[str, Any], meta: dict, *,
                     process_group=None) -> Path:
     """Write `shards` as checkpoint `step` under `dir` and make it the latest; returns its path.
+    `meta` goes into tpc.json with the step (and "format": FORMAT unless it names its own).
 
     Without an initialised process group (the interpreter, tests) one process writes all
     shards. Under torchrun every rank of `process_group` (default: the world) must call this
@@ -113,7 +129,7 @@ def save_checkpoint(dir: str | os.PathLike, step: int, shards: dict[str, Any], m
         dist.barrier(group=process_group)
     _write_shards(tmp, shards, process_group, distributed)
     if leader:
-        _write_meta(tmp, {**meta, "format": FORMAT, "step": step})
+        _write_meta(tmp, {"format": FORMAT, **meta, "step": step})
         _publish(root, tmp, final)
     if distributed:
         # no rank goes on (and possibly exits) before the checkpoint is complete
@@ -219,8 +235,14 @@ def read_meta(path: str | os.PathLike) -> dict:
         meta = json.loads((step_dir / META_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise _corrupt(step_dir, f"{META_FILE} is unreadable ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("step"), int):
-        raise _corrupt(step_dir, f"{META_FILE} is not a tpc checkpoint description of format {FORMAT}")
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or "format" not in meta:
+        raise _corrupt(step_dir, f"{META_FILE} is not a tpc checkpoint description")
+    if meta["format"] not in READABLE:
+        raise TpirError(Diagnostic(
+            f"{step_dir}: the checkpoint is of format {meta['format']!r}; this version of tpc reads "
+            f"formats {', '.join(map(str, READABLE))}",
+            hint="read it with the tpc that wrote it (`tpc export` gives a plain state_dict any version "
+                 "can start from with --init-from)"))
     return meta
 
 
@@ -236,25 +258,24 @@ def stored_entries(path: str | os.PathLike) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ loading
 
 
-def load_checkpoint(path: str | os.PathLike, shards_template: dict[str, Any], *, expect: Mapping | None = None,
-                    process_group=None) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, shards_template: dict[str, Any], *, process_group=None,
+                    no_dist: bool | None = None) -> dict[str, Any]:
     """Load into `shards_template` in place and return it.
 
     Tensors in the template receive the stored values (shapes and dtypes must match); plain
-    values are replaced. Keys stored but not in the template are ignored, so each rank loads
-    only its own shard; RNG states the checkpoint lacks (another device kind) are left as they
-    are. `expect` holds tpc.json entries that must match (e.g. the plan hash and
-    the mesh): a checkpoint of another plan is refused before anything is read.
+    values are replaced. Keys stored but not in the template are ignored, so each process reads
+    only what its template names; RNG states the checkpoint lacks (another device kind, another
+    rank) are left as they are. A template entry that is not stored, or stored with another
+    shape or dtype, is refused before anything is read. `no_dist=True` reads in this process
+    alone even under torchrun (every rank reading weights for itself, no collective).
     """
     step_dir = resolve_checkpoint(path)
-    meta = read_meta(step_dir)
-    if expect:
-        check_meta(meta, expect, step_dir)
+    read_meta(step_dir)
     _check_structure(shards_template, "")
     stored = stored_entries(step_dir)
     to_load = _without_missing_optional(shards_template, stored)
     _check_against_stored(step_dir, _flatten(to_load), stored)
-    distributed = _distributed(process_group)
+    distributed = _distributed(process_group) if no_dist is None else not no_dist
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -290,14 +311,6 @@ def _copy_back(view: Mapping, tree: dict) -> None:
             tree[k] = v
 
 
-def check_meta(meta: Mapping, expect: Mapping, where: Path) -> None:
-    diffs = [f"{k}: checkpoint has {meta.get(k)!r}, this run {v!r}" for k, v in expect.items() if meta.get(k) != v]
-    if diffs:
-        raise TpirError(Diagnostic(
-            f"{where}: the checkpoint was written by another plan or mesh ({'; '.join(diffs)})",
-            hint="resume with the plan that wrote it, or start fresh with another --checkpoint-dir"))
-
-
 def _check_against_stored(step_dir: Path, flat: dict[str, Any], stored: dict[str, Any]) -> None:
     problems = []
     for key, value in flat.items():
@@ -315,34 +328,15 @@ def _check_against_stored(step_dir: Path, flat: dict[str, Any], stored: dict[str
     if problems:
         shown = problems[:5] + ([f"... and {len(problems) - 5} more"] if len(problems) > 5 else [])
         raise TpirError(Diagnostic(f"{step_dir}: the checkpoint does not match this run: " + "; ".join(shown),
-                                   hint="it was written for another model, plan or mesh; "
-                                        "resume with the same plan, or use another --checkpoint-dir"))
+                                   hint="it was written for another model (names or shapes differ): resume "
+                                        "with a plan of the model that wrote it, or use another --checkpoint-dir"))
 
 
-# ------------------------------------------------------------------------------ rank shards
+# ------------------------------------------------------------------------------ pieces of a state
 
 
-def rank_shard(named_params: Iterable[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer | None,
-               *, step: int, data: Mapping | None = None) -> dict[str, Any]:
-    """One rank's state: parameters under their original names (a parameter shared by two
-    stages of the rank once), the optimizer state by parameter name, the number of completed
-    steps, RNG states and the data position. The tensors are the live ones: the same dict is the
-    thing to save and, after `init_optimizer_state`, the template to load into."""
-    params = _unique(named_params)
-    shard: dict[str, Any] = {
-        "params": {name: p.detach() for name, p in params},
-        "step": int(step),
-        "rng": rng_state(),
-        "data": dict(data or {}),
-    }
-    if optimizer is not None:
-        shard["optim"] = optimizer_state(optimizer, params)
-    return shard
-
-
-def restore_rng(shard: Mapping) -> None:
-    """Set this process's RNG states from a loaded shard."""
-    rng = shard["rng"]
+def restore_rng(rng: Mapping) -> None:
+    """Set this process's RNG states from loaded `rng_state()` entries."""
     torch.set_rng_state(rng["torch_cpu"])
     if "torch_cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["torch_cuda"])
@@ -392,16 +386,6 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def _unique(named_params):
-    seen: set[int] = set()
-    out = []
-    for name, p in named_params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append((name, p))
-    return out
 
 
 def _distributed(process_group) -> bool:

@@ -1,19 +1,29 @@
 """`tpc export`: from a sharded training checkpoint back to the plain model.
 
-Export gathers every stage's parameters from the rank shards of a checkpoint (they are stored
-under the original model's parameter names) and writes one state_dict of the *unsliced* model,
-which loads with `model().load_state_dict(sd)` (strict):
+Export reads every parameter of a checkpoint (stored under the unsliced model's names, either
+checkpoint format: `model_state.py`) and builds one state_dict of the *unsliced* model, which
+loads with `model().load_state_dict(sd)` (strict):
 
 - the model is rebuilt from the file and factory recorded in the checkpoint's tpc.json, so the
   state_dict has exactly the keys and order of `model().state_dict()`;
 - a tied parameter (one tensor under several names, e.g. the embedding and the output head) is
-  held by several ranks; the copy of the lowest rank is written once, under every name the
-  model's state_dict has for it (torch.save keeps them one tensor);
+  one tensor under every name the model's state_dict has for it;
 - buffers (a causal mask, a RoPE table) are not trained and not checkpointed: they come from
   the model's own constructor.
 
-Beside model.pt goes model.pt.json (model file, factory, step), so `tpc sample model.pt` can
-rebuild the model without the checkpoint; model.pt itself stays a plain state_dict.
+It is written in one of three formats (`FORMATS`, chosen by `--format` or the output's suffix):
+
+- `pt`: torch.save of the state_dict (model.pt; a tie stays one tensor under all its names);
+- `safetensors`: the same tensors in a .safetensors file, a tie under its first name only (the
+  format keeps no shared tensors; `safetensors.torch.load_model(model, path)` restores the tie,
+  and `tpc run --init-from` accepts any of a tie's names);
+- `hf`: for a Hugging Face model (one compiled from a config.json, or any model file returning a
+  transformers `PreTrainedModel`), a model directory written by `save_pretrained`, which
+  `AutoModelForCausalLM.from_pretrained(DIR)` loads back.
+
+Beside model.pt (or .safetensors) goes model.pt.json (model file, factory, step), so `tpc
+sample model.pt` can rebuild the model without the checkpoint; the weights file itself stays
+plain.
 
 `tpc sample` (training/generate.py) loads either for generation.
 """
@@ -22,42 +32,111 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from tpc.executors.training.checkpoint import load_checkpoint, read_meta, resolve_checkpoint, stored_entries
+from tpc.executors.training.model_state import layout_of, listing, read_params
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
-_PARAM_KEY = re.compile(r"^rank(\d+)\.params\.(.+)$")
+FORMATS = ("pt", "safetensors", "hf")
+_SUFFIXES = {".pt": "pt", ".pth": "pt", ".bin": "pt", ".safetensors": "safetensors"}
 
 
 # ------------------------------------------------------------------------------ export
 
 
-def write_export(checkpoint: str | os.PathLike, output: str | os.PathLike) -> tuple[dict, dict]:
-    """Write the unsliced model's state_dict of `checkpoint` to `output` (a .pt) and, beside it,
-    `output`.json (model file, factory, hash, step, shape). Returns the state_dict and the
-    checkpoint's metadata."""
-    sd, meta = export_state_dict(checkpoint)
+def export_format(output: str | os.PathLike, fmt: str | None) -> str:
+    """The format to write: `fmt`, else by the output's suffix (.pt/.pth/.bin, .safetensors;
+    none: a Hugging Face directory)."""
+    if fmt is not None:
+        if fmt not in FORMATS:
+            raise TpirError(Diagnostic(f"unknown export format {fmt!r}", where="--format",
+                                       hint=f"use one of: {', '.join(FORMATS)}"))
+        return fmt
+    suffix = Path(output).suffix
+    if suffix in _SUFFIXES:
+        return _SUFFIXES[suffix]
+    if suffix:
+        raise TpirError(Diagnostic(f"-o {output}: cannot tell the format from the suffix {suffix!r}", where="-o",
+                                   hint="name a .pt or .safetensors file, a directory (for a Hugging Face model), "
+                                        f"or give --format {'|'.join(FORMATS)}"))
+    return "hf"
+
+
+def write_export(checkpoint: str | os.PathLike, output: str | os.PathLike,
+                 fmt: str | None = None) -> tuple[dict, dict, str]:
+    """Write the unsliced model's weights of `checkpoint` to `output` in format `fmt` (see
+    `export_format`); beside a weights file, `output`.json (model file, factory, hash, step,
+    shape). Returns the state_dict, the checkpoint's metadata and the format written."""
+    fmt = export_format(output, fmt)
+    sd, meta, model = _export(checkpoint)
     out = Path(output)
+    if fmt == "hf":
+        write_hf_directory(model, sd, out, meta)
+        return sd, meta, fmt
     out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(sd, out)
+    if fmt == "pt":
+        torch.save(sd, out)
+    else:
+        write_safetensors(sd, out)
     sidecar = {k: meta[k] for k in ("model_path", "factory", "sha256", "step", "seq", "vocab") if k in meta}
     Path(f"{out}.json").write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return sd, meta
+    return sd, meta, fmt
 
 
 def export_state_dict(checkpoint: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
     """The unsliced model's state_dict from a checkpoint (root or step directory), and its tpc.json."""
-    step_dir = resolve_checkpoint(checkpoint)
-    meta = read_meta(step_dir)
+    sd, meta, _ = _export(checkpoint)
+    return sd, meta
+
+
+def _export(checkpoint) -> tuple[dict[str, torch.Tensor], dict, nn.Module]:
+    step_dir, meta, layout = layout_of(checkpoint)
     model = build_model(meta)
-    trained = _gather_params(step_dir)
-    return _assemble(model, trained, step_dir), meta
+    if not layout.names:
+        raise TpirError(Diagnostic(f"{step_dir}: the checkpoint holds no parameters",
+                                   hint="give a checkpoint written by `tpc run --checkpoint-dir`"))
+    trained = read_params(step_dir, layout)
+    return _assemble(model, trained, step_dir), meta, model
+
+
+def write_safetensors(sd: dict[str, torch.Tensor], out: Path) -> None:
+    """`sd` as a .safetensors file: each tensor once (a tie under its first name), contiguous."""
+    from safetensors.torch import save_file
+
+    seen: set[int] = set()
+    tensors = {}
+    for key, value in sd.items():
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        tensors[key] = value.detach().contiguous()
+    save_file(tensors, str(out), metadata={"format": "pt"})
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """A transformers `PreTrainedModel` (transformers is not imported for any other model)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def write_hf_directory(model: nn.Module, sd: dict[str, torch.Tensor], out: Path, meta: dict) -> None:
+    """The model with the exported weights, saved by its own `save_pretrained` (config.json and
+    safetensors): `AutoModelForCausalLM.from_pretrained(out)` loads it back."""
+    if not is_hf_model(model):
+        raise TpirError(Diagnostic(
+            f"-o {out}: a Hugging Face model directory needs a Hugging Face model, and "
+            f"{meta.get('model_path')} builds a {type(model).__name__}",
+            where="--format", hint="export to a .pt or .safetensors file (the model file's own "
+                                   "load_state_dict reads both)"))
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise TpirError(Diagnostic(f"-o {out}: exists and is not an empty directory", where="-o",
+                                   hint="give a new directory for the Hugging Face model"))
+    model.load_state_dict(sd, strict=True)
+    model.save_pretrained(str(out))
 
 
 def build_model(meta: dict) -> nn.Module:
@@ -75,31 +154,6 @@ def build_model(meta: dict) -> nn.Module:
         print(f"warning: {path} has changed since the checkpoint was written; "
               "the weights load only if the parameter names and shapes are the same", file=sys.stderr)
     return load_model(path, meta.get("factory", "model"))
-
-
-def _gather_params(step_dir: Path) -> dict[str, torch.Tensor]:
-    """Every parameter stored by any rank, each from the lowest rank holding it (data replica 0,
-    and for a tie the first stage's copy). All copies of a parameter are equal after a step, so
-    which one is read does not matter; the lowest is a deterministic choice."""
-    owner: dict[str, int] = {}
-    shapes: dict[str, tuple] = {}
-    for key, entry in stored_entries(step_dir).items():
-        m = _PARAM_KEY.match(key)
-        if m is None:
-            continue
-        rank, name = int(m.group(1)), m.group(2)
-        if name not in owner or rank < owner[name]:
-            owner[name] = rank
-            shapes[name] = (tuple(entry.size), entry.properties.dtype)
-    if not owner:
-        raise TpirError(Diagnostic(f"{step_dir}: the checkpoint holds no parameters",
-                                   hint="give a checkpoint written by `tpc run --checkpoint-dir`"))
-    template: dict[str, dict] = {}
-    for name, rank in owner.items():
-        size, dtype = shapes[name]
-        template.setdefault(f"rank{rank}", {}).setdefault("params", {})[name] = torch.empty(size, dtype=dtype)
-    load_checkpoint(step_dir, template)
-    return {name: template[f"rank{rank}"]["params"][name] for name, rank in owner.items()}
 
 
 def _assemble(model: nn.Module, trained: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
@@ -125,9 +179,9 @@ def _assemble(model: nn.Module, trained: dict[str, torch.Tensor], where: Path) -
             continue
         out[key] = tensor.to(value.dtype)
     extra = sorted(set(trained) - used)
-    problems = ([f"not in the checkpoint: {_listing(missing, ', ')}"] if missing else []) + \
-               ([f"shapes differ: {_listing(wrong, '; ')}"] if wrong else []) + \
-               ([f"not in the model: {_listing(extra, ', ')}"] if extra else [])
+    problems = ([f"not in the checkpoint: {listing(missing, ', ', 3)}"] if missing else []) + \
+               ([f"shapes differ: {listing(wrong, '; ', 3)}"] if wrong else []) + \
+               ([f"not in the model: {listing(extra, ', ', 3)}"] if extra else [])
     if problems:
         raise TpirError(Diagnostic(f"{where}: the checkpoint does not fit the model file ({' | '.join(problems)})",
                                    hint="export with the model file (and factory) the run was trained with"))
@@ -138,11 +192,6 @@ def _assemble(model: nn.Module, trained: dict[str, torch.Tensor], where: Path) -
             group = id(aliases[key])
             out[key] = shared.setdefault(group, out[key])
     return out
-
-
-def _listing(items: list[str], sep: str, show: int = 3) -> str:
-    more = f"{sep}... ({len(items) - show} more)" if len(items) > show else ""
-    return sep.join(items[:show]) + more
 
 
 def _alias_groups(model: nn.Module) -> dict[str, tuple[str, ...]]:

@@ -1,5 +1,5 @@
-"""`tpc sample`: generate text from trained weights (a checkpoint directory or a `tpc export`
-.pt).
+"""`tpc sample`: generate text from trained weights (a checkpoint directory, or a `tpc export`
+.pt or .safetensors).
 
 Sampling generates byte tokens: the prompt is encoded as UTF-8 bytes, the model predicts the
 next byte from at most its training sequence length of context, and the result is decoded with
@@ -36,8 +36,8 @@ def sample_text(source: str | os.PathLike, prompt: str, tokens: int, *, temperat
 
 def load_for_sampling(source: str | os.PathLike, *, model_path: str | None = None,
                       factory: str | None = None) -> tuple[nn.Module, dict]:
-    """The unsliced model with trained weights, from a checkpoint directory or an exported .pt
-    (whose model file comes from `model_path`, else from the .pt.json beside it)."""
+    """The unsliced model with trained weights, from a checkpoint directory or an exported .pt or
+    .safetensors (whose model file comes from `model_path`, else from the .json beside it)."""
     p = Path(source)
     if p.is_file():
         meta = _pt_meta(p)
@@ -51,10 +51,16 @@ def load_for_sampling(source: str | os.PathLike, *, model_path: str | None = Non
                                             "or sample from the checkpoint directory"))
         model = build_model(meta)
         try:
-            sd = torch.load(p, map_location="cpu", weights_only=True)
+            if p.suffix == ".safetensors":
+                from safetensors.torch import load_file
+
+                sd = _with_ties(model, load_file(str(p)))
+            else:
+                sd = torch.load(p, map_location="cpu", weights_only=True)
         except Exception as e:
             raise TpirError(Diagnostic(f"{p}: not a state_dict file ({type(e).__name__}: {e})",
-                                       hint="give a .pt written by `tpc export`, or a checkpoint directory")) from None
+                                       hint="give a .pt or .safetensors written by `tpc export`, or a "
+                                            "checkpoint directory")) from None
     else:
         sd, meta = export_state_dict(p)
         model = build_model(meta)
@@ -64,6 +70,20 @@ def load_for_sampling(source: str | os.PathLike, *, model_path: str | None = Non
         raise TpirError(Diagnostic(f"{p}: the weights do not fit the model ({str(e).splitlines()[0]})",
                                    hint="sample with the model file the weights were trained with")) from None
     return model.eval(), meta
+
+
+def _with_ties(model: nn.Module, sd: dict) -> dict:
+    """A safetensors file holds a tie under one of its names: give it every name the model has."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    out = dict(sd)
+    for group in names.values():
+        held = next((n for n in group if n in sd), None)
+        for n in group:
+            if held is not None:
+                out.setdefault(n, sd[held])
+    return out
 
 
 def _pt_meta(pt: Path) -> dict:

@@ -8,7 +8,7 @@ from tests.executors.training.models.tiny_gpt import model as tiny_model
 from tests.executors.training.test_checkpoint import _shards, _split
 from tpc.cli.main import main
 from tpc.compiler.frontend.model_file import file_sha256
-from tpc.executors.training.checkpoint import resume_expect, run_meta, save_checkpoint
+from tpc.executors.training.checkpoint import run_meta, save_checkpoint
 from tpc.executors.training.export import export_state_dict
 from tpc.executors.training.generate import generate, load_for_sampling
 from tpc.executors.training.param_groups import build_optimizer
@@ -39,15 +39,17 @@ def _train_and_save(root, steps=2):
             o.step()
         for o in opts:
             o.zero_grad(set_to_none=True)
-    save_checkpoint(root, steps, _shards(ranks, opts, steps), run_meta(_header(), "cd" * 32))
+    save_checkpoint(root, steps, _shards(ranks, opts, steps), run_meta(_header(), "cd" * 32, "adamw"))
     return net
 
 
 def test_run_meta_records_what_export_and_resume_need():
-    meta = run_meta(_header(), "cd" * 32)
+    meta = run_meta(_header(), "cd" * 32, "adamw")
     assert meta["model_path"] == str(MODEL) and meta["factory"] == "model" and meta["seq"] == 8
-    assert meta["sha256"] == file_sha256(str(MODEL))
-    assert resume_expect(meta) == {"plan_sha256": "cd" * 32, "mesh": {"pipe": 2, "data": 1}}
+    assert meta["sha256"] == file_sha256(str(MODEL)) and meta["optimizer"] == "adamw"
+    assert meta["plan_sha256"] == "cd" * 32 and meta["mesh"] == {"pipe": 2, "data": 1}
+    assert meta["plan"] == {"mesh": "2x1", "stages": "0:2 2:4", "schedule": "gpipe", "micro-batches": "1 of 2 rows",
+                            "slices": "8", "seq": "8"}
 
 
 def test_export_loads_strictly_and_gives_the_trained_logits(tmp_path):

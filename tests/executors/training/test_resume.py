@@ -130,18 +130,22 @@ def test_two_gloo_ranks_stop_and_resume(files, tmp_path):
     _same_run(rows, metrics(whole / "m.jsonl"))
 
 
-def test_resume_refuses_another_plan(files, uninterrupted, tmp_path, capsys):
+def test_resume_refuses_another_model_at_the_plan_model_line(files, uninterrupted, tmp_path, capsys):
     from tests.executors.real import real_plan
     from tpc.ir.printer import print_plan
 
     plan, data = files
     other = tmp_path / "other.tpir"
-    other.write_text(print_plan(real_plan("gpt", **(PLAN | {"slices": "8,8"}))), encoding="utf-8")
-    ck = uninterrupted[1]
+    other.write_text(print_plan(real_plan("gpt_nobias", **PLAN)), encoding="utf-8")
+    ck = tmp_path / "ck"
+    shutil.copytree(uninterrupted[1], ck)
+    before = sorted(p.name for p in ck.iterdir())
     assert main(_run(str(other), data, ck, tmp_path / "m.jsonl", 40, "--resume")) == 1
     err = capsys.readouterr().err
-    assert "the checkpoint was written by another plan or mesh (plan_sha256: checkpoint has" in err
-    assert "resume with the plan that wrote it" in err
+    assert f"{other}:2:1: error: --resume: {ck / 'step_000030'} was written by a run of another model: " in err
+    assert "tiny_gpt.py (factory model, sha256 " in err and "this plan's model is " in err and "tiny_gpt_nobias.py" in err
+    assert "use --init-from" in err  # how to start from its weights anyway
+    assert sorted(p.name for p in ck.iterdir()) == before and not (tmp_path / "m.jsonl").exists()  # nothing trained
     # and a run that would end before the checkpoint's step says so
     assert main(_run(plan, data, ck, tmp_path / "m.jsonl", 20, "--resume")) == 1
     assert "is at step 30, past --steps 20" in capsys.readouterr().err

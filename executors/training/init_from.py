@@ -1,0 +1,128 @@
+"""`tpc run --init-from PATH`: start a run from trained weights (step 0, a fresh optimizer).
+
+The file's names are the model's own (`model.state_dict()` keys; files: `weight_files.py`).
+Before anything is loaded, the file's names and shapes are checked against the whole unsliced
+model (`ModelNames`), the same check on every rank:
+
+- a tied weight may be stored under any of its names (Hugging Face stores it once, under its
+  first name; torch.save under every name, as one tensor);
+- buffers in the file (causal masks, position tables) are accepted and not loaded: they are not
+  trained, and come from the model's constructor;
+- names of parameters missing from the file, names the model does not have, and shapes that
+  differ are refused, listing the first few of each.
+
+Then each rank reads only the tensors of the parameters its own stages hold, cast to the
+parameter's dtype (a bfloat16 file starts a float32 run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from tpc.executors.training.model_state import holders, listing
+from tpc.executors.training.weight_files import WeightFile, open_weights
+from tpc.ir.diagnostics import Diagnostic, TpirError
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """The unsliced model's names: each parameter's canonical name (the first `named_parameters()`
+    gives) with all its names and its shape, and the buffers."""
+
+    aliases: dict[str, tuple[str, ...]]
+    shapes: dict[str, tuple[int, ...]]
+    buffers: frozenset[str]
+
+    @staticmethod
+    def of(model: torch.nn.Module) -> "ModelNames":
+        aliases: dict[str, list[str]] = {}
+        first: dict[int, str] = {}
+        shapes = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            canonical = first.setdefault(id(p), name)
+            aliases.setdefault(canonical, []).append(name)
+            shapes[canonical] = tuple(p.shape)
+        buffers = frozenset(n for n, _ in model.named_buffers(remove_duplicate=False))
+        return ModelNames({k: tuple(v) for k, v in aliases.items()}, shapes, buffers)
+
+
+def match(names: ModelNames, weights: WeightFile) -> dict[str, list[str]]:
+    """canonical name -> the file's names for it (its aliases the file holds, the canonical one
+    first when present); refused, naming them, when the file and the model disagree."""
+    entries = weights.entries()
+    chosen: dict[str, list[str]] = {}
+    missing, wrong = [], []
+    known: set[str] = set(names.buffers)
+    for canonical, alias in names.aliases.items():
+        known.update(alias)
+        present = [a for a in alias if a in entries]
+        if not present:
+            missing.append(canonical if len(alias) == 1 else f"{canonical} (or {', '.join(alias[1:])})")
+            continue
+        chosen[canonical] = present
+        shape = entries[present[0]][0]
+        if shape != names.shapes[canonical]:
+            wrong.append(f"{present[0]}: file {list(shape)}, model {list(names.shapes[canonical])}")
+    extra = sorted(n for n in entries if n not in known)
+    if missing or extra or wrong:
+        parts = ([f"missing from the file ({len(missing)}): {listing(missing)}"] if missing else []) + \
+                ([f"not in the model ({len(extra)}): {listing(extra)}"] if extra else []) + \
+                ([f"shapes differ: {listing(wrong, '; ')}"] if wrong else [])
+        raise TpirError(Diagnostic(
+            f"{weights.path}: the {weights.what}'s names do not match the model: {' | '.join(parts)}",
+            where="--init-from",
+            hint="give weights of this model: names as its state_dict() has them (a prefix such as "
+                 "'model.' or '_orig_mod.' added or missing is a different name)"))
+    return chosen
+
+
+def read_matched(weights: WeightFile, chosen: dict[str, list[str]], wanted) -> dict[str, torch.Tensor]:
+    """The tensors of canonical names `wanted` (only those are read). A tie the file holds
+    under several names must hold one value."""
+    files = sorted({f for n in wanted for f in chosen[n]})
+    tensors = weights.read(files)
+    out = {}
+    for n in wanted:
+        first, *others = chosen[n]
+        for other in others:
+            if not torch.equal(tensors[first], tensors[other]):
+                raise TpirError(Diagnostic(
+                    f"{weights.path}: {first} and {other} are one tied parameter of the model, but the file "
+                    f"holds different values for them", where="--init-from",
+                    hint="these weights come from a model without this tie: start from weights of this model"))
+        out[n] = tensors[first]
+    return out
+
+
+def init_engines(engines: Sequence, path: str | Path, names: ModelNames) -> WeightFile:
+    """Copy the weights at `path` into the parameters of `engines`' stages; each tensor is read
+    once, and only those of these engines' parameters."""
+    weights = open_weights(path)
+    chosen = match(names, weights)
+    held = holders(engines)
+    strange = sorted(n for n in held if n not in chosen)
+    if strange:  # a stage's parameter the unsliced model does not name: the plan is not this model's
+        raise TpirError(Diagnostic(f"the stages hold parameters the model does not have: {listing(strange)}",
+                                   where="--init-from", hint="run a plan compiled from this model file"))
+    tensors = read_matched(weights, chosen, list(held))
+    with torch.no_grad():
+        for name, copies in held.items():
+            for h in copies:
+                h.param.copy_(tensors[name])
+    return weights
+
+
+def init_model(model: torch.nn.Module, path: str | Path) -> None:
+    """Copy the weights at `path` into the unsliced `model` (every parameter is read)."""
+    names = ModelNames.of(model)
+    weights = open_weights(path)
+    chosen = match(names, weights)
+    tensors = read_matched(weights, chosen, list(chosen))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in tensors.items():
+            params[name].copy_(value)
