@@ -38,6 +38,7 @@ from typing import Any, Iterable, Mapping
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
@@ -249,10 +250,34 @@ def read_meta(path: str | os.PathLike) -> dict:
 def stored_entries(path: str | os.PathLike) -> dict[str, Any]:
     """Flat key -> DCP storage metadata (TensorStorageMetadata has .size and .properties.dtype)."""
     step_dir = resolve_checkpoint(path)
+    return dict(_read_metadata(step_dir).state_dict_metadata)
+
+
+def _read_metadata(step_dir: Path):
     try:
-        return dict(dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
+        return dcp.FileSystemReader(str(step_dir)).read_metadata()
     except Exception as e:  # DCP raises assorted errors for a damaged .metadata
         raise _corrupt(step_dir, f"the DCP metadata is unreadable ({type(e).__name__}: {e})") from None
+
+
+def _check_data_files(step_dir: Path, keys) -> None:
+    """The data files holding `keys` exist and are as long as the metadata says (a shard cut short
+    by a full disk or an interrupted copy is named before anything is read)."""
+    storage = getattr(_read_metadata(step_dir), "storage_data", None)
+    if not isinstance(storage, Mapping):
+        return
+    keys = set(keys)
+    need: dict[str, int] = {}
+    for index, info in storage.items():
+        if getattr(index, "fqn", None) in keys and hasattr(info, "relative_path"):
+            need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        f = step_dir / name
+        if not f.is_file():
+            raise _corrupt(step_dir, f"the data file {name} is missing")
+        have = f.stat().st_size
+        if have < size:
+            raise _corrupt(step_dir, f"the data file {name} is {have} bytes, its entries need {size} (truncated)")
 
 
 # ------------------------------------------------------------------------------ loading
@@ -274,15 +299,17 @@ def load_checkpoint(path: str | os.PathLike, shards_template: dict[str, Any], *,
     _check_structure(shards_template, "")
     stored = stored_entries(step_dir)
     to_load = _without_missing_optional(shards_template, stored)
-    _check_against_stored(step_dir, _flatten(to_load), stored)
+    flat = _flatten(to_load)
+    _check_against_stored(step_dir, flat, stored)
+    _check_data_files(step_dir, flat)
     distributed = _distributed(process_group) if no_dist is None else not no_dist
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.load(to_load, checkpoint_id=str(step_dir), process_group=process_group,
                      no_dist=not distributed)
-    except Exception as e:  # data files damaged or missing although the metadata is fine
-        raise _corrupt(step_dir, f"reading the shards failed ({type(e).__name__}: {_first_line(e)})") from None
+    except (Exception, CheckpointException) as e:  # data damaged although its length is right
+        raise _corrupt(step_dir, f"reading the shards failed ({_cause(e)})") from None
     _copy_back(to_load, shards_template)
     return shards_template
 
@@ -420,6 +447,20 @@ def _corrupt(step_dir: Path, what: str) -> TpirError:
     return TpirError(Diagnostic(f"{step_dir}: corrupt checkpoint: {what}",
                                 hint="resume from an earlier step directory, or delete this one "
                                      "(`latest` falls back to the newest complete checkpoint)"))
+
+
+def _cause(e: BaseException) -> str:
+    """The first failure a DCP CheckpointException carries (one per rank), else `e` itself."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        first = next(iter(failures.values()))
+        if isinstance(first, (list, tuple)) and first:
+            first = first[0]
+        if isinstance(first, BaseException):
+            e = first
+        elif isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            e = first[0]
+    return f"{type(e).__name__}: {_first_line(e)}"
 
 
 def _first_line(e: BaseException) -> str:

@@ -206,6 +206,18 @@ def test_missing_empty_mismatched_and_corrupt_checkpoints_are_refused(tmp_path):
     with pytest.raises(TpirError, match="rank7.step is not in the checkpoint"):
         load_checkpoint(tmp_path, {"rank7": {"step": 0}})
 
+    shard = next((tmp_path / "step_000001").glob("*.distcp"))
+    good = shard.read_bytes()
+    shard.write_bytes(b"\0" * len(good))  # the right length, damaged contents
+    with pytest.raises(TpirError, match=r"corrupt checkpoint: reading the shards failed \(\w+Error: "):
+        load_checkpoint(tmp_path, _fresh_template()[3])
+    shard.write_bytes(good[:50])
+    with pytest.raises(TpirError, match=rf"corrupt checkpoint: the data file {shard.name} is 50 bytes, its entries "
+                                        r"need \d+ \(truncated\)"):
+        load_checkpoint(tmp_path, _fresh_template()[3])
+    shard.unlink()
+    with pytest.raises(TpirError, match=rf"corrupt checkpoint: the data file {shard.name} is missing"):
+        load_checkpoint(tmp_path, _fresh_template()[3])
     (tmp_path / "step_000001" / ".metadata").write_bytes(b"garbage")
     with pytest.raises(TpirError, match="corrupt checkpoint") as e:
         load_checkpoint(tmp_path, _fresh_template()[3])

@@ -255,3 +255,36 @@ def test_gloo_ranks_resume_under_another_split(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [4]
     check_next_step(rows[0]["loss"], name, tmp_path / "ck" / "step_000003", tmp_path / "ck" / "step_000004")
+
+
+# ------------------------------------------------------------------------------ format 1
+
+
+def test_a_format_1_checkpoint_resumes_as_its_format_2_twin(tmp_path):
+    """The same run saved in the format earlier versions wrote (one shard per rank) and in format
+    2 resumes, under another plan, to bit-identical weights and AdamW state; both export alike."""
+    from tests.executors.training.format1 import Format1Saver
+    from tpc.executors.training.export import export_state_dict
+
+    name = "gpt_nobias"
+    plan_a = real_plan(name, stages=2, microbatches=2, slices="2", schedule="seq1f1b")
+    plan_b = real_plan(name, stages=4, microbatches=2, slices="2", schedule="seq1f1b")
+    old, new = tmp_path / "old", tmp_path / "new"
+    model, sliced = fresh_model(name)
+    interpret(plan_a, options(N, old), model=model, sliced=sliced, batches=batches(),
+              checkpoints=Format1Saver(plan_a, old, N))
+    assert json.loads((old / "step_000003" / "tpc.json").read_text())["format"] == 1
+    train(plan_a, name, N, new)
+    a, b = export_state_dict(old), export_state_dict(new)
+    assert list(a[0]) == list(b[0]) and all(torch.equal(a[0][k], b[0][k]) for k in a[0])
+
+    losses_old, watch = train(plan_b, name, N + 1, old, resume=True)
+    losses_new, _ = train(plan_b, name, N + 1, new, resume=True)
+    assert losses_old == losses_new
+    assert watch.lines[0] == (f"resuming step 3 of {old / 'step_000003'} from a 2x1 mesh on a 4x1 mesh (pipe x data); "
+                              "another plan (this checkpoint, of format 1, does not describe its plan)")
+    params_old, state_old = read_checkpoint(old / "step_000004", name)
+    params_new, state_new = read_checkpoint(new / "step_000004", name)
+    for n in params_new:
+        assert torch.equal(params_old[n], params_new[n]), n
+        assert all(torch.equal(state_old[n][k], state_new[n][k]) for k in STATE), n
