@@ -36,6 +36,7 @@ class ModelNames:
     aliases: dict[str, tuple[str, ...]]
     shapes: dict[str, tuple[int, ...]]
     buffers: frozenset[str]
+    hf_config: dict | None = None  # a Hugging Face model's configuration
 
     @staticmethod
     def of(model: torch.nn.Module) -> "ModelNames":
@@ -47,7 +48,27 @@ class ModelNames:
             aliases.setdefault(canonical, []).append(name)
             shapes[canonical] = tuple(p.shape)
         buffers = frozenset(n for n, _ in model.named_buffers(remove_duplicate=False))
-        return ModelNames({k: tuple(v) for k, v in aliases.items()}, shapes, buffers)
+        config = getattr(model, "config", None)
+        hf_config = config.to_dict() if hasattr(config, "to_dict") else None
+        return ModelNames({k: tuple(v) for k, v in aliases.items()}, shapes, buffers, hf_config)
+
+
+# configuration entries that say how a model was saved or run, not what it computes
+_BOOKKEEPING = {"transformers_version", "architectures", "_name_or_path", "torch_dtype", "dtype", "use_cache",
+                "attn_implementation", "_attn_implementation", "_attn_implementation_autoset", "output_attentions",
+                "output_hidden_states", "return_dict", "id2label", "label2id"}
+
+
+def config_differences(names: ModelNames, weights: WeightFile) -> list[str]:
+    """Entries of a Hugging Face directory's config.json that differ from the model's own
+    configuration ("rope_theta 10000.0 -> 500000.0"): the weights fit (names and shapes were
+    checked) but may have been trained for another computation."""
+    theirs = getattr(weights, "config", None)
+    if not theirs or not names.hf_config:
+        return []
+    mine = names.hf_config
+    return [f"{k} {theirs[k]!r} (model: {mine[k]!r})" for k in sorted(set(theirs) & set(mine))
+            if k not in _BOOKKEEPING and theirs[k] != mine[k]]
 
 
 def match(names: ModelNames, weights: WeightFile) -> dict[str, list[str]]:

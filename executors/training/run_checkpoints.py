@@ -97,10 +97,13 @@ class RunCheckpoints:
                 return self.restore(engines, process_group=process_group)
             self.say(f"--resume: no checkpoint in {self.dir} yet, starting from --init-from {self.init_from}")
         if self.init_from:
-            from tpc.executors.training.init_from import init_engines
+            from tpc.executors.training.init_from import config_differences, init_engines
 
             weights = init_engines(engines, self.init_from, self.model_names)
             self.say(f"initialised from {weights.path} ({weights.what})")
+            differ = config_differences(self.model_names, weights)
+            if differ:
+                self.say(f"note: its config.json differs from the model's: {'; '.join(differ)}")
         return 0
 
     # ------------------------------------------------------------------------ saving

@@ -90,8 +90,10 @@ class TorchFile:
 class SafetensorsFiles:
     """One .safetensors file, or the shards of a Hugging Face directory (name -> shard)."""
 
-    def __init__(self, path: Path, shards: dict[str, Path] | None = None, what: str = "safetensors file"):
+    def __init__(self, path: Path, shards: dict[str, Path] | None = None, what: str = "safetensors file",
+                 config: dict | None = None):
         self.path, self.what = path, what
+        self.config = config  # a Hugging Face directory's config.json
         files = sorted(set(shards.values())) if shards else [path]
         self._where: dict[str, Path] = {}
         self._entries: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -180,6 +182,10 @@ def hf_directory(path: Path) -> SafetensorsFiles:
                             "nor a tpc checkpoint (no tpc.json or `latest`)",
                       "give a state_dict .pt, a .safetensors file, a directory saved with "
                       "save_pretrained, or a checkpoint directory")
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise _refuse(path / "config.json", f"not valid JSON ({e})", "give the directory save_pretrained wrote") from None
     index = path / HF_INDEX
     if index.is_file():
         try:
@@ -192,9 +198,10 @@ def hf_directory(path: Path) -> SafetensorsFiles:
             if not f.is_file():
                 raise _refuse(index, f"names the shard {f.name}, which is not in the directory",
                               "copy every shard the index names (nothing is downloaded)")
-        return SafetensorsFiles(path, shards, f"Hugging Face model directory ({len(set(shards.values()))} shards)")
+        return SafetensorsFiles(path, shards, f"Hugging Face model directory ({len(set(shards.values()))} shards)",
+                                config)
     if (path / HF_SINGLE).is_file():
-        return SafetensorsFiles(path / HF_SINGLE, None, "Hugging Face model directory")
+        return SafetensorsFiles(path / HF_SINGLE, None, "Hugging Face model directory", config)
     bins = sorted(p.name for p in path.glob("*.bin"))
     raise _refuse(path, "the Hugging Face model directory has no safetensors weights "
                         f"({HF_SINGLE} or {HF_INDEX})" + (f"; it holds {', '.join(bins)}" if bins else ""),

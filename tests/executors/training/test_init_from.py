@@ -274,3 +274,17 @@ def test_sample_reads_a_safetensors_export_as_the_pt(exported, capsys):
     from_pt = capsys.readouterr().out
     assert main(["sample", str(d / "gpt.safetensors"), *args]) == 0
     assert capsys.readouterr().out == from_pt and from_pt.startswith("de")
+
+
+def test_a_hugging_face_config_that_differs_is_said(hf, tmp_path, capsys):
+    import shutil
+
+    plan, d, _ = hf
+    other = tmp_path / "other"
+    shutil.copytree(d / "pretrained", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    assert main(["run", "--interpret", plan, "--init-from", str(other), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"initialised from {other / 'model.safetensors'} (Hugging Face model directory)" in out
+    assert "note: its config.json differs from the model's: rms_norm_eps 1e-05 (model: 1e-06)" in out
