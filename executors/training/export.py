@@ -130,8 +130,7 @@ def write_hf_directory(model: nn.Module, sd: dict[str, torch.Tensor], out: Path,
         raise TpirError(Diagnostic(
             f"-o {out}: a Hugging Face model directory needs a Hugging Face model, and "
             f"{meta.get('model_path')} builds a {type(model).__name__}",
-            where="--format", hint="export to a .pt or .safetensors file (the model file's own "
-                                   "load_state_dict reads both)"))
+            where="--format", hint="export to a .pt or .safetensors file"))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise TpirError(Diagnostic(f"-o {out}: exists and is not an empty directory", where="-o",
                                    hint="give a new directory for the Hugging Face model"))

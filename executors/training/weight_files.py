@@ -164,7 +164,7 @@ class CheckpointWeights:
         from tpc.executors.training.model_state import layout_of
 
         self.step_dir, meta, self.layout = layout_of(path)
-        self.path, self.what = self.step_dir, f"tpc checkpoint (step {meta['step']})"
+        self.path, self.what = self.step_dir, f"tpc checkpoint at step {meta['step']}"
 
     def entries(self):
         return {n: self.layout.shape(n) for n in self.layout.names}
