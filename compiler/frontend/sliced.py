@@ -136,6 +136,17 @@ class SlicedModel:
         return out
 
     @property
+    def unit_kv(self) -> list[list[tuple[int, int | None]]]:
+        """Per unit, its caches: (elements one token of one sequence leaves, window). A window
+        w (a sliding-window layer) means later slices read only the last w - 1 tokens, so the
+        cache a runtime must keep is bounded by w - 1 tokens plus the slice being appended."""
+        out: list[list] = [[] for _ in range(self.num_units)]
+        for s, u in zip(self._sites, self._site_units):
+            n = sum(int(numel_of(node.meta["val"]).subs({self._batch_sym: 1, self._seq_sym: 1})) for node in (s.k, s.v))
+            out[u].append((n, s.window))
+        return out
+
+    @property
     def float_bytes(self) -> int:
         """Bytes of a floating-point element as traced (the parameters' dtype)."""
         p = next((p for p in self.model.parameters() if p.is_floating_point()), None)
@@ -203,14 +214,16 @@ class SlicedModel:
                 attrs[t] = ("buffer", buffers[t])
             else:
                 attrs[t] = ("const", self._fetch(t))
-        kv_dims, shapes, dtypes = [], [], []
+        kv_dims, shapes, dtypes, windows = [], [], [], []
         for s in sites:
             for node, d in ((s.k, s.kv_dims[0]), (s.v, s.kv_dims[1])):
                 kv_dims.append(d)
                 shapes.append(self._shape_fn(node.meta["val"]))
                 dtypes.append(node.meta["val"].dtype)
+                windows.append(s.window)
         label = self.unit_labels[lo] if hi - lo == 1 else f"{self.unit_labels[lo]} .. {self.unit_labels[hi - 1]}"
-        return StageModule(graph, attrs, lo, hi, self.num_units, kv_dims, shapes, dtypes, label, with_loss)
+        return StageModule(graph, attrs, lo, hi, self.num_units, kv_dims, shapes, dtypes, label, with_loss,
+                           kv_windows=windows)
 
     # ---------------------------------------------------------------- helpers
 
