@@ -14,7 +14,10 @@ instruction and the peak. What is counted, from the cost model's byte functions:
   out (one hidden-state row per token, small next to the graph);
 * KV caches: `kv_bytes(stage, l, mb_size)` for every slice of a micro-batch, from the start of
   its first forward on the stage (the runtime allocates the micro-batch's whole buffer then)
-  until `free-kv` of that (stage, micro-batch), or the end of the step when there is none;
+  until `free-kv` of that (stage, micro-batch), or the end of the step when there is none. A
+  cost model that knows sliding-window layers gives `kv_slice_bytes(stage, lengths, mb_size)`,
+  the bytes charged to each slice of the micro-batch: a windowed layer's cache holds only its
+  last w - 1 tokens plus a slice, so it is charged min(tokens, w - 1 + longest slice) in all;
 * KV gradients: a slice's backward sends gradients into the keys and values of every earlier
   slice of its (stage, micro-batch); the accumulator of slice j exists from the start of the
   first backward of a later slice until `free-kv`.
@@ -103,6 +106,16 @@ def stash_bytes(costs: MemoryCosts, stage: int, l: int, c: int, mb_size: int) ->
     return own(stage, l, c, mb_size) if own is not None else costs.activation_bytes(l, mb_size)
 
 
+def slice_kv_bytes(costs: MemoryCosts, stage: int, slices, mb_size: int) -> list[float]:
+    """KV-cache bytes charged to each slice of a micro-batch on `stage` (see the module
+    docstring)."""
+    lengths = tuple(hi - lo for lo, hi in slices)
+    own = getattr(costs, "kv_slice_bytes", None)
+    if own is not None:
+        return list(own(stage, lengths, mb_size))
+    return [costs.kv_bytes(stage, n, mb_size) for n in lengths]
+
+
 class _Held:
     """Named allocations of one kind with a running total (summing the dicts at every
     instruction would make long streams quadratic)."""
@@ -135,8 +148,8 @@ def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: Mem
             if instr.op is Op.FORWARD and owner not in kv_slices:  # the micro-batch's whole cache
                 mb = header.microbatches[instr.mb]
                 kv_slices[owner] = list(range(len(mb.slices)))
-                for j, (lo, hi) in enumerate(mb.slices):
-                    kv.add((*owner, j), costs.kv_bytes(instr.stage, hi - lo, size))
+                for j, nbytes in enumerate(slice_kv_bytes(costs, instr.stage, mb.slices, size)):
+                    kv.add((*owner, j), nbytes)
             if not instr.checkpoint:
                 acts.add(instr.key, stash_bytes(costs, instr.stage, l, c, size))
         elif instr.op in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
