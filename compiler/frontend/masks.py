@@ -119,17 +119,20 @@ def describe(keep: torch.Tensor) -> str:
     if not bool(keep.diagonal().all()):
         q = int((~keep.diagonal()).nonzero()[0])
         return f"query {q} does not see its own key"
-    unseen_first = (~keep[:, 0]).nonzero()
-    if len(unseen_first):  # chunks of c tokens: query c is the first that does not see key 0
-        c = int(unseen_first[0])
-        q = torch.arange(n)
-        chunks = causal & ((q[:, None] // c) == (q[None, :] // c))
-        if c >= 1 and bool((keep == chunks).all()):
-            return f"chunked local attention: chunks of {c} tokens"
-    w = keep.sum(-1)
-    first = keep.int().argmax(-1)
-    band = bool((first == torch.arange(n) - w + 1).all())
-    if band:
+    first = keep.int().argmax(-1)  # each query's first key seen
+    q = torch.arange(n)
+    contiguous = bool((keep.sum(-1) == q - first + 1).all())  # keys first..q, no gaps
+    if contiguous:
+        new_doc = first == q
+        same_doc = torch.cat([torch.tensor([True]), first[1:] == first[:-1]])
+        if bool((new_doc | same_doc).all()):  # causal within documents
+            starts = [int(i) for i in new_doc.nonzero().flatten()]
+            c = starts[1] if len(starts) > 1 else n
+            if starts == list(range(0, n, c)):
+                return f"chunked local attention: chunks of {c} tokens"
+            shown = ", ".join(map(str, starts[:8])) + (", ..." if len(starts) > 8 else "")
+            return f"causal within documents (a document mask), which start at tokens {shown}"
+        w = q - first + 1
         return f"banded with a width that varies between {int(w.min())} and {int(w.max())} keys"
     q, k = (int(i) for i in (causal & ~keep).nonzero()[0])
     return f"causal with gaps: query {q} does not see the earlier key {k}"
