@@ -89,7 +89,24 @@ def _only_user(n: fx.Node) -> fx.Node | None:
 
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, getattr(aten, "_safe_softmax", aten.softmax).default}
 _CASTS = {aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout, aten.type_as.default}
-_NEG_INF_FILL = {aten.masked_fill.Scalar}
+_NEG_INF_FILL = {aten.masked_fill.Scalar, aten.masked_fill_.Scalar}
+# in-place forms act on the fresh score tensor the way the plain ones do
+_MUL = {aten.mul.Tensor, aten.mul_.Tensor}
+_DIV = {aten.div.Tensor, aten.div_.Tensor}
+_ADD = {aten.add.Tensor, aten.add_.Tensor}
+
+
+def _unknown(x: fx.Node, sm: fx.Node, ctx, scores: bool):
+    """A softmax over (tokens x tokens) scores that pass through an op the pass cannot read:
+    refused here, saying which op (the token-mixing rules would only see a matmul)."""
+    if not scores:
+        return None
+    name = getattr(x.target, "__name__", str(x.target))
+    _refuse(x, ctx, f"attention scores pass through `{name}` (node {x.name}) before the softmax: token "
+                    "slices support softmax(q.k^T * scale + mask) . v with causal or sliding-window masks",
+            "write the attention as scaled_dot_product_attention, or as q @ k^T, a scale, a causal or "
+            "sliding-window mask (masked_fill / where with -inf, or an additive 0 / -inf mask), softmax, @ v "
+            "(logit soft-capping and position biases such as ALiBi cannot be sliced)")
 
 
 def _is_cast(n: fx.Node) -> bool:
@@ -99,22 +116,32 @@ def _is_cast(n: fx.Node) -> bool:
     return isinstance(v, torch.Tensor) and v.is_floating_point()
 
 
-def _hides(value) -> bool:
-    """A fill value that hides a key (its exponential is zero)."""
-    return isinstance(value, (int, float)) and (value == -math.inf or value <= masks.HIDDEN)
+def _hides(value, ctx) -> bool:
+    """A fill value that hides a key (its exponential is zero): a number, or a constant 0-d
+    tensor (GPT-Neo's torch.tensor(finfo.min))."""
+    if isinstance(value, fx.Node):
+        value = _constant(value, ctx)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        (value == -math.inf or value <= masks.HIDDEN)
+
+
+def _constant(x: fx.Node, ctx):
+    """The value of a 0-d static tensor no parameter feeds, or None."""
+    v = x.meta.get("val")
+    if x in ctx.static and isinstance(v, torch.Tensor) and v.dim() == 0 and _param_free(x, ctx):
+        try:
+            return float(evaluate(x, {ctx.seq_sym: ctx.seq_len, ctx.batch_sym: 1}, ctx.fetch))
+        except Exception:
+            return None
+    return None
 
 
 def _scalar(x, ctx):
     """A constant positive factor: a number, or a 0-d static tensor that no parameter feeds."""
     if isinstance(x, (int, float)) and not isinstance(x, bool):
         return float(x)
-    if isinstance(x, fx.Node) and x in ctx.static and _param_free(x, ctx):
-        v = x.meta.get("val")
-        if isinstance(v, torch.Tensor) and v.dim() == 0:
-            try:
-                return float(evaluate(x, {ctx.seq_sym: ctx.seq_len, ctx.batch_sym: 1}, ctx.fetch))
-            except Exception:
-                return None
+    if isinstance(x, fx.Node):
+        return _constant(x, ctx)
     return None
 
 
@@ -155,19 +182,20 @@ def _match_written_out(sm: fx.Node, ctx) -> _Match | None:
     if sm.args[1] % rank != rank - 1:
         return None
     scale, found_masks, x = 1.0, [], sm.args[0]
+    scores = len(node_token_axes(x, ctx.seq_sym)) == 2 if isinstance(x, fx.Node) else False
     while isinstance(x, fx.Node) and x.op == "call_function":
         if x.target is aten.matmul.default:
             break
-        if x.target in (aten.mul.Tensor, aten.div.Tensor):
+        if x.target in _MUL or x.target in _DIV:
             a, b = x.args[:2]
             s, rest = _scalar(b, ctx), a
-            if s is None and x.target is aten.mul.Tensor:
+            if s is None and x.target in _MUL:
                 s, rest = _scalar(a, ctx), b
             if s is None or s <= 0:
-                return None
-            scale = scale * s if x.target is aten.mul.Tensor else scale / s
+                return _unknown(x, sm, ctx, scores)
+            scale = scale * s if x.target in _MUL else scale / s
             x = rest
-        elif x.target is aten.add.Tensor and len(x.args) == 2 and x.kwargs.get("alpha", 1) == 1:
+        elif x.target in _ADD and len(x.args) == 2 and x.kwargs.get("alpha", 1) == 1:
             a, b = x.args
             if isinstance(b, fx.Node) and len(node_token_axes(b, ctx.seq_sym)) == 2:
                 found_masks.append((b, "add"))
@@ -176,20 +204,20 @@ def _match_written_out(sm: fx.Node, ctx) -> _Match | None:
                 found_masks.append((a, "add"))
                 x = b
             else:
-                return None
-        elif x.target in _NEG_INF_FILL and _hides(x.args[2]):
+                return _unknown(x, sm, ctx, scores)
+        elif x.target in _NEG_INF_FILL and _hides(x.args[2], ctx):
             found_masks.append((x.args[1], "hide"))
             x = x.args[0]
-        elif x.target is aten.where.ScalarOther and _hides(x.args[2]):
+        elif x.target in (aten.where.ScalarOther, aten.where.self) and _hides(x.args[2], ctx):
             found_masks.append((x.args[0], "keep"))
             x = x.args[1]
-        elif x.target is aten.where.ScalarSelf and _hides(x.args[1]):
+        elif x.target in (aten.where.ScalarSelf, aten.where.self) and _hides(x.args[1], ctx):
             found_masks.append((x.args[0], "hide"))
             x = x.args[2]
         elif _is_cast(x):
             x = x.args[0]
         else:
-            return None
+            return _unknown(x, sm, ctx, scores)
     if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target is aten.matmul.default):
         return None
     q, kt = x.args

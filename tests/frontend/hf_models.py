@@ -37,13 +37,29 @@ CONFIGS = {
                  embd_pdrop=0.0, attn_pdrop=0.0),
 }
 FAMILIES = tuple(CONFIGS)
+
+# beyond the families above: other attention code paths of the same library
+MORE_CONFIGS = {
+    # global and local (window 4) layers; local attention written as where(mask, s, tensor(min))
+    "gpt_neo": dict(model_type="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, window_size=4,
+                    attention_types=[[["global", "local"], 1]], max_position_embeddings=64,
+                    embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0),
+    # eager scores scaled in place (scores /= sqrt(d))
+    "falcon": dict(model_type="falcon", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   hidden_dropout=0.0, attention_dropout=0.0),
+    # attention logit soft-capping (tanh of the scores): refused
+    "gemma2": dict(model_type="gemma2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                   max_position_embeddings=64),
+}
+CONFIGS.update(MORE_CONFIGS)
 IMPLS = ("sdpa", "eager")
 
 
 def config_dict(family: str, **overrides) -> dict:
     """The settings of a tiny `family` model, as a config.json would hold them."""
     out = dict(CONFIGS[family], vocab_size=VOCAB, **_IDS)
-    if family != "gpt2":
+    if family not in ("gpt2", "gpt_neo"):
         out.update(_LAYERS)
     out.update(overrides)
     return out

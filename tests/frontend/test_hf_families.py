@@ -16,6 +16,7 @@ from tpc.executors.oracle import reference_step  # noqa: E402
 
 from .harness import batch, sliced_step, summed  # noqa: E402
 from .hf_models import FAMILIES, IMPLS, VOCAB, assert_grads_match, hf_model  # noqa: E402
+from tpc.ir.diagnostics import TpirError  # noqa: E402
 
 SEQ, ROWS, MICROBATCHES = 16, 4, 2
 SLICINGS = {"equal": [4, 4, 4, 4], "unequal": [5, 2, 9], "ones": [1, 1, 1, 13]}
@@ -63,3 +64,25 @@ def test_every_attention_becomes_a_cached_site(family, impl):
     cfg = model.config
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     assert [s.k.meta["val"].shape[1] for s in sm._sites] == [kv_heads, kv_heads]
+
+
+@pytest.mark.parametrize("family,windows", [("gpt_neo", [None, 4]), ("falcon", [None, None])])
+def test_other_eager_attention_forms_are_exact(family, windows):
+    """GPT-Neo's local layers (where(mask, scores, tensor(finfo.min))) and Falcon's in-place
+    scaled scores."""
+    model = hf_model(family, "eager")
+    sm = SlicedModel.from_model(model, seq_len=SEQ, vocab=VOCAB)
+    assert [s.window for s in sm._sites] == windows
+    ids, targets = batch(VOCAB, ROWS, SEQ)
+    loss, per_stage = sliced_step(sm, sm.partition_by_params(2), ids, targets, MICROBATCHES, [1, 6, 9])
+    ref_loss, ref = reference_step(model, ids, targets)
+    assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert_grads_match(summed(per_stage), ref)
+
+
+def test_soft_capped_attention_is_refused_at_the_library_line():
+    with pytest.raises(TpirError) as info:
+        SlicedModel.from_model(hf_model("gemma2", "eager"), seq_len=SEQ, vocab=VOCAB)
+    d = info.value.diagnostics[0]
+    assert "attention scores pass through `tanh" in d.message and "`model.layers.0.self_attn`" in d.message
+    assert d.loc.file.endswith("modeling_gemma2.py") and "soft-capping" in d.hint
