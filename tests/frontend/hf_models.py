@@ -47,6 +47,13 @@ MORE_CONFIGS = {
     # eager scores scaled in place (scores /= sqrt(d))
     "falcon": dict(model_type="falcon", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                    hidden_dropout=0.0, attention_dropout=0.0),
+    # q/k norms per head
+    "qwen3": dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+    # a sliding window in every layer, biases
+    "starcoder2": dict(model_type="starcoder2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, sliding_window=4, residual_dropout=0.0,
+                       embedding_dropout=0.0, attention_dropout=0.0),
     # attention logit soft-capping (tanh of the scores): refused
     "gemma2": dict(model_type="gemma2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,

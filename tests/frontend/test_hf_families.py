@@ -66,11 +66,14 @@ def test_every_attention_becomes_a_cached_site(family, impl):
     assert [s.k.meta["val"].shape[1] for s in sm._sites] == [kv_heads, kv_heads]
 
 
-@pytest.mark.parametrize("family,windows", [("gpt_neo", [None, 4]), ("falcon", [None, None])])
-def test_other_eager_attention_forms_are_exact(family, windows):
-    """GPT-Neo's local layers (where(mask, scores, tensor(finfo.min))) and Falcon's in-place
-    scaled scores."""
-    model = hf_model(family, "eager")
+@pytest.mark.parametrize("family,impl,windows", [
+    ("gpt_neo", "eager", [None, 4]), ("falcon", "eager", [None, None]), ("falcon", "sdpa", [None, None]),
+    ("qwen3", "eager", [None, None]), ("starcoder2", "sdpa", [4, 4]), ("starcoder2", "eager", [4, 4]),
+])
+def test_more_families_and_attention_forms_are_exact(family, impl, windows):
+    """GPT-Neo's local layers (where(mask, scores, tensor(finfo.min))), Falcon's in-place scaled
+    scores, Qwen3's per-head q/k norms, StarCoder2's sliding window."""
+    model = hf_model(family, impl)
     sm = SlicedModel.from_model(model, seq_len=SEQ, vocab=VOCAB)
     assert [s.window for s in sm._sites] == windows
     ids, targets = batch(VOCAB, ROWS, SEQ)
