@@ -41,7 +41,6 @@ def causal_lm_from_config(path: str) -> nn.Module:
                                    loc=Loc(path, 1, 1),
                                    hint="give a config.json with \"model_type\" (e.g. \"llama\"), or a Python model file"))
     try:
-        import transformers  # noqa: F401
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise TpirError(Diagnostic("a Hugging Face config.json needs the `transformers` package, which is not installed",

@@ -68,14 +68,15 @@ def first_difference(sm, ids: torch.Tensor, lens, stage) -> fx.Node | None:
             for name, v in sliced.values.items():
                 per_slice.setdefault(name, []).append(v)
             off += ln
-    stage_nodes = {n.name: n for n in stage.graph.nodes}
-    seq_sym = _seq_symbol(sm)
+    stage_nodes = {n.name for n in stage.graph.nodes}
     for n in sm._original.nodes:
         if n.op != "call_function" or n.name not in per_slice or n.name not in stage_nodes:
             continue
         ref = whole.values.get(n.name)
-        axes = node_token_axes(n, seq_sym)
-        if not isinstance(ref, torch.Tensor) or len(axes) != 1 or not ref.is_floating_point() and ref.dtype != torch.long:
+        axes = node_token_axes(n, sm._seq_sym)
+        if not isinstance(ref, torch.Tensor) or len(axes) != 1:
+            continue
+        if not (ref.is_floating_point() or ref.dtype == torch.long):
             continue
         parts = per_slice[n.name]
         if len(parts) != len(lens) or not all(isinstance(p, torch.Tensor) for p in parts):
@@ -91,6 +92,3 @@ def first_difference(sm, ids: torch.Tensor, lens, stage) -> fx.Node | None:
             return n
     return None
 
-
-def _seq_symbol(sm):
-    return sm._seq_sym
