@@ -1,6 +1,7 @@
 """`tpc compile`: from a model file to a verified plan.
 
-    load_model -> SlicedModel.from_model -> partition -> header -> build_schedule -> lower -> check
+    load_model -> SlicedModel.from_model -> partition -> header -> self-check of the header's
+    slices -> build_schedule -> lower -> check
 
 `compile_plan` returns the Plan; `compile_to_file` also writes it, atomically, after re-reading
 the written text and verifying that, so the file on disk is exactly what was verified.
@@ -376,7 +377,8 @@ def compile_plan(model_path: str, options: CompileOptions) -> Plan:
         model = load_model(model_path, opts.factory)
         sha = file_sha256(model_path)
         vocab = read_vocab(model, model_path)
-        sliced = SlicedModel.from_model(model, seq_len=opts.seq_len, vocab=vocab)
+        # the numeric self-check runs below, with the plan's own slices
+        sliced = SlicedModel.from_model(model, seq_len=opts.seq_len, vocab=vocab, check_slices=None)
         d.append(f"{sliced.num_units} units, vocab {vocab}")
     if not opts.stages_auto and opts.stages > sliced.num_units:
         raise _error(
@@ -399,6 +401,9 @@ def compile_plan(model_path: str, options: CompileOptions) -> Plan:
         header = make_header(opts.stages, opts.dp, ranges, opts.schedule)
         if opts.slices_auto:
             auto_slices_without_costs(opts, progress)
+    with progress.step("self-check") as d:
+        check_plan_slices(sliced, header)
+        d.append(f"{len(_slicings(header))} slicing(s) at length {opts.seq_len}")
     with progress.step("schedule") as d:
         compute = build_schedule(header.schedule.name, header)
         d.append(f"{header.schedule.name}: {slicing_summary(header)}")
@@ -408,6 +413,23 @@ def compile_plan(model_path: str, options: CompileOptions) -> Plan:
     with progress.step("verify"):
         check(plan)
     return plan
+
+
+def _slicings(header: Header) -> list[tuple[int, ...]]:
+    """The distinct slice lengths of the plan's micro-batches."""
+    out: list[tuple[int, ...]] = []
+    for mb in header.microbatches:
+        lens = tuple(hi - lo for lo, hi in mb.slices)
+        if lens not in out:
+            out.append(lens)
+    return out
+
+
+def check_plan_slices(sliced, header: Header) -> None:
+    """The front end's numeric self-check (sliced vs unsliced model at the full length) with
+    each slicing the plan uses: what the plan will run is what is checked."""
+    for lens in _slicings(header):
+        sliced.check_slicing(list(lens))
 
 
 def compile_to_file(model_path: str, output: str, options: CompileOptions) -> Plan:

@@ -14,7 +14,10 @@ instruction and the peak. What is counted, from the cost model's byte functions:
   out (one hidden-state row per token, small next to the graph);
 * KV caches: `kv_bytes(stage, l, mb_size)` for every slice of a micro-batch, from the start of
   its first forward on the stage (the runtime allocates the micro-batch's whole buffer then)
-  until `free-kv` of that (stage, micro-batch), or the end of the step when there is none;
+  until `free-kv` of that (stage, micro-batch), or the end of the step when there is none. A
+  cost model that knows sliding-window layers gives `kv_slice_bytes(stage, lengths, mb_size)`,
+  the bytes charged to each slice of the micro-batch: a windowed layer's cache holds only its
+  last w - 1 tokens plus a slice, so it is charged min(tokens, w - 1 + longest slice) in all;
 * KV gradients: a slice's backward sends gradients into the keys and values of every earlier
   slice of its (stage, micro-batch); the accumulator of slice j exists from the start of the
   first backward of a later slice until `free-kv`.
@@ -118,8 +121,8 @@ def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: Cos
             if instr.op is Op.FORWARD and owner not in kv_slices:  # the micro-batch's whole cache
                 mb = header.microbatches[instr.mb]
                 kv_slices[owner] = list(range(len(mb.slices)))
-                for j, (lo, hi) in enumerate(mb.slices):
-                    kv.add((*owner, j), costs.kv_bytes(instr.stage, hi - lo, size))
+                for j, nbytes in enumerate(costs.kv_slice_bytes(instr.stage, tuple(hi - lo for lo, hi in mb.slices), size)):
+                    kv.add((*owner, j), nbytes)
             if not instr.checkpoint:
                 acts.add(instr.key, costs.stash_bytes(instr.stage, l, c, size))
         elif instr.op in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):

@@ -4,11 +4,14 @@ must reproduce its loss and gradients (fp32: relative error <= 1e-5).
 The one measure of a gradient's error, used by `--verify-grads`, the tests and the benchmarks
 (`gradient_error`): for each parameter,
 
-    max |a - b| / max |b|        (a: the plan's gradient, b: autograd's; max over elements)
+    max |a - b| / max(max |b|, F)        (a: the plan's gradient, b: autograd's; max over elements)
 
-that is, the largest elementwise difference relative to the reference's largest entry (the
-plain difference where the reference is all zero). It is stricter than a norm ratio: one wrong
-entry of a large matrix is not averaged away. The error of a set of parameters is the worst
+that is, the largest elementwise difference relative to the reference's largest entry. It is
+stricter than a norm ratio: one wrong entry of a large matrix is not averaged away. F, a
+thousandth of the largest gradient entry of the whole model, keeps a parameter whose true
+gradient is zero from dividing rounding noise by rounding noise (OPT's key bias: softmax
+cancels it exactly, and both sides hold 1e-11-sized residues); such a parameter is held to an
+absolute error of F times the tolerance. The error of a set of parameters is the worst
 one. A parameter the model's forward never uses gets no gradient from autograd; the plan holds
 no gradient for it either, so it is not an error when one side lacks it and autograd gave it
 none. Any other parameter missing on either side is an infinite error.
@@ -62,9 +65,13 @@ def batch_reference(model: nn.Module, tokens: torch.Tensor) -> Reference:
 
 
 def gradient_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-                   unused: frozenset[str] = frozenset()) -> tuple[float, str]:
+                   unused: frozenset[str] = frozenset(), floor: float | None = None) -> tuple[float, str]:
     """The largest relative error over parameters (see the module docstring) and the name of
-    the worst. `want` is the reference; `unused` the parameters it says the forward never used."""
+    the worst. `want` is the reference; `unused` the parameters it says the forward never used;
+    `floor` is F (default: a thousandth of the largest entry of `want`; pass the whole model's
+    when `want` is a share of it)."""
+    if floor is None:
+        floor = gradient_floor(want)
     worst, worst_name = 0.0, ""
     for name in sorted(set(got) | set(want)):
         if name not in got or name not in want:
@@ -72,12 +79,17 @@ def gradient_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
                 continue
             return math.inf, name
         a, b = got[name].detach().double().cpu(), want[name].detach().double().cpu()
-        scale = float(b.abs().max()) if b.numel() else 0.0
+        scale = max(float(b.abs().max()), floor) if b.numel() else floor
         diff = float((a - b).abs().max()) if b.numel() else 0.0
         err = diff / scale if scale > 0 else diff
         if err > worst or not worst_name:
             worst, worst_name = err, name
     return worst, worst_name
+
+
+def gradient_floor(want: dict[str, torch.Tensor]) -> float:
+    """F of the module docstring: a thousandth of the largest gradient entry of `want`."""
+    return 1e-3 * max((float(g.detach().abs().max()) for g in want.values() if g.numel()), default=0.0)
 
 
 def max_rel_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from tpc.executors.options import RunOptions
-from tpc.executors.oracle import gradient_error, batch_reference
+from tpc.executors.oracle import batch_reference, gradient_error, gradient_floor
 from tpc.executors.plan_model import check_plan_model, load_plan_model
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
@@ -101,7 +101,7 @@ class GradientCheck:
         extra = sorted(set(grads) - set(ref.grads))
         if extra:
             return float("inf"), f"{extra[0]} is not a parameter of the model", set(grads)
-        worst, name = gradient_error(grads, mine)
+        worst, name = gradient_error(grads, mine, floor=gradient_floor(ref.grads))
         return worst, name, set(grads)
 
     def conclude(self, loss: float, parts, show: bool = True) -> int:

@@ -17,6 +17,16 @@ smaller buffer it viewed alive until its backward, up to twice the cache's bytes
 gradients sent into the cache collect in one buffer of the same layout, from which each slice
 takes its own tokens' region when it runs backward. (Joining per-slice leaves instead copied the
 whole prefix twice per slice: O(n²) copies for n slices.)
+
+Sliding-window layers (`module.kv_windows`, window w): a later slice reads only the last w - 1
+tokens, so the cache keeps only those plus the slice being appended. When the buffer is full, its
+last w - 1 tokens move to its front, in place; a prefix leaf that viewed the overwritten tokens
+is only a receiver of gradients by then (attention concatenates the prefix into a new tensor,
+which is what its backward keeps), except for a checkpointed slice, which keeps a copy of its
+windowed prefix to recompute from. Gradients sent into a windowed cache collect in a buffer of
+at most w - 1 tokens: by the time slice i runs backward every later slice has, and only the
+w - 1 tokens before slice i can still receive gradients. So a windowed layer's cache and its
+gradients take O(w) memory however long the sequence.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ class _Slice:
     start: int  # tokens of this micro-batch before this slice (its prefix length)
     length: int  # tokens of this slice
     prefix: list = field(default_factory=list)  # the leaves this slice read its prefix through
+    saved: list | None = None  # checkpointed: copies of its windowed prefixes, to recompute from
     y: torch.Tensor | None = None  # graph-connected output (None while checkpointed)
     kv_out: list = field(default_factory=list)  # graph-connected K/V outputs
     weights: object = None  # what backward_input left for backward_weight (DeferredWeightGrads)
@@ -45,12 +56,21 @@ class _Slice:
 
 
 @dataclass
+class _Acc:
+    """Gradients sent into the tokens [base, base + g.size(d)) of one cached tensor."""
+
+    g: torch.Tensor
+    base: int = 0
+
+
+@dataclass
 class _Cache:
     """One micro-batch's keys/values on this stage, and the gradients sent into them."""
 
-    kv: list  # per cached tensor: a buffer whose first `length` tokens are filled
+    kv: list  # per cached tensor: a buffer holding the tokens [base[t], length)
     length: int = 0
-    grad: list | None = None  # per cached tensor, allocated at the first backward
+    grad: list | None = None  # per cached tensor an _Acc (None: nothing received yet)
+    base: list = field(default_factory=list)  # per cached tensor: the token at buffer index 0
 
 
 class StageRuntime:
@@ -82,7 +102,7 @@ class StageRuntime:
         start = cache.length if cache is not None else 0
         rec = _Slice(mb, x, int(offset), targets, start, x.size(1))
         with torch.set_grad_enabled(not checkpoint):
-            y, kv = self._run(rec)
+            y, kv = self._run(rec, checkpoint)
         self._append(mb, kv, capacity)
         if not checkpoint:
             rec.y, rec.kv_out = y, kv
@@ -97,41 +117,68 @@ class StageRuntime:
         with torch.enable_grad():
             rec.y, rec.kv_out = self._run(rec)
 
-    def _run(self, rec: _Slice):
-        """The module on one slice, its prefix read as leaves viewing the cache (empty: none)."""
+    def _run(self, rec: _Slice, checkpoint: bool = False):
+        """The module on one slice, its prefix read as leaves viewing the cache (empty: none); a
+        windowed cache's last w - 1 tokens only."""
         if rec.start == 0:
             rec.prefix = []
             prefix = self._empty_kv(rec.x.size(0), rec.x.device)
+        elif rec.saved is not None:  # a recompute: the windowed prefixes may have been overwritten
+            cache = self._caches[rec.mb]
+            rec.prefix = [(saved if saved is not None else self._prefix_view(cache, t, rec.start))
+                          .detach().requires_grad_(True) for t, saved in enumerate(rec.saved)]
+            prefix = rec.prefix
         else:
             cache = self._caches[rec.mb]
-            rec.prefix = [buf.narrow(d, 0, rec.start).detach().requires_grad_(True)
-                          for buf, d in zip(cache.kv, self.module.kv_dims)]
+            rec.prefix = [self._prefix_view(cache, t, rec.start).detach().requires_grad_(True)
+                          for t in range(len(cache.kv))]
             prefix = rec.prefix
+            if checkpoint and any(w is not None for w in self.module.kv_windows):
+                rec.saved = [leaf.detach().clone() if w is not None else None
+                             for leaf, w in zip(rec.prefix, self.module.kv_windows)]
         return self.module(rec.x, rec.offset, prefix, rec.targets)
+
+    def _prefix_view(self, cache: _Cache, t: int, start: int) -> torch.Tensor:
+        """Tokens [start - p, start) of cached tensor t: p = start, or at most w - 1 for a window."""
+        w, d = self.module.kv_windows[t], self.module.kv_dims[t]
+        p = start if w is None else min(start, w - 1)
+        return cache.kv[t].narrow(d, start - p - cache.base[t], p)
 
     def _append(self, mb: int, kv: list, capacity: int | None) -> None:
         """Write a slice's keys/values after the cached ones: into buffers of the micro-batch's
-        whole length when `capacity` is known, else into buffers that grow by doubling."""
+        whole length when `capacity` is known, else into buffers that grow by doubling; a
+        windowed tensor into a buffer of its last w - 1 tokens plus the slice."""
         n = kv[0].size(self.module.kv_dims[0]) if kv else 0
         cache = self._caches.get(mb)
         if cache is None:
-            if capacity is None or capacity <= n:  # its own tensors start the buffers (no copy)
-                self._caches[mb] = _Cache([k.detach() for k in kv], n)
-            else:
-                bufs = []
-                for k, d in zip(kv, self.module.kv_dims):
-                    buf = k.new_empty(k.shape[:d] + (capacity,) + k.shape[d + 1:])
+            bufs = []
+            for k, d, w in zip(kv, self.module.kv_dims, self.module.kv_windows):
+                size = capacity if capacity is not None and capacity > n else n
+                if w is not None:  # a buffer of its own: it is overwritten in place when full
+                    size = max(n, min(size, w - 1 + n) if capacity is not None else w - 1 + n)
+                if size <= n and w is None:  # its own tensor starts the buffer (no copy)
+                    bufs.append(k.detach())
+                else:
+                    buf = k.new_empty(k.shape[:d] + (size,) + k.shape[d + 1:])
                     buf.narrow(d, 0, n).copy_(k.detach())
                     bufs.append(buf)
-                self._caches[mb] = _Cache(bufs, n)
+            self._caches[mb] = _Cache(bufs, n, base=[0] * len(bufs))
             return
-        for t, (k, d) in enumerate(zip(kv, self.module.kv_dims)):
-            buf = cache.kv[t]
-            if buf.size(d) < cache.length + n:  # full: a buffer twice as large
-                grown = buf.new_empty(buf.shape[:d] + (max(2 * buf.size(d), cache.length + n),) + buf.shape[d + 1:])
-                grown.narrow(d, 0, cache.length).copy_(buf.narrow(d, 0, cache.length))
-                cache.kv[t] = buf = grown
-            buf.narrow(d, cache.length, n).copy_(k.detach())
+        for t, (k, d, w) in enumerate(zip(kv, self.module.kv_dims, self.module.kv_windows)):
+            buf, filled = cache.kv[t], cache.length - cache.base[t]
+            if buf.size(d) < filled + n:
+                if w is None:  # full: a buffer twice as large
+                    grown = buf.new_empty(buf.shape[:d] + (max(2 * buf.size(d), filled + n),) + buf.shape[d + 1:])
+                    grown.narrow(d, 0, filled).copy_(buf.narrow(d, 0, filled))
+                    cache.kv[t] = buf = grown
+                else:  # windowed: keep the last w - 1 tokens, at the front
+                    m = min(cache.length, w - 1)
+                    tail = buf.narrow(d, filled - m, m).clone()
+                    if buf.size(d) < m + n:
+                        cache.kv[t] = buf = buf.new_empty(buf.shape[:d] + (m + n,) + buf.shape[d + 1:])
+                    buf.narrow(d, 0, m).copy_(tail)
+                    cache.base[t], filled = cache.length - m, m
+            buf.narrow(d, filled, n).copy_(k.detach())
         cache.length += n
 
     def _empty_kv(self, batch: int, device: torch.device) -> list:
@@ -165,10 +212,20 @@ class StageRuntime:
                 raise RuntimeError(f"backward of micro-batch {mb} slice {sl} needs the output gradient")
             outs, grads = [rec.y], [grad_out]
         cache = self._caches[mb]
-        if cache.grad is not None and rec.start + rec.length < cache.length:  # later slices read it
-            for out, g, d in zip(rec.kv_out, cache.grad, self.module.kv_dims):
-                outs.append(out)
-                grads.append(g.narrow(d, rec.start, rec.length))
+        for t, (out, d) in enumerate(zip(rec.kv_out, self.module.kv_dims)):
+            acc = cache.grad[t] if cache.grad is not None else None
+            if acc is None:
+                continue
+            lo, hi = max(rec.start, acc.base), min(rec.start + rec.length, acc.base + acc.g.size(d))
+            if lo >= hi:  # no later slice read these tokens
+                continue
+            part = acc.g.narrow(d, lo - acc.base, hi - lo)
+            if hi - lo < rec.length:  # a windowed cache: later slices read only its last tokens
+                g = part.new_zeros(out.shape)
+                g.narrow(d, lo - rec.start, hi - lo).copy_(part)
+                part = g
+            outs.append(out)
+            grads.append(part)
         return outs, grads
 
     def _send_prefix_grads(self, rec: _Slice) -> None:
@@ -176,18 +233,40 @@ class StageRuntime:
         where the earlier slices find theirs."""
         if rec.prefix:
             cache = self._caches[rec.mb]
-            if cache.grad is None:  # the first backward, the last slice's: it covers every slice
-                # before it (nothing sends gradients into the last slice's keys/values); summed in
-                # fp32 at least: under bf16 autocast the cache is bf16, and each later slice adds
-                # into the gradients of every earlier slice's keys/values
-                cache.grad = [torch.zeros_like(buf.narrow(d, 0, rec.start),
-                                               dtype=torch.promote_types(buf.dtype, torch.float32))
-                              for buf, d in zip(cache.kv, self.module.kv_dims)]
-            for leaf, g, d in zip(rec.prefix, cache.grad, self.module.kv_dims):
-                if leaf.grad is not None:
-                    g.narrow(d, 0, rec.start).add_(leaf.grad)
+            if cache.grad is None:
+                cache.grad = [None] * len(cache.kv)
+            for t, (leaf, d, w) in enumerate(zip(rec.prefix, self.module.kv_dims, self.module.kv_windows)):
+                cache.grad[t] = self._accumulate(cache.grad[t], leaf, d, rec.start, w is None)
         rec.prefix = []
         rec.sent_kv_grads = True
+
+    @staticmethod
+    def _accumulate(acc: _Acc | None, leaf: torch.Tensor, d: int, start: int, full: bool) -> _Acc | None:
+        """The gradients of a cached tensor after `leaf` (its tokens [start - p, start)) sent
+        its own. Summed in fp32 at least: under bf16 autocast the cache is bf16, and each later
+        slice adds into the gradients of every earlier slice's keys/values.
+
+        A full cache's first backward (the last slice's: nothing sends gradients into the last
+        slice's keys) allocates tokens [0, start), which covers every earlier slice. A windowed
+        one keeps only tokens that no backward has consumed yet: [start - p, start) and what is
+        left below `start` of the previous region."""
+        p = leaf.size(d)
+        dtype = torch.promote_types(leaf.dtype, torch.float32)
+        if full:
+            if acc is None:
+                acc = _Acc(torch.zeros_like(leaf, dtype=dtype), 0)
+            if leaf.grad is not None:
+                acc.g.narrow(d, start - p, p).add_(leaf.grad)
+            return acc
+        lo = start - p if acc is None else min(start - p, acc.base)
+        g = leaf.new_zeros((*leaf.shape[:d], start - lo, *leaf.shape[d + 1:]), dtype=dtype)
+        if acc is not None:
+            keep = min(start, acc.base + acc.g.size(d)) - acc.base
+            if keep > 0:
+                g.narrow(d, acc.base - lo, keep).add_(acc.g.narrow(d, 0, keep))
+        if leaf.grad is not None:
+            g.narrow(d, start - p - lo, p).add_(leaf.grad)
+        return _Acc(g, lo)
 
     def backward(self, mb: int, sl: int, grad_out=None):
         """Input and weight gradients of one slice; returns the input gradient (None on stage 0)."""

@@ -20,6 +20,7 @@ model overrides where it knows better:
     split_backward_time(stage, l, c, mb_size)
                                          (backward-input, backward-weight): half the backward each
     stash_bytes(stage, l, c, mb_size)    what a forward keeps for its backward: activation_bytes
+    kv_slice_bytes(stage, lengths, mb)   the KV cache charged to each slice: kv_bytes of each
     allreduce_time(nbytes, n)            a ring all-reduce: 2(n-1) steps of nbytes/n
     grad_sync_time(stage, data)          allreduce_time(param_bytes(stage), data)
     tied_bytes(name)                     a tied parameter's gradient: 0 (taken as small)
@@ -82,6 +83,12 @@ class CostModel(ABC):
     def stash_bytes(self, stage: int, l: int, c: int, mb_size: int) -> float:
         """Bytes a slice's forward keeps for its backward."""
         return self.activation_bytes(l, mb_size)
+
+    def kv_slice_bytes(self, stage: int, lengths: tuple[int, ...], mb_size: int) -> list[float]:
+        """KV-cache bytes charged to each slice of a micro-batch cut into slices of `lengths`
+        on `stage`: each slice's own `kv_bytes` (a model that knows sliding-window layers,
+        whose cache is bounded by the window, charges less)."""
+        return [self.kv_bytes(stage, n, mb_size) for n in lengths]
 
     def allreduce_time(self, nbytes: float, n: int) -> float:
         """Time to sum `nbytes` over `n` ranks: a ring (2(n-1) steps of nbytes/n each, the

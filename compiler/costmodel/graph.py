@@ -44,12 +44,15 @@ class GraphCosts:
     param_count: Callable[[int, int], int]  # distinct parameters of units [lo, hi)
     float_bytes: int = 2
     name: str = ""
+    # per unit, its caches as (elements per token, sliding window or None); empty: all full
+    kv_caches: tuple = ()
 
     @classmethod
     def from_sliced(cls, sliced, float_bytes: int = 2, name: str = "") -> "GraphCosts":
         return cls(tuple(sliced.unit_cost_fns(float_bytes)), int(sliced.hidden_size),
                    tuple(sliced.unit_kv_elements), sliced.stage_param_count, int(float_bytes),
-                   name or type(sliced.model).__name__)
+                   name or type(sliced.model).__name__,
+                   tuple(tuple(caches) for caches in sliced.unit_kv))
 
     @property
     def num_units(self) -> int:
@@ -118,6 +121,29 @@ class GraphCostModel(DeviceCostModel):
     def kv_bytes(self, stage: int, l: int, mb_size: int) -> int:
         lo, hi = self.stage_units[stage]
         return int(sum(self.costs.kv_elements[lo:hi]) * l * mb_size * self.costs.float_bytes)
+
+    def kv_slice_bytes(self, stage: int, lengths, mb_size: int) -> list[int]:
+        """KV-cache bytes charged to each slice of a micro-batch of slices `lengths`: a full
+        cache grows with every token; a sliding-window layer's (window w) holds at most its last
+        w - 1 tokens plus the slice being appended, min(T, w - 1 + longest slice) tokens in all,
+        charged to the first slices."""
+        lo, hi = self.stage_units[stage]
+        caches = self.costs.kv_caches[lo:hi] if self.costs.kv_caches else ()
+        if not caches:
+            return [self.kv_bytes(stage, n, mb_size) for n in lengths]
+        lengths = [int(n) for n in lengths]
+        total, longest = sum(lengths), max(lengths, default=0)
+        out = [0.0] * len(lengths)
+        for unit in caches:
+            for elements, window in unit:
+                held = total if window is None else min(total, window - 1 + longest)
+                left = held
+                for j, n in enumerate(lengths):
+                    tokens = n if window is None else min(n, left)
+                    left -= tokens
+                    out[j] += elements * tokens
+        scale = mb_size * self.costs.float_bytes
+        return [int(x * scale) for x in out]
 
     def stash_bytes(self, stage: int, l: int, c: int, mb_size: int) -> int:
         """Bytes the forward's ops leave allocated (their outputs), kept for the backward."""

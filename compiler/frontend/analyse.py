@@ -14,15 +14,14 @@ import torch
 import torch.fx as fx
 
 from tpc.compiler.frontend.axes import node_token_axes
-from tpc.compiler.frontend.locate import loc_of_node, where_of_node
-from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.compiler.frontend.locate import refuse
 
 _ALONG_DIM = {
     "sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "cumsum", "cumprod", "cummax",
     "cummin", "logcumsumexp", "softmax", "_softmax", "log_softmax", "_log_softmax", "logsumexp",
     "var", "std", "var_mean", "std_mean", "norm", "linalg_vector_norm", "prod", "any", "all", "sort",
     "topk", "flip", "roll", "median", "nansum", "count_nonzero", "kthvalue", "mode", "nanmean",
-    "diff", "unbind", "narrow", "index_select", "gather", "scatter", "scatter_add",
+    "diff", "unbind", "narrow", "index_select", "gather", "scatter", "scatter_add", "slice", "select",
 }
 _CONTRACT = {"matmul", "bmm", "mm", "baddbmm", "addmm", "einsum", "tensordot"}
 
@@ -95,10 +94,9 @@ def check_token_independence(graph: fx.Graph, ctx) -> None:
             continue
         why = mixing_reason(n, ctx.seq_sym)
         if why is not None:
-            loc = loc_of_node(n, ctx.model_file)
-            raise TpirError(Diagnostic(
+            raise refuse(
+                n, ctx.model_file,
                 f"the model mixes tokens: {why} (node {n.name}, op {n.target}); token slices would "
                 "get a silently wrong gradient",
-                loc=loc, where="" if loc else where_of_node(n),
-                hint="only per-token ops and causal attention can be sliced: reduce over the hidden "
-                     "axis (dim=-1) instead, or use causal attention (is_causal=True)"))
+                "only per-token ops and causal attention can be sliced: reduce over the hidden "
+                "axis (dim=-1) instead, or use causal attention (is_causal=True)")

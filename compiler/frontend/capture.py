@@ -16,6 +16,8 @@ tied weight has one name however the model reaches it.
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
+import operator
 from dataclasses import dataclass
 
 import sympy
@@ -24,7 +26,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.export import Dim, export
 
-from tpc.compiler.frontend.locate import loc_from_traceback
+from tpc.compiler.frontend.locate import compact_stack_trace, loc_from_traceback
+from tpc.compiler.frontend.simplify import drop_noops
 from tpc.compiler.frontend.static import prune_dead
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
@@ -66,7 +69,29 @@ def _capture_hint(msg: str) -> str:
            "no .item(), no asserts on traced sizes"
 
 
+@contextmanager
+def _without_generation_cache(model: nn.Module):
+    """Hugging Face models keep a key/value cache for generation (`config.use_cache`, on by
+    default). It does not change the logits, but it slices keys by the sliding window
+    (`keys[:, :, -window + 1:]`), which makes export guard the sequence length. The trace is
+    taken with it off; the model's configuration is restored afterwards."""
+    configs = {id(c): c for m in model.modules() for c in [getattr(m, "config", None)]
+               if c is not None and getattr(c, "use_cache", None) is True}
+    for c in configs.values():
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c.use_cache = True
+
+
 def capture(model: nn.Module, seq_len: int, batch: int = 2) -> Captured:
+    with _without_generation_cache(model):
+        return _capture(model, seq_len, batch)
+
+
+def _capture(model: nn.Module, seq_len: int, batch: int) -> Captured:
     model_file = model_file_of(model)
     try:
         ep, full_range = _export(model, seq_len, batch, top=max(seq_len, 2)), True
@@ -86,7 +111,8 @@ def capture(model: nn.Module, seq_len: int, batch: int = 2) -> Captured:
         raise _capture_error(e, model, model_file) from None
     gm = ep.module()
     canon = _canonical_names(model, gm)
-    graph, ids_node = _clean_copy(gm.graph, canon)
+    graph, ids_node = _clean_copy(gm.graph, canon, gm)
+    drop_noops(graph)
     shape = ids_node.meta["val"].shape
     batch_sym, seq_sym = (_sym(shape[0]), _sym(shape[1]))
     if batch_sym is None or seq_sym is None:
@@ -94,6 +120,32 @@ def capture(model: nn.Module, seq_len: int, batch: int = 2) -> Captured:
                                    where=model_file or type(model).__name__,
                                    hint="forward must work for every batch size and sequence length"))
     return Captured(gm, graph, ids_node, batch_sym, seq_sym, model_file, canon, full_range)
+
+
+@contextmanager
+def _full_stack_traces():
+    """Record every frame of each node's stack, not only those of `forward` methods (export's
+    default), so a refusal finds the line of the construct itself, in the user's helper
+    functions or in a library's (`eager_attention_forward`, `masking_utils`)."""
+    base = getattr(fx.proxy, "TracerBase", None)
+    orig = getattr(base, "_filter_traceback_frames", None)
+    if orig is None:  # another torch: keep its default
+        yield
+        return
+
+    def every_frame(self, summary):
+        only = getattr(self, "_record_forward_stack_traces_only", False)
+        self._record_forward_stack_traces_only = False
+        try:
+            return orig(self, summary)
+        finally:
+            self._record_forward_stack_traces_only = only
+
+    base._filter_traceback_frames = every_frame
+    try:
+        yield
+    finally:
+        base._filter_traceback_frames = orig
 
 
 class _ConstraintViolation(Exception):
@@ -109,7 +161,8 @@ def _export(model: nn.Module, seq_len: int, batch: int, top: int):
     ids = torch.zeros(b_ex, t_ex, dtype=torch.long)
     dyn = ({0: Dim("batch", min=1), 1: Dim("seq", min=1, max=top)},)
     try:
-        return export(model, (ids,), dynamic_shapes=dyn, strict=False)
+        with _full_stack_traces():
+            return export(model, (ids,), dynamic_shapes=dyn, strict=False)
     except Exception as e:
         if "Constraints violated" in str(e) and top > 2:
             raise _ConstraintViolation() from e
@@ -161,16 +214,88 @@ def _get(mod: nn.Module, name: str):
 
 
 _DROP = {torch.ops.aten._assert_tensor_metadata.default}
+_HOP = torch.ops.higher_order
 
 
-def _clean_copy(src: fx.Graph, canon: dict[str, str]) -> tuple[fx.Graph, fx.Node]:
-    """Copy without export's guard module call and metadata asserts; canonical attribute names."""
+def _region(n: fx.Node, owner: fx.GraphModule):
+    """(sub-graph, its operands, detach its outputs?) of a grad-mode or autocast region export
+    recorded as one higher-order call, or None for any other node.
+
+    `torch.no_grad()` around code the model runs (a rotary table computed under
+    `@torch.no_grad()`, say) becomes `wrap_with_set_grad_enabled(False, submod, *args)`; its
+    outputs are then plain values that carry no gradient, which inlining the region keeps by
+    detaching them. A region that disables autocast runs as written in float32."""
+    if n.op != "call_function":
+        return None
+    if n.target is getattr(_HOP, "wrap_with_set_grad_enabled", None):
+        enabled, sub, *operands = n.args
+        return _submodule(owner, sub), operands, not enabled
+    if n.target is getattr(_HOP, "wrap_with_autocast", None):
+        device, dtype, enabled, cache, sub, *operands = n.args
+        if enabled:
+            return None
+        return _submodule(owner, sub), operands, False
+    return None
+
+
+def _submodule(owner: fx.GraphModule, sub) -> fx.GraphModule:
+    obj = owner
+    for part in (sub.target if isinstance(sub, fx.Node) else sub).split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _clean_copy(src: fx.Graph, canon: dict[str, str], owner: fx.GraphModule | None = None) -> tuple[fx.Graph, fx.Node]:
+    """Copy without export's guard module call and metadata asserts; canonical attribute names;
+    grad-mode regions inlined (their results detached where the region disabled gradients)."""
     g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
+    env: dict[fx.Node, object] = {}
     ids = None
+
+    def inline(sub: fx.GraphModule, operands, detach: bool):
+        inner: dict[fx.Node, object] = {}
+        args = iter(operands)
+        for m in sub.graph.nodes:
+            if m.op == "placeholder":
+                inner[m] = fx.node.map_arg(next(args), lambda a: env[a])
+            elif m.op == "output":
+                outs = m.args[0]
+                outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+                res = []
+                for o in outs:
+                    o = inner[o] if isinstance(o, fx.Node) else o
+                    if detach and isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
+                        d = g.call_function(torch.ops.aten.detach.default, (o,))
+                        d.meta = dict(o.meta)
+                        o = d
+                    res.append(o)
+                return res
+            elif m.op == "call_module" or (m.op == "call_function" and m.target in _DROP):
+                continue
+            elif m.op == "get_attr":
+                new = g.get_attr(canon.get(m.target, m.target))
+                new.meta = dict(m.meta)
+                inner[m] = new
+            else:
+                region = _region(m, sub)
+                if region is not None:
+                    inner[m] = inline(*region)
+                    continue
+                inner[m] = g.node_copy(m, lambda a: inner[a])
+        return []
+
     for n in src.nodes:
         if n.op == "call_module" or (n.op == "call_function" and n.target in _DROP):
             continue
+        region = _region(n, owner) if owner is not None else None
+        if region is not None:
+            env[n] = inline(*region)
+            continue
+        if n.op == "call_function" and n.target is operator.getitem and isinstance(env.get(n.args[0]), list):
+            env[n] = env[n.args[0]][n.args[1]]  # a result of an inlined region
+            continue
+        if n.op == "get_attr" and isinstance(_maybe_submodule(owner, n.target), fx.GraphModule):
+            continue  # the body of a region, inlined where it is called
         if n.op == "get_attr":
             new = g.get_attr(canon.get(n.target, n.target))
             new.meta = dict(n.meta)
@@ -186,7 +311,17 @@ def _clean_copy(src: fx.Graph, canon: dict[str, str]) -> tuple[fx.Graph, fx.Node
     if ids is None:
         raise TpirError(Diagnostic("the model's forward takes no input", hint="forward(ids) takes the token ids"))
     prune_dead(g)
+    for n in g.nodes:
+        if n.meta.get("stack_trace"):
+            n.meta["stack_trace"] = compact_stack_trace(n.meta["stack_trace"])
     g.lint()
     return g, ids
 
 
+def _maybe_submodule(owner, target: str):
+    if owner is None:
+        return None
+    try:
+        return _submodule(owner, target)
+    except AttributeError:
+        return None

@@ -23,7 +23,8 @@ Per op class (a "kernel" is one launch of eager PyTorch):
     and writes the output (the scores stay on chip; on CUDA the bottom-right alignment is a
     causal bias, no mask is read); with a prefix, two more kernels concatenate cache and slice
     (they copy `c + l` rows), with GQA's `rep` two more repeat the heads. The full l x (c+l)
-    rectangle is counted, an upper bound of what a kernel that skips masked blocks computes;
+    rectangle is counted, an upper bound of what a kernel that skips masked blocks computes; a
+    sliding-window layer (`window` w) reads `min(c, w - 1) + l` keys;
   * memory (elementwise, norms, reductions, softmax, gathers, copies, the loss): a few FLOPs
     per element (`_FLOPS_PER_ELEMENT`), bytes of every input and the output, one kernel.
 
@@ -183,7 +184,9 @@ def _attention(n: fx.Node) -> OpCost:
     rep = int(n.kwargs.get("rep", 1) or 1)
     b, h, lq, dq = (size_expr(d) for d in q.shape)
     hkv, lk, dv = size_expr(k.shape[1]), size_expr(k.shape[-2]), size_expr(v.shape[-1])
-    keys = CTX + lk  # the cached prefix and the slice's own keys
+    window = n.kwargs.get("window")
+    # the cached prefix and the slice's own keys; a sliding window reads its last w - 1 only
+    keys = (sympy.Min(CTX, int(window) - 1) if window else CTX) + lk
     has_prefix = sympy.Min(CTX, 1)  # 0 for the first slice, 1 after (c is an integer >= 0)
     flops = 2 * b * h * lq * keys * (dq + dv)
     kf = b * hkv * keys * size_expr(k.shape[-1]) * element_bytes(k)  # keys with the prefix

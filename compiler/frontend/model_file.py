@@ -1,4 +1,5 @@
-"""Loading a model file: import it under a unique module name and call its factory.
+"""Loading a model file: import it under a unique module name and call its factory (or build
+the model a Hugging Face `config.json` describes, see `hf.py`).
 
 Every way this can go wrong is the user's to fix, so each is a located `TpirError`: the file is
 missing, does not parse, has no such callable, the callable raises, or returns no `nn.Module`.
@@ -15,6 +16,7 @@ import sys
 
 import torch.nn as nn
 
+from tpc.compiler.frontend.hf import causal_lm_from_config, is_config_file
 from tpc.compiler.frontend.locate import loc_at, loc_from_traceback
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Loc
@@ -62,7 +64,14 @@ def import_model_file(path: str):
 
 
 def load_model(path: str, factory: str = "model") -> nn.Module:
-    """Import the model file and return `factory()`, which must be an `nn.Module`."""
+    """Import the model file and return `factory()`, which must be an `nn.Module`. A Hugging
+    Face `config.json` is built with `AutoModelForCausalLM.from_config` instead (`hf.py`;
+    `factory` is not used)."""
+    if is_config_file(path):
+        if not os.path.isfile(path):
+            raise TpirError(Diagnostic(f"no such model configuration: {path}",
+                                       hint="give the path of a Hugging Face config.json or of a Python model file"))
+        return causal_lm_from_config(path)
     module = import_model_file(path)
     fn = getattr(module, factory, None)
     if fn is None or not callable(fn):

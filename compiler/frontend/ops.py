@@ -7,6 +7,12 @@ aligns the mask top-left, which is right only when there is no prefix. With a pr
 tensors get PyTorch's `causal_lower_right` bias, which SDPA serves with the flash (or memory-
 efficient) kernel without materialising a mask; elsewhere (CPU, tracing) an additive mask made
 once per shape.
+
+With `window` w (a sliding-window layer) query q sees only the keys q - w < k <= q: the prefix
+is cut to its last w - 1 tokens before the slice's own keys are appended (what no query of the
+slice can see receives a zero gradient, as in the unsliced model), and the mask is the band
+aligned bottom-right. A prefix of any length >= min(offset, w - 1) gives the same result, so a
+runtime may keep only the last w - 1 tokens of a windowed layer's cache.
 """
 
 from __future__ import annotations
@@ -18,10 +24,16 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 
-def causal_attention(q, k, v, k_prefix, v_prefix, scale=None, dropout_p=0.0, rep=1, enable_gqa=False):
+def causal_attention(q, k, v, k_prefix, v_prefix, scale=None, dropout_p=0.0, rep=1, enable_gqa=False,
+                     window=None):
     """Attention of a slice. k/v are this slice's keys/values, (B, Hkv, l, D); the prefix is the
     same layout with the earlier tokens. `rep` > 1 repeats key/value heads after the cache (GQA
-    written with repeat_interleave), so the cache holds the un-repeated heads."""
+    written with repeat_interleave), so the cache holds the un-repeated heads. `window`: each
+    query sees only the last `window` tokens, its own included (None: every earlier token)."""
+    if window is not None and k_prefix.size(-2) > window - 1:
+        keep = window - 1  # (B, Hkv, w-1, D): the only cached tokens a query of this slice sees
+        k_prefix = k_prefix.narrow(-2, k_prefix.size(-2) - keep, keep)
+        v_prefix = v_prefix.narrow(-2, v_prefix.size(-2) - keep, keep)
     if k_prefix.size(-2) == 0:  # the first slice: no copy of this slice's keys/values
         kf, vf = k, v
     else:
@@ -32,6 +44,10 @@ def causal_attention(q, k, v, k_prefix, v_prefix, scale=None, dropout_p=0.0, rep
         vf = vf.repeat_interleave(rep, dim=1)
     lq, lk = q.size(-2), kf.size(-2)
     extra = {"enable_gqa": True} if enable_gqa else {}
+    if window is not None and lk > window:  # some query does not see the first keys: a band
+        build = _band_mask if type(q) is torch.Tensor else _band_mask.__wrapped__
+        mask = build(lq, lk, window, q.dtype, q.device)  # (l, lk)
+        return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
     if lq == lk:
         return F.scaled_dot_product_attention(q, kf, vf, dropout_p=dropout_p, is_causal=True, scale=scale, **extra)
     if _fused_bottom_right(q):
@@ -55,6 +71,15 @@ def _bottom_right_mask(lq: int, lk: int, dtype: torch.dtype, device: torch.devic
     -inf elsewhere. Built once per shape (every layer of every slice of that length uses it); an
     additive mask in the query's dtype is what SDPA would make of a boolean one on each call."""
     sees = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(diagonal=lk - lq)
+    return torch.zeros(lq, lk, dtype=dtype, device=device).masked_fill_(~sees, float("-inf"))
+
+
+@functools.lru_cache(maxsize=16)
+def _band_mask(lq: int, lk: int, window: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive sliding-window mask aligned bottom-right: query q (the key position lk - lq + q)
+    sees key j when 0 <= (lk - lq + q) - j < window, -inf elsewhere."""
+    ones = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    sees = ones.tril(diagonal=lk - lq) & ~ones.tril(diagonal=lk - lq - window)
     return torch.zeros(lq, lk, dtype=dtype, device=device).masked_fill_(~sees, float("-inf"))
 
 

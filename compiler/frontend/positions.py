@@ -1,14 +1,21 @@
 """Rewrite pass: absolute positions -> the slice's window [offset, offset + l).
 
-A slice of length l starting at token `offset` sees only l tokens, so every value computed from
-absolute positions must be shifted: `arange(0, T)` becomes `arange(offset, offset + l)`, a buffer
-sliced `[:T]` (position tables, RoPE `freqs_cis`, cos/sin caches) becomes `[offset:offset + l]`.
-Values derived from these (scaled positions, reshaped tables) follow automatically. `offset` is a
-new graph placeholder holding a Python int.
+A slice of length l starting at token `offset` sees only l tokens, so every static value (one
+computed from sizes, parameters and buffers, not from the token ids) that runs over the
+sequence must be the unsliced model's value at the plan's length L, cut to the slice's window:
 
-Any other static value with a token axis must not depend on positions (`ones(T, C)` is fine); a
-(T x T) value left after the attention pass is a mask no recognised attention consumed, and a
-position computed another way would be silently wrong: both are refused.
+* `arange(0, T)` becomes `arange(offset, offset + l)`, a buffer sliced `[:T]` (position tables,
+  RoPE `freqs_cis`, cos/sin caches) becomes `[offset:offset + l]`: cheap, and exact;
+* values that are the same at every position (`ones(T, C)`, an `expand` over T) need nothing;
+* per-token ops of windowed values are windowed values themselves (RoPE's cos/sin of shifted
+  positions, an embedding lookup of them);
+* any other static value over the sequence (OPT's positions `cumsum(attention_mask) - 1`, an
+  arange that does not start at 0, a reduction over positions) is computed at the full length L
+  and cut to the window: exact for the plan, whose sequences are L tokens long, at the price of
+  computing it at full length in every slice. Its inputs are recomputed at length L beside it.
+
+`offset` is a new graph placeholder holding a Python int. A (T x T) value left after the
+attention pass is a mask no recognised attention consumed: refused.
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ import operator
 import torch
 import torch.fx as fx
 
+from tpc.compiler.frontend.analyse import mixing_reason
 from tpc.compiler.frontend.axes import is_seq, node_token_axes
-from tpc.compiler.frontend.locate import loc_of_node, where_of_node
-from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.compiler.frontend.locate import refuse
+from tpc.compiler.frontend.static import is_size_root
 
 aten = torch.ops.aten
 
@@ -29,54 +37,96 @@ _SHAPE_ONLY = {
     aten.ones.default, aten.zeros.default, aten.full.default, aten.empty.memory_format,
     aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
     aten.ones_like.default, aten.zeros_like.default, aten.full_like.default, aten.empty_like.default,
+    aten.expand.default,
 }
 _ARANGE = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 
 
 def _refuse(node, ctx, message, hint):
-    loc = loc_of_node(node, ctx.model_file)
-    raise TpirError(Diagnostic(message, loc=loc, where="" if loc else where_of_node(node), hint=hint))
+    raise refuse(node, ctx.model_file, message, hint)
 
 
 def _shift(graph, offset, x):
     return graph.call_function(operator.add, (offset, x))
 
 
+def _mentions_seq(x, ctx) -> bool:
+    v = x.meta.get("val") if isinstance(x, fx.Node) else x
+    return isinstance(v, torch.SymInt) and ctx.seq_sym in v.node.expr.free_symbols
+
+
 def rewrite_positions(graph: fx.Graph, ctx) -> fx.Node:
-    """Shift every position source by the slice offset; returns the `offset` placeholder."""
+    """Put every static value over the sequence on the slice's window; returns the `offset`
+    placeholder."""
     with graph.inserting_after(ctx.ids):
         offset = graph.placeholder("offset")
     offset.meta["val"] = 0
     ctx.static.add(offset)
-    for n in list(graph.nodes):
-        if n.op != "call_function" or n not in ctx.static or not node_token_axes(n, ctx.seq_sym):
-            continue
-        ins_axes = any(node_token_axes(a, ctx.seq_sym) for a in n.all_input_nodes)
+    shift, full_length = _classify(graph, ctx)
+    for n in full_length:  # before the shifts: the clones read the unshifted originals
+        _at_full_length(graph, n, offset, ctx)
+    for n in shift:
         if n.target in _ARANGE:
             _window_arange(graph, n, offset, ctx)
-        elif n.target is aten.slice.Tensor and not ins_axes:
+        else:
             _window_slice(graph, n, offset, ctx)
-        elif len(node_token_axes(n, ctx.seq_sym)) > 1:
+    graph.lint()
+    return offset
+
+
+def _classify(graph: fx.Graph, ctx) -> tuple[list[fx.Node], list[fx.Node]]:
+    """(arange / slice nodes shifted in place, nodes computed at full length and cut)."""
+    shift, full_length = [], []
+    for n in graph.nodes:
+        if n.op != "call_function" or n not in ctx.static:
+            continue
+        axes = node_token_axes(n, ctx.seq_sym)
+        ins = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        ins_axes = any(node_token_axes(a, ctx.seq_sym) for a in ins)
+        if not axes:
+            if ins_axes and isinstance(n.meta.get("val"), torch.Tensor):
+                full_length.append(n)  # a value reduced over positions (a sum, a max ...)
+            continue
+        if len(axes) > 1:
             _refuse(n, ctx, "a (tokens x tokens) value that is not the mask of a recognised causal attention",
                     "build causal attention with scaled_dot_product_attention(is_causal=True) or the "
                     "masked_fill(mask == 0, -inf) + softmax pattern")
-        elif not ins_axes and n.target not in _SHAPE_ONLY:
-            _refuse(n, ctx, f"a value with a token axis is computed from sizes by `{n.target}`, which the "
-                            "front end cannot shift to a slice's positions",
-                    "compute positions with torch.arange(T) or by slicing a buffer with [:T]")
-    graph.lint()
-    return offset
+        if n.target in _ARANGE and _plain_arange(n, ctx):
+            shift.append(n)
+        elif n.target is aten.slice.Tensor and not ins_axes and _plain_slice(n, ctx):
+            shift.append(n)
+        elif n.target in _SHAPE_ONLY and not any(_mentions_seq(a, ctx) for a in _fill_values(n)):
+            continue  # the same at every position
+        elif not ins_axes or mixing_reason(n, ctx.seq_sym) is not None:
+            full_length.append(n)  # cumsum over positions, an arange from elsewhere, a shift ...
+    return shift, full_length
+
+
+def _fill_values(n: fx.Node) -> list:
+    """The value arguments of a factory (not its sizes)."""
+    if n.target in (aten.full.default, aten.new_full.default, aten.full_like.default):
+        a = dict(zip([s.name for s in n.target._schema.arguments], n.args))
+        return [a.get("fill_value")]
+    return []
+
+
+def _plain_arange(n, ctx) -> bool:
+    names = [a.name for a in n.target._schema.arguments]
+    a = dict(zip(names, n.args))
+    return is_seq(a["end"], ctx.seq_sym) and a.get("start", 0) == 0 and a.get("step", 1) == 1
+
+
+def _plain_slice(n, ctx) -> bool:
+    a = dict(zip(["self", "dim", "start", "end", "step"], n.args))
+    a.update(n.kwargs)
+    return is_seq(a.get("end"), ctx.seq_sym) and a.get("start") in (None, 0) and a.get("step", 1) in (None, 1)
 
 
 def _window_arange(graph, n, offset, ctx):
     names = [a.name for a in n.target._schema.arguments]
     a = dict(zip(names, n.args))
-    start, end, step = a.get("start", 0), a["end"], a.get("step", 1)
-    if not (is_seq(end, ctx.seq_sym) and start == 0 and step == 1):
-        _refuse(n, ctx, "positions from an arange other than arange(T) / arange(0, T)",
-                "write positions as torch.arange(0, T) with T the sequence length")
     with graph.inserting_before(n):
-        lo, hi = offset, _shift(graph, offset, end)
+        lo, hi = offset, _shift(graph, offset, a["end"])
         # dtype and device as traced; a stage graph reads the device from its input (stage.py)
         new = graph.call_function(aten.arange.start, (lo, hi), dict(n.kwargs))
     new.meta = dict(n.meta)
@@ -86,17 +136,70 @@ def _window_arange(graph, n, offset, ctx):
 
 
 def _window_slice(graph, n, offset, ctx):
-    names = ["self", "dim", "start", "end", "step"]
-    a = dict(zip(names, n.args))
+    a = dict(zip(["self", "dim", "start", "end", "step"], n.args))
     a.update(n.kwargs)
-    start, end, step = a.get("start"), a.get("end"), a.get("step", 1)
-    if not (is_seq(end, ctx.seq_sym) and start in (None, 0) and step in (None, 1)):
-        _refuse(n, ctx, "a buffer sliced by the sequence length other than as buf[:T]",
-                "slice position tables as table[:T] (the front end shifts this to the slice's window)")
     with graph.inserting_before(n):
-        hi = _shift(graph, offset, end)
+        hi = _shift(graph, offset, a["end"])
         new = graph.call_function(aten.slice.Tensor, (a["self"], a.get("dim", 0), offset, hi, 1))
     new.meta = dict(n.meta)
     new.meta["tpc_kind"] = "position"
     n.replace_all_uses_with(new)
+    graph.erase_node(n)
+
+
+def _seq_size(graph: fx.Graph, before: fx.Node, ctx) -> fx.Node:
+    """A node before `before` holding the slice length (the ids' second size)."""
+    for n in graph.nodes:
+        if n is before:
+            break
+        if is_size_root(n, ctx.batch_sym, ctx.seq_sym) and is_seq(n, ctx.seq_sym):
+            return n
+    with graph.inserting_before(before):
+        n = graph.call_function(aten.sym_size.int, (ctx.ids, 1))
+    n.meta["val"] = ctx.ids.meta["val"].shape[1]
+    return n
+
+
+def _at_full_length(graph: fx.Graph, n: fx.Node, offset: fx.Node, ctx) -> None:
+    """Replace `n` by its value at the plan's length L, cut to the slice's window."""
+    L = ctx.seq_len
+    depends: set[fx.Node] = {offset}
+    for m in graph.nodes:  # the static values that change with the sequence length or offset
+        if m is n:
+            break
+        if (is_size_root(m, ctx.batch_sym, ctx.seq_sym) and is_seq(m, ctx.seq_sym)) or \
+                any(a in depends for a in m.all_input_nodes):
+            depends.add(m)
+    clones: dict[fx.Node, object] = {offset: 0}  # at full length the window starts at 0
+
+    def at_L(m):
+        if not isinstance(m, fx.Node) or m not in depends:
+            return m
+        if m not in clones:
+            if is_size_root(m, ctx.batch_sym, ctx.seq_sym):
+                clones[m] = L
+            else:
+                with graph.inserting_before(n):
+                    c = graph.node_copy(m, at_L)
+                c.meta = dict(m.meta)
+                c.meta["tpc_kind"] = "full-length"
+                clones[m] = c
+        return clones[m]
+
+    with graph.inserting_before(n):
+        whole = graph.node_copy(n, at_L)
+    whole.meta = dict(n.meta)
+    whole.meta["tpc_kind"] = "full-length"
+    axes = node_token_axes(n, ctx.seq_sym)
+    if not axes:  # a value reduced over positions: the full-length value is the value
+        n.replace_all_uses_with(whole)
+        graph.erase_node(n)
+        return
+    length = _seq_size(graph, n, ctx)
+    with graph.inserting_before(n):
+        hi = _shift(graph, offset, length)
+        cut = graph.call_function(aten.slice.Tensor, (whole, axes[0], offset, hi, 1))
+    cut.meta = dict(n.meta)
+    cut.meta["tpc_kind"] = "position"
+    n.replace_all_uses_with(cut)
     graph.erase_node(n)

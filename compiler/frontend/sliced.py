@@ -19,12 +19,15 @@ from tpc.compiler.frontend.attention import rewrite_attention
 from tpc.compiler.frontend.axes import size_expr
 from tpc.compiler.frontend.capture import capture
 from tpc.compiler.frontend.flops import UnitCost, UnitCostFn, annotate_costs, loss_cost, numel as numel_of, sum_costs
-from tpc.compiler.frontend.locate import loc_of_node
+from tpc.compiler.frontend.locate import refuse
 from tpc.compiler.frontend.partition import _is_residual, make_units, partition_balanced
 from tpc.compiler.frontend.positions import rewrite_positions
 from tpc.compiler.frontend.stage import StageModule, build_stage_graph
 from tpc.compiler.frontend.static import prune_dead, static_nodes
 from tpc.ir.diagnostics import Diagnostic, TpirError
+
+
+DEFAULT = object()  # from_model's default self-check slices
 
 
 @dataclass
@@ -34,20 +37,29 @@ class _Ctx:
     seq_sym: object
     model_file: str | None
     fetch: object
+    seq_len: int  # the plan's length: masks are read, full-length positions computed, at it
+    param_names: set = field(default_factory=set)
     static: set = field(default_factory=set)
+    keep_cache: dict = field(default_factory=dict)  # (mask node, encoding) -> keys seen
 
 
 class SlicedModel:
     """A model made token-sliceable, numbered into partition units."""
 
     @classmethod
-    def from_model(cls, model: nn.Module, seq_len: int, vocab: int) -> "SlicedModel":
-        return cls(model, seq_len, vocab)
+    def from_model(cls, model: nn.Module, seq_len: int, vocab: int, check_slices=DEFAULT) -> "SlicedModel":
+        """`check_slices`: the slice lengths of the numeric self-check (summing to `seq_len`);
+        by default one token, then two unequal slices; None skips it (call `check_slicing` with
+        the plan's own slices instead)."""
+        return cls(model, seq_len, vocab, check_slices)
 
-    def __init__(self, model: nn.Module, seq_len: int, vocab: int):
+    def __init__(self, model: nn.Module, seq_len: int, vocab: int, check_slices=DEFAULT):
         self.model, self.seq_len, self.vocab = model, seq_len, vocab
         cap = capture(model, seq_len)
         self._gm, graph = cap.gm, cap.graph
+        self._model_file = cap.model_file
+        self._original = fx.Graph()  # the captured graph before any pass: the self-check's reference
+        self._original.output(self._original.graph_copy(graph, {}))
         self._full_range = cap.full_range
         self._batch_sym, self._seq_sym = cap.batch_sym, cap.seq_sym
         named = dict(model.named_parameters())
@@ -65,7 +77,7 @@ class SlicedModel:
             return obj
 
         self._fetch = fetch
-        ctx = _Ctx(cap.ids, cap.batch_sym, cap.seq_sym, cap.model_file, fetch)
+        ctx = _Ctx(cap.ids, cap.batch_sym, cap.seq_sym, cap.model_file, fetch, seq_len, set(named))
         ctx.static = static_nodes(graph, cap.batch_sym, cap.seq_sym, {cap.ids})
         out_val = self._check_output(graph, ctx)
         sites = rewrite_attention(graph, ctx)
@@ -87,7 +99,10 @@ class SlicedModel:
         # cost records in node.meta["tpc_cost"] (stage graphs copy them with the nodes)
         annotate_costs(graph, self._static)
         self._cost_fns: dict[int, list[UnitCostFn]] = {}
-        self._self_check()
+        if check_slices is DEFAULT:
+            check_slices = default_check_slices(seq_len)
+        if check_slices is not None:
+            self.check_slicing(check_slices)
 
     # ---------------------------------------------------------------- public API
 
@@ -118,6 +133,17 @@ class SlicedModel:
         for s, u in zip(self._sites, self._site_units):
             for node in (s.k, s.v):
                 out[u] += int(numel_of(node.meta["val"]).subs({self._batch_sym: 1, self._seq_sym: 1}))
+        return out
+
+    @property
+    def unit_kv(self) -> list[list[tuple[int, int | None]]]:
+        """Per unit, its caches: (elements one token of one sequence leaves, window). A window
+        w (a sliding-window layer) means later slices read only the last w - 1 tokens, so the
+        cache a runtime must keep is bounded by w - 1 tokens plus the slice being appended."""
+        out: list[list] = [[] for _ in range(self.num_units)]
+        for s, u in zip(self._sites, self._site_units):
+            n = sum(int(numel_of(node.meta["val"]).subs({self._batch_sym: 1, self._seq_sym: 1})) for node in (s.k, s.v))
+            out[u].append((n, s.window))
         return out
 
     @property
@@ -188,14 +214,16 @@ class SlicedModel:
                 attrs[t] = ("buffer", buffers[t])
             else:
                 attrs[t] = ("const", self._fetch(t))
-        kv_dims, shapes, dtypes = [], [], []
+        kv_dims, shapes, dtypes, windows = [], [], [], []
         for s in sites:
             for node, d in ((s.k, s.kv_dims[0]), (s.v, s.kv_dims[1])):
                 kv_dims.append(d)
                 shapes.append(self._shape_fn(node.meta["val"]))
                 dtypes.append(node.meta["val"].dtype)
+                windows.append(s.window)
         label = self.unit_labels[lo] if hi - lo == 1 else f"{self.unit_labels[lo]} .. {self.unit_labels[hi - 1]}"
-        return StageModule(graph, attrs, lo, hi, self.num_units, kv_dims, shapes, dtypes, label, with_loss)
+        return StageModule(graph, attrs, lo, hi, self.num_units, kv_dims, shapes, dtypes, label, with_loss,
+                           kv_windows=windows)
 
     # ---------------------------------------------------------------- helpers
 
@@ -223,12 +251,12 @@ class SlicedModel:
               and size_expr(v.shape[2]) == self.vocab)
         if not ok:
             got = tuple(v.shape) if isinstance(v, torch.Tensor) else f"{len(vals)} values"
-            loc = loc_of_node(producer, ctx.model_file) if producer is not None else None
-            raise TpirError(Diagnostic(
-                f"the model must return logits of shape (batch, seq, vocab={self.vocab}); it returns {got}",
-                loc=loc, where="" if loc else type(self.model).__name__,
-                hint="forward(ids: (B, T) int64) must return one tensor (B, T, V); compute the loss outside "
-                     "the model (tpc adds next-token cross-entropy itself)"))
+            message = f"the model must return logits of shape (batch, seq, vocab={self.vocab}); it returns {got}"
+            hint = ("forward(ids: (B, T) int64) must return one tensor (B, T, V); compute the loss outside "
+                    "the model (tpc adds next-token cross-entropy itself)")
+            if producer is not None:
+                raise refuse(producer, ctx.model_file, message, hint)
+            raise TpirError(Diagnostic(message, where=type(self.model).__name__, hint=hint))
         return producer
 
     def _attrs_used(self, nodes) -> list[str]:
@@ -262,38 +290,69 @@ class SlicedModel:
                 return int(n.meta["val"].shape[2])
         return 0
 
-    def _self_check(self) -> None:
-        """Run the whole model sliced and unsliced on a few random tokens; they must agree.
-        This catches token mixing the rules of analyse.py do not know about."""
+    def check_slicing(self, lens) -> None:
+        """The numeric self-check: the whole model run slice by slice (lengths `lens`, summing
+        to the plan's length) must give the unsliced model's logits on random tokens. A safety
+        net for token mixing the rules of the passes do not know; a difference is refused,
+        naming the first value of the graph whose sliced value differs and its source line.
+        Skipped when the model has active dropout (the two runs draw different masks)."""
+        lens = [int(x) for x in lens]
+        if sum(lens) != self.seq_len or min(lens) < 1:
+            raise ValueError(f"slices {lens} do not cover the {self.seq_len} tokens of the plan")
         if any(n.target is torch.ops.aten.dropout.default and n.args[1] and n.args[2]
                for n in self._graph.nodes if n.op == "call_function"):
             return  # random masks differ between the two runs; nothing to compare
-        # the full length when the capture range stopped short of it (see capture())
-        t = min(self.seq_len, 7) if self._full_range else self.seq_len
-        lens = [1, 2, t - 3] if t >= 4 else [t]
         gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, self.vocab, (2 if self._full_range else 1, t), generator=gen)
+        ids = torch.randint(0, self.vocab, (2 if self._full_range else 1, self.seq_len), generator=gen)
         full = self.stage_module(0, self.num_units, with_loss=False)
         with torch.no_grad():
             ref = self.model(ids)
-            kv_parts: list[list] = [[] for _ in range(full.num_kv)]
-            outs, off = [], 0
-            for ln in lens:
-                prefix = [torch.cat([e, *p], dim=d) if p else e
-                          for e, p, d in zip(full.empty_kv(ids.size(0)), kv_parts, full.kv_dims)]
-                y, kv = full(ids[:, off:off + ln], off, prefix)
-                for parts, k in zip(kv_parts, kv):
-                    parts.append(k)
-                outs.append(y)
-                off += ln
-            got = torch.cat(outs, dim=1)
+            got = torch.cat(_run_sliced(full, ids, lens), dim=1)
         err = (got - ref).abs()
         tol = 1e-4 * (1.0 + ref.abs().max().item())
         if err.max().item() > tol:
             bad = int(err.amax(dim=(0, 2)).gt(tol).nonzero()[0])
-            raise TpirError(Diagnostic(
-                f"slicing changes the model's output (first at token {bad}): the model mixes tokens in "
-                "a way the front end does not recognise",
-                where=type(self.model).__name__,
-                hint="use only per-token operations and causal attention "
-                     "(scaled_dot_product_attention(is_causal=True))"))
+            self._refuse_difference(ids, lens, full, bad)
+
+    def _refuse_difference(self, ids, lens, full, token: int) -> None:
+        from tpc.compiler.frontend.localise import first_difference
+
+        what = f"slicing changes the model's output (first at token {token}, slices {_short(lens)})"
+        hint = ("use only per-token operations, causal attention (scaled_dot_product_attention("
+                "is_causal=True)) and positions from arange(T) or buf[:T]")
+        node = first_difference(self, ids, lens, full)
+        if node is None:
+            raise TpirError(Diagnostic(what + ": the model mixes tokens in a way the front end does not "
+                                       "recognise", where=type(self.model).__name__, hint=hint))
+        raise refuse(node, self._model_file,
+                     f"{what}: the first value that differs is `{node.name}` (op {node.target}); the "
+                     "model mixes tokens there in a way the front end does not recognise", hint)
+
+
+
+def default_check_slices(seq_len: int) -> list[int]:
+    """One token, then two unequal slices: [1, ~L/2 - 1, ~L/2]."""
+    if seq_len < 4:
+        return [1] * seq_len
+    half = seq_len // 2
+    return [1, half - 1, seq_len - half]
+
+
+def _short(lens) -> str:
+    text = ", ".join(map(str, lens[:6]))
+    return f"[{text}{', ...' if len(lens) > 6 else ''}]"
+
+
+def _run_sliced(stage: StageModule, ids, lens) -> list:
+    """The outputs of `stage` (every unit, no loss) on `ids`, slice by slice."""
+    kv_parts: list[list] = [[] for _ in range(stage.num_kv)]
+    outs, off = [], 0
+    for ln in lens:
+        prefix = [torch.cat([e, *p], dim=d) if p else e
+                  for e, p, d in zip(stage.empty_kv(ids.size(0)), kv_parts, stage.kv_dims)]
+        y, kv = stage(ids[:, off:off + ln], off, prefix)
+        for parts, k in zip(kv_parts, kv):
+            parts.append(k)
+        outs.append(y)
+        off += ln
+    return outs

@@ -137,10 +137,13 @@ class StageModule(nn.Module):
     """Units [lo, hi) of a sliced model, run one token slice at a time.
 
     forward(x, offset, kv_prefix, targets=None) -> (y, kv_new). Parameters keep the original
-    model's names, so optimizers, tying and checkpoints can match them."""
+    model's names, so optimizers, tying and checkpoints can match them. A prefix of a cached
+    tensor with a window (`kv_windows`) may be cut to its last w - 1 tokens: the result is the
+    same."""
 
     def __init__(self, graph: fx.Graph, attrs: dict, lo: int, hi: int, num_units: int,
-                 kv_dims: list[int], kv_shapes: list, kv_dtypes: list, label: str = "", has_loss: bool = True):
+                 kv_dims: list[int], kv_shapes: list, kv_dtypes: list, label: str = "", has_loss: bool = True,
+                 kv_windows: list | None = None):
         super().__init__()
         for name, (kind, value) in sorted(attrs.items()):
             _set_attr(self, name, value, kind)
@@ -148,6 +151,9 @@ class StageModule(nn.Module):
         self.is_first, self.is_last = lo == 0, hi == num_units
         self.kv_dims = list(kv_dims)
         self.num_kv = len(kv_dims)
+        # per cached tensor: None, or the sliding window w of its attention (a later slice reads
+        # only the last w - 1 tokens of it)
+        self.kv_windows = list(kv_windows) if kv_windows is not None else [None] * self.num_kv
         self.label = label
         self.has_loss = has_loss and self.is_last
         self._kv_shapes, self._kv_dtypes = kv_shapes, kv_dtypes

@@ -36,7 +36,7 @@ def compile_schedule_file(model_path: str, schedule_file: str, *, seq_len: int, 
     `microbatches` and `stages` may be left None: the CSV says them. `slices` is a count of
     equal token slices per micro-batch or their lengths (the CSV fixes the units of work, so
     not AUTO)."""
-    from tpc.compiler.compile import CompileOptions, build_header
+    from tpc.compiler.compile import CompileOptions, build_header, check_plan_slices
     from tpc.compiler.frontend import read_vocab
 
     sched = read_csv(schedule_file)
@@ -69,7 +69,8 @@ def compile_schedule_file(model_path: str, schedule_file: str, *, seq_len: int, 
 
     model = load_model(model_path, factory)
     vocab = read_vocab(model, model_path)
-    sliced = SlicedModel.from_model(model, seq_len=opts.seq_len, vocab=vocab)
+    # the numeric self-check runs once the header says the plan's slices
+    sliced = SlicedModel.from_model(model, seq_len=opts.seq_len, vocab=vocab, check_slices=None)
     if layout.stages > sliced.num_units:
         raise _error("--schedule-file", f"{schedule_file} runs {layout.stages} stages but the model has "
                      f"only {sliced.num_units} partition units", "use a schedule with fewer stages")
@@ -80,6 +81,7 @@ def compile_schedule_file(model_path: str, schedule_file: str, *, seq_len: int, 
         header = dataclasses.replace(header, microbatches=slice_map.header_microbatches())
     header = dataclasses.replace(place(header, layout, "--schedule-file"),
                                  schedule=ScheduleLine(name=f"torch csv {Path(schedule_file).name}"))
+    check_plan_slices(sliced, header)
     imported = plan_from_schedule(sched, header, slice_map.units if slice_map else None)
     say(f"  schedule   {schedule_file}: {layout.ranks} ranks, {layout.stages} stages, "
         f"{layout.microbatches} torch micro-batches; {imported.summary()}")

@@ -126,4 +126,4 @@ def test_kv_gradients_are_summed_in_fp32_under_bf16():
                        targets=torch.randint(0, 256, (2, hi - lo)), capacity=SEQ)
         assert {t.dtype for t in rt.kv_buffers(0)} == {torch.bfloat16}
         rt.backward(0, 2)
-    assert {g.dtype for g in rt._caches[0].grad} == {torch.float32}
+    assert {acc.g.dtype for acc in rt._caches[0].grad} == {torch.float32}

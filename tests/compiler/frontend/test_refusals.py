@@ -35,7 +35,8 @@ def slice_model(name: str, vocab: int = 64):
 @pytest.mark.parametrize("fixture,file,needle,words", [
     ("mean_over_sequence.py", "mean_over_sequence.py", "x.mean(dim=1", "mixes tokens"),
     ("cumsum_over_sequence.py", "cumsum_over_sequence.py", "cumsum(dim=1)", "mixes tokens"),
-    ("bidirectional.py", "bidirectional.py", "x = self.attend(", "bidirectional"),
+    # the construct is in a helper module the model file imports: its line, then the model's
+    ("bidirectional.py", "_base.py", "F.scaled_dot_product_attention(", "bidirectional"),
     ("wrong_shape.py", "wrong_shape.py", "self.head(x[:, -1])", "(batch, seq, vocab=64)"),
 ])
 def test_unsliceable_models_are_refused_at_their_source_line(fixture, file, needle, words):
@@ -45,6 +46,10 @@ def test_unsliceable_models_are_refused_at_their_source_line(fixture, file, need
     assert loc.line == line_of(MODELS / file, needle)
     text = str(err)
     assert f"{file}:{loc.line}:" in text and words in text
+    if file != fixture:  # a note at the model file's own line that called the helper
+        note = err.diagnostics[1]
+        assert note.severity == "note" and Path(note.loc.file).name == fixture
+        assert note.loc.line == line_of(MODELS / fixture, "x = self.attend(")
 
 
 def test_data_dependent_control_flow_is_located():

@@ -1,0 +1,87 @@
+"""A Hugging Face `config.json` as a model file: `tpc compile path/to/config.json`.
+
+The configuration is read from the file alone (nothing is downloaded) and the model is built
+with `AutoModelForCausalLM.from_config`, with random weights drawn from torch's generator as any
+model file's factory would, in float32 (a `torch_dtype` in the file is not applied: the plan
+trains float32 weights; `tpc run --precision` chooses the compute precision). The attention
+implementation is the file's (`attn_implementation` or `_attn_implementation`) or `sdpa`.
+
+The model keeps its own class, parameter names (`model.layers.0.self_attn.q_proj.weight`) and
+modules; only its `forward` changes, to take the token ids and return the logits (no cache),
+which is what a tpc model returns. So the plan, the stage parameters and checkpoints use the
+names Hugging Face uses, and no wrapper is needed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn as nn
+
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import Loc
+
+
+def is_config_file(path: str) -> bool:
+    return str(path).lower().endswith(".json")
+
+
+def causal_lm_from_config(path: str) -> nn.Module:
+    """The causal LM a Hugging Face `config.json` describes, returning logits from ids."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise TpirError(Diagnostic(f"the model configuration is not valid JSON: {e.msg}",
+                                   loc=Loc(path, e.lineno, e.colno),
+                                   hint="give a Hugging Face config.json (the file saved beside a model's weights)")) from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        raise TpirError(Diagnostic("the JSON file has no \"model_type\": it is not a Hugging Face model configuration",
+                                   loc=Loc(path, 1, 1),
+                                   hint="give a config.json with \"model_type\" (e.g. \"llama\"), or a Python model file"))
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise TpirError(Diagnostic("a Hugging Face config.json needs the `transformers` package, which is not installed",
+                                   loc=Loc(path, 1, 1),
+                                   hint="pip install transformers (it does not change the installed torch)")) from None
+    settings = dict(raw)
+    model_type = settings.pop("model_type")
+    attn = settings.pop("attn_implementation", None) or settings.pop("_attn_implementation", None) or "sdpa"
+    for key in ("torch_dtype", "dtype", "transformers_version", "architectures"):
+        settings.pop(key, None)
+    try:
+        config = AutoConfig.for_model(model_type, **settings)
+    except Exception as e:
+        raise TpirError(Diagnostic(f"transformers cannot read this configuration: {type(e).__name__}: {e}",
+                                   loc=Loc(path, 1, 1),
+                                   hint="check \"model_type\" and the keys against the transformers version installed")) from None
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    except Exception as e:
+        raise TpirError(Diagnostic(f"transformers cannot build a causal LM from this configuration: "
+                                   f"{type(e).__name__}: {e}",
+                                   loc=Loc(path, 1, 1),
+                                   hint="tpc trains causal language models (AutoModelForCausalLM); check "
+                                        "\"model_type\" and \"attn_implementation\" (sdpa or eager)")) from None
+    return returning_logits(model)
+
+
+def returning_logits(model: nn.Module) -> nn.Module:
+    """`model` (a transformers causal LM) with `forward(ids) -> logits`; same object, same
+    class name, module and parameter names."""
+    base = type(model)
+    if base not in _LOGITS_CLASSES:
+
+        def forward(self, input_ids):
+            """ids (B, T) int64 -> logits (B, T, V), without the generation cache."""
+            return base.forward(self, input_ids=input_ids, use_cache=False).logits
+
+        _LOGITS_CLASSES[base] = type(base.__name__, (base,), {
+            "forward": forward, "__module__": base.__module__, "__qualname__": base.__qualname__})
+    model.__class__ = _LOGITS_CLASSES[base]
+    return model
+
+
+_LOGITS_CLASSES: dict[type, type] = {}

@@ -1,0 +1,104 @@
+"""Tiny Hugging Face decoders built from config objects with random weights (nothing is
+downloaded): code nobody on this project wrote, as a user would bring it.
+
+Every family with grouped-query attention gets fewer key/value heads than query heads; every
+dropout is 0 so the sliced run and plain autograd see the same model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # never reach the network
+
+VOCAB = 128
+_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_LAYERS = dict(num_hidden_layers=2, max_position_embeddings=64)
+
+CONFIGS = {
+    "llama": dict(model_type="llama", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "qwen2": dict(model_type="qwen2", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "mistral": dict(model_type="mistral", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                    num_key_value_heads=2, sliding_window=None),
+    "gemma": dict(model_type="gemma", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8),
+    "phi3": dict(model_type="phi3", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, sliding_window=None, resid_pdrop=0.0, embd_pdrop=0.0,
+                 attention_dropout=0.0),
+    "gpt_neox": dict(model_type="gpt_neox", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                     hidden_dropout=0.0, attention_dropout=0.0),
+    "opt": dict(model_type="opt", hidden_size=32, ffn_dim=64, num_attention_heads=4, word_embed_proj_dim=32,
+                dropout=0.0, attention_dropout=0.0),
+    "gpt2": dict(model_type="gpt2", n_embd=32, n_head=4, n_layer=2, n_positions=64, resid_pdrop=0.0,
+                 embd_pdrop=0.0, attn_pdrop=0.0),
+}
+FAMILIES = tuple(CONFIGS)
+
+# beyond the families above: other attention code paths of the same library
+MORE_CONFIGS = {
+    # global and local (window 4) layers; local attention written as where(mask, s, tensor(min))
+    "gpt_neo": dict(model_type="gpt_neo", hidden_size=32, num_layers=2, num_heads=4, window_size=4,
+                    attention_types=[[["global", "local"], 1]], max_position_embeddings=64,
+                    embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0),
+    # eager scores scaled in place (scores /= sqrt(d))
+    "falcon": dict(model_type="falcon", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                   hidden_dropout=0.0, attention_dropout=0.0),
+    # q/k norms per head
+    "qwen3": dict(model_type="qwen3", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+    # a sliding window in every layer, biases
+    "starcoder2": dict(model_type="starcoder2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, sliding_window=4, residual_dropout=0.0,
+                       embedding_dropout=0.0, attention_dropout=0.0),
+    # attention logit soft-capping (tanh of the scores): refused
+    "gemma2": dict(model_type="gemma2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                   max_position_embeddings=64),
+}
+CONFIGS.update(MORE_CONFIGS)
+IMPLS = ("sdpa", "eager")
+
+
+def config_dict(family: str, **overrides) -> dict:
+    """The settings of a tiny `family` model, as a config.json would hold them."""
+    out = dict(CONFIGS[family], vocab_size=VOCAB, **_IDS)
+    if family not in ("gpt2", "gpt_neo"):
+        out.update(_LAYERS)
+    out.update(overrides)
+    return out
+
+
+def hf_model(family: str, impl: str, seed: int = 0, **overrides):
+    """A tiny `family` causal LM with `attn_implementation=impl`, forward(ids) -> logits (the
+    same adapter `tpc compile config.json` uses)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tpc.compiler.frontend.hf import returning_logits
+
+    settings = config_dict(family, **overrides)
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    torch.manual_seed(seed)
+    return returning_logits(AutoModelForCausalLM.from_config(config, attn_implementation=impl))
+
+
+def assert_grads_match(got: dict, ref: dict, rel: float = 1e-5) -> None:
+    """Every parameter's gradient within `rel` (relative, in norm) of plain autograd's.
+
+    A gradient that is zero in exact arithmetic is compared absolutely instead: OPT's key
+    projection bias adds the same q.b to every score of a query, which softmax cancels, so
+    autograd's gradient there is rounding noise (~1e-11) and a relative error is meaningless;
+    both must then be that small."""
+    assert set(got) == set(ref), set(got) ^ set(ref)
+    scale = max(float(g.norm()) for g in ref.values())
+    for name, r in ref.items():
+        g = got[name].detach().double()
+        r = r.detach().double()
+        if float(r.norm()) <= 1e-7 * scale:
+            assert float(g.norm()) <= 1e-6 * scale, f"{name}: {float(g.norm())} where autograd gives ~0"
+        else:
+            err = float((g - r).norm()) / float(r.norm())
+            assert err <= rel, f"{name}: relative gradient error {err:.3g} > {rel}"

@@ -1,0 +1,82 @@
+"""`tpc compile path/to/config.json` (a Hugging Face configuration, no wrapper) and
+`tpc run --interpret --verify-grads` of the plan, with every built-in schedule: the plan's
+gradients match plain autograd, the header records the file and its hash like a model file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tpc.cli.main import main  # noqa: E402
+from tpc.compiler.frontend import load_model  # noqa: E402
+from tpc.ir.diagnostics import TpirError  # noqa: E402
+from tpc.ir.parse import parse  # noqa: E402
+
+from .hf_models import config_dict  # noqa: E402
+
+CASES = [
+    # family, attention, extra settings, schedule, stages, micro-batches, slices
+    ("llama", "eager", {}, "gpipe", 2, 2, "5,3,8"),
+    ("mistral", "sdpa", {"sliding_window": 5}, "1f1b", 3, 2, "4"),
+    ("qwen2", "sdpa", {}, "terapipe", 2, 1, "1,7,8"),
+    ("gpt2", "eager", {}, "seq1f1b", 2, 2, "3"),
+    # the key bias's true gradient is zero (softmax cancels it): both sides hold rounding
+    # residues, which --verify-grads must not divide by each other (executors/oracle.py)
+    ("opt", "sdpa", {}, "seq1f1b", 2, 2, "3"),
+]
+
+
+@pytest.fixture
+def no_torchrun(monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize("family,impl,extra,schedule,stages,mbs,slices", CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in CASES])
+def test_config_json_compiles_and_runs_exactly(tmp_path, capsys, no_torchrun, family, impl, extra, schedule,
+                                               stages, mbs, slices):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(config_dict(family, attn_implementation=impl, **extra), indent=2))
+    plan = tmp_path / "plan.tpir"
+    assert main(["compile", str(config), "-o", str(plan), "--stages", str(stages), "--microbatches", str(mbs),
+                 "--seq-len", "16", "--batch", "4", "--slices", slices, "--schedule", schedule]) == 0
+    header = parse(plan.read_text(), file=str(plan)).header
+    assert header.model.path == str(config)
+    assert header.model.sha256 == hashlib.sha256(config.read_bytes()).hexdigest()
+    capsys.readouterr()
+    assert main(["run", "--interpret", str(plan), "--verify-grads"]) == 0
+    out = capsys.readouterr().out
+    assert "verify-grads:" in out and ": ok" in out
+
+
+def test_a_config_json_model_keeps_hugging_faces_names(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(config_dict("llama", attn_implementation="eager", torch_dtype="bfloat16")))
+    model = load_model(str(config))
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config._attn_implementation == "eager"
+    names = dict(model.named_parameters())
+    assert "model.layers.0.self_attn.q_proj.weight" in names and "lm_head.weight" in names
+    assert all(p.dtype.is_floating_point and p.dtype.itemsize == 4 for p in names.values())  # float32
+    import torch
+
+    logits = model(torch.zeros(2, 5, dtype=torch.long))
+    assert isinstance(logits, torch.Tensor) and logits.shape == (2, 5, 128)
+
+
+@pytest.mark.parametrize("text,words", [
+    ("{\"model_type\": ", "not valid JSON"),
+    ("{\"hidden_size\": 32}", "no \"model_type\""),
+    ("{\"model_type\": \"no-such-model\"}", "cannot read this configuration"),
+])
+def test_a_bad_config_json_is_a_located_error(tmp_path, text, words):
+    config = tmp_path / "config.json"
+    config.write_text(text)
+    with pytest.raises(TpirError) as info:
+        load_model(str(config))
+    d = info.value.diagnostics[0]
+    assert words in d.message and d.loc.file == str(config) and d.hint
