@@ -13,12 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.executors.real import fresh_model, real_plan, traced
-from tests.executors.training.models import hf_llama
+from tests.executors.real import fresh_model, real_plan
 from tpc.cli.main import main
+from tpc.compiler.frontend import load_model
 from tpc.ir.printer import print_plan
 
 SEQ, BATCH = 16, 4
+# a Hugging Face Llama configuration: 2 layers, width 32, grouped-query attention, tied embeddings
+HF_CONFIG = str(Path(__file__).resolve().parent / "models" / "hf_llama" / "config.json")
 TRAIN = ["--lr", "3e-3", "--lr-schedule", "constant", "--seed", "0", "--device", "cpu", "-q"]
 
 
@@ -120,13 +122,13 @@ def test_each_rank_reads_only_its_stages_tensors(exported, monkeypatch):
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
-    """A plan of the Hugging Face Llama (from its config.json) and a directory save_pretrained
-    wrote from a randomly initialised model of that configuration (other weights than seed 0's)."""
+    """A plan compiled from a Hugging Face config.json and a directory save_pretrained wrote from
+    a randomly initialised model of that configuration (other weights than seed 0's)."""
     d = tmp_path_factory.mktemp("hf")
-    plan = write(real_plan("hf", path=hf_llama.__file__, stages=2, microbatches=2, slices="2", schedule="seq1f1b"),
+    plan = write(real_plan("hf", path=HF_CONFIG, stages=2, microbatches=2, slices="2", schedule="seq1f1b"),
                  d / "plan.tpir")
     torch.manual_seed(123)
-    pretrained = hf_llama.model()
+    pretrained = load_model(HF_CONFIG)  # what `tpc compile config.json` builds: a LlamaForCausalLM
     pretrained.save_pretrained(str(d / "pretrained"))
     return plan, d, pretrained
 
@@ -165,7 +167,7 @@ def test_export_of_a_hugging_face_model_is_a_directory_from_pretrained_loads(hf,
     sd, _ = export_state_dict(ck)
     assert all(torch.equal(loaded.state_dict()[k], sd[k]) for k in sd)
     x = torch.randint(0, 256, (2, 9))
-    mine = hf_llama.model()
+    mine = load_model(HF_CONFIG)
     mine.load_state_dict(sd)
     with torch.no_grad():
         assert torch.equal(loaded(x).logits, mine(x))
