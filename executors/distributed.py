@@ -377,8 +377,9 @@ def run_plan(plan: Plan, world: World, options: RunOptions, *, model: torch.nn.M
     """Run this rank's stream up to step `options.steps` in an initialised process group: from
     step 0 (from --init-from weights, when `checkpoints` has them), or, when `checkpoints`
     (`tpc.executors.training.run_checkpoints.RunCheckpoints`) resumes, from the newest
-    checkpoint's step. Every rank saves its own parameters when a checkpoint is due. A failure of this rank's instruction raises (located); the caller decides how to
-    leave. `before_instr(engine, index)` runs before each instruction (fault injection)."""
+    checkpoint's step. Every rank saves its own parameters when a checkpoint is due. A failure
+    of this rank's instruction raises (located); the caller decides how to leave.
+    `before_instr(engine, index)` runs before each instruction (fault injection)."""
     pipe = plan.header.mesh.pipe
     pipe_rank, data_rank = world.rank % pipe, world.rank // pipe
     if stage_factory is None:
