@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy
 import torch
 import torch.fx as fx
 
@@ -105,7 +104,7 @@ def _extra(n: fx.Node, ctx) -> int | None:
     d = _axis(n, ctx)
     if d is None:
         return None
-    a = sympy.simplify(size_expr(n.meta["val"].shape[d]) - ctx.seq_sym)
+    a = size_expr(n.meta["val"].shape[d]) - ctx.seq_sym  # T + 2 - T: sympy cancels it to 2
     return int(a) if a.is_Integer else None
 
 
@@ -198,9 +197,7 @@ def _normalise(graph: fx.Graph, ctx) -> None:
 def _conv_padding_to_pad(graph, n, conv, ctx) -> None:
     """conv(x, padding=p) -> conv(pad(x, (p_left, p_right)), padding=0) along the sequence."""
     x, kernel, stride, padding, dilation = conv
-    if stride != 1:
-        _refuse(n, ctx, f"a convolution along the sequence with stride {stride} (node {n.name}): its "
-                        "output has fewer tokens than its input", _HINT)
+    _check_stride(n, stride, ctx)
     if isinstance(padding, str):
         total = dilation * (kernel - 1) if padding == "same" else 0
         left, right = total // 2, total - total // 2
@@ -210,7 +207,7 @@ def _conv_padding_to_pad(graph, n, conv, ctx) -> None:
     if left == 0 and right == 0 and not isinstance(padding, str):
         return
     pad = [left, right]  # the last axis
-    padded = _new(graph, n, aten.constant_pad_nd.default, (x, pad, 0.0), _padded(x, pad), n)
+    padded = _new(graph, n, aten.constant_pad_nd.default, (x, pad, 0.0), _padded(x, pad), n) if left or right else x
     a = _args(n)
     v = padded.meta["val"]
     val = _fake(n.meta["val"], (*n.meta["val"].shape[:-1], v.shape[-1] - dilation * (kernel - 1)))
@@ -243,6 +240,12 @@ def _fill(const: fx.Node, ctx):
     except Exception:
         return None
     return flat[0].item() if flat.numel() and bool((flat == flat[0]).all()) else None
+
+
+def _check_stride(n, stride, ctx) -> None:
+    if stride != 1:
+        _refuse(n, ctx, f"a convolution along the sequence with stride {stride} (node {n.name}): its "
+                        "output has fewer tokens than its input", _HINT)
 
 
 def _cat_to_pad(graph, n, ctx) -> None:
@@ -373,6 +376,7 @@ def _step(n: fx.Node, ins, of, ctx, entries) -> _Window | None:
     conv = _conv_of(n, ctx)
     if conv is not None:
         x, kernel, stride, padding, dilation = conv
+        _check_stride(n, stride, ctx)
         span = dilation * (kernel - 1)
         n.meta["tpc_kind"] = WINDOW_KIND
         return _culprit(_Window(w_in.a - span, w_in.e - span), n, [w_in])
