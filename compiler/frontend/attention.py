@@ -3,9 +3,11 @@ cache.
 
 Recognised forms (aten level, after capture):
   * `scaled_dot_product_attention(q, k, v, is_causal=True)`, or with an `attn_mask`;
-  * the written-out form: `matmul(q, transpose(k))`, then any of a scale (`* s`, `/ s`), additive
-    masks (`+ mask`, Hugging Face's eager attention), `masked_fill(mask, -inf)` (nanoGPT) and
-    dtype casts, `softmax(-1)`, casts, [dropout], `matmul(., v)`;
+  * the written-out form: `matmul(q, transpose(k))` (or `bmm`, or BLOOM's
+    `baddbmm(alibi, q, k^T)`), then any of a scale (`* s`, `/ s`), additive masks and position
+    biases (`+ mask`, Hugging Face's eager attention; `+ alibi`), `masked_fill(mask, -inf)`
+    (nanoGPT), dtype casts and reshapes of the dims before (query, key), `softmax(-1)`, casts,
+    [dropout], [such reshapes], `matmul(., v)`;
   * grouped-query attention whose k/v heads are repeated after the projection, with
     `repeat_interleave(rep, dim=1)` or as Hugging Face's `repeat_kv` (`x[:, :, None]
     .expand(b, h, rep, t, d).reshape(b, h * rep, t, d)`): the cache holds the un-repeated heads
@@ -13,7 +15,9 @@ Recognised forms (aten level, after capture):
 
 The masks are read exactly (`masks.py`): each is evaluated at the compile's full sequence length
 and must be causal or banded (a sliding window); anything else is refused, saying what the mask
-is. Each attention becomes `ops.causal_attention(q, k, v, k_prefix, v_prefix, ..., window=w)`:
+is. The finite part of an additive mask is a position bias (ALiBi), kept as a table its slices
+are rebuilt from (`bias.py`). Each attention becomes
+`ops.causal_attention(q, k, v, k_prefix, v_prefix, ..., window=w, bias=table, offset=offset)`:
 k_prefix/v_prefix are new graph placeholders; k and v (this slice's) are recorded as the site's
 cached values, which the stage graph returns so their gradients can flow back from later
 slices.

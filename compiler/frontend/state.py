@@ -370,23 +370,23 @@ def _step(n: fx.Node, ins, of, ctx, entries) -> _Window | None:
                 _refuse(n, ctx, f"a pad along the sequence (node {n.name}) of a value that is not aligned "
                                 f"with the tokens ({w_in.a:+d} entries)", _HINT)
             entries.append((n, x, d, left, right, value))
-            return _culprit(_entry(w_in, left, right), n, [w_in])
+            return _culprit(_entry(w_in, left, right), n)
         a = w_in.a + left + right
-        return _culprit(_Window(a, min(w_in.e + left, a)), n, [w_in])
+        return _culprit(_Window(a, min(w_in.e + left, a)), n)
     conv = _conv_of(n, ctx)
     if conv is not None:
         x, kernel, stride, padding, dilation = conv
         _check_stride(n, stride, ctx)
         span = dilation * (kernel - 1)
         n.meta["tpc_kind"] = WINDOW_KIND
-        return _culprit(_Window(w_in.a - span, w_in.e - span), n, [w_in])
+        return _culprit(_Window(w_in.a - span, w_in.e - span), n)
     if n.target is aten.unfold.default and _axis(first, ctx) is not None and \
             n.args[1] % first.meta["val"].dim() == _axis(first, ctx):
         size, step = n.args[2], n.args[3]
         if step != 1:
             _refuse(n, ctx, f"`unfold` along the sequence with step {step} (node {n.name})", _HINT)
         n.meta["tpc_kind"] = WINDOW_KIND
-        return _culprit(_Window(w_in.a - (size - 1), w_in.e - (size - 1)), n, [w_in])
+        return _culprit(_Window(w_in.a - (size - 1), w_in.e - (size - 1)), n)
     if n.target is aten.slice.Tensor and _axis(first, ctx) is not None and \
             (n.args[1] if len(n.args) > 1 else 0) % first.meta["val"].dim() == _axis(first, ctx):
         a = dict(zip(["self", "dim", "start", "end", "step"], n.args))
@@ -397,7 +397,7 @@ def _step(n: fx.Node, ins, of, ctx, entries) -> _Window | None:
         if out is None:
             return None
         n.meta["tpc_kind"] = WINDOW_KIND
-        return _culprit(_Window(out, min(w_in.e - start, out)), n, [w_in])
+        return _culprit(_Window(out, min(w_in.e - start, out)), n)
     if mixing_reason(n, ctx.seq_sym) is not None:
         return None  # refused by the token-mixing rules (analyse.py) with their own message
     outs = [n] if isinstance(n.meta.get("val"), torch.Tensor) else []
@@ -408,7 +408,7 @@ def _step(n: fx.Node, ins, of, ctx, entries) -> _Window | None:
     a = _extra(n, ctx)
     # inputs along the sequence (a tuple of them: chunk, split)
     tracked = [of(x) for x in ins if _axis(x, ctx) is not None or not isinstance(x.meta.get("val"), torch.Tensor)]
-    if a is None and all(w.a == 0 and w.clean for w in tracked):
+    if a is None and _merged(n, ctx) and all(w.a == 0 and w.clean for w in tracked):
         return _Window(0, 0)  # tokens merged with another axis ((B * T, C) in GPT-2's Conv1D), all aligned
     if a is None or any(w.a != a for w in tracked):
         _refuse(n, ctx, f"`{_op_name(n)}` (node {n.name}) changes the length of the sequence axis in a way "
@@ -418,7 +418,13 @@ def _step(n: fx.Node, ins, of, ctx, entries) -> _Window | None:
     return _Window(a, min(e, a), bad)
 
 
-def _culprit(w: _Window, n: fx.Node, ins) -> _Window:
+def _merged(n: fx.Node, ctx) -> bool:
+    """The token axis of `n` is the sequence times other sizes (B * T)."""
+    size = size_expr(n.meta["val"].shape[_axis(n, ctx)])
+    return ctx.seq_sym not in (size / ctx.seq_sym).free_symbols
+
+
+def _culprit(w: _Window, n: fx.Node) -> _Window:
     """A window op's result: where its entries that read later tokens come from (itself when
     it adds them, or makes more of them)."""
     if not w.clean:
