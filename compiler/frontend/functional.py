@@ -18,8 +18,9 @@ The numbers are those of the write, and gradients flow through the functional op
 the in-place ones.
 
 Only tensors the forward itself creates are rewritten: a write into a parameter, a buffer or the
-input is a side effect that outlives the call, left as it is. A write through a view that has no
-scatter (`as_strided`, an `expand`) is refused at the line that writes.
+input is a side effect that outlives the call, left as it is when the forward does not read it
+back (a step counter) and refused when it does. A write through a view that has no scatter
+(`as_strided`, an `expand`) is refused at the line that writes.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def functionalize(graph: fx.Graph, model_file: str | None = None) -> None:
         chain = _chain(n.args[0])
         base = chain[0]
         if base.op != "call_function":  # a parameter, buffer or the input: a lasting side effect
+            _check_unread(graph, n, base, model_file)
             continue
         for v in chain[1:]:
             if v.target not in _SCATTER:
@@ -109,6 +111,21 @@ def functionalize(graph: fx.Graph, model_file: str | None = None) -> None:
         writes.append(n)
     for n in writes:
         graph.erase_node(n)
+
+
+def _check_unread(graph: fx.Graph, n: fx.Node, base: fx.Node, model_file) -> None:
+    """A write into a parameter, buffer or the input is left alone when nothing in the forward
+    reads it afterwards (a step counter); one the forward reads back is refused: its value
+    would depend on the calls before, which token slices do not repeat."""
+    order = {m: i for i, m in enumerate(graph.nodes)}
+    readers = [u for v in [base, *_views_of(base, order)] for u in v.users
+               if order[u] > order[n] and not _is_view(u) and not (_functional(u) and u.args[0] is v)]
+    if readers:
+        what = f"the {'input' if base.op == 'placeholder' else 'parameter or buffer'} `{base.target}`"
+        raise refuse(n, model_file, f"an in-place write into {what}, which the forward reads afterwards "
+                                    f"(node {readers[0].name})",
+                     "compute the value into a new tensor (torch.zeros(...), then write into that) instead "
+                     "of a parameter or buffer, which keeps its value from one call to the next")
 
 
 def _rewrite(graph: fx.Graph, n: fx.Node, pure, chain: list[fx.Node], sub: dict) -> None:

@@ -259,3 +259,35 @@ def test_a_mixer_that_is_not_causal_is_refused_naming_it(factory, op, words, lin
     path = MODELS / "noncausal_mixers.py"
     assert Path(d.loc.file).name == path.name
     assert d.loc.line == next(i for i, t in enumerate(path.read_text().splitlines(), 1) if line in t)
+
+
+class _BufferPositions(torch.nn.Module):
+    """Positions written into a buffer in forward (and a call counter): the table keeps its
+    value from one call to the next, which slices do not repeat."""
+
+    def __init__(self, read_back: bool):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(64, 8), torch.nn.Linear(8, 64)
+        self.register_buffer("pe", torch.zeros(SEQ, 8))
+        self.register_buffer("calls", torch.zeros(()))
+        self.read_back = read_back
+
+    def forward(self, ids):
+        T = ids.size(1)
+        self.calls += 1  # never read: harmless
+        if not self.read_back:
+            return self.head(self.emb(ids))
+        self.pe[:T, 0] = torch.arange(T).float()
+        return self.head(self.emb(ids) + self.pe[:T])
+
+
+def test_a_write_into_a_buffer_the_forward_reads_back_is_refused_at_its_line():
+    torch.manual_seed(0)
+    SlicedModel.from_model(_BufferPositions(read_back=False), seq_len=SEQ, vocab=64)
+    with pytest.raises(TpirError) as info:
+        SlicedModel.from_model(_BufferPositions(read_back=True), seq_len=SEQ, vocab=64)
+    d = info.value.diagnostics[0]
+    assert "in-place write into the parameter or buffer `pe`" in d.message and d.hint
+    assert Path(d.loc.file).name == Path(__file__).name
+    assert d.loc.line == next(i for i, t in enumerate(Path(__file__).read_text().splitlines(), 1)
+                              if "self.pe[:T, 0] = " in t)
