@@ -17,7 +17,9 @@ instruction and the peak. What is counted, from the cost model's byte functions:
   until `free-kv` of that (stage, micro-batch), or the end of the step when there is none. A
   cost model that knows sliding-window layers gives `kv_slice_bytes(stage, lengths, mb_size)`,
   the bytes charged to each slice of the micro-batch: a windowed layer's cache holds only its
-  last w - 1 tokens plus a slice, so it is charged min(tokens, w - 1 + longest slice) in all;
+  last w - 1 tokens plus a slice, so it is charged min(tokens, w - 1 + longest slice) in all.
+  The carried inputs of short causal mixers (a convolution of kernel k, a token shift) are such
+  caches, with window k;
 * KV gradients: a slice's backward sends gradients into the keys and values of every earlier
   slice of its (stage, micro-batch); the accumulator of slice j exists from the start of the
   first backward of a later slice until `free-kv`.

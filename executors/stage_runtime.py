@@ -18,6 +18,10 @@ gradients sent into the cache collect in one buffer of the same layout, from whi
 takes its own tokens' region when it runs backward. (Joining per-slice leaves instead copied the
 whole prefix twice per slice: O(n²) copies for n slices.)
 
+The cached tensors are attention keys and values and the inputs of short causal mixers (a causal
+convolution of kernel k or a token shift reads the last k - 1 tokens of its input: a window of
+k, `compiler/frontend/state.py`); the runtime treats them alike.
+
 Sliding-window layers (`module.kv_windows`, window w): a later slice reads only the last w - 1
 tokens, so the cache keeps only those plus the slice being appended. When the buffer is full, its
 last w - 1 tokens move to its front, in place; a prefix leaf that viewed the overwritten tokens
@@ -73,6 +77,14 @@ class _Cache:
     base: list = field(default_factory=list)  # per cached tensor: the token at buffer index 0
 
 
+def _leaf(cached: torch.Tensor) -> torch.Tensor:
+    """A slice's view of cached tokens as a leaf: one that requires grad, so the slice's backward
+    leaves in it the gradients it sends into the earlier slices; a cache of token ids (a shift
+    of the ids themselves) carries none."""
+    leaf = cached.detach()
+    return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
+
+
 class StageRuntime:
     def __init__(self, module: StageModule, loss_scale: float):
         self.module = module
@@ -125,13 +137,12 @@ class StageRuntime:
             prefix = self._empty_kv(rec.x.size(0), rec.x.device)
         elif rec.saved is not None:  # a recompute: the windowed prefixes may have been overwritten
             cache = self._caches[rec.mb]
-            rec.prefix = [(saved if saved is not None else self._prefix_view(cache, t, rec.start))
-                          .detach().requires_grad_(True) for t, saved in enumerate(rec.saved)]
+            rec.prefix = [_leaf(saved if saved is not None else self._prefix_view(cache, t, rec.start))
+                          for t, saved in enumerate(rec.saved)]
             prefix = rec.prefix
         else:
             cache = self._caches[rec.mb]
-            rec.prefix = [self._prefix_view(cache, t, rec.start).detach().requires_grad_(True)
-                          for t in range(len(cache.kv))]
+            rec.prefix = [_leaf(self._prefix_view(cache, t, rec.start)) for t in range(len(cache.kv))]
             prefix = rec.prefix
             if checkpoint and any(w is not None for w in self.module.kv_windows):
                 rec.saved = [leaf.detach().clone() if w is not None else None
@@ -236,7 +247,8 @@ class StageRuntime:
             if cache.grad is None:
                 cache.grad = [None] * len(cache.kv)
             for t, (leaf, d, w) in enumerate(zip(rec.prefix, self.module.kv_dims, self.module.kv_windows)):
-                cache.grad[t] = self._accumulate(cache.grad[t], leaf, d, rec.start, w is None)
+                if leaf.requires_grad:  # not a cache of token ids
+                    cache.grad[t] = self._accumulate(cache.grad[t], leaf, d, rec.start, w is None)
         rec.prefix = []
         rec.sent_kv_grads = True
 

@@ -22,7 +22,12 @@ _ALONG_DIM = {
     "var", "std", "var_mean", "std_mean", "norm", "linalg_vector_norm", "prod", "any", "all", "sort",
     "topk", "flip", "roll", "median", "nansum", "count_nonzero", "kthvalue", "mode", "nanmean",
     "diff", "unbind", "narrow", "index_select", "gather", "scatter", "scatter_add", "slice", "select",
+    # writes into positions along the axis (in-place writes, made functional at capture)
+    "slice_scatter", "select_scatter", "diagonal_scatter", "index_copy", "index_add", "index_fill",
+    "scatter_reduce",
 }
+# advanced indexing: the axes its index tensors select along
+_INDEXED = {"index", "index_put", "_index_put_impl"}
 _CONTRACT = {"matmul", "bmm", "mm", "baddbmm", "addmm", "einsum", "tensordot"}
 
 
@@ -65,8 +70,8 @@ def _elementwise(n: fx.Node) -> bool:
 
 def mixing_reason(n: fx.Node, seq_sym) -> str | None:
     """Why this node mixes tokens, or None."""
-    if n.op != "call_function" or n.meta.get("tpc_kind") == "attention":
-        return None
+    if n.op != "call_function" or n.meta.get("tpc_kind") in ("attention", "causal-window"):
+        return None  # a recognised attention; a causal window the state pass checked (state.py)
     name = _op_name(n)
     ins = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     if not ins:
@@ -77,6 +82,10 @@ def mixing_reason(n: fx.Node, seq_sym) -> str | None:
         dims = _dims(n, x.meta["val"].dim())
         if dims is None or dims & set(axes):
             return f"`{name}` along the sequence axis"
+    if name in _INDEXED and axes:
+        indices = n.args[1] if len(n.args) > 1 else n.kwargs.get("indices", ())
+        if any(i in axes for i, idx in enumerate(indices or ()) if idx is not None):
+            return f"`{name}` indexing along the sequence axis"
     if name in _CONTRACT and len(ins) >= 2 and axes:
         a_rank = x.meta["val"].dim()
         if (a_rank - 1) in axes:

@@ -3,9 +3,11 @@ cache.
 
 Recognised forms (aten level, after capture):
   * `scaled_dot_product_attention(q, k, v, is_causal=True)`, or with an `attn_mask`;
-  * the written-out form: `matmul(q, transpose(k))`, then any of a scale (`* s`, `/ s`), additive
-    masks (`+ mask`, Hugging Face's eager attention), `masked_fill(mask, -inf)` (nanoGPT) and
-    dtype casts, `softmax(-1)`, casts, [dropout], `matmul(., v)`;
+  * the written-out form: `matmul(q, transpose(k))` (or `bmm`, or BLOOM's
+    `baddbmm(alibi, q, k^T)`), then any of a scale (`* s`, `/ s`), additive masks and position
+    biases (`+ mask`, Hugging Face's eager attention; `+ alibi`), `masked_fill(mask, -inf)`
+    (nanoGPT), dtype casts and reshapes of the dims before (query, key), `softmax(-1)`, casts,
+    [dropout], [such reshapes], `matmul(., v)`;
   * grouped-query attention whose k/v heads are repeated after the projection, with
     `repeat_interleave(rep, dim=1)` or as Hugging Face's `repeat_kv` (`x[:, :, None]
     .expand(b, h, rep, t, d).reshape(b, h * rep, t, d)`): the cache holds the un-repeated heads
@@ -13,7 +15,9 @@ Recognised forms (aten level, after capture):
 
 The masks are read exactly (`masks.py`): each is evaluated at the compile's full sequence length
 and must be causal or banded (a sliding window); anything else is refused, saying what the mask
-is. Each attention becomes `ops.causal_attention(q, k, v, k_prefix, v_prefix, ..., window=w)`:
+is. The finite part of an additive mask is a position bias (ALiBi), kept as a table its slices
+are rebuilt from (`bias.py`). Each attention becomes
+`ops.causal_attention(q, k, v, k_prefix, v_prefix, ..., window=w, bias=table, offset=offset)`:
 k_prefix/v_prefix are new graph placeholders; k and v (this slice's) are recorded as the site's
 cached values, which the stage graph returns so their gradients can flow back from later
 slices.
@@ -27,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from tpc.compiler.frontend import masks, ops
+from tpc.compiler.frontend import bias, masks, ops
 from tpc.compiler.frontend.axes import node_token_axes, size_expr
 from tpc.compiler.frontend.locate import refuse
 from tpc.compiler.frontend.static import evaluate, prune_dead
@@ -45,6 +49,22 @@ class AttentionSite:
     kv_dims: tuple[int, int]  # token axis of k and v
     window: int | None = None  # sliding window: each query sees its last `window` tokens
 
+    @property
+    def cached(self) -> list[tuple]:
+        """(value, prefix placeholder, token axis, window) of each tensor the site caches."""
+        return [(self.k, self.k_prefix, self.kv_dims[0], self.window),
+                (self.v, self.v_prefix, self.kv_dims[1], self.window)]
+
+
+@dataclass
+class _Term:
+    """A mask (or position bias) applied to the scores."""
+
+    node: fx.Node
+    how: str  # "keep" | "hide" | "add" (masks.py)
+    factor: float = 1.0  # scales applied to the scores after it was added (a bias is scaled too)
+    lead: tuple = ()  # size expressions of the scores' dims before (query, key) where it is applied
+
 
 @dataclass
 class _Match:
@@ -56,8 +76,9 @@ class _Match:
     dropout_p: float
     enable_gqa: bool = False
     is_causal: bool = False
-    masks: list = field(default_factory=list)  # (mask node, "keep" | "hide" | "add")
+    masks: list = field(default_factory=list)  # _Term
     at: fx.Node | None = None  # the node a refusal points at (the SDPA call, or the softmax)
+    lead: tuple = ()  # size expressions of the dims before (query, key) of q's own scores
 
 
 def _args(n: fx.Node) -> dict:
@@ -76,11 +97,29 @@ def _match_sdpa(n: fx.Node, ctx) -> _Match | None:
     if n.target is not aten.scaled_dot_product_attention.default:
         return None
     a = _args(n)
+    lead = _lead(a["query"])
     found = _Match(n, a["query"], a["key"], a["value"], a.get("scale"), float(a.get("dropout_p") or 0.0),
-                   bool(a.get("enable_gqa")), bool(a.get("is_causal")), at=n)
+                   bool(a.get("enable_gqa")), bool(a.get("is_causal")), at=n, lead=lead)
     if a.get("attn_mask") is not None:
-        found.masks.append((a["attn_mask"], "keep"))
+        found.masks.append(_Term(a["attn_mask"], "keep", 1.0, lead))
     return found
+
+
+def _lead(x: fx.Node) -> tuple:
+    """Size expressions of the dims of x before its last two."""
+    return tuple(size_expr(d) for d in x.meta["val"].shape[:-2])
+
+
+def _lead_reshape(x: fx.Node) -> fx.Node | None:
+    """x's input, when x only regroups the dims before the last two (BLOOM views its scores
+    (B * H, q, k) as (B, H, q, k) and back)."""
+    if x.op != "call_function" or x.target not in _RESHAPES or not isinstance(x.args[0], fx.Node):
+        return None
+    a, b = x.args[0].meta.get("val"), x.meta.get("val")
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() < 2 or b.dim() < 2:
+        return None
+    same = [size_expr(d) for d in a.shape[-2:]] == [size_expr(d) for d in b.shape[-2:]]
+    return x.args[0] if same else None
 
 
 def _only_user(n: fx.Node) -> fx.Node | None:
@@ -94,6 +133,8 @@ _NEG_INF_FILL = {aten.masked_fill.Scalar, aten.masked_fill_.Scalar}
 _MUL = {aten.mul.Tensor, aten.mul_.Tensor}
 _DIV = {aten.div.Tensor, aten.div_.Tensor}
 _ADD = {aten.add.Tensor, aten.add_.Tensor}
+_MATMUL = {aten.matmul.default, aten.bmm.default}
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def _unknown(x: fx.Node, sm: fx.Node, ctx, scores: bool):
@@ -105,8 +146,8 @@ def _unknown(x: fx.Node, sm: fx.Node, ctx, scores: bool):
     _refuse(x, ctx, f"attention scores pass through `{name}` (node {x.name}) before the softmax: token "
                     "slices support softmax(q.k^T * scale + mask) . v with causal or sliding-window masks",
             "write the attention as scaled_dot_product_attention, or as q @ k^T, a scale, a causal or "
-            "sliding-window mask (masked_fill / where with -inf, or an additive 0 / -inf mask), softmax, @ v "
-            "(logit soft-capping and position biases such as ALiBi cannot be sliced)")
+            "sliding-window mask (masked_fill / where with -inf, or an additive mask or position bias such "
+            "as ALiBi), softmax, @ v (logit soft-capping cannot be sliced)")
 
 
 def _is_cast(n: fx.Node) -> bool:
@@ -174,8 +215,9 @@ def _transposed_last_two(kt: fx.Node) -> fx.Node | None:
 
 
 def _match_written_out(sm: fx.Node, ctx) -> _Match | None:
-    """softmax over the keys of matmul(q, k^T), read backwards through scales, masks and casts,
-    and forwards through casts and dropout to matmul(., v)."""
+    """softmax over the keys of matmul(q, k^T) (or BLOOM's baddbmm(bias, q, k^T)), read backwards
+    through scales, masks, position biases, casts and reshapes of the dims before (query, key),
+    and forwards through casts, dropout and such reshapes to matmul(., v)."""
     if sm.op != "call_function" or sm.target not in _SOFTMAX:
         return None
     rank = sm.meta["val"].dim()
@@ -184,9 +226,19 @@ def _match_written_out(sm: fx.Node, ctx) -> _Match | None:
     scale, found_masks, x = 1.0, [], sm.args[0]
     scores = len(node_token_axes(x, ctx.seq_sym)) == 2 if isinstance(x, fx.Node) else False
     while isinstance(x, fx.Node) and x.op == "call_function":
-        if x.target is aten.matmul.default:
+        if x.target in _MATMUL:
             break
-        if x.target in _MUL or x.target in _DIV:
+        if x.target is aten.baddbmm.default:  # beta * bias + alpha * (q @ k^T)
+            a = _args(x)
+            alpha, beta = _scalar(a.get("alpha", 1), ctx), _scalar(a.get("beta", 1), ctx)
+            if alpha is None or beta is None or alpha <= 0:
+                return _unknown(x, sm, ctx, scores)
+            found_masks.append(_Term(a["self"], "add", scale * beta, _lead(x)))
+            scale *= alpha
+            break
+        if _lead_reshape(x) is not None:
+            x = x.args[0]
+        elif x.target in _MUL or x.target in _DIV:
             a, b = x.args[:2]
             s, rest = _scalar(b, ctx), a
             if s is None and x.target in _MUL:
@@ -197,43 +249,63 @@ def _match_written_out(sm: fx.Node, ctx) -> _Match | None:
             x = rest
         elif x.target in _ADD and len(x.args) == 2 and x.kwargs.get("alpha", 1) == 1:
             a, b = x.args
-            if isinstance(b, fx.Node) and len(node_token_axes(b, ctx.seq_sym)) == 2:
-                found_masks.append((b, "add"))
-                x = a
-            elif isinstance(a, fx.Node) and len(node_token_axes(a, ctx.seq_sym)) == 2:
-                found_masks.append((a, "add"))
-                x = b
-            else:
+            term = _added_term(a, b, ctx)
+            if term is None:
                 return _unknown(x, sm, ctx, scores)
+            found_masks.append(_Term(term, "add", scale, _lead(x)))
+            x = b if term is a else a
         elif x.target in _NEG_INF_FILL and _hides(x.args[2], ctx):
-            found_masks.append((x.args[1], "hide"))
+            found_masks.append(_Term(x.args[1], "hide"))
             x = x.args[0]
         elif x.target in (aten.where.ScalarOther, aten.where.self) and _hides(x.args[2], ctx):
-            found_masks.append((x.args[0], "keep"))
+            found_masks.append(_Term(x.args[0], "keep"))
             x = x.args[1]
         elif x.target in (aten.where.ScalarSelf, aten.where.self) and _hides(x.args[1], ctx):
-            found_masks.append((x.args[0], "hide"))
+            found_masks.append(_Term(x.args[0], "hide"))
             x = x.args[2]
         elif _is_cast(x):
             x = x.args[0]
         else:
             return _unknown(x, sm, ctx, scores)
-    if not (isinstance(x, fx.Node) and x.op == "call_function" and x.target is aten.matmul.default):
+    if not (isinstance(x, fx.Node) and x.op == "call_function"):
         return None
-    q, kt = x.args
+    if x.target is aten.baddbmm.default:
+        q, kt = _args(x)["batch1"], _args(x)["batch2"]
+    elif x.target in _MATMUL:
+        q, kt = x.args
+    else:
+        return None
     k = _transposed_last_two(kt) if isinstance(kt, fx.Node) else None
     if k is None:
         return None
     p, dropout_p, p_src = _only_user(sm), 0.0, sm
-    while p is not None and (_is_cast(p) or p.target is aten.dropout.default):
+    while p is not None and (_is_cast(p) or p.target is aten.dropout.default or _lead_reshape(p) is not None):
         if p.target is aten.dropout.default:
             if dropout_p or p.args[0] is not p_src:
                 return None
             dropout_p = float(p.args[1]) if p.args[2] else 0.0
         p_src, p = p, _only_user(p)
-    if p is None or p.target is not aten.matmul.default or p.args[0] is not p_src:
+    if p is None or p.target not in _MATMUL or p.args[0] is not p_src:
         return None
-    return _Match(p, q, k, p.args[1], scale, dropout_p, masks=found_masks, at=sm)
+    v = p.args[1]
+    want = [size_expr(d) for d in q.meta["val"].shape[:-1]] + [size_expr(v.meta["val"].shape[-1])]
+    if [size_expr(d) for d in p.meta["val"].shape] != want:
+        return None  # the probabilities were regrouped into another layout than q's
+    return _Match(p, q, k, v, scale, dropout_p, masks=found_masks, at=sm, lead=_lead(x))
+
+
+def _added_term(a, b, ctx) -> fx.Node | None:
+    """Of `a + b` on the way back from a softmax, the operand added to the scores: a static
+    value over (query, key) positions (a mask, a position bias). The other operand is the
+    scores, a data value."""
+    for term, other in ((b, a), (a, b)):
+        if isinstance(term, fx.Node) and term in ctx.static and isinstance(other, fx.Node) \
+                and other not in ctx.static and node_token_axes(term, ctx.seq_sym):
+            return term
+    for term in (b, a):  # a mask computed from the ids: refused when the mask is read
+        if isinstance(term, fx.Node) and len(node_token_axes(term, ctx.seq_sym)) == 2:
+            return term
+    return None
 
 
 def _ungroup(k: fx.Node, v: fx.Node) -> tuple[fx.Node, fx.Node, int]:
@@ -273,15 +345,19 @@ def _repeated(x: fx.Node):
     return src, int(rep)
 
 
-def _pattern(m: _Match, ctx) -> masks.Pattern:
-    """The mask of a matched attention, read at the plan's length; refused unless it is causal
-    or banded."""
+def _pattern(m: _Match, ctx) -> tuple[masks.Pattern, list]:
+    """The mask of a matched attention, read at the plan's length, and the position biases
+    among its terms ([(term, reading)]); refused unless the mask is causal or banded."""
     n = ctx.seq_len
     if m.is_causal and not m.masks:
-        return masks.Pattern("causal")
+        return masks.Pattern("causal"), []
     keep = torch.ones(n, n, dtype=torch.bool).tril() if m.is_causal else None
-    for node, how in m.masks:
-        keep = masks.both(keep, _keep_of(node, how, m, ctx))
+    biases = []
+    for term in m.masks:
+        reading = _read(term, m, ctx)
+        keep = masks.both(keep, reading.keep)
+        if reading.bias is not None:
+            biases.append((term, reading))
     if keep is None:
         _refuse(m.at, ctx, "bidirectional attention (no causal mask: every query sees every key, "
                            "including later tokens)",
@@ -296,10 +372,11 @@ def _pattern(m: _Match, ctx) -> masks.Pattern:
                 "a causal language model's attention (is_causal=True, a lower-triangular mask, or a "
                 "sliding window) can be sliced by tokens; this mask cannot be"
                 + (" (a bidirectional encoder cannot be pipelined over token slices)" if bidir else ""))
-    return found
+    return found, [(t, r, keep) for t, r in biases]
 
 
-def _keep_of(node, how: str, m: _Match, ctx) -> torch.Tensor:
+def _read(term: _Term, m: _Match, ctx) -> masks.Reading:
+    node, how = term.node, term.how
     if not isinstance(node, fx.Node):
         raise masks.NotAMask("a constant mask")  # pragma: no cover - SDPA takes tensors
     if node not in ctx.static:
@@ -310,15 +387,45 @@ def _keep_of(node, how: str, m: _Match, ctx) -> torch.Tensor:
     if key not in ctx.keep_cache:
         try:
             value = evaluate(node, {ctx.seq_sym: ctx.seq_len, ctx.batch_sym: 2}, ctx.fetch)
-            ctx.keep_cache[key] = masks.keep_matrix(value, how, ctx.seq_len)
+            ctx.keep_cache[key] = masks.read(value, how, ctx.seq_len)
         except masks.NotAMask as e:
             _refuse(m.at, ctx, f"the attention's mask cannot be read as a mask: {e}",
-                    "token slicing supports causal and sliding-window masks (0 / -inf or True / False)")
+                    "token slicing supports causal and sliding-window masks (0 / -inf or True / False) "
+                    "and position biases that are the same for every sequence")
         except Exception as e:  # evaluating the model's own code failed
             _refuse(m.at, ctx, f"the attention's mask could not be evaluated at length {ctx.seq_len}: "
                                f"{type(e).__name__}: {e}",
                     "build the mask from sizes and positions only")
     return ctx.keep_cache[key]
+
+
+def _bias_table(m: _Match, biases: list, ctx) -> tuple[torch.Tensor, str]:
+    """The table of the summed position biases of an attention and its kind (`bias.py`), in the
+    layout of q's scores at batch 1."""
+    L = ctx.seq_len
+
+    def at(exprs, batch):
+        return tuple(int(e.subs({ctx.batch_sym: batch, ctx.seq_sym: L})) for e in exprs)
+
+    total, keep = None, None
+    for term, reading, keep in biases:
+        if not _param_free(term.node, ctx):
+            _refuse(m.at, ctx, "an attention bias computed from parameters (a learned position bias): "
+                               "token slices rebuild a bias from its values at the plan's length, which "
+                               "would carry no gradient",
+                    "token slicing supports position biases computed from positions and constants (ALiBi)")
+        try:
+            one = masks.read(evaluate(term.node, {ctx.seq_sym: L, ctx.batch_sym: 1}, ctx.fetch), term.how, L).bias
+            one = bias.in_scores_layout(one if one is not None else torch.zeros(()), at(term.lead, 1),
+                                        at(m.lead, 1)) * term.factor
+            if any(ctx.batch_sym in size_expr(d).free_symbols for d in term.node.meta["val"].shape):
+                two = bias.in_scores_layout(reading.bias, at(term.lead, 2), at(m.lead, 2)) * term.factor
+                bias.batch_tiles(one, two)
+        except (bias.NotABias, RuntimeError) as e:
+            _refuse(m.at, ctx, f"the attention's position bias cannot be rebuilt for a token slice: {e}",
+                    "token slicing supports position biases that are the same for every sequence of the batch")
+        total = one if total is None else total + one
+    return bias.table_of(total, keep)
 
 
 def rewrite_attention(graph: fx.Graph, ctx) -> list[AttentionSite]:
@@ -329,10 +436,10 @@ def rewrite_attention(graph: fx.Graph, ctx) -> list[AttentionSite]:
             continue
         m = _match_sdpa(n, ctx) or _match_written_out(n, ctx)
         if m is not None:
-            matches.append((m, _pattern(m, ctx)))
+            matches.append((m, *_pattern(m, ctx)))
     anchor = ctx.ids
     sites = []
-    for i, (m, pattern) in enumerate(matches):
+    for i, (m, pattern, biases) in enumerate(matches):
         k, v, rep = _ungroup(m.k, m.v)
         for t, what in ((k, "keys"), (v, "values")):
             axes = node_token_axes(t, ctx.seq_sym)
@@ -349,6 +456,14 @@ def rewrite_attention(graph: fx.Graph, ctx) -> list[AttentionSite]:
         kwargs = {"scale": m.scale, "dropout_p": m.dropout_p, "rep": rep, "enable_gqa": m.enable_gqa}
         if window is not None:
             kwargs["window"] = window
+        if biases:
+            table, kind = _bias_table(m, biases, ctx)
+            name = f"tpc_position_bias_{len(ctx.constants)}"
+            ctx.constants[name] = table
+            with graph.inserting_before(m.last):
+                node = graph.get_attr(name)
+            node.meta["val"] = table
+            kwargs.update(bias=node, bias_kind=kind, offset=ctx.offset)
         with graph.inserting_before(m.last):
             att = graph.call_function(ops.causal_attention, (m.q, k, v, kp, vp), kwargs)
         att.meta = dict(m.last.meta)

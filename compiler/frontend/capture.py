@@ -26,6 +26,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.export import Dim, export
 
+from tpc.compiler.frontend.functional import functionalize
 from tpc.compiler.frontend.locate import compact_stack_trace, loc_from_traceback
 from tpc.compiler.frontend.simplify import drop_noops
 from tpc.compiler.frontend.static import prune_dead
@@ -102,7 +103,7 @@ def _capture(model: nn.Module, seq_len: int, batch: int) -> Captured:
         try:
             ep, full_range = _export(model, seq_len, batch, top=seq_len - 1), False
         except _ConstraintViolation as e:
-            raise _capture_error(e.__cause__, model, model_file) from None
+            ep, full_range = _export_size_oblivious(model, seq_len, batch, e)
         except Exception as e:
             raise _capture_error(e, model, model_file) from None
     except TpirError:
@@ -111,7 +112,7 @@ def _capture(model: nn.Module, seq_len: int, batch: int) -> Captured:
         raise _capture_error(e, model, model_file) from None
     gm = ep.module()
     canon = _canonical_names(model, gm)
-    graph, ids_node = _clean_copy(gm.graph, canon, gm)
+    graph, ids_node = _clean_copy(gm.graph, canon, gm, model_file)
     drop_noops(graph)
     shape = ids_node.meta["val"].shape
     batch_sym, seq_sym = (_sym(shape[0]), _sym(shape[1]))
@@ -167,6 +168,27 @@ def _export(model: nn.Module, seq_len: int, batch: int, top: int):
         if "Constraints violated" in str(e) and top > 2:
             raise _ConstraintViolation() from e
         raise
+
+
+def _export_size_oblivious(model: nn.Module, seq_len: int, batch: int, first: _ConstraintViolation):
+    """Export again reasoning about sizes "obliviously" (as if every size were at least 2).
+
+    A length derived from the sequence's (`x[:, :-1]`, T - 1 tokens; a pad then `unfold`,
+    T + k - 1 - k + 1) makes export guard it away from 0 and 1 (`T - 1 != 1`, `3 <= T`), which
+    fails the range 1..L although the ops work for every length. Size-oblivious reasoning
+    takes no such guard; the ops run on the actual sizes, and the numeric self-check (whose
+    slices include one token) runs the captured graph at the plan's lengths."""
+    from torch.fx.experimental import _config as fx_config
+
+    model_file = model_file_of(model)
+    try:
+        with fx_config.patch(backed_size_oblivious=True):
+            try:
+                return _export(model, seq_len, batch, top=max(seq_len, 2)), True
+            except _ConstraintViolation:
+                return _export(model, seq_len, batch, top=seq_len - 1), False
+    except Exception:  # report the first failure: the model's own constraint
+        raise _capture_error(first.__cause__, model, model_file) from None
 
 
 def _capture_error(e: BaseException, model: nn.Module, model_file: str | None) -> TpirError:
@@ -245,9 +267,11 @@ def _submodule(owner: fx.GraphModule, sub) -> fx.GraphModule:
     return obj
 
 
-def _clean_copy(src: fx.Graph, canon: dict[str, str], owner: fx.GraphModule | None = None) -> tuple[fx.Graph, fx.Node]:
+def _clean_copy(src: fx.Graph, canon: dict[str, str], owner: fx.GraphModule | None = None,
+                model_file: str | None = None) -> tuple[fx.Graph, fx.Node]:
     """Copy without export's guard module call and metadata asserts; canonical attribute names;
-    grad-mode regions inlined (their results detached where the region disabled gradients)."""
+    grad-mode regions inlined (their results detached where the region disabled gradients);
+    in-place writes into tensors the forward makes turned into values (`functional.py`)."""
     g = fx.Graph()
     env: dict[fx.Node, object] = {}
     ids = None
@@ -310,6 +334,7 @@ def _clean_copy(src: fx.Graph, canon: dict[str, str], owner: fx.GraphModule | No
             ids = new
     if ids is None:
         raise TpirError(Diagnostic("the model's forward takes no input", hint="forward(ids) takes the token ids"))
+    functionalize(g, model_file)
     prune_dead(g)
     for n in g.nodes:
         if n.meta.get("stack_trace"):

@@ -18,13 +18,16 @@ Per op class (a "kernel" is one launch of eager PyTorch):
     inactive dropout): nothing;
   * matmul (`linear`, `mm`, `addmm`, `bmm`, `matmul`, `baddbmm`): 2*m*n*k (+ m*n for a bias),
     bytes of both operands and the result, one kernel;
+  * `ops.causal_pad` (a causal convolution's or shift's carried tokens joined to the slice's):
+    a copy, priced as a memory op;
   * attention (`ops.causal_attention`): Q K^T and P V over `c + l` keys,
     2*b*h*l*(c+l)*(d_qk + d_v), as one fused kernel that reads q and the full keys and values
     and writes the output (the scores stay on chip; on CUDA the bottom-right alignment is a
     causal bias, no mask is read); with a prefix, two more kernels concatenate cache and slice
     (they copy `c + l` rows), with GQA's `rep` two more repeat the heads. The full l x (c+l)
     rectangle is counted, an upper bound of what a kernel that skips masked blocks computes; a
-    sliding-window layer (`window` w) reads `min(c, w - 1) + l` keys;
+    sliding-window layer (`window` w) reads `min(c, w - 1) + l` keys; a position bias (ALiBi)
+    adds the bytes of the (l x keys) bias per query head, written once and read as the mask;
   * memory (elementwise, norms, reductions, softmax, gathers, copies, the loss): a few FLOPs
     per element (`_FLOPS_PER_ELEMENT`), bytes of every input and the output, one kernel.
 
@@ -182,17 +185,20 @@ def _attention(n: fx.Node) -> OpCost:
     q, k, v = (_val(a) for a in n.args[:3])
     out = _val(n)
     rep = int(n.kwargs.get("rep", 1) or 1)
-    b, h, lq, dq = (size_expr(d) for d in q.shape)
-    hkv, lk, dv = size_expr(k.shape[1]), size_expr(k.shape[-2]), size_expr(v.shape[-1])
+    lq, dq = size_expr(q.shape[-2]), size_expr(q.shape[-1])
+    lk, dv = size_expr(k.shape[-2]), size_expr(v.shape[-1])
+    rows = numel(q) / (lq * dq)  # batch x heads of the queries ((B, H) or BLOOM's B * H)
     window = n.kwargs.get("window")
     # the cached prefix and the slice's own keys; a sliding window reads its last w - 1 only
     keys = (sympy.Min(CTX, int(window) - 1) if window else CTX) + lk
     has_prefix = sympy.Min(CTX, 1)  # 0 for the first slice, 1 after (c is an integer >= 0)
-    flops = 2 * b * h * lq * keys * (dq + dv)
-    kf = b * hkv * keys * size_expr(k.shape[-1]) * element_bytes(k)  # keys with the prefix
-    vf = b * hkv * keys * dv * element_bytes(v)
+    flops = 2 * rows * lq * keys * (dq + dv)
+    kf = numel(k) / lk * keys * element_bytes(k)  # keys with the prefix
+    vf = numel(v) / lk * keys * element_bytes(v)
     grown = rep * (kf + vf)  # what the attention kernel reads as keys and values
     nbytes = tensor_bytes(q) + grown + tensor_bytes(out)
+    if n.kwargs.get("bias") is not None:  # the slice's bias, built and read as the mask
+        nbytes = nbytes + 2 * rows * lq * keys * WIDTH
     # cat([prefix, slice]) reads the prefix and the slice and writes the full keys/values
     cat = has_prefix * 2 * (kf + vf)
     repeat = (kf + vf) * (1 + rep) if rep != 1 else _ZERO  # repeat_interleave over heads
@@ -233,6 +239,9 @@ def op_cost(n: fx.Node, static: set) -> OpCost:
         return _attention(n)
     if n.target is ops.sum_token_loss:
         return loss_cost(_val(n.args[0]))
+    if n.target is ops.causal_pad:  # the carried tokens, the slice's and the padding, joined
+        written = tensor_bytes(_val(n))
+        return _memory(_ZERO, 2 * written, written)
     if n.target is operator.getitem or not hasattr(n.target, "_schema"):
         return FREE  # tuple access, SymInt arithmetic
     out = n.meta.get("val")

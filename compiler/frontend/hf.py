@@ -4,7 +4,9 @@ The configuration is read from the file alone (nothing is downloaded) and the mo
 with `AutoModelForCausalLM.from_config`, with random weights drawn from torch's generator as any
 model file's factory would, in float32 (a `torch_dtype` in the file is not applied: the plan
 trains float32 weights; `tpc run --precision` chooses the compute precision). The attention
-implementation is the file's (`attn_implementation` or `_attn_implementation`) or `sdpa`.
+implementation is the file's (`attn_implementation` or `_attn_implementation`), else
+transformers' default for the model: `sdpa` where the model offers it, `eager` where it does not
+(BLOOM, MPT, GPT-Neo).
 
 The model keeps its own class, parameter names (`model.layers.0.self_attn.q_proj.weight`) and
 modules; only its `forward` changes, to take the token ids and return the logits (no cache),
@@ -48,7 +50,7 @@ def causal_lm_from_config(path: str) -> nn.Module:
                                    hint="pip install transformers (it does not change the installed torch)")) from None
     settings = dict(raw)
     model_type = settings.pop("model_type")
-    attn = settings.pop("attn_implementation", None) or settings.pop("_attn_implementation", None) or "sdpa"
+    attn = settings.pop("attn_implementation", None) or settings.pop("_attn_implementation", None)
     for key in ("torch_dtype", "dtype", "transformers_version", "architectures"):
         settings.pop(key, None)
     try:
@@ -58,7 +60,8 @@ def causal_lm_from_config(path: str) -> nn.Module:
                                    loc=Loc(path, 1, 1),
                                    hint="check \"model_type\" and the keys against the transformers version installed")) from None
     try:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+        chosen = {"attn_implementation": attn} if attn else {}  # else sdpa where the model offers it
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **chosen)
     except Exception as e:
         raise TpirError(Diagnostic(f"transformers cannot build a causal LM from this configuration: "
                                    f"{type(e).__name__}: {e}",

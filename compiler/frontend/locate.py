@@ -139,8 +139,8 @@ def node_diagnostics(node, model_file: str | None, message: str, hint: str) -> l
     """A refusal located at the construct that made `node`.
 
     In the user's own code: at that line. Inside a library (a Hugging Face model): at the
-    library's file and line, naming the module of the user's model it belongs to
-    (`model.layers.0.self_attn`), with a note at the user's own line that led there."""
+    library's file and line, with a note at the user's own line that led there. Either way the
+    message names the module of the model the node belongs to (`model.layers.0.self_attn`)."""
     frames = [(m["file"], int(m["line"])) for m in _FRAME.finditer(node.meta.get("stack_trace") or "")]
     kinds = [_frame_kind(f) for f, _ in frames]
     mine = [f for f, k in zip(frames, kinds) if k != "skip"]
@@ -156,7 +156,7 @@ def node_diagnostics(node, model_file: str | None, message: str, hint: str) -> l
     loc = loc_of_node(node, model_file)
     if loc is None:
         return [Diagnostic(message + in_module, where=where_of_node(node), hint=hint)]
-    out = [Diagnostic(message, loc=loc, hint=hint)]
+    out = [Diagnostic(message + in_module, loc=loc, hint=hint)]
     if model_file and not _same_file(loc.file, model_file):  # in a helper the model file calls
         theirs = [f for f in frames if _same_file(f[0], model_file)]
         if theirs:

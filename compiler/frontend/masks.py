@@ -17,10 +17,11 @@ the length-L sequence, and the sliced attention reproduces the length-L mask on 
 
 Three encodings are read (what `keep` means):
 * `"keep"`: a boolean mask, True where the query sees the key (SDPA's `attn_mask`, `where(m, s, -inf)`);
+  a floating `attn_mask` is additive, as SDPA reads it;
 * `"hide"`: a boolean mask, True where the key is hidden (`masked_fill(m, -inf)`);
-* `"add"`: an additive mask, 0 where seen and -inf (or the dtype's most negative number, whose
-  exponential is zero just the same) where hidden. Any other value (a bias such as ALiBi) is not
-  a mask, and is refused.
+* `"add"`: an additive mask: -inf (or the dtype's most negative number, whose exponential is
+  zero just the same) where hidden; any finite value where seen. A finite value other than 0 is
+  a position bias (ALiBi, `-slope * (q - k)`), which `bias.py` rebuilds for each slice.
 """
 
 from __future__ import annotations
@@ -47,9 +48,20 @@ class NotAMask(Exception):
     """The value is not a mask the front end can read; str() says what it is."""
 
 
-def keep_matrix(value, how: str, length: int) -> torch.Tensor:
-    """The (length x length) boolean matrix of keys each query sees, from an evaluated mask whose
-    last two axes are (query, key) and whose leading axes (batch, heads) must not change it."""
+@dataclass(frozen=True)
+class Reading:
+    """A mask read at the plan's length: the (length x length) keys each query sees and, for
+    an additive mask, its finite part (a position bias such as ALiBi; None when it is all 0),
+    in the value's own layout with hidden entries 0."""
+
+    keep: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+def read(value, how: str, length: int) -> Reading:
+    """Read an evaluated mask whose last two axes are (query, key). Which keys are seen must
+    not change with the leading axes (batch, heads); an additive bias may (ALiBi's slopes differ
+    per head)."""
     if not isinstance(value, torch.Tensor):
         raise NotAMask(f"the mask is a {type(value).__name__}, not a tensor")
     m = value
@@ -57,32 +69,26 @@ def keep_matrix(value, how: str, length: int) -> torch.Tensor:
         m = m.reshape(*([1] * (2 - m.dim())), *m.shape)
     if m.shape[-1] not in (1, length) or m.shape[-2] not in (1, length):
         raise NotAMask(f"the mask has shape {tuple(m.shape)}, not (..., {length}, {length}) at length {length}")
-    lead = m.reshape(-1, m.shape[-2], m.shape[-1])
+    bias = None
+    if how == "keep" and m.dtype == torch.bool:
+        keep = m
+    elif how == "hide":
+        keep = ~m.bool()
+    elif how in ("add", "keep"):
+        if m.dtype == torch.bool:
+            raise NotAMask("a boolean mask added to the attention scores")
+        hidden = m.float() <= HIDDEN
+        keep = ~hidden
+        finite = m.masked_fill(hidden, 0)
+        if bool((finite != 0).any()):
+            bias = finite
+    else:  # pragma: no cover - the callers pass one of the three
+        raise ValueError(how)
+    lead = keep.reshape(-1, keep.shape[-2], keep.shape[-1])
     if lead.size(0) > 1 and not bool((lead == lead[:1]).all()):
         raise NotAMask("the mask differs between sequences of the batch or between heads "
                        "(a padding or per-head mask)")
-    m = lead[0]
-    if how == "keep":
-        keep = m.bool() if m.dtype == torch.bool else _additive(m)
-    elif how == "hide":
-        keep = ~m.bool()
-    elif how == "add":
-        keep = _additive(m)
-    else:  # pragma: no cover - the callers pass one of the three
-        raise ValueError(how)
-    return keep.expand(length, length)
-
-
-def _additive(m: torch.Tensor) -> torch.Tensor:
-    if m.dtype == torch.bool:
-        raise NotAMask("a boolean mask added to the attention scores")
-    m = m.float()
-    seen, hidden = m == 0, m <= HIDDEN
-    if not bool((seen | hidden).all()):
-        bad = m[~(seen | hidden)]
-        raise NotAMask(f"an additive attention bias with values other than 0 and -inf "
-                       f"(e.g. {float(bad.flatten()[0]):.4g}), such as ALiBi position biases")
-    return seen
+    return Reading(lead[0].expand(length, length), bias)
 
 
 def both(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,14 @@ is cut to its last w - 1 tokens before the slice's own keys are appended (what n
 slice can see receives a zero gradient, as in the unsliced model), and the mask is the band
 aligned bottom-right. A prefix of any length >= min(offset, w - 1) gives the same result, so a
 runtime may keep only the last w - 1 tokens of a windowed layer's cache.
+
+With a position `bias` (ALiBi; `bias.py`) the mask is an additive tensor: the bottom-right
+causal (or banded) mask plus the slice's part of the bias, rebuilt from its table for the
+queries [offset, offset + l) and the keys the slice reads.
+
+`causal_pad` is what a pad along the sequence becomes (a short causal convolution's left
+padding, a token shift): the slice's own tokens after the last cached tokens of the earlier
+slices, the model's pad value where the sequence has none.
 """
 
 from __future__ import annotations
@@ -25,11 +33,13 @@ from torch.nn.attention.bias import causal_lower_right
 
 
 def causal_attention(q, k, v, k_prefix, v_prefix, scale=None, dropout_p=0.0, rep=1, enable_gqa=False,
-                     window=None):
-    """Attention of a slice. k/v are this slice's keys/values, (B, Hkv, l, D); the prefix is the
-    same layout with the earlier tokens. `rep` > 1 repeats key/value heads after the cache (GQA
-    written with repeat_interleave), so the cache holds the un-repeated heads. `window`: each
-    query sees only the last `window` tokens, its own included (None: every earlier token)."""
+                     window=None, bias=None, bias_kind=None, offset=0):
+    """Attention of a slice. k/v are this slice's keys/values, (B, Hkv, l, D) (or (B * H, l, D));
+    the prefix is the same layout with the earlier tokens. `rep` > 1 repeats key/value heads after
+    the cache (GQA written with repeat_interleave), so the cache holds the un-repeated heads.
+    `window`: each query sees only the last `window` tokens, its own included (None: every
+    earlier token). `bias`: a position bias table of kind `bias_kind` (`bias.py`), read for the
+    queries at [offset, offset + l)."""
     if window is not None and k_prefix.size(-2) > window - 1:
         keep = window - 1  # (B, Hkv, w-1, D): the only cached tokens a query of this slice sees
         k_prefix = k_prefix.narrow(-2, k_prefix.size(-2) - keep, keep)
@@ -44,6 +54,14 @@ def causal_attention(q, k, v, k_prefix, v_prefix, scale=None, dropout_p=0.0, rep
         vf = vf.repeat_interleave(rep, dim=1)
     lq, lk = q.size(-2), kf.size(-2)
     extra = {"enable_gqa": True} if enable_gqa else {}
+    if bias is not None:
+        plain = type(q) is torch.Tensor
+        if window is not None and lk > window:
+            mask = (_band_mask if plain else _band_mask.__wrapped__)(lq, lk, window, q.dtype, q.device)
+        else:
+            mask = (_bottom_right_mask if plain else _bottom_right_mask.__wrapped__)(lq, lk, q.dtype, q.device)
+        mask = mask + position_bias(bias, bias_kind, int(offset), lq, lk, q.shape[:-2]).to(q.dtype)
+        return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
     if window is not None and lk > window:  # some query does not see the first keys: a band
         build = _band_mask if type(q) is torch.Tensor else _band_mask.__wrapped__
         mask = build(lq, lk, window, q.dtype, q.device)  # (l, lk)
@@ -56,6 +74,44 @@ def causal_attention(q, k, v, k_prefix, v_prefix, scale=None, dropout_p=0.0, rep
         build = _bottom_right_mask if type(q) is torch.Tensor else _bottom_right_mask.__wrapped__
         mask = build(lq, lk, q.dtype, q.device)  # (l, off+l)
     return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
+
+
+def position_bias(table, kind: str, offset: int, lq: int, lk: int, lead) -> torch.Tensor:
+    """The bias of the queries at [offset, offset + lq) over the keys [offset + lq - lk, offset + lq),
+    from a table of the length-L bias (`bias.py`), repeated over the batch to the scores' leading
+    dims `lead`."""
+    end = offset + lq
+    start = end - lk
+    if kind == "key":
+        b = table[..., start:end]  # (..., 1, lk)
+    elif kind == "relative":
+        dist = torch.arange(offset, end, device=table.device)[:, None] - \
+            torch.arange(start, end, device=table.device)[None, :]
+        b = table[..., dist.clamp(min=0)]  # (..., lq, lk); a later key (hidden) reads distance 0
+    else:
+        b = table[..., offset:end, start:end]
+    reps = [s // t if t not in (1, s) else 1 for t, s in zip(b.shape[:-2], lead)]
+    return b.repeat(*reps, 1, 1) if any(r != 1 for r in reps) else b
+
+
+def causal_pad(x, prefix, dim: int, left: int, right: int = 0, value=0.0):
+    """`x` (this slice's tokens along `dim`) padded as the model pads the whole sequence
+    (`left` before, `right` after; a negative `right` drops tokens at the end), cut to the
+    slice: the `left` positions before it hold the last tokens of the earlier slices (`prefix`,
+    a cache of the same value) and `value` where the sequence has none yet."""
+    have = prefix.size(dim)
+    if have > left:
+        prefix, have = prefix.narrow(dim, have - left, left), left
+    parts = []
+    if have < left:
+        parts.append(x.new_full((*x.shape[:dim], left - have, *x.shape[dim + 1:]), value))
+    if have:
+        parts.append(prefix)
+    parts.append(x)
+    if right > 0:
+        parts.append(x.new_full((*x.shape[:dim], right, *x.shape[dim + 1:]), value))
+    y = torch.cat(parts, dim) if len(parts) > 1 else x
+    return y.narrow(dim, 0, y.size(dim) + right) if right < 0 else y
 
 
 def _fused_bottom_right(q) -> bool:

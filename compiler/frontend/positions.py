@@ -57,10 +57,12 @@ def _mentions_seq(x, ctx) -> bool:
 
 def rewrite_positions(graph: fx.Graph, ctx) -> fx.Node:
     """Put every static value over the sequence on the slice's window; returns the `offset`
-    placeholder."""
-    with graph.inserting_after(ctx.ids):
-        offset = graph.placeholder("offset")
-    offset.meta["val"] = 0
+    placeholder (`ctx.offset`, made here when no pass before needed it)."""
+    offset = getattr(ctx, "offset", None)
+    if offset is None:
+        with graph.inserting_after(ctx.ids):
+            offset = graph.placeholder("offset")
+        offset.meta["val"] = 0
     ctx.static.add(offset)
     shift, full_length = _classify(graph, ctx)
     for n in full_length:  # before the shifts: the clones read the unshifted originals

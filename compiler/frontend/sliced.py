@@ -1,8 +1,10 @@
 """`SlicedModel`: capture, analyse and rewrite a model once; cut it into stages on demand.
 
 Pipeline of passes (each ends with `graph.lint()`):
-  capture -> output check -> attention (sliced, KV cache) -> token-independence check
-  -> positions (window [offset, offset + l)) -> units -> numeric self-check.
+  capture -> output check -> attention (sliced, KV cache, position biases)
+  -> causal state (short convolutions and shifts, their last tokens carried)
+  -> token-independence check -> positions (window [offset, offset + l)) -> units
+  -> numeric self-check.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tpc.compiler.frontend.locate import refuse
 from tpc.compiler.frontend.partition import _is_residual, make_units, partition_balanced
 from tpc.compiler.frontend.positions import rewrite_positions
 from tpc.compiler.frontend.stage import StageModule, build_stage_graph
+from tpc.compiler.frontend.state import carry_causal_state
 from tpc.compiler.frontend.static import prune_dead, static_nodes
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
@@ -40,7 +43,9 @@ class _Ctx:
     seq_len: int  # the plan's length: masks are read, full-length positions computed, at it
     param_names: set = field(default_factory=set)
     static: set = field(default_factory=set)
-    keep_cache: dict = field(default_factory=dict)  # (mask node, encoding) -> keys seen
+    keep_cache: dict = field(default_factory=dict)  # (mask node, encoding) -> masks.Reading
+    offset: fx.Node | None = None  # the slice's first token (a placeholder holding an int)
+    constants: dict = field(default_factory=dict)  # name -> tensor the rewritten graph reads (bias tables)
 
 
 class SlicedModel:
@@ -65,8 +70,11 @@ class SlicedModel:
         named = dict(model.named_parameters())
         named_buf = dict(model.named_buffers())
         self._param_names = set(named)
+        constants: dict[str, torch.Tensor] = {}
 
         def fetch(name):
+            if name in constants:
+                return constants[name]
             if name in named:
                 return named[name]
             if name in named_buf:
@@ -77,23 +85,33 @@ class SlicedModel:
             return obj
 
         self._fetch = fetch
-        ctx = _Ctx(cap.ids, cap.batch_sym, cap.seq_sym, cap.model_file, fetch, seq_len, set(named))
+        ctx = _Ctx(cap.ids, cap.batch_sym, cap.seq_sym, cap.model_file, fetch, seq_len, set(named),
+                   constants=constants)
+        with graph.inserting_after(cap.ids):
+            ctx.offset = graph.placeholder("offset")
+        ctx.offset.meta["val"] = 0
         ctx.static = static_nodes(graph, cap.batch_sym, cap.seq_sym, {cap.ids})
         out_val = self._check_output(graph, ctx)
         sites = rewrite_attention(graph, ctx)
         kv_in = {s.k_prefix for s in sites} | {s.v_prefix for s in sites}
+        ctx.static = static_nodes(graph, cap.batch_sym, cap.seq_sym, {cap.ids} | kv_in)
+        states = carry_causal_state(graph, ctx)
+        kv_in |= {s.prefix for s in states}
         ctx.static = static_nodes(graph, cap.batch_sym, cap.seq_sym, {cap.ids} | kv_in)
         check_token_independence(graph, ctx)
         self._offset = rewrite_positions(graph, ctx)
         prune_dead(graph)
         graph.lint()
         self._static = static_nodes(graph, cap.batch_sym, cap.seq_sym, {cap.ids} | kv_in)
-        self._graph, self._sites = graph, sites
+        self._graph, self._sites, self._states = graph, sites, states
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        # every site that caches tensors across slices (attention K/V, causal state), in graph order
+        self._cached = sorted(sites + states, key=lambda s: order[s.node])
         output = next(n for n in graph.nodes if n.op == "output")
         data = [n for n in graph.nodes if n not in self._static and n.op != "output" and n not in kv_in]
         self._units = make_units(data, out_val, output, cap.batch_sym, cap.seq_sym)
         pos = {n: i for i, u in enumerate(self._units) for n in u.nodes}
-        self._site_units = [pos[s.node] for s in sites]
+        self._site_units = [pos[s.node] for s in self._cached]
         self._unit_attrs = [self._attrs_used(u.nodes) for u in self._units]
         self.hidden_size = self._hidden(data)
         # cost records in node.meta["tpc_cost"] (stage graphs copy them with the nodes)
@@ -128,23 +146,25 @@ class SlicedModel:
 
     @property
     def unit_kv_elements(self) -> list[int]:
-        """KV-cache elements one token of one sequence leaves in each unit (keys + values)."""
-        out = [0] * self.num_units
-        for s, u in zip(self._sites, self._site_units):
-            for node in (s.k, s.v):
-                out[u] += int(numel_of(node.meta["val"]).subs({self._batch_sym: 1, self._seq_sym: 1}))
-        return out
+        """Cached elements one token of one sequence leaves in each unit (keys + values, and
+        the inputs of short causal mixers)."""
+        return [sum(n for n, _ in caches) for caches in self.unit_kv]
 
     @property
     def unit_kv(self) -> list[list[tuple[int, int | None]]]:
         """Per unit, its caches: (elements one token of one sequence leaves, window). A window
-        w (a sliding-window layer) means later slices read only the last w - 1 tokens, so the
-        cache a runtime must keep is bounded by w - 1 tokens plus the slice being appended."""
+        w (a sliding-window layer; a causal convolution or shift reading w - 1 earlier tokens)
+        means later slices read only the last w - 1 tokens, so the cache a runtime must keep is
+        bounded by w - 1 tokens plus the slice being appended."""
         out: list[list] = [[] for _ in range(self.num_units)]
-        for s, u in zip(self._sites, self._site_units):
-            n = sum(int(numel_of(node.meta["val"]).subs({self._batch_sym: 1, self._seq_sym: 1})) for node in (s.k, s.v))
+        for s, u in zip(self._cached, self._site_units):
+            n = sum(self._per_token(value) for value, *_ in s.cached)
             out[u].append((n, s.window))
         return out
+
+    def _per_token(self, node: fx.Node) -> int:
+        """Elements of one token of one sequence of a cached value."""
+        return int(numel_of(node.meta["val"]).subs({self._batch_sym: 1, self._seq_sym: 1}))
 
     @property
     def float_bytes(self) -> int:
@@ -216,11 +236,11 @@ class SlicedModel:
                 attrs[t] = ("const", self._fetch(t))
         kv_dims, shapes, dtypes, windows = [], [], [], []
         for s in sites:
-            for node, d in ((s.k, s.kv_dims[0]), (s.v, s.kv_dims[1])):
+            for node, _, d, window in s.cached:
                 kv_dims.append(d)
                 shapes.append(self._shape_fn(node.meta["val"]))
                 dtypes.append(node.meta["val"].dtype)
-                windows.append(s.window)
+                windows.append(window)
         label = self.unit_labels[lo] if hi - lo == 1 else f"{self.unit_labels[lo]} .. {self.unit_labels[hi - 1]}"
         return StageModule(graph, attrs, lo, hi, self.num_units, kv_dims, shapes, dtypes, label, with_loss,
                            kv_windows=windows)

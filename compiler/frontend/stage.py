@@ -3,7 +3,9 @@ function.
 
 A stage graph takes (x, offset, k_prefix_0, v_prefix_0, ..., [targets]) and returns
 (y, k_0, v_0, ...): x is the token ids on the first stage, else the residual stream entering
-unit lo; y is the residual leaving unit hi-1, or on the last stage the summed token loss. Static
+unit lo; y is the residual leaving unit hi-1, or on the last stage the summed token loss. The
+cached tensors are an attention's keys and values and a causal mixer's input (`state_prefix_i`,
+`state.py`), in graph order. Static
 values the stage needs (weight views, position tables) are recomputed inside it; the batch and
 sequence sizes are re-read from x.
 
@@ -46,16 +48,16 @@ _ANY_LAYOUT = {aten.view.default: aten.reshape.default, aten._unsafe_view.defaul
 def build_stage_graph(sm, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, list]:
     """Extract units [lo, hi) of `sm` (a SlicedModel) into a new graph; returns it and its sites."""
     units = sm._units[lo:hi]
-    sites = [s for s, u in zip(sm._sites, sm._site_units) if lo <= u < hi]
+    sites = [s for s, u in zip(sm._cached, sm._site_units) if lo <= u < hi]
     g = fx.Graph()
     x = g.placeholder("x")
     off = g.placeholder("offset")
     env: dict[fx.Node, fx.Node] = {units[0].input: x, sm._offset: off}
-    for i, s in enumerate(sites):
-        env[s.k_prefix] = g.placeholder(f"k_prefix_{i}")
-        env[s.v_prefix] = g.placeholder(f"v_prefix_{i}")
+    prefixes = [prefix for s in sites for _, prefix, _, _ in s.cached]
+    for prefix in prefixes:
+        env[prefix] = g.placeholder(prefix.target)
     targets = g.placeholder("targets") if (with_loss and hi == sm.num_units) else None
-    last_placeholder = targets or (env[sites[-1].v_prefix] if sites else off)
+    last_placeholder = targets or (env[prefixes[-1]] if prefixes else off)
     device: list[fx.Node] = []  # x.device, made when a node first needs it
 
     def input_device() -> fx.Node:
@@ -103,7 +105,7 @@ def build_stage_graph(sm, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, 
         y = g.call_function(ops.sum_token_loss, (y, targets))
     outs = [y]
     for s in sites:
-        outs += [get(s.k), get(s.v)]
+        outs += [get(value) for value, *_ in s.cached]
     g.output(tuple(outs))
     prune_dead(g)
     g.lint()

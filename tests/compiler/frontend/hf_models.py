@@ -54,6 +54,19 @@ MORE_CONFIGS = {
     "starcoder2": dict(model_type="starcoder2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, sliding_window=4, residual_dropout=0.0,
                        embedding_dropout=0.0, attention_dropout=0.0),
+    # ALiBi: slope * key position added through baddbmm on (B * H, q, k) scores (eager only)
+    "bloom": dict(model_type="bloom", hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0,
+                  attention_dropout=0.0),
+    # ALiBi: slope * (key - (max_seq_len - 1)) sliced from a max_seq_len table (eager only)
+    "mpt": dict(model_type="mpt", d_model=32, n_layers=2, n_heads=4, max_seq_len=64, expansion_ratio=2,
+                attn_config=dict(attn_pdrop=0), resid_pdrop=0, emb_pdrop=0),
+    # Falcon's ALiBi variant: the bias goes to SDPA in a float mask
+    "falcon_alibi": dict(model_type="falcon", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         hidden_dropout=0.0, attention_dropout=0.0, alibi=True),
+    # short causal convolutions (Conv1d(padding=k - 1)[..., :T]) beside attention layers
+    "lfm2": dict(model_type="lfm2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
+                 conv_L_cache=3),
     # attention logit soft-capping (tanh of the scores): refused
     "gemma2": dict(model_type="gemma2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
@@ -66,7 +79,7 @@ IMPLS = ("sdpa", "eager")
 def config_dict(family: str, **overrides) -> dict:
     """The settings of a tiny `family` model, as a config.json would hold them."""
     out = dict(CONFIGS[family], vocab_size=VOCAB, **_IDS)
-    if family not in ("gpt2", "gpt_neo"):
+    if family not in ("gpt2", "gpt_neo", "bloom", "mpt"):
         out.update(_LAYERS)
     out.update(overrides)
     return out

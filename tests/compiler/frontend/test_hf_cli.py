@@ -1,6 +1,7 @@
 """`tpc compile path/to/config.json` (a Hugging Face configuration, no wrapper) and
 `tpc run --interpret --verify-grads` of the plan, with every built-in schedule: the plan's
-gradients match plain autograd, the header records the file and its hash like a model file."""
+gradients match plain autograd, the header records the file and its hash like a model file.
+A file without `attn_implementation` gets transformers' default (eager for BLOOM's ALiBi)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ CASES = [
     # the key bias's true gradient is zero (softmax cancels it): both sides hold rounding
     # residues, which --verify-grads must not divide by each other (executors/oracle.py)
     ("opt", "sdpa", {}, "seq1f1b", 2, 2, "3"),
+    # ALiBi; no attn_implementation, as BLOOM's config.json on the hub: transformers' eager
+    ("bloom", None, {}, "1f1b", 2, 2, "1,7,8"),
 ]
 
 
@@ -41,7 +44,8 @@ def no_torchrun(monkeypatch):
 def test_config_json_compiles_and_runs_exactly(tmp_path, capsys, no_torchrun, family, impl, extra, schedule,
                                                stages, mbs, slices):
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(config_dict(family, attn_implementation=impl, **extra), indent=2))
+    chosen = {"attn_implementation": impl} if impl else {}
+    config.write_text(json.dumps(config_dict(family, **chosen, **extra), indent=2))
     plan = tmp_path / "plan.tpir"
     assert main(["compile", str(config), "-o", str(plan), "--stages", str(stages), "--microbatches", str(mbs),
                  "--seq-len", "16", "--batch", "4", "--slices", slices, "--schedule", schedule]) == 0
