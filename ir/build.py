@@ -12,6 +12,7 @@ from lark import Token, Transformer
 from tpc.ir.diagnostics import Diagnostic
 from tpc.ir.nodes import (
     FORMAT_VERSION,
+    FORMAT_VERSIONS,
     Header,
     Instr,
     Line,
@@ -140,9 +141,9 @@ class PlanBuilder(Transformer):
         first, tok = children
         trivia = self._trivia(first)
         version = int(tok)
-        if version != FORMAT_VERSION:
+        if version not in FORMAT_VERSIONS:
             _fail(f"unsupported format version {version}", self._tok_loc(tok),
-                  f"this tpc reads format version {FORMAT_VERSION}: write `tpir {FORMAT_VERSION}`")
+                  f"this tpc reads format versions {_versions()}: write `tpir {FORMAT_VERSION}`")
         return _Version(version, trivia)
 
     @_line
@@ -413,3 +414,9 @@ def _unquote(tok: Token, loc: Loc) -> str:
             out.append(ch)
             i += 1
     return "".join(out)
+
+
+def _versions() -> str:
+    """The readable format versions in words: "1 and 2", "1, 2 and 3"."""
+    vs = [str(v) for v in sorted(FORMAT_VERSIONS)]
+    return vs[0] if len(vs) == 1 else ", ".join(vs[:-1]) + " and " + vs[-1]

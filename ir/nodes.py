@@ -43,7 +43,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
-FORMAT_VERSION = 1
+# The format version `tpc compile` writes. A plan keeps the version it was written in (printing a
+# version-1 plan writes `tpir 1` again), every version in FORMAT_VERSIONS is read, and the
+# verifier (rule H1) refuses a line or instruction that is newer than its plan's version line.
+FORMAT_VERSION = 2
+# each version this tpc reads, with what it added over the one before (docs/ir.md, "Versions")
+FORMAT_VERSIONS: dict[int, str] = {
+    1: "the first format",
+    2: "the additions listed under version 2 in docs/ir.md",
+}
 
 
 @dataclass(frozen=True)

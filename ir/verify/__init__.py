@@ -12,7 +12,8 @@ precise statement of what a valid plan is. The rules are checked in this order, 
 
 Header (a broken numbering of stages, micro-batches or rank sections makes every later rule
 meaningless, so those stop verification after the header):
-  H1  `tpir 1`: the format version this module knows; the model's sha256 is 64 hex digits;
+  H1  `tpir N`: a format version this module reads (`FORMAT_VERSIONS`), and no line or
+      instruction newer than N (`header.require_version`); the model's sha256 is 64 hex digits;
       the dtype is one of `DTYPES`.
   H2  stages are listed as stage 0, 1, ..., K-1 (K >= 1), each on a pipeline rank 0..pipe-1;
       every pipeline rank holds at least one stage; several stages may share a rank.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tpc.ir.nodes import FORMAT_VERSION, Plan
+from tpc.ir.nodes import FORMAT_VERSION, FORMAT_VERSIONS, Loc, Plan
 from tpc.ir.verify.report import Report
 
 # parameter dtypes a plan may name (`shape ... dtype D`); the executors map them to torch dtypes
@@ -17,9 +17,10 @@ def check_header(plan: Plan, rep: Report) -> bool:
     """Rules H1-H6. False when the numbering is too broken to check the instructions."""
     h = plan.header
     ok = True
-    if h.version != FORMAT_VERSION:
+    if h.version not in FORMAT_VERSIONS:
         rep.add(h.version_loc, "header (tpir)", (0, 0), f"unknown format version {h.version}",
-                f"this tpc reads `tpir {FORMAT_VERSION}`")
+                f"this tpc reads `tpir {FORMAT_VERSION}` and the older versions "
+                + ", ".join(str(v) for v in sorted(FORMAT_VERSIONS) if v != FORMAT_VERSION))
     _check_model_and_dtype(plan, rep)
     ok &= _check_stages(plan, rep)
     _check_units(plan, rep)
@@ -27,6 +28,19 @@ def check_header(plan: Plan, rep: Report) -> bool:
     ok &= _check_microbatches(plan, rep)
     ok &= _check_sections(plan, rep)
     return ok
+
+
+def require_version(plan: Plan, rep: Report, needed: int, loc: Loc | None, where: str,
+                    order: tuple, what: str) -> bool:
+    """Rule H1 for a line or instruction added in format version `needed`: a plan whose version
+    line is older may not use it. Every addition to the format calls this where it is checked."""
+    have = plan.header.version
+    if have >= needed:
+        return True
+    rep.add(loc, where, order, f"{what} needs format version {needed}, and this plan says `tpir {have}`",
+            f"write `tpir {needed}` on the plan's first line (a version-{have} plan that does not "
+            f"use it stays readable as it is)")
+    return False
 
 
 def _check_model_and_dtype(plan: Plan, rep: Report) -> None:

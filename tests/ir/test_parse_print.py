@@ -72,7 +72,7 @@ def test_grammar_ships_as_package_data():
 def test_fields_and_locations():
     plan = parse(DOCS_EXAMPLE, file="ex.tpir")
     h = plan.header
-    assert h.version == 1 and h.version_loc.line == 2
+    assert h.version == 2 and h.version_loc.line == 2
     assert (h.model.path, h.model.factory) == ("examples/gpt.py", "model")
     assert (h.shape.batch, h.shape.seq, h.shape.vocab, h.shape.dtype) == (4, 64, 256, "float32")
     assert (h.mesh.pipe, h.mesh.data) == (2, 1)
@@ -117,8 +117,8 @@ def test_string_escapes():
 
 def test_non_canonical_text_is_normalised():
     messy = (
-        "\n\n#header\n   tpir   1\t#v\n"
-        + DOCS_EXAMPLE.split("tpir 1\n", 1)[1]
+        "\n\n#header\n   tpir   2\t#v\n"
+        + DOCS_EXAMPLE.split("tpir 2\n", 1)[1]
         .replace("mesh pipe 2 data 1", "mesh   pipe 2   data 1#m   ")
         .replace("  load mb 0\n", "load mb 0\n\n\n", 1)
         .replace("units 0:3", "units 0 : 3")
@@ -128,7 +128,7 @@ def test_non_canonical_text_is_normalised():
     plan = parse(messy)
     out = print_plan(plan)
     assert plan == parse(DOCS_EXAMPLE)
-    assert out.startswith("# header\ntpir 1  # v\n")
+    assert out.startswith("# header\ntpir 2  # v\n")
     assert "mesh pipe 2 data 1  # m\n" in out
     assert "\nrank 0\n  load mb 0\n  forward" in out
     assert out.endswith("  step\n")
@@ -213,22 +213,22 @@ def test_wrong_flag():
 
 
 def test_missing_version_line():
-    d = _error(DOCS_EXAMPLE.replace("tpir 1\n", ""))
-    assert d.message == "expected the version line `tpir 1`, found 'model'"
+    d = _error(DOCS_EXAMPLE.replace("tpir 2\n", ""))
+    assert d.message == "expected the version line `tpir 2`, found 'model'"
     assert (d.loc.line, d.loc.col) == (2, 1)
 
 
 def test_empty_file():
     d = _error("")
-    assert d.message == "expected the version line `tpir 1`, found the end of the file"
+    assert d.message == "expected the version line `tpir 2`, found the end of the file"
     assert (d.loc.line, d.loc.col) == (1, 1)
 
 
 def test_unsupported_version():
-    d = _error(DOCS_EXAMPLE.replace("tpir 1", "tpir 2"))
-    assert d.message == "unsupported format version 2"
+    d = _error(DOCS_EXAMPLE.replace("tpir 2", "tpir 9"))
+    assert d.message == "unsupported format version 9"
     assert (d.loc.line, d.loc.col) == (2, 6)
-    assert "tpir 1" in d.hint
+    assert "versions 1 and 2" in d.hint and "tpir 2" in d.hint
 
 
 def test_header_line_out_of_order():

@@ -364,9 +364,10 @@ def test_batch_not_divisible_by_data():
 
 def test_format_version_and_missing_rank_section_in_memory():
     plan = parse(EXAMPLE, file=FILE)
-    v2 = dataclasses.replace(plan, header=dataclasses.replace(plan.header, version=2))
-    [d] = verify(v2)
-    assert d.loc.line == 2 and d.message == "unknown format version 2"
+    v9 = dataclasses.replace(plan, header=dataclasses.replace(plan.header, version=9))
+    [d] = verify(v9)
+    assert d.loc.line == 2 and d.message == "unknown format version 9"
+    assert "tpir 2" in d.hint and "1" in d.hint
     short = dataclasses.replace(plan, ranks=plan.ranks[:1])
     [d] = verify(short)
     assert d.loc.line == 5 and "(missing: 1)" in d.message
@@ -957,3 +958,35 @@ def test_cli_verify_prints_located_errors_and_exits_1(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{bad}:13:1: error: rank 0 never runs `step`" in err
     assert "   13 | rank 0" in err
+
+
+def test_version_1_plans_stay_readable_and_print_as_version_1():
+    """A plan written before format version 2 parses, verifies and prints back byte for byte."""
+    from tpc.ir.verify import check
+
+    text = (Path(__file__).parent / "golden" / "zero_bubble_three_ranks.tpir").read_text()
+    assert "\ntpir 1\n" in "\n" + text
+    plan = parse(text)
+    assert plan.header.version == 1
+    check(plan)
+    assert print_plan(plan) == text
+
+
+def test_require_version_refuses_an_addition_in_an_older_plan():
+    """Rule H1: a line added in version 2 is an error in a `tpir 1` plan, and fine in `tpir 2`."""
+    from dataclasses import replace
+
+    from tpc.ir.verify.header import require_version
+    from tpc.ir.verify.report import Report
+
+    text = (Path(__file__).parent / "golden" / "zero_bubble_three_ranks.tpir").read_text()
+    old = parse(text)
+    rep = Report(old)
+    assert not require_version(old, rep, 2, None, "rank 0, instruction 0", (1, 0), "`example`")
+    (d,) = rep.sorted()
+    assert d.message == "`example` needs format version 2, and this plan says `tpir 1`"
+    assert "tpir 2" in d.hint
+    new = replace(old, header=replace(old.header, version=2))
+    rep2 = Report(new)
+    assert require_version(new, rep2, 2, None, "rank 0, instruction 0", (1, 0), "`example`")
+    assert not rep2.sorted()
