@@ -146,6 +146,27 @@ def test_changed_model_file_is_refused(tmp_path, capsys, monkeypatch):
     assert not dist.is_initialized()  # refused before any communication
 
 
+def test_a_trace_that_cuts_other_units_is_refused(tmp_path, capsys, monkeypatch):
+    """A re-trace that finds another number of partition units than the plan's `units` line (a
+    torch upgrade that moved a unit boundary) is refused at that line, in both executors, before
+    any communication. The plan here says 5 units of a model that traces to 4."""
+    plan = Path(write_plan(tmp_path, stages=2))
+    text = plan.read_text(encoding="utf-8")
+    assert "\nunits 4\n" in text and " units 2:4 " in text
+    plan.write_text(text.replace("\nunits 4\n", "\nunits 5\n").replace(" units 2:4 ", " units 2:5 "),
+                    encoding="utf-8")
+    line = plan.read_text(encoding="utf-8").splitlines().index("units 5") + 1
+    for env in ({}, {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        args = ["run", str(plan)] if env else ["run", "--interpret", str(plan)]
+        assert main(args) == 1
+        err = capsys.readouterr().err
+        assert "compiled for 5 partition units" in err and "now traces to 4" in err, err
+        assert f"{plan}:{line}" in err and "recompile" in err
+    assert not dist.is_initialized()
+
+
 def test_wrong_world_size_is_refused(tmp_path, capsys, monkeypatch):
     plan = write_plan(tmp_path, stages=2)
     monkeypatch.setenv("WORLD_SIZE", "3")
