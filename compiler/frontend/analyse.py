@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from tpc.compiler.frontend.axes import node_token_axes
+from tpc.compiler.frontend.calls import call_args, op_name
 from tpc.compiler.frontend.locate import refuse
 
 _ALONG_DIM = {
@@ -31,21 +32,9 @@ _INDEXED = {"index", "index_put", "_index_put_impl"}
 _CONTRACT = {"matmul", "bmm", "mm", "baddbmm", "addmm", "einsum", "tensordot"}
 
 
-def _op_name(n: fx.Node) -> str:
-    t = n.target
-    if hasattr(t, "_schema"):
-        return t._schema.name.split("::")[-1]
-    return getattr(t, "__name__", str(t))
-
-
 def _dims(n: fx.Node, rank: int):
     """The dims an op works along, or None for all of them."""
-    schema_args = n.target._schema.arguments if hasattr(n.target, "_schema") else []
-    a = dict(zip([s.name for s in schema_args], n.args))
-    a.update(n.kwargs)
-    for s in schema_args:  # a traced call leaves out arguments at their default (unbind's dim=0)
-        if s.name not in a and s.has_default_value():
-            a[s.name] = s.default_value
+    a = call_args(n)
     if "dims" in a:
         d = a["dims"]
     elif "dim" in a:
@@ -72,7 +61,7 @@ def mixing_reason(n: fx.Node, seq_sym) -> str | None:
     """Why this node mixes tokens, or None."""
     if n.op != "call_function" or n.meta.get("tpc_kind") in ("attention", "causal-window"):
         return None  # a recognised attention; a causal window the state pass checked (state.py)
-    name = _op_name(n)
+    name = op_name(n)
     ins = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     if not ins:
         return None

@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from tpc.compiler.frontend import bias, masks, ops
 from tpc.compiler.frontend.axes import node_token_axes, size_expr
+from tpc.compiler.frontend.calls import call_args
 from tpc.compiler.frontend.locate import refuse
 from tpc.compiler.frontend.static import evaluate, prune_dead
 
@@ -81,14 +82,6 @@ class _Match:
     lead: tuple = ()  # size expressions of the dims before (query, key) of q's own scores
 
 
-def _args(n: fx.Node) -> dict:
-    names = [a.name for a in n.target._schema.arguments]
-    out = {a.name: a.default_value for a in n.target._schema.arguments if a.has_default_value()}
-    out.update(zip(names, n.args))
-    out.update(n.kwargs)
-    return out
-
-
 def _refuse(node, ctx, message, hint):
     raise refuse(node, ctx.model_file, message, hint)
 
@@ -96,7 +89,7 @@ def _refuse(node, ctx, message, hint):
 def _match_sdpa(n: fx.Node, ctx) -> _Match | None:
     if n.target is not aten.scaled_dot_product_attention.default:
         return None
-    a = _args(n)
+    a = call_args(n)
     lead = _lead(a["query"])
     found = _Match(n, a["query"], a["key"], a["value"], a.get("scale"), float(a.get("dropout_p") or 0.0),
                    bool(a.get("enable_gqa")), bool(a.get("is_causal")), at=n, lead=lead)
@@ -229,7 +222,7 @@ def _match_written_out(sm: fx.Node, ctx) -> _Match | None:
         if x.target in _MATMUL:
             break
         if x.target is aten.baddbmm.default:  # beta * bias + alpha * (q @ k^T)
-            a = _args(x)
+            a = call_args(x)
             alpha, beta = _scalar(a.get("alpha", 1), ctx), _scalar(a.get("beta", 1), ctx)
             if alpha is None or beta is None or alpha <= 0:
                 return _unknown(x, sm, ctx, scores)
@@ -270,7 +263,7 @@ def _match_written_out(sm: fx.Node, ctx) -> _Match | None:
     if not (isinstance(x, fx.Node) and x.op == "call_function"):
         return None
     if x.target is aten.baddbmm.default:
-        q, kt = _args(x)["batch1"], _args(x)["batch2"]
+        q, kt = call_args(x)["batch1"], call_args(x)["batch2"]
     elif x.target in _MATMUL:
         q, kt = x.args
     else:
@@ -319,7 +312,7 @@ def _ungroup(k: fx.Node, v: fx.Node) -> tuple[fx.Node, fx.Node, int]:
 def _repeated(x: fx.Node):
     """(un-repeated value, rep) when x repeats each head of a (B, H, T, D) value rep times."""
     if x.target is aten.repeat_interleave.self_int:
-        a = _args(x)
+        a = call_args(x)
         if a.get("dim") == 1 and isinstance(a.get("repeats"), int) and a.get("output_size") is None:
             return a["self"], a["repeats"]
         return None

@@ -54,6 +54,7 @@ import torch.fx as fx
 
 from tpc.compiler.frontend import ops
 from tpc.compiler.frontend.axes import size_expr
+from tpc.compiler.frontend.calls import op_name
 
 aten = torch.ops.aten
 
@@ -101,15 +102,6 @@ _FLOPS_PER_ELEMENT = {
     "repeat_interleave": 0, "index_select": 0, "gather": 0, "clone": 0, "copy": 0,
     "_to_copy": 0, "to": 0, "type_as": 0, "contiguous": 0, "reshape": 0,
 }
-
-
-def op_name(n: fx.Node) -> str:
-    """`aten::linear.default` -> 'linear'; a Python callable by its name."""
-    t = n.target
-    schema = getattr(t, "_schema", None)
-    if schema is not None:
-        return schema.name.split("::")[-1]
-    return getattr(t, "__name__", str(t))
 
 
 def numel(val) -> sympy.Expr:

@@ -42,6 +42,7 @@ from torch._guards import detect_fake_mode
 from tpc.compiler.frontend import ops
 from tpc.compiler.frontend.analyse import mixing_reason
 from tpc.compiler.frontend.axes import node_token_axes, size_expr
+from tpc.compiler.frontend.calls import call_args, op_name
 from tpc.compiler.frontend.locate import refuse
 from tpc.compiler.frontend.static import evaluate, prune_dead
 
@@ -76,19 +77,6 @@ def _refuse(node, ctx, message, hint):
 _HINT = ("a causal convolution or shift pads the sequence on the left only (F.pad(x, (k - 1, 0)), "
          "nn.ZeroPad2d((0, 0, 1, -1)), or Conv1d(padding=k - 1) followed by [..., :T]); token slices "
          "carry its last k - 1 input tokens from slice to slice")
-
-
-def _op_name(n: fx.Node) -> str:
-    schema = getattr(n.target, "_schema", None)
-    return schema.name.split("::")[-1] if schema is not None else getattr(n.target, "__name__", str(n.target))
-
-
-def _args(n: fx.Node) -> dict:
-    names = [a.name for a in n.target._schema.arguments]
-    out = {a.name: a.default_value for a in n.target._schema.arguments if a.has_default_value()}
-    out.update(zip(names, n.args))
-    out.update(n.kwargs)
-    return out
 
 
 def _axis(n, ctx) -> int | None:
@@ -139,7 +127,7 @@ def _pad_of(n: fx.Node, ctx):
     """(input, token axis, left, right, value) of a constant pad along the token axis, or None."""
     if n.op != "call_function" or n.target not in _PADS:
         return None
-    a = _args(n)
+    a = call_args(n)
     x, pad = a["self"], list(a["pad"])
     d = _axis(x, ctx)
     if d is None or n in ctx.static:
@@ -160,7 +148,7 @@ def _conv_of(n: fx.Node, ctx):
     of a convolution along the sequence, or None."""
     if n.op != "call_function" or n.target not in _CONVS:
         return None
-    a = _args(n)
+    a = call_args(n)
     x, w = a["input"], a["weight"]
     d = _axis(x, ctx)
     if d is None or n in ctx.static:
@@ -208,7 +196,7 @@ def _conv_padding_to_pad(graph, n, conv, ctx) -> None:
         return
     pad = [left, right]  # the last axis
     padded = _new(graph, n, aten.constant_pad_nd.default, (x, pad, 0.0), _padded(x, pad), n) if left or right else x
-    a = _args(n)
+    a = call_args(n)
     v = padded.meta["val"]
     val = _fake(n.meta["val"], (*n.meta["val"].shape[:-1], v.shape[-1] - dilation * (kernel - 1)))
     if n.target is aten.convolution.default:
@@ -352,7 +340,7 @@ def _sink(x: fx.Node, w: _Window, ctx, what: str) -> None:
         return
     culprit = w.culprit or x
     _refuse(culprit, ctx,
-            f"`{_op_name(culprit)}` (node {culprit.name}) is not causal: through it, {what} at token t "
+            f"`{op_name(culprit)}` (node {culprit.name}) is not causal: through it, {what} at token t "
             f"depends on up to {w.a - w.e} later token(s), which a token slice does not have yet", _HINT)
 
 
@@ -411,7 +399,7 @@ def _step(n: fx.Node, ins, of, ctx, entries) -> _Window | None:
     if a is None and _merged(n, ctx) and all(w.a == 0 and w.clean for w in tracked):
         return _Window(0, 0)  # tokens merged with another axis ((B * T, C) in GPT-2's Conv1D), all aligned
     if a is None or any(w.a != a for w in tracked):
-        _refuse(n, ctx, f"`{_op_name(n)}` (node {n.name}) changes the length of the sequence axis in a way "
+        _refuse(n, ctx, f"`{op_name(n)}` (node {n.name}) changes the length of the sequence axis in a way "
                         "token slices cannot follow", _HINT)
     e = min((w.e for w in tracked), default=0)
     bad = next((w.culprit for w in tracked if not w.clean), None)

@@ -10,7 +10,8 @@ import sympy
 import torch
 
 from tpc.compiler.frontend import SlicedModel
-from tpc.compiler.frontend.flops import CTX, FREE, op_name
+from tpc.compiler.frontend.calls import op_name
+from tpc.compiler.frontend.flops import CTX, FREE
 from tpc.compiler.frontend.model_file import import_model_file
 
 from .harness import EXAMPLES
