@@ -65,6 +65,17 @@ def project(header: Header, order: Iterable[Instr]) -> Compute:
     return out
 
 
+def forwards_then_backwards(header: Header, backward_mbs: Iterable[int]) -> Compute:
+    """Every forward of the step (micro-batch by micro-batch, slices in token order, each unit
+    through every stage in turn), then every backward (the micro-batches in the order
+    `backward_mbs`, each one's slices reversed, each unit back through the stages), as one global
+    order projected onto the ranks. GPipe and TeraPipe differ only in `backward_mbs`."""
+    stages = range(header.num_stages)
+    order = [forward(s, m, i) for m, i in forward_units(header) for s in stages]
+    order += [backward(s, m, i) for m, i in backward_units(header, backward_mbs) for s in reversed(stages)]
+    return project(header, order)
+
+
 def one_stage_per_rank(header: Header, schedule: str) -> list[int]:
     """The stage of each pipeline rank; a TpirError when a rank holds none or several."""
     stages = []

@@ -12,7 +12,7 @@ Built as one global order projected onto the ranks, so a rank may hold several s
 
 from __future__ import annotations
 
-from tpc.compiler.schedules.common import Compute, backward, backward_units, forward, forward_units, project
+from tpc.compiler.schedules.common import Compute, forwards_then_backwards
 from tpc.ir.nodes import Header
 
 NAME = "gpipe"
@@ -20,8 +20,4 @@ PLACEMENT = "looped"
 
 
 def build(header: Header) -> Compute:
-    stages = range(header.num_stages)
-    order = [forward(s, m, i) for m, i in forward_units(header) for s in stages]
-    mbs = range(len(header.microbatches))
-    order += [backward(s, m, i) for m, i in backward_units(header, mbs) for s in reversed(stages)]
-    return project(header, order)
+    return forwards_then_backwards(header, range(len(header.microbatches)))

@@ -11,7 +11,7 @@ Built as one global order projected onto the ranks, so a rank may hold several s
 
 from __future__ import annotations
 
-from tpc.compiler.schedules.common import Compute, backward, backward_units, forward, forward_units, project
+from tpc.compiler.schedules.common import Compute, forwards_then_backwards
 from tpc.ir.nodes import Header
 
 NAME = "terapipe"
@@ -19,8 +19,4 @@ PLACEMENT = "looped"
 
 
 def build(header: Header) -> Compute:
-    stages = range(header.num_stages)
-    order = [forward(s, m, i) for m, i in forward_units(header) for s in stages]
-    mbs = reversed(range(len(header.microbatches)))
-    order += [backward(s, m, i) for m, i in backward_units(header, mbs) for s in reversed(stages)]
-    return project(header, order)
+    return forwards_then_backwards(header, reversed(range(len(header.microbatches))))
