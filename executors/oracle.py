@@ -78,13 +78,20 @@ def gradient_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
             if name in unused:
                 continue
             return math.inf, name
-        a, b = got[name].detach().double().cpu(), want[name].detach().double().cpu()
-        scale = max(float(b.abs().max()), floor) if b.numel() else floor
-        diff = float((a - b).abs().max()) if b.numel() else 0.0
-        err = diff / scale if scale > 0 else diff
+        err = relative_error(got[name], want[name], floor)
         if err > worst or not worst_name:
             worst, worst_name = err, name
     return worst, worst_name
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> float:
+    """The measure of the module docstring for one tensor: max |a - b| / max(max |b|, floor),
+    the absolute difference where both are 0. `gradient_error` applies it per parameter; the
+    tests use it for a single tensor (a weight after a step, a loss)."""
+    a, b = got.detach().double().cpu(), want.detach().double().cpu()
+    scale = max(float(b.abs().max()), floor) if b.numel() else floor
+    diff = float((a - b).abs().max()) if b.numel() else 0.0
+    return diff / scale if scale > 0 else diff
 
 
 def gradient_floor(want: dict[str, torch.Tensor]) -> float:

@@ -14,6 +14,7 @@ import torch
 from tests.executors.fake import FakeLM, fake_factory, fake_plan, reference
 from tpc.executors.training.batches import RandomTokens
 from tpc.executors.options import RunOptions
+from tpc.executors.oracle import relative_error
 from tpc.executors.interpreter import interpret
 from tpc.executors.training.optimizer import OptimSpec, build_optimizer
 from tpc.ir.diagnostics import TpirError
@@ -23,9 +24,6 @@ from tpc.ir.printer import print_plan
 
 TOL = 1e-5
 
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def run_fake(plan, steps=1, optim=None, model=None, verify=True, **kw):
@@ -44,7 +42,7 @@ def assert_matches_autograd(plan, model, result):
     loss, grads = reference(model, tokens)
     assert abs(result.losses[0] - loss) <= TOL * abs(loss)
     assert set(result.grads) == set(grads)
-    worst = max(rel_err(result.grads[n], g) for n, g in grads.items())
+    worst = max(relative_error(result.grads[n], g) for n, g in grads.items())
     assert worst <= TOL, worst
 
 
@@ -89,9 +87,9 @@ def test_weights_after_several_steps_match_plain_training():
         losses.append(loss)
     assert result.losses == pytest.approx(losses, rel=TOL)
     for n, p in ref.named_parameters():
-        assert rel_err(result.state_dict[n], p.detach()) <= TOL, n
+        assert relative_error(result.state_dict[n], p.detach()) <= TOL, n
     # training moved the weights: the comparison above is not between two untouched copies
-    assert rel_err(result.state_dict["layers.0.w"], model.layers[0].w.detach()) > 1e-3
+    assert relative_error(result.state_dict["layers.0.w"], model.layers[0].w.detach()) > 1e-3
 
 
 def test_clipping_and_lr_schedule_match_plain_training():
@@ -114,7 +112,7 @@ def test_clipping_and_lr_schedule_match_plain_training():
         opt.set_lr(schedule(step))
         opt.step()
     for n, p in ref.named_parameters():
-        assert rel_err(result.state_dict[n], p.detach()) <= TOL, n
+        assert relative_error(result.state_dict[n], p.detach()) <= TOL, n
 
 
 def _rewrite(plan, rank, fn):
