@@ -77,3 +77,23 @@ def test_load_cost_model_needs_exactly_one_source(tmp_path):
         load_cost_model()
     with pytest.raises(TpirError, match="both given"):
         load_cost_model(cost="x", device_model="v100")
+
+
+def test_fit_error_is_reported_as_a_share_of_the_model_time():
+    """A tiny unit fitted 4x off its own time (0.1 ms measured, 0.5 ms fitted) beside a 10 ms
+    unit fitted exactly: the profile's error is 0.4 ms of a 10.1 ms point, not 400%, and that is
+    what `tpc simulate`'s report line says."""
+    def flat(t: float, err: float) -> tuple:
+        return (CurveFit(lengths=(8, 16), base=(t, t), coef=(0.0, 0.0, 0.0, 0.0), rel_error=err),)
+
+    big = UnitProfile("big", fwd=flat(5e-3, 0.0), bwd=flat(5e-3, 0.0), kv_bytes_per_token=0,
+                      param_bytes=1, samples=((1, 8, 0, 5e-3, 5e-3), (1, 16, 0, 5e-3, 5e-3)))
+    tiny = UnitProfile("tiny", fwd=flat(0.5e-3, 4.0), bwd=flat(0.05e-3, 0.0), kv_bytes_per_token=0,
+                       param_bytes=1, samples=((1, 8, 0, 0.1e-3, 0.05e-3), (1, 16, 0, 0.1e-3, 0.05e-3)))
+    prof = Profile(model_path="m.py", model_sha256="0" * 64, factory="model", device="cpu",
+                   seq_len=16, hidden=8, batch_sizes=(1,), units=(big, tiny), act_bytes_per_token=32,
+                   link_latency=0.0, link_bandwidth=1e9)
+    assert prof.worst_fit_error == 4.0  # per fit, relative to its own time
+    assert prof.fit_error_share() == pytest.approx(0.4e-3 / 10.15e-3)
+    line = ProfiledCostModel(prof, [(0, 2)]).describe()
+    assert "fits within 3.94% of the model's time" in line and "400" not in line
