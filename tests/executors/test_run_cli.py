@@ -51,6 +51,17 @@ def test_interpret_verify_grads_and_steps(tmp_path, capsys, no_torchrun):
     assert "verify-grads:" in out and ": ok" in out
 
 
+def test_verify_grads_builds_its_reference_as_the_model_file_does(tmp_path, capsys, no_torchrun):
+    """minGPT-style code (tests/executors/models/tiny_mingpt.py): an MLP in a closure (a
+    deepcopy's MLP would run the original's weights), `.view` of the input ids (the reference
+    is fed contiguous ids) and a parameter the forward never uses (no gradient on either side:
+    not an error)."""
+    plan = write_plan(tmp_path, path=model_file("mingpt"), schedule="1f1b", slices="3,5,8")
+    assert main(["run", "--interpret", plan, "--verify-grads", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "verify-grads:" in out and ": ok" in out and "inf" not in out
+
+
 def test_warmup_and_clipping(tmp_path, capsys, no_torchrun):
     plan = write_plan(tmp_path)
     assert main(["run", "--interpret", plan, "--steps", "3", "--warmup", "2", "--grad-clip", "0.5",
