@@ -49,6 +49,17 @@ def test_other_models_match_autograd(name, schedule):
     run_and_check(name, schedule=schedule, stages=2, slices="2,9,5", microbatches=2)
 
 
+@pytest.mark.parametrize("name,schedule,stages,slices", [
+    ("long_conv", "1f1b", 3, "1,1,2,1,3,8"),  # kernel 7: the carried state spans several slices
+    ("rwkv", "seq1f1b", 2, "3,5,8"),
+    ("alibi", "terapipe", 2, "1,7,8"),
+])
+def test_carried_state_and_position_biases_match_autograd(name, schedule, stages, slices):
+    """Short causal mixers' state and ALiBi's rebuilt bias through the plan's own instructions
+    (receives, frees, the step), not only a stage's runtime."""
+    run_and_check(name, schedule=schedule, stages=stages, slices=slices, microbatches=2)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "seq1f1b"])
 def test_gpt_data_parallel(schedule):
     run_and_check("gpt", schedule=schedule, stages=2, slices="3", microbatches=2, batch=8, dp=2)
