@@ -1,6 +1,6 @@
 """`tpc compile path/to/config.json` (a Hugging Face configuration, no wrapper) and
-`tpc run --interpret --verify-grads` of the plan, with every built-in schedule: the plan's
-gradients match plain autograd, the header records the file and its hash like a model file.
+`tpc run --interpret --verify-grads` of the plan, under gpipe, 1f1b, terapipe, seq1f1b and
+zb-h1: the plan's gradients match plain autograd, the header records the file and its hash like a model file.
 A file without `attn_implementation` gets transformers' default (eager for BLOOM's ALiBi)."""
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ CASES = [
     # family, attention, extra settings, schedule, stages, micro-batches, slices
     ("llama", "eager", {}, "gpipe", 2, 2, "5,3,8"),
     ("mistral", "sdpa", {"sliding_window": 5}, "1f1b", 3, 2, "4"),
+    # a split backward (backward-input, then backward-weight) through a windowed cache
+    ("mistral", "sdpa", {"sliding_window": 5}, "zb-h1", 2, 2, "3,5,8"),
     ("qwen2", "sdpa", {}, "terapipe", 2, 1, "1,7,8"),
     ("gpt2", "eager", {}, "seq1f1b", 2, 2, "3"),
     # the key bias's true gradient is zero (softmax cancels it): both sides hold rounding
