@@ -100,6 +100,7 @@ def main(argv=None) -> int:
                          f"{p_time * 1e3:.0f} / {m_time * 1e3:.0f}", f"{t_err:+.1%}",
                          " ".join(f"{v / 2**20:.1f}" for v in p_mem) + " / " + " ".join(f"{v / 2**20:.1f}" for v in m_mem),
                          " ".join(f"{e:+.0%}" for e in m_err), ok(good)])
+            print(f"  {' | '.join(rows[-1])}", file=sys.stderr, flush=True)
     print(f"every schedule on {MACHINE}: GPT 8x128 untied, {RANKS} pipeline ranks (gloo, 1 thread each), batch "
           f"{BATCH} x {SEQ} tokens in {MICRO} micro-batches x {SLICES} slices, CPU profile from `tpc profile`; "
           f"{args.steps} timed steps per plan; {load_note()}")

@@ -238,7 +238,8 @@ def main(argv=None) -> int:
                              + " ".join(f"{m / 1024:.0f}" for m in mem["torch"]),
                              f"{mem_ratio:.3f}", f"{err:.1e}",
                              (f"{ok(good)} (time <= {target})" if target else "-")])
-                print(f"  {rows[-1][0]}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+                print(f"  {rows[-1][0]}: {time.monotonic() - t0:.0f} s: {' | '.join(rows[-1][1:])}", file=sys.stderr,
+                      flush=True)
     print(f"tpc vs torch.distributed.pipelining on {MACHINE}: GPT untied ({args.factory}), batch {BATCH} x {SEQ} tokens, "
           f"{MICRO} micro-batches, gloo, 1 thread per rank; {args.steps} alternating timed steps; {load_note()}")
     print(table(["setup", "ms/iter tpc / torch", "time ratio", "peak MiB per rank tpc / torch",
