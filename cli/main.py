@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--recompute", default="none", choices=("none", "full", "auto"), help="activation recomputation: none; full (every forward keeps only its input, a `recompute` rebuilds it before the backward); auto (per stage, the fewest stages that make every rank fit --memory-per-rank; needs a cost model) (default: none)")
     c.add_argument("--schedule-file", default=None, help="a torch.distributed.pipelining schedule CSV (_dump_csv) giving the compute order, stages, their ranks and the micro-batches (docs/torch-pipelining.md)")
     c.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
-    c.add_argument("--ranks", type=int, default=None, help="total ranks, with --stages auto")
+    c.add_argument("--ranks", type=int, default=None, help="total ranks: with --stages auto, the search splits them into pipeline x data; else stages x dp, or fewer for several stages per rank (R / dp dividing --stages, placed as the schedule needs)")
     c.add_argument("--cost", default=None, help="measured cost profile (.msgpack from `tpc profile`) for --slices/--schedule auto")
     c.add_argument("--device-model", default=None, help="analytic cost model instead of a profile: v100 | a100 | h100 | h200 | a spec file")
     c.add_argument("--memory-per-rank", default=None, help="memory budget per rank for --schedule auto, e.g. 16GiB")
