@@ -116,3 +116,18 @@ def test_bad_chunk_and_recompute_options_are_refused_at_the_option(change, where
     [d] = e.value.diagnostics
     assert d.where == where and words in d.message + " " + (d.hint or ""), e.value.render()
     assert d.hint
+
+
+def test_a_schedule_file_fixes_the_chunks_and_leaves_no_recompute_choice(tmp_path, capsys):
+    from torch.distributed.pipelining import schedules as S
+
+    from tests.compiler.torch_schedules import build, dump
+
+    csv = dump(build(S.ScheduleInterleaved1F1B, 2, 2, 2), tmp_path / "il.csv")
+    for extra in (["--virtual-stages", "2"], ["--recompute", "full"]):
+        out = tmp_path / "p.tpir"
+        assert main(["compile", TINY, "-o", str(out), "--seq-len", "16", "--batch", "4", "--schedule-file",
+                     str(csv), *extra]) == 1
+        err = capsys.readouterr().err
+        assert f"{extra[0]}: error: {extra[0]} with --schedule-file: the schedule file fixes" in err and "hint:" in err
+        assert not out.exists()
