@@ -9,6 +9,12 @@ the plan's stages, loss = mean cross-entropy per micro-batch with scale_grads=Tr
 divided by the micro-batch count, so both minimise the mean over the batch). Both take a plain
 SGD step (no weight decay) and all-reduce the loss for logging every iteration.
 
+The schedules with several model chunks per rank run 2 chunks per rank (2 x ranks stages, stage
+s on rank s mod ranks, as both place them): tpc `interleaved` vs ScheduleInterleaved1F1B,
+`looped-bfs` vs ScheduleLoopedBFS, `zb-h1` (split backward, W deferred) vs
+ScheduleInterleavedZeroBubble; the tpc plans are `tpc compile --stages R --virtual-stages 2
+--schedule NAME`, the torch side builds one PipelineStage per local chunk.
+
 - time: in the same processes, steps alternate (a tpc step, then a torch step, ...); per step
   the wall time on rank 0 (every step ends in the all-reduce of the loss, a sync point); the
   ratio is median(tpc) / median(torch) over the measured steps, after warm-up steps.
@@ -18,9 +24,11 @@ SGD step (no weight decay) and all-reduce the loss for logging every iteration.
 - gradients: one step of each from the same initial weights and batch, before any update: the
   largest relative error max|a-b|/max|b| over parameters.
 
-Targets: tpc 1f1b time ratio <= 1.0 vs Schedule1F1B, memory ratio <= 1.0.
+Targets: tpc 1f1b time ratio <= 1.0 vs Schedule1F1B, memory ratio <= 1.0; interleaved,
+looped-bfs and zb-h1 time ratio <= 0.95 vs their torch counterpart, memory ratio <= 1.0;
+gradients equal for every pair.
 
-    OMP_NUM_THREADS=1 python bench/vs_torch_pipelining.py [--steps 12] [--worlds 2,4]
+    OMP_NUM_THREADS=1 python bench/vs_torch_pipelining.py [--steps 12] [--worlds 2,4] [--schedules gpipe,1f1b,...]
 """
 
 from __future__ import annotations
@@ -38,7 +46,14 @@ from common import (MACHINE, at_root, compile_plan, launch, load_note, median, o
 
 MODEL = "bench/models/gpt_untied.py"
 SEQ, BATCH, MICRO = 256, 8, 4
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+# tpc schedule -> (torch.distributed.pipelining schedule, chunks per rank, time ratio target)
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", 1, None),
+    "1f1b": ("Schedule1F1B", 1, 1.0),
+    "interleaved": ("ScheduleInterleaved1F1B", 2, 0.95),
+    "looped-bfs": ("ScheduleLoopedBFS", 2, 0.95),
+    "zb-h1": ("ScheduleInterleavedZeroBubble", 2, 0.95),
+}
 LR = 1e-4
 
 
@@ -89,16 +104,19 @@ class TorchPipe:
 
         self.rank, self.world = rank, world
         self.model = load_plan_model(plan, 0)  # the weights tpc builds (seed 0)
-        units = plan.header.stages[rank].units
-        part = _torch_stage_module(self.model, units)
-        stage = pipelining.PipelineStage(part, rank, world, torch.device("cpu"))
+        h = plan.header
+        local = sorted(h.stages_of_rank(rank))  # the chunks of this rank, as the plan places them
+        parts = [_torch_stage_module(self.model, h.stages[s].units) for s in local]
+        stages = [pipelining.PipelineStage(part, s, h.num_stages, torch.device("cpu")) for part, s in zip(parts, local)]
+        self.first, self.last = 0 in local, h.num_stages - 1 in local
 
         def loss_fn(logits, targets):
             return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
-        self.schedule = getattr(pipelining, SCHEDULES[schedule])(stage, n_microbatches=MICRO, loss_fn=loss_fn,
-                                                                  scale_grads=True)
-        self.params = [p for p in part.parameters()]
+        cls = getattr(pipelining.schedules, SCHEDULES[schedule][0])
+        self.schedule = cls(stages if issubclass(cls, pipelining.schedules.PipelineScheduleMulti) else stages[0],
+                            n_microbatches=MICRO, loss_fn=loss_fn, scale_grads=True)
+        self.params = [p for part in parts for p in part.parameters()]
         self.opt = torch.optim.SGD(self.params, lr=LR)
 
     def step(self, tokens, *, keep_grads: bool = False):
@@ -108,12 +126,8 @@ class TorchPipe:
 
         ids, targets = tokens[:, :-1], tokens[:, 1:]
         losses = []
-        if self.rank == 0:
-            self.schedule.step(ids)
-        elif self.rank == self.world - 1:
-            self.schedule.step(target=targets, losses=losses)
-        else:
-            self.schedule.step()
+        self.schedule.step(*([ids] if self.first else []),
+                           **(dict(target=targets, losses=losses) if self.last else {}))
         loss = torch.tensor([float(sum(l.detach() for l in losses)) / MICRO if losses else 0.0], dtype=torch.float64)
         dist.all_reduce(loss)
         grads = None
@@ -195,14 +209,18 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each first (default: 2)")
     ap.add_argument("--steps", type=int, default=12, help="timed steps of each (default: 12)")
     ap.add_argument("--mem-steps", type=int, default=3, help="steps of the memory runs (default: 3)")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES),
+                    help=f"tpc schedules to compare, each with its torch counterpart (default: {','.join(SCHEDULES)})")
     args = ap.parse_args(argv)
     at_root()
     rows, ok_all = [], True
     with tempfile.TemporaryDirectory(prefix="tpc-bench-") as tmp:
         for world in (int(w) for w in args.worlds.split(",")):
-            for schedule in SCHEDULES:
-                plan = compile_plan(MODEL, Path(tmp) / f"{schedule}{world}.tpir", factory=args.factory, stages=world, microbatches=MICRO,
-                                    seq_len=SEQ, batch=BATCH, slices=1, schedule=schedule)
+            for schedule in args.schedules.split(","):
+                torch_name, chunks, target = SCHEDULES[schedule]
+                plan = compile_plan(MODEL, Path(tmp) / f"{schedule}{world}.tpir", factory=args.factory, stages=world,
+                                    virtual_stages=chunks, microbatches=MICRO, seq_len=SEQ, batch=BATCH, slices=1,
+                                    schedule=schedule)
                 t0 = time.monotonic()
                 timed = launch(world, rank_time, plan, schedule, args.warmup, args.steps)
                 mem = {fw: launch(world, rank_memory, plan, schedule, fw, args.mem_steps) for fw in ("tpc", "torch")}
@@ -212,16 +230,16 @@ def main(argv=None) -> int:
                 t_tpc, t_torch = median(timed[0]["tpc_times"]), median(timed[0]["torch_times"])
                 ratio = t_tpc / t_torch
                 mem_ratio = max(mem["tpc"]) / max(mem["torch"])
-                target = schedule == "1f1b"
-                good = (ratio <= 1.0 and mem_ratio <= 1.0) if target else True
+                good = (ratio <= target and mem_ratio <= 1.0 and err <= 1e-5) if target else err <= 1e-5
                 ok_all &= good
-                rows.append([f"{world} ranks, {schedule} vs {SCHEDULES[schedule]}",
+                rows.append([f"{world} ranks{f' x {chunks} chunks' if chunks > 1 else ''}, {schedule} vs {torch_name}",
                              f"{t_tpc * 1e3:.0f} / {t_torch * 1e3:.0f}", f"{ratio:.3f}",
                              " ".join(f"{m / 1024:.0f}" for m in mem["tpc"]) + " / "
                              + " ".join(f"{m / 1024:.0f}" for m in mem["torch"]),
                              f"{mem_ratio:.3f}", f"{err:.1e}",
-                             (ok(good) if target else "-")])
-                print(f"  {rows[-1][0]}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+                             (f"{ok(good)} (time <= {target})" if target else "-")])
+                print(f"  {rows[-1][0]}: {time.monotonic() - t0:.0f} s: {' | '.join(rows[-1][1:])}", file=sys.stderr,
+                      flush=True)
     print(f"tpc vs torch.distributed.pipelining on {MACHINE}: GPT untied ({args.factory}), batch {BATCH} x {SEQ} tokens, "
           f"{MICRO} micro-batches, gloo, 1 thread per rank; {args.steps} alternating timed steps; {load_note()}")
     print(table(["setup", "ms/iter tpc / torch", "time ratio", "peak MiB per rank tpc / torch",

@@ -81,7 +81,8 @@ def parse_memory(text: str) -> float:
 
 def check_options(*, stages, microbatches, seq_len, batch, slices="1", schedule="seq1f1b", dp=1,
                   ranks=None, factory="model", cost=None, device_model=None,
-                  memory_per_rank=None, explain=False, quiet=False) -> CompileOptions:
+                  memory_per_rank=None, explain=False, quiet=False, virtual_stages=1,
+                  recompute="none") -> CompileOptions:
     """The compile options as the command line spells them, read and checked. Nothing here
     needs the model: every mistake is reported before tracing."""
     schedule = str(schedule).strip()
@@ -92,7 +93,7 @@ def check_options(*, stages, microbatches, seq_len, batch, slices="1", schedule=
         schedule=AUTO if schedule.lower() == AUTO else schedule, dp=dp, ranks=ranks, factory=factory,
         cost=cost, device_model=device_model,
         memory_per_rank=None if memory_per_rank is None else parse_memory(memory_per_rank),
-        explain=explain, quiet=quiet)
+        explain=explain, quiet=quiet, virtual_stages=virtual_stages, recompute=str(recompute).strip().lower())
 
 
 def options_from_args(args) -> CompileOptions:
@@ -102,7 +103,8 @@ def options_from_args(args) -> CompileOptions:
         seq_len=args.seq_len, batch=args.batch, slices=args.slices,
         schedule="seq1f1b" if args.schedule is None else args.schedule, dp=args.dp,
         ranks=args.ranks, factory=args.factory, cost=args.cost, device_model=args.device_model,
-        memory_per_rank=args.memory_per_rank, explain=args.explain, quiet=args.quiet)
+        memory_per_rank=args.memory_per_rank, explain=args.explain, quiet=args.quiet,
+        virtual_stages=args.virtual_stages, recompute=args.recompute)
 
 
 def compile_schedule_from_args(args):
@@ -112,7 +114,9 @@ def compile_schedule_from_args(args):
 
     for option, value in (("--schedule", args.schedule), ("--ranks", args.ranks), ("--cost", args.cost),
                           ("--device-model", args.device_model),
-                          ("--memory-per-rank", args.memory_per_rank)):
+                          ("--memory-per-rank", args.memory_per_rank),
+                          ("--virtual-stages", None if args.virtual_stages == 1 else args.virtual_stages),
+                          ("--recompute", None if args.recompute == "none" else args.recompute)):
         if value is not None:
             raise _error(option, f"{option} with --schedule-file: the schedule file fixes the schedule, "
                          "the stages and their placement", f"leave out {option}")

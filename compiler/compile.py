@@ -19,6 +19,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from tpc.compiler.recompute import OPTION as RECOMPUTE
 from tpc.compiler.schedules import SCHEDULES, build_schedule
 from tpc.compiler.slicing import AUTO, check_slices, equal_slices, ranges_of
 from tpc.ir.diagnostics import Diagnostic, TpirError
@@ -73,6 +74,8 @@ class CompileOptions:
     memory_per_rank: float | None = None  # bytes, for the plan search
     explain: bool = False
     quiet: bool = False
+    virtual_stages: int = 1  # stages per pipeline rank: `stages` ranks hold stages x V stages
+    recompute: str = "none"  # none | full | auto (compiler/recompute.py)
 
     def __post_init__(self):
         _check_options(self)
@@ -103,9 +106,24 @@ class CompileOptions:
 
     @property
     def pipe(self) -> int:
-        """Pipeline ranks: the stages, or with `stages=AUTO` a placeholder until the search
-        picks the mesh (all ranks)."""
-        return self.ranks if self.stages_auto else self.stages
+        """Pipeline ranks: the stages (with --virtual-stages V, each holds V of them; with
+        --ranks R fewer than stages x dp, R / dp ranks hold the stages in a loop), or with
+        `stages=AUTO` a placeholder until the search picks the mesh (all ranks)."""
+        if self.stages_auto:
+            return self.ranks
+        if self.virtual_stages == 1 and self.ranks is not None:
+            return self.ranks // self.dp
+        return self.stages
+
+    @property
+    def num_stages(self) -> int:
+        """The model's pipeline stages (a multiple of the pipeline ranks)."""
+        return self.stages * self.virtual_stages
+
+    @property
+    def chunks(self) -> int:
+        """Stages per pipeline rank (1 but with --virtual-stages or --ranks below stages x dp)."""
+        return 1 if self.stages_auto else self.num_stages // self.pipe
 
     @property
     def data(self) -> int:
@@ -141,6 +159,10 @@ def _check_options(o: CompileOptions) -> None:
     B = _positive("--batch", o.batch, "the global batch size in sequences, e.g. --batch 8")
     D = _positive("--dp", o.dp, "the number of data-parallel replicas, e.g. --dp 1")
     R = _positive("--ranks", o.ranks, "the total number of ranks") if o.ranks is not None else None
+    V = _positive("--virtual-stages", o.virtual_stages, "the stages each pipeline rank holds, e.g. --virtual-stages 2")
+    if o.recompute not in RECOMPUTE:
+        raise _error("--recompute", f"--recompute {o.recompute!r} is not a choice",
+                     "use none, full or auto (auto needs --memory-per-rank and a cost model)")
     if o.memory_per_rank is not None and not o.memory_per_rank > 0:
         raise _error("--memory-per-rank", f"--memory-per-rank must be positive, got {o.memory_per_rank}",
                      "give a memory size, e.g. 16GiB")
@@ -155,6 +177,30 @@ def _check_options(o: CompileOptions) -> None:
         if D != 1:
             raise _error("--dp", f"--dp {D} with --stages auto: the search chooses the "
                          "data-parallel degree", "leave out --dp (the search splits --ranks)")
+        if V != 1:
+            raise _error("--virtual-stages", f"--virtual-stages {V} with --stages auto: the search "
+                         "places one stage per rank", "give --stages, or leave out --virtual-stages")
+    if R is not None and not o.stages_auto:
+        K = o.stages
+        if V != 1 and R != K * D:
+            raise _error("--ranks", f"--ranks {R} does not match --stages {K} x --dp {D} = {K * D} "
+                         f"(--virtual-stages {V} puts {V} stages on each of the {K} pipeline ranks)",
+                         "leave out --ranks, or make it stages x dp")
+        if V == 1 and (R % D or K % (R // D)):
+            raise _error("--ranks", f"--ranks {R} does not match --stages {K} x --dp {D} = {K * D}, nor "
+                         f"puts several stages on each pipeline rank (--ranks / --dp dividing the stages)",
+                         f"leave out --ranks, or give {K * D}, or p x {D} with p dividing {K} "
+                         f"(--stages {K} --ranks {(K // 2 or 1) * D} puts 2 stages on each rank)")
+    if o.chunks > 1 and costs:
+        raise _error("--virtual-stages" if V != 1 else "--ranks",
+                     f"{o.chunks} stages per pipeline rank with a cost model: the plan search "
+                     "places one stage per rank",
+                     "leave out --cost / --device-model and give the slices and micro-batches, "
+                     "or one stage per rank")
+    if o.recompute == "auto" and (not costs or o.memory_per_rank is None):
+        raise _error("--recompute", "--recompute auto chooses per stage what to recompute to fit "
+                     "--memory-per-rank, priced by a cost model",
+                     f"give --memory-per-rank SIZE and {_NEEDS_COSTS}; or --recompute none|full")
     K, D = o.pipe, o.data
     if B % D:
         raise _error(
@@ -169,12 +215,6 @@ def _check_options(o: CompileOptions) -> None:
             "--microbatches",
             f"{M} micro-batches but each replica has only {rows} sequence(s) (--batch {B} / --dp {D})",
             f"use at most {rows} micro-batches, or a larger --batch",
-        )
-    if R is not None and not o.stages_auto and R != K * D:
-        raise _error(
-            "--ranks",
-            f"--ranks {R} does not match --stages {K} x --dp {D} = {K * D}",
-            "leave out --ranks, or make it stages x dp",
         )
     if o.schedule_auto:
         if not costs:
@@ -312,7 +352,9 @@ def search_space(opts: CompileOptions, num_units: int):
     return Space(
         seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.microbatch_count,
         meshes=tuple(meshes), schedules=AUTO_SCHEDULES if opts.schedule_auto else (opts.schedule,),
-        slices=None if opts.slices_auto else opts.cuts, budget=opts.memory_per_rank,
+        # with --recompute auto the budget is met by recomputation after the search
+        slices=None if opts.slices_auto else opts.cuts,
+        budget=None if opts.recompute == "auto" else opts.memory_per_rank,
         skipped=tuple(skipped),
     )  # fmt: skip
 
@@ -380,10 +422,10 @@ def compile_plan(model_path: str, options: CompileOptions) -> Plan:
         # the numeric self-check runs below, with the plan's own slices
         sliced = SlicedModel.from_model(model, seq_len=opts.seq_len, vocab=vocab, check_slices=None)
         d.append(f"{sliced.num_units} units, vocab {vocab}")
-    if not opts.stages_auto and opts.stages > sliced.num_units:
+    if not opts.stages_auto and opts.num_stages > sliced.num_units:
         raise _error(
-            "--stages",
-            f"{opts.stages} stages but the model has only {sliced.num_units} partition units",
+            "--virtual-stages" if opts.virtual_stages > 1 else "--stages",
+            f"{opts.num_stages} stages but the model has only {sliced.num_units} partition units",
             f"use at most {sliced.num_units} stages",
         )
 
@@ -395,10 +437,13 @@ def compile_plan(model_path: str, options: CompileOptions) -> Plan:
         source = cost_source_for(model, sliced, vocab, sha, cost=opts.cost, device_model=opts.device_model)
         header = search_header(opts, source, make_header, progress)
     else:
+        source = None
         with progress.step("partition") as d:
-            ranges = [tuple(r) for r in sliced.partition_by_params(opts.stages)]
+            ranges = [tuple(r) for r in sliced.partition_by_params(opts.num_stages)]
             d.append(" | ".join(f"{lo}:{hi}" for lo, hi in ranges))
-        header = make_header(opts.stages, opts.dp, ranges, opts.schedule)
+        header = make_header(opts.num_stages, opts.dp, ranges, opts.schedule)
+        if opts.chunks > 1:
+            header = place_chunks(header, opts.pipe)
         if opts.slices_auto:
             auto_slices_without_costs(opts, progress)
     with progress.step("self-check") as d:
@@ -407,12 +452,59 @@ def compile_plan(model_path: str, options: CompileOptions) -> Plan:
     with progress.step("schedule") as d:
         compute = build_schedule(header.schedule.name, header)
         d.append(f"{header.schedule.name}: {slicing_summary(header)}")
+    if opts.recompute != "none":
+        compute = recompute_stages(header, compute, opts, source, progress)
     with progress.step("lower") as d:
         plan = lower(header, compute, verify=False)  # verified next, in a step of its own
         d.append(f"{sum(len(p.instrs) for p in plan.ranks)} instructions")
     with progress.step("verify"):
         check(plan)
     return plan
+
+
+def place_chunks(header: Header, pipe: int) -> Header:
+    """`header`'s stages on `pipe` pipeline ranks, several per rank, in the placement its
+    schedule is made for (stage s on rank s mod pipe for the looped ones); a schedule made for
+    one stage per rank is refused at --virtual-stages."""
+    from tpc.compiler.schedules import placement_of
+    from tpc.compiler.schedules.placement import PLACEMENTS, place
+
+    name = header.schedule.name
+    return place(header, PLACEMENTS[placement_of(name)](header.num_stages, pipe))
+
+
+def recompute_stages(header: Header, compute, opts: CompileOptions, source, progress):
+    """`--recompute full`: every stage's forwards checkpointed and recomputed before their
+    backward; `auto`: the stage-aware planner's choice under --memory-per-rank
+    (compiler/recompute.py), said in one line (and with --explain, each rank's peak)."""
+    from tpc.compiler import recompute
+
+    with progress.step("recompute") as d:
+        if opts.recompute == "auto":
+            costs = source.for_stages([st.units for st in header.stages])
+            before = recompute.peaks(header, compute, costs)
+            choice = recompute.choose(header, compute, costs, opts.memory_per_rank)
+        else:
+            choice = recompute.uniform(header, opts.recompute)
+        out = recompute.apply(compute, choice)
+        full = [s for s, c in sorted(choice.items()) if c == "full"]
+        d.append(f"{opts.recompute}: " + (f"stage{'s' * (len(full) != 1)} {', '.join(map(str, full))} recomputed"
+                                          if full else "nothing recomputed"))
+    if opts.recompute == "auto" and opts.explain:
+        after = recompute.peaks(header, out, costs)
+        from tpc.compiler.quantities import format_quantity
+
+        def fmt(n):
+            return format_quantity(n, costs.memory_unit)
+
+        lines = [f"recompute auto, budget {fmt(opts.memory_per_rank)} per rank (stage-aware: the stage "
+                 "of a rank over budget whose recomputation lowers its peak most, until it fits):"]
+        for r in sorted(before):
+            stages = sorted(header.stages_of_rank(r))
+            lines.append(f"  rank {r}: stages {', '.join(map(str, stages))}: peak {fmt(before[r])} -> {fmt(after[r])}"
+                         f"; recomputed: {', '.join(str(s) for s in stages if choice[s] == 'full') or 'none'}")
+        progress.say("\n".join(lines))
+    return out
 
 
 def _slicings(header: Header) -> list[tuple[int, ...]]:

@@ -16,7 +16,7 @@ What is searched depends on the options; everything else is held fixed:
   formula is an approximation of the real schedule; simulating the simple alternatives too
   means the plan chosen is never slower, simulated, than the best equal slicing). With given
   slices, just those;
-* schedules (`--schedule auto`): terapipe, seq1f1b, 1f1b, gpipe.
+* schedules (`--schedule auto`): terapipe, seq1f1b, 1f1b, gpipe, zb-h1, zb-h2, seq-zb.
 
 Every (mesh, slicing, schedule), in that order, is built (header, schedule, lowering) and
 simulated under the partition's cost model; its peak memory per rank is the simulator's
@@ -57,7 +57,9 @@ from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Header, Microbatch
 
 # the schedules `--schedule auto` compares, in the order that breaks ties
-AUTO_SCHEDULES = ("terapipe", "seq1f1b", "1f1b", "gpipe")
+# (the zero-bubble ones last: a tie keeps the simpler schedule; the search places one stage per
+# rank, so the schedules of several chunks per rank are not among them)
+AUTO_SCHEDULES = ("terapipe", "seq1f1b", "1f1b", "gpipe", "zb-h1", "zb-h2", "seq-zb")
 # DP runs per mesh when the partition and the slicing are chosen together
 ROUNDS = 4
 # relative difference of simulated times below which two candidates are equally fast

@@ -177,12 +177,20 @@ def test_schedule_auto_with_slices_auto_matches_each_schedule_searched_alone(tin
 
 def test_equally_fast_schedules_go_to_the_smaller_one(tiny, synthetic_path):
     """With these costs 1f1b, terapipe and gpipe take the same simulated time; 1f1b holds
-    fewer slice activations, so it wins."""
+    fewer slice activations, so it wins among them. The zero-bubble schedules are faster (their
+    deferred weight gradients fill the bubble), zb-h1 and zb-h2 equally so here; zb-h1 holds
+    less, so it wins the search."""
+    from tpc.compiler.search import _fastest
+
     free = _fixed_slices_search(tiny, _source(synthetic_path, tiny))
     by_name = {c.schedule: c for c in free.candidates}
     assert by_name["terapipe"].time == pytest.approx(by_name["1f1b"].time, rel=1e-9)
     assert by_name["1f1b"].peak < by_name["terapipe"].peak
-    assert free.best.schedule == "1f1b"
+    assert _fastest([c for c in free.candidates if c.schedule in ("terapipe", "seq1f1b", "1f1b", "gpipe")]).schedule == "1f1b"
+    assert by_name["zb-h1"].time == pytest.approx(by_name["zb-h2"].time, rel=1e-9)
+    assert by_name["zb-h1"].time < by_name["1f1b"].time
+    assert by_name["zb-h1"].peak < by_name["zb-h2"].peak
+    assert free.best.schedule == "zb-h1"
 
 
 def test_tight_memory_forces_seq1f1b(tiny, synthetic_path):
@@ -248,7 +256,7 @@ def test_compile_stages_auto_end_to_end_trains_like_autograd(tmp_path, synthetic
     assert "plan search: " in err and "memory budget 1.00 GiB per rank" in err
     header = next(line for line in err.splitlines() if "units/stage" in line).split()
     assert header == ["mesh", "units/stage", "schedule", "slicing", "step", "(sim)", "peak/rank", "fits"]
-    for text in ("2x2", "4x1", "terapipe", "seq1f1b", "1f1b", "gpipe", "dp: mb", "equal 4: mb",
+    for text in ("2x2", "4x1", "terapipe", "seq1f1b", "1f1b", "gpipe", "zb-h1", "zb-h2", "seq-zb", "dp: mb", "equal 4: mb",
                  "not searched: 1x4", "chosen: ", "why: the fastest simulated step of",
                  "optimiser: "):
         assert text in err, text

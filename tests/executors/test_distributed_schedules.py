@@ -1,6 +1,7 @@
 """The new schedules and recomputation under the distributed executor (gloo, one process per
-rank), a representative few: several chunks per rank, split backward, unequal token slices,
-recomputation, and pipeline x data parallel. Each rank's loss and gradients equal plain autograd
+rank): every new schedule x {1, 3 equal, unequal slices} with two chunks per rank on two ranks
+(GRID), and a few more: split backward with one chunk, recomputation, and pipeline x data
+parallel. Each rank's loss and gradients equal plain autograd
 (<= 1e-5) and the interpreter's (<= 1e-6). One process group per world size runs every case."""
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ TWO = [
     dict(plan=_plan("seq-zb", stages=4, ranks=2, recompute={0: "full", 1: "none", 2: "none", 3: "none"})),
     dict(plan=_plan("zb-h2", stages=2, slices="3", microbatches=3, batch=6, recompute="full")),
 ]
+NEW = ["interleaved", "looped-bfs", "zb-h1", "zb-h2", "seq-zb", "seq-interleaved"]
+GRID = [dict(plan=_plan(schedule, stages=4, ranks=2, slices=slices)) for schedule in NEW for slices in ("1", "3", "2,9,5")]
 FOUR = [  # pipe 2 x data 2
     dict(plan=_plan("seq-zb", stages=2, dp=2, batch=8)),
     dict(plan=_plan("seq-interleaved", stages=4, ranks=2, dp=2, batch=8)),
@@ -33,6 +36,11 @@ def two(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    return _launch(tmp_path_factory, 2, GRID)
+
+
+@pytest.fixture(scope="module")
 def four(tmp_path_factory):
     return _launch(tmp_path_factory, 4, FOUR)
 
@@ -40,6 +48,11 @@ def four(tmp_path_factory):
 @pytest.mark.parametrize("i", range(len(TWO)))
 def test_two_ranks(two, i):
     _check(TWO[i], two[i])
+
+
+@pytest.mark.parametrize("i", range(len(GRID)), ids=lambda i: f"{GRID[i]['plan']['schedule']}-{GRID[i]['plan']['slices']}")
+def test_every_new_schedule_and_slicing(grid, i):
+    _check(GRID[i], grid[i])
 
 
 @pytest.mark.parametrize("i", range(len(FOUR)))
