@@ -42,9 +42,10 @@ def _read_text(path: str) -> str:
 def cmd_verify(args) -> int:
     from tpc.compiler.torch_schedule.load import load_checked_plan
 
-    plan = load_checked_plan(args.plan)
+    plan = load_checked_plan(args.plan, comm=args.comm)
     n = sum(len(r.instrs) for r in plan.ranks)
-    print(f"{args.plan}: ok ({len(plan.ranks)} ranks, {plan.header.num_stages} stages, {n} instructions)")
+    print(f"{args.plan}: ok ({len(plan.ranks)} ranks, {plan.header.num_stages} stages, {n} instructions),"
+          f" under {args.comm}'s rules")
     return 0
 
 
@@ -131,11 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--memory-per-rank", default=None, help="memory budget per rank for --schedule auto, e.g. 16GiB")
     c.add_argument("--explain", action="store_true", help="print the candidates the optimiser considered and why it chose")
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    c.add_argument("--comm", choices=("nccl", "gloo"), default="nccl", help="the backend the plan is for, whose communication rules it is lowered and verified under: nccl (CUDA, the default: a send completes only when its receive is posted, so sends and receives that two ranks must post together become one `exchange`) or gloo (CPU: buffered sends, no exchanges needed). A plan for nccl also runs on gloo (docs/training.md, 'Communication')")
     c.set_defaults(func=cmd_compile)
 
     v = sub.add_parser("verify", help="check a plan: dependencies, matching sends, deadlock freedom",
                        description="Check every rule of the plan format and report every error with file:line:col.")
     v.add_argument("plan", help="a .tpir file, or a torch.distributed.pipelining schedule .csv")
+    v.add_argument("--comm", choices=("nccl", "gloo"), default="nccl", help="check deadlock freedom under this backend's rules: nccl (the default: a send completes only when its receive is posted, one FIFO per rank pair, an `exchange` completes together) or gloo (buffered sends). A deadlock is reported with the ranks and lines of the wait cycle")
     v.set_defaults(func=cmd_verify)
 
     f = sub.add_parser("fmt", help="rewrite plans in canonical form",

@@ -329,7 +329,7 @@ def test_export_refuses_recompute_and_says_where(tmp_path):
 def test_verify_and_simulate_a_csv_from_the_command_line(tmp_path, capsys):
     good = dump(build(S.ScheduleZBVZeroBubble, 2, 2, 4), tmp_path / "zbv.csv")
     assert main(["verify", str(good)]) == 0
-    assert f"{good}: ok (2 ranks, 4 stages, 102 instructions)" in capsys.readouterr().out
+    assert f"{good}: ok (2 ranks, 4 stages, 114 instructions)" in capsys.readouterr().out
     assert main(["simulate", str(good), "--unit"]) == 0
     out = capsys.readouterr().out
     assert "4 stages on 2 ranks, 4 micro-batches" in out and "bubble" in out
