@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("plan", help="a .tpir file")
     r.add_argument("--interpret", action="store_true", help="run every rank in this process with the reference interpreter")
     r.add_argument("--steps", type=int, default=1, help="training steps (default: 1)")
+    r.add_argument("--comm", choices=("nccl", "gloo"), default=None, help="the communication rules to run under and verify the plan for (default: the backend's own: nccl on CUDA, gloo on the CPU and with --interpret). --comm nccl on the CPU runs NCCL's rules with the interpreter or gloo: a send completes only when its receive is posted, an `exchange` is one batch, so a plan that would hang on GPUs hangs (and is reported) here (docs/training.md, 'Communication')")
     r.add_argument("--verify-grads", action="store_true", help="compare loss and gradients with plain autograd on the unsliced model; exit 1 above --tolerance")
     r.add_argument("--tolerance", type=float, default=1e-5, help="largest relative gradient error for --verify-grads (default: 1e-5)")
     r.add_argument("--data", help="token file (.bin of uint16 ids, see examples/prepare_corpus.py); default: random tokens from --seed")

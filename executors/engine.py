@@ -71,6 +71,11 @@ class Transport(Protocol):
 
     def flush(self) -> None: ...
 
+    def exchange(self, index: int, count: int) -> None:
+        """The `count` sends and receives after instruction `index` are one exchange: issued
+        together, complete together (tpc.ir.semantics)."""
+        ...
+
     def sum_over_pipeline(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over the pipeline ranks of this replica (for the global gradient norm)."""
         ...
@@ -182,6 +187,7 @@ class RankEngine:
             Op.ALLREDUCE: self._allreduce,
             Op.REDUCE_TIED: self._reduce_tied,
             Op.STEP: self._step,
+            Op.EXCHANGE: self._exchange,
         }
 
     # ------------------------------------------------------------------------- driving
@@ -403,6 +409,9 @@ class RankEngine:
         key = message(instr)
         tensor = self.transport.recv(key, instr.peer, self._message_shape(m, i), self.dtype, self.pc)
         self._put(key, tensor)
+
+    def _exchange(self, instr: Instr) -> None:
+        self.transport.exchange(self.pc, instr.count)
 
     def _free_kv(self, instr: Instr) -> None:
         self._stage(instr.stage).runtime.free_kv(instr.mb)
