@@ -20,8 +20,9 @@ backend (tpc.ir.semantics; the plan is verified under them before the run):
   orders the CUDA stream, and the watchdog reads `is_completed()`. On gloo with `--comm nccl`
   every send and exchange is waited on before the next instruction, the rendezvous NCCL's rules
   describe, so the CPU tests run the path and the rules a GPU run takes;
-- `allreduce stage S`: one flat buffer per stage (not one call per parameter) summed over the
-  data-parallel group of this pipeline rank;
+- `allreduce stage S`: one flat buffer per stage (not one call per parameter), kept from step
+  to step with the stage's gradients living in it, summed in place over the data-parallel group
+  of this pipeline rank;
 - `reduce-tied NAME`: the tied gradient summed over the ranks of this replica that hold the tie.
 
 Process groups: one data-parallel group per pipeline rank, one tie group per (tie, replica),
@@ -200,6 +201,7 @@ class DistTransport:
         # NCCL: the work handles waited on without blocking the host, with what they are and
         # since when, until they complete (read by the watchdog thread)
         self.in_flight: deque[tuple[object, str, float]] = deque()
+        self.flat: dict[int, torch.Tensor] = {}  # stage -> its gradients' flat buffer (data > 1)
 
     def _global(self, pipe_rank: int) -> int:
         return self.data_rank * self.pipe + pipe_rank
@@ -332,16 +334,26 @@ class DistTransport:
 
     # ------------------------------------------------------------------------ collectives
 
-    def allreduce(self, stage: int, tensors: list[torch.Tensor]) -> None:
+    def allreduce(self, stage: int, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Sum a stage's gradients over the data-parallel group as one flat buffer, kept from
+        step to step: the first time, the gradients are copied in and views of the buffer are
+        returned to become the gradients; from then on backward accumulates into the buffer and
+        it is reduced in place, with no copy."""
         if self.groups.dp is None or not tensors:
-            return
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+            return None
+        flat = self.flat.get(stage)
+        if flat is None or not _views_of(flat, tensors):
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            self.flat[stage] = flat
+            views, offset = [], 0
+            for t in tensors:
+                views.append(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+        else:
+            views = None  # already the gradients
         work = dist.all_reduce(flat, group=self.groups.dp, async_op=True)
         self._wait(work, f"the gradients of stage {stage} from the other data-parallel replicas")
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
-            offset += t.numel()
+        return views
 
     def reduce_tied(self, name: str, tensor: torch.Tensor) -> None:
         group = self.groups.ties.get(name)
@@ -399,6 +411,17 @@ class DistTransport:
             if not work.is_completed():
                 return what
         return None
+
+
+def _views_of(flat: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
+    """Whether `tensors` are, in order, the consecutive views of `flat` that `allreduce` made."""
+    base, offset = flat.untyped_storage().data_ptr(), 0
+    for t in tensors:
+        if (t.untyped_storage().data_ptr() != base or t.storage_offset() != offset
+                or not t.is_contiguous()):
+            return False
+        offset += t.numel()
+    return offset == flat.numel()
 
 
 def backend_cause(e: Exception) -> str:

@@ -65,7 +65,11 @@ class Transport(Protocol):
 
     def recv(self, key: Message, src: int, shape: tuple[int, ...], dtype: torch.dtype, index: int) -> torch.Tensor: ...
 
-    def allreduce(self, stage: int, tensors: list[torch.Tensor]) -> None: ...
+    def allreduce(self, stage: int, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Sum `tensors` (a stage's gradients) over the data-parallel group in place. May return
+        views of a persistent flat buffer holding the sums, to become the gradients (so the next
+        step's backward accumulates into the buffer and nothing is copied)."""
+        ...
 
     def reduce_tied(self, name: str, tensor: torch.Tensor) -> None: ...
 
@@ -421,7 +425,11 @@ class RankEngine:
         params = [p for _, p in unique_parameters(self._stage(instr.stage).named_parameters)
                   if id(p) not in self.reduced]
         grads = [_grad_of(p) for p in params]
-        self.transport.allreduce(instr.stage, grads)
+        views = self.transport.allreduce(instr.stage, grads)
+        if views is not None:  # the gradients live in the transport's flat buffer from now on
+            for p, v in zip(params, views):
+                p.grad = v
+            self.optimizer.keep_grads = True
         self.reduced.update(id(p) for p in params)
 
     def _reduce_tied(self, instr: Instr) -> None:

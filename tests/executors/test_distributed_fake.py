@@ -50,6 +50,10 @@ FOUR_RANKS += [dict(plan=dict(schedule=s, stages=4, slices="2,7,3", microbatches
                for s in ("1f1b", "seq1f1b")]
 FOUR_RANKS.append(dict(plan=dict(schedule="seq1f1b", stages=2, slices="3", microbatches=3, dp=2, batch=12,
                                  tie=True), comm="nccl"))
+# several steps with data parallelism: from the second step on the gradients live in the
+# all-reduce's flat buffer (zeroed in place by the optimizer, accumulated into by backward)
+FOUR_RANKS.append(dict(plan=dict(schedule="1f1b", stages=2, slices="3", microbatches=2, dp=2, batch=8, tie=True),
+                       steps=3, optim=("adamw", 1e-2, 0.1)))
 
 
 def rel_err(a, b) -> float:
