@@ -239,7 +239,7 @@ def deadlock_error(engines: list[RankEngine], waiting: dict[int, Blocked]) -> Ra
 def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.Module | None = None,
               sliced=None, stage_factory_for=None, hidden_size: int | None = None,
               batches: BatchSource | None = None, on_step=None, checkpoints=None,
-              verify: bool = True) -> RunResult:
+              verify: bool = True, keep_grads: bool = True) -> RunResult:
     """Run `plan` for `options.steps` training steps with every rank in this process.
 
     How to train is `options` (tpc.executors.options.RunOptions; the interpreter always keeps
@@ -255,8 +255,9 @@ def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.
     the run starts from (the newest checkpoint when resuming: the run then goes from its step
     up to `options.steps`, and `losses` holds only the steps run here; or --init-from weights)
     and saves all ranks' state when due.
-    `verify=False` skips the verifier (to study a broken plan). On CUDA each step's time is
-    taken after the device has finished the step.
+    `verify=False` skips the verifier (to study a broken plan). `keep_grads=False` keeps no
+    copy of the gradients (`grads` and `first_grads` stay empty; benchmarks time steps without
+    that copy). On CUDA each step's time is taken after the device has finished the step.
     """
     options = options or RunOptions()
     device = options.torch_device()
@@ -277,7 +278,8 @@ def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.
         raise TpirError(Diagnostic("the hidden size of the model is unknown",
                                    hint="pass hidden_size with stage_factory_for"))
     batches = batches or RandomTokens(options.seed, header.shape.batch, header.shape.seq, header.shape.vocab)
-    options = dataclasses.replace(options, record_grads=True)
+    if keep_grads:
+        options = dataclasses.replace(options, record_grads=True)
     hub = _Hub()
     engines: list[RankEngine] = []
     for d in range(header.mesh.data):
