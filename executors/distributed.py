@@ -202,6 +202,8 @@ class DistTransport:
         # since when, until they complete (read by the watchdog thread)
         self.in_flight: deque[tuple[object, str, float]] = deque()
         self.flat: dict[int, torch.Tensor] = {}  # stage -> its gradients' flat buffer (data > 1)
+        self.batched: set[int] = set()  # positions of receives posted by an exchange
+        self.deferred: dict[Message, tuple[object, str]] = {}  # NCCL: receives waited at their use
 
     def _global(self, pipe_rank: int) -> int:
         return self.data_rank * self.pipe + pipe_rank
@@ -266,8 +268,22 @@ class DistTransport:
         if index not in self.posted:
             self._post(index)
         work, buf = self.posted.pop(index)
-        self._wait(work, f"the message {key} from rank {self._global(src)}")
+        what = f"the message {key} from rank {self._global(src)}"
+        if self.nccl and index in self.batched:
+            # an exchange's receive (lowering moved it up to its send): the stream waits for
+            # it only where its value is used (`claim`), so the computes between still overlap
+            self.batched.discard(index)
+            self.deferred[key] = (work, what)
+            return buf
+        self._wait(work, what)
         return buf
+
+    def claim(self, key: Message) -> None:
+        """The engine is about to use the received value `key`: wait for it if its wait was
+        deferred (an exchange's receive on NCCL)."""
+        got = self.deferred.pop(key, None)
+        if got is not None:
+            self._wait(*got)
 
     # ------------------------------------------------------------------------- sends
 
@@ -324,10 +340,13 @@ class DistTransport:
                 self.sends.append((work, tensor, what))
         for q, buf, work in zip(recvs, bufs, works[n:]):
             self.posted[q] = (work, buf)
+            self.batched.add(q)
         self.exchange_span, self.exchange_sends = range(0), []
 
     def flush(self) -> None:
         """Wait for every send of this rank (before `step` and at the end of the stream)."""
+        for key in list(self.deferred):
+            self.claim(key)
         sends, self.sends = self.sends, []
         for work, _tensor, what in sends:
             self._wait(work, what)

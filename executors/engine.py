@@ -159,6 +159,7 @@ class RankEngine:
         self.device = device if device is not None else torch.device("cpu")
         self.before_instr = before_instr
         self.transport_before = getattr(transport, "before_instruction", None)
+        self.transport_claim = getattr(transport, "claim", None)  # waits deferred to the use
         self.hidden_size = hidden_size
         self.instrs: tuple[Instr, ...] = plan.program(pipe_rank).instrs
         self.dtype = DTYPES[self.header.shape.dtype]  # the plan was verified: a known name
@@ -294,12 +295,15 @@ class RankEngine:
 
     def _need(self, key: Message, what: str) -> torch.Tensor:
         try:
-            return self.env.pop(key)
+            value = self.env.pop(key)
         except KeyError:
             raise TpirError(Diagnostic(
                 f"{what} ({key}) is not available",
                 hint="an earlier instruction must produce it: a recv, or the compute of the "
                      "neighbouring stage on this rank; it is used once")) from None
+        if self.transport_claim is not None:
+            self.transport_claim(key)
+        return value
 
     def _put(self, key: Message, value: torch.Tensor) -> None:
         if key in self.env:

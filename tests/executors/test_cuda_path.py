@@ -129,3 +129,38 @@ def test_the_gradient_norm_reaches_the_host_once_per_step():
     assert norm == pytest.approx(want, rel=1e-6)
     clipped = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for _, p in params)))
     assert clipped == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_an_exchange_is_one_batch_and_its_receive_is_waited_where_it_is_used(monkeypatch):
+    """On NCCL an exchange's sends and receives go out as one batch_isend_irecv at its first
+    receive; the receive (moved up to its send by lowering) is not waited on at its line but
+    where the engine uses the value, so the computes in between overlap the transfer."""
+    from tpc.executors import distributed
+    from tpc.ir.nodes import Op
+    from tpc.ir.semantics import message
+
+    batches = []
+
+    def batch_isend_irecv(ops):
+        batches.append(ops)
+        return [FakeWork() for _ in ops]
+
+    monkeypatch.setattr(distributed.dist, "batch_isend_irecv", batch_isend_irecv)
+    monkeypatch.setattr(distributed.dist, "P2POp", lambda op, tensor, peer: (op, tensor, peer))
+    t = _transport(nccl=True, tags=False)
+    instrs = t.instrs
+    at = next(p for p, i in enumerate(instrs) if i.op is Op.EXCHANGE)
+    send, recv = instrs[at + 1], instrs[at + 2]
+    assert (send.op, recv.op) == (Op.SEND, Op.RECV)
+    t.exchange(at, instrs[at].count)
+    out = torch.randn(2, 4, 8)
+    t.send(message(send), out, send.peer, at + 1)
+    assert batches == []  # collected until the exchange's receive
+    buf = t.recv(message(recv), recv.peer, None, torch.float32, at + 2)
+    assert len(batches) == 1 and [op[0] for op in batches[0]] == [distributed.dist.isend, distributed.dist.irecv]
+    assert batches[0][0][1] is out and batches[0][1][1] is buf
+    assert message(recv) in t.deferred
+    work = t.deferred[message(recv)][0]
+    assert work.calls == []  # not at its line
+    t.claim(message(recv))  # the engine uses the value
+    assert work.calls == [((), {})] and not t.deferred
