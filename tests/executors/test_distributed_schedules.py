@@ -21,9 +21,16 @@ TWO = [
     dict(plan=_plan("seq-zb", stages=4, ranks=2, recompute={0: "full", 1: "none", 2: "none", 3: "none"})),
     dict(plan=_plan("zb-h2", stages=2, slices="3", microbatches=3, batch=6, recompute="full")),
 ]
+# under NCCL's rules on gloo (`comm="nccl"`): the NCCL branch of the executor, each exchange one
+# batch_isend_irecv, every send complete before its rank goes on
+TWO += [
+    dict(plan=_plan("interleaved", stages=4, ranks=2), comm="nccl"),
+    dict(plan=_plan("zb-h2", stages=2, slices="3", microbatches=3, batch=6), comm="nccl"),
+]
 FOUR = [  # pipe 2 x data 2
     dict(plan=_plan("seq-zb", stages=2, dp=2, batch=8)),
     dict(plan=_plan("seq-interleaved", stages=4, ranks=2, dp=2, batch=8)),
+    dict(plan=_plan("seq-interleaved", stages=4, ranks=2, dp=2, batch=8), comm="nccl"),
 ]
 
 
