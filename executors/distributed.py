@@ -545,6 +545,8 @@ def run_plan(plan: Plan, world: World, options: RunOptions, *, model: torch.nn.M
         if checkpoints is not None:
             with transport.waiting_for("the other ranks to load the checkpoint"):
                 start = checkpoints.start([engine])
+        # a collective of every rank before any send or receive: NCCL wants the first use of a
+        # group by batch_isend_irecv (an exchange) preceded by one involving all its ranks
         dist.barrier()
         engine.epoch = time.perf_counter()  # trace times count from a common start
         for step in range(start, options.steps):
