@@ -173,18 +173,19 @@ def ok(flag: bool) -> str:
 # ------------------------------------------------------------------------- tpc in a rank
 
 
-def tpc_setup(plan_path: str, seed: int = 0):
-    """What `tpc run` does before running, in one rank: (plan, model, sliced model)."""
+def tpc_setup(plan_path: str, seed: int = 0, comm: str = "gloo"):
+    """What `tpc run` does before running, in one rank: (plan, model, sliced model); the plan
+    verified under backend `comm`'s rules."""
     from tpc.executors.plan_model import load_plan_model, slice_model
     from tpc.ir.verify import verify_file
 
-    plan = verify_file(plan_path)
+    plan = verify_file(plan_path, comm)
     model = load_plan_model(plan, seed)
     return plan, model, slice_model(model, plan)
 
 
 def tpc_run(plan, model, sliced, rank: int, world: int, steps: int, *, optim=("sgd", 1e-4, 0.0),
-            record=False, trace=False, on_step=None, before=None):
+            record=False, trace=False, on_step=None, before=None, comm=None):
     """`tpc run`'s distributed executor (`run_plan`) on this rank's process group, random tokens
     of seed 0, `optim` = (kind, lr, weight decay) (default: plain SGD); returns its RankOutcome."""
     import torch
@@ -196,7 +197,7 @@ def tpc_run(plan, model, sliced, rank: int, world: int, steps: int, *, optim=("s
 
     h = plan.header.shape
     options = RunOptions(steps=steps, optim=OptimSpec(*optim), record_grads=record, trace=trace,
-                         timeout=600.0)
+                         timeout=600.0, comm=comm)
     return run_plan(plan, World(rank, world, rank), options, model=model, device=torch.device("cpu"),
                     sliced=sliced, batches=RandomTokens(0, h.batch, h.seq, h.vocab), on_step=on_step,
                     before_instr=before)

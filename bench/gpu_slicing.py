@@ -10,7 +10,8 @@ weights, gradients and messages fp32).
 
 1. Slicing overhead, per stage: the stage module of each of the 4 stages, run by the executors'
    `StageRuntime`, does forward + backward of the whole sequence as 1 slice, and as the plan's
-   8 slices back to back (forward 0..7, backward 7..0: the sum of the slice times). The two
+   8 slices back to back (forward 0..7, backward 7..0: the sum of the slice times), each slice's
+   KV buffers sized once for the whole sequence, as the engine sizes them (`capacity`). The two
    alternate `--repeats` times after one warm-up each (synchronised before and after on CUDA);
    the ratio is median(8 slices) / median(1 slice).
 2. Achieved TFLOP/s: the reference interpreter (`tpc.executors.interpreter.interpret`, what
@@ -121,8 +122,8 @@ class StageBench:
         sync(self.device)
         t0 = time.perf_counter()
         with ctx:
-            for i, (a, b) in enumerate(cuts):
-                self.rt.forward(0, i, self.x[:, a:b], a, self.ids[:, a + 1:b + 1])
+            for i, (a, b) in enumerate(cuts):  # the KV capacity the engine passes: the whole length
+                self.rt.forward(0, i, self.x[:, a:b], a, self.ids[:, a + 1:b + 1], capacity=self.L)
             for i in reversed(range(len(cuts))):
                 a, b = cuts[i]
                 self.rt.backward(0, i, None if self.g is None else self.g[:, a:b])
@@ -176,10 +177,11 @@ def interpreter_block(plan, model, sliced, device, bf16: bool, steps: int, seed:
         last.append(now)
         losses.append(loss)
 
-    # the interpreter's own stages (cut from `sliced`), on `device`, under the engine's autocast
+    # the interpreter's own stages (cut from `sliced`), on `device`, under the engine's autocast;
+    # no copy of the gradients is kept (a training run keeps none inside its steps)
     interpret(plan, RunOptions(steps=steps + 1, seed=seed, device=device.type, bf16=bf16),
               model=model, sliced=sliced, batches=RandomTokens(seed, h.shape.batch, h.shape.seq, h.shape.vocab),
-              verify=False, on_step=on_step)
+              verify=False, on_step=on_step, keep_grads=False)
     gc.collect()
     if device.type == "cuda":
         import torch
@@ -216,12 +218,12 @@ def attention_profile(bench: StageBench, cut: int, ctx) -> dict:
     with ctx:
         for i in range(cut):
             a, b = cuts[i]
-            bench.rt.forward(0, i, bench.x[:, a:b], a, bench.ids[:, a + 1:b + 1])
+            bench.rt.forward(0, i, bench.x[:, a:b], a, bench.ids[:, a + 1:b + 1], capacity=bench.L)
     sync(bench.device)
     a, b = cuts[cut]
     with profile(activities=activities) as prof:
         with ctx:
-            bench.rt.forward(0, cut, bench.x[:, a:b], a, bench.ids[:, a + 1:b + 1])
+            bench.rt.forward(0, cut, bench.x[:, a:b], a, bench.ids[:, a + 1:b + 1], capacity=bench.L)
             bench.rt.backward(0, cut, None if bench.g is None else bench.g[:, a:b])
         sync(bench.device)
     bench.rt.free_kv(0)

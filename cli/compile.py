@@ -82,7 +82,7 @@ def parse_memory(text: str) -> float:
 def check_options(*, stages, microbatches, seq_len, batch, slices="1", schedule="seq1f1b", dp=1,
                   ranks=None, factory="model", cost=None, device_model=None,
                   memory_per_rank=None, explain=False, quiet=False, virtual_stages=1,
-                  recompute="none") -> CompileOptions:
+                  recompute="none", comm="nccl") -> CompileOptions:
     """The compile options as the command line spells them, read and checked. Nothing here
     needs the model: every mistake is reported before tracing."""
     schedule = str(schedule).strip()
@@ -93,7 +93,8 @@ def check_options(*, stages, microbatches, seq_len, batch, slices="1", schedule=
         schedule=AUTO if schedule.lower() == AUTO else schedule, dp=dp, ranks=ranks, factory=factory,
         cost=cost, device_model=device_model,
         memory_per_rank=None if memory_per_rank is None else parse_memory(memory_per_rank),
-        explain=explain, quiet=quiet, virtual_stages=virtual_stages, recompute=str(recompute).strip().lower())
+        explain=explain, quiet=quiet, virtual_stages=virtual_stages, recompute=str(recompute).strip().lower(),
+        comm=comm)
 
 
 def options_from_args(args) -> CompileOptions:
@@ -104,7 +105,7 @@ def options_from_args(args) -> CompileOptions:
         schedule="seq1f1b" if args.schedule is None else args.schedule, dp=args.dp,
         ranks=args.ranks, factory=args.factory, cost=args.cost, device_model=args.device_model,
         memory_per_rank=args.memory_per_rank, explain=args.explain, quiet=args.quiet,
-        virtual_stages=args.virtual_stages, recompute=args.recompute)
+        virtual_stages=args.virtual_stages, recompute=args.recompute, comm=args.comm)
 
 
 def compile_schedule_from_args(args):
@@ -135,7 +136,7 @@ def cmd_compile(args) -> int:
     if args.schedule_file:
         from tpc.compiler.compile import write_plan
 
-        write_plan(compile_schedule_from_args(args), args.output, quiet=args.quiet)
+        write_plan(compile_schedule_from_args(args), args.output, quiet=args.quiet, comm=args.comm)
     else:
         compile_to_file(args.model, args.output, options_from_args(args))
     return 0

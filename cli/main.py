@@ -42,9 +42,10 @@ def _read_text(path: str) -> str:
 def cmd_verify(args) -> int:
     from tpc.compiler.torch_schedule.load import load_checked_plan
 
-    plan = load_checked_plan(args.plan)
+    plan = load_checked_plan(args.plan, comm=args.comm)
     n = sum(len(r.instrs) for r in plan.ranks)
-    print(f"{args.plan}: ok ({len(plan.ranks)} ranks, {plan.header.num_stages} stages, {n} instructions)")
+    print(f"{args.plan}: ok ({len(plan.ranks)} ranks, {plan.header.num_stages} stages, {n} instructions),"
+          f" under {args.comm}'s rules")
     return 0
 
 
@@ -133,11 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--memory-per-rank", default=None, help="memory budget per rank for --schedule auto, e.g. 16GiB")
     c.add_argument("--explain", action="store_true", help="print the candidates the optimiser considered and why it chose")
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    c.add_argument("--comm", choices=("nccl", "gloo"), default="nccl", help="the backend the plan is for, whose communication rules it is lowered and verified under: nccl (CUDA, the default: a send completes only when its receive is posted, so sends and receives that two ranks must post together become one `exchange`) or gloo (CPU: buffered sends, no exchanges needed). A plan for nccl also runs on gloo (docs/training.md, 'Communication')")
     c.set_defaults(func=cmd_compile)
 
     v = sub.add_parser("verify", help="check a plan: dependencies, matching sends, deadlock freedom",
                        description="Check every rule of the plan format and report every error with file:line:col.")
     v.add_argument("plan", help="a .tpir file, or a torch.distributed.pipelining schedule .csv")
+    v.add_argument("--comm", choices=("nccl", "gloo"), default="nccl", help="check deadlock freedom under this backend's rules: nccl (the default: a send completes only when its receive is posted, one FIFO per rank pair, an `exchange` completes together) or gloo (buffered sends). A deadlock is reported with the ranks and lines of the wait cycle")
     v.set_defaults(func=cmd_verify)
 
     f = sub.add_parser("fmt", help="rewrite plans in canonical form",
@@ -170,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("plan", help="a .tpir file")
     r.add_argument("--interpret", action="store_true", help="run every rank in this process with the reference interpreter")
     r.add_argument("--steps", type=int, default=1, help="training steps (default: 1)")
+    r.add_argument("--comm", choices=("nccl", "gloo"), default=None, help="the communication rules to run under and verify the plan for (default: the backend's own: nccl on CUDA, gloo on the CPU and with --interpret). --comm nccl on the CPU runs NCCL's rules with the interpreter or gloo: a send completes only when its receive is posted, an `exchange` is one batch, so a plan that would hang on GPUs hangs (and is reported) here (docs/training.md, 'Communication')")
     r.add_argument("--verify-grads", action="store_true", help="compare loss and gradients with plain autograd on the unsliced model; exit 1 above --tolerance")
     r.add_argument("--tolerance", type=float, default=1e-5, help="largest relative gradient error for --verify-grads (default: 1e-5)")
     r.add_argument("--data", help="token file (.bin of uint16 ids, see examples/prepare_corpus.py); default: random tokens from --seed")

@@ -19,7 +19,7 @@ def options_from_args(args) -> RunOptions:
         device=args.device, bf16=args.bf16, timeout=args.timeout, data=args.data,
         trace_path=args.trace, metrics=args.metrics, checkpoint_dir=args.checkpoint_dir,
         save_every=args.save_every, resume=args.resume, init_from=args.init_from, verify_grads=args.verify_grads,
-        tolerance=args.tolerance, quiet=args.quiet)
+        tolerance=args.tolerance, quiet=args.quiet, comm=args.comm)
 
 
 def cmd_run(args) -> int:
@@ -29,7 +29,8 @@ def cmd_run(args) -> int:
         from tpc.executors.run import interpret_plan
         from tpc.ir.verify import verify_file
 
-        return interpret_plan(verify_file(args.plan), options)
+        rules = options.comm_rules(options.torch_device(), interpreted=True)
+        return interpret_plan(verify_file(args.plan, rules), options)
     from tpc.executors.distributed import World, main
 
     return main(args.plan, options, World.from_env())

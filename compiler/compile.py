@@ -76,6 +76,9 @@ class CompileOptions:
     quiet: bool = False
     virtual_stages: int = 1  # stages per pipeline rank: `stages` ranks hold stages x V stages
     recompute: str = "none"  # none | full | auto (compiler/recompute.py)
+    # the backend whose communication rules the plan is lowered and verified for
+    # (tpc.ir.semantics.COMMS): "nccl" (CUDA; sends paired into exchanges) or "gloo" (CPU)
+    comm: str = "nccl"
 
     def __post_init__(self):
         _check_options(self)
@@ -151,6 +154,11 @@ def _positive(option: str, value, what: str) -> int:
 
 def _check_options(o: CompileOptions) -> None:
     """Every option checked against the others; nothing here needs the model."""
+    from tpc.ir.semantics import COMMS
+
+    if o.comm not in COMMS:
+        raise _error("--comm", f"unknown backend {o.comm!r}",
+                     "choose " + " or ".join(f"{k} ({v})" for k, v in COMMS.items()))
     if not o.stages_auto:
         _positive("--stages", o.stages, "the number of pipeline stages, e.g. --stages 2")
     if o.microbatches != AUTO:
@@ -455,10 +463,11 @@ def compile_plan(model_path: str, options: CompileOptions) -> Plan:
     if opts.recompute != "none":
         compute = recompute_stages(header, compute, opts, source, progress)
     with progress.step("lower") as d:
-        plan = lower(header, compute, verify=False)  # verified next, in a step of its own
+        plan = lower(header, compute, verify=False, comm=opts.comm)  # verified next, on its own
         d.append(f"{sum(len(p.instrs) for p in plan.ranks)} instructions")
-    with progress.step("verify"):
-        check(plan)
+    with progress.step("verify") as d:
+        check(plan, opts.comm)
+        d.append(f"under {opts.comm}'s rules")
     return plan
 
 
@@ -527,12 +536,14 @@ def check_plan_slices(sliced, header: Header) -> None:
 def compile_to_file(model_path: str, output: str, options: CompileOptions) -> Plan:
     """Compile, write the plan to `output` atomically, and return it. The written text is read
     back, parsed and verified before it replaces `output`."""
-    return write_plan(compile_plan(model_path, options), output, quiet=options.quiet)
+    return write_plan(compile_plan(model_path, options), output, quiet=options.quiet,
+                      comm=options.comm)
 
 
-def write_plan(plan: Plan, output: str, *, quiet: bool = False) -> Plan:
+def write_plan(plan: Plan, output: str, *, quiet: bool = False, comm: str = "nccl") -> Plan:
     """Write a verified plan to `output` atomically: the text is read back, parsed and verified
-    before it replaces `output`. Says what was written unless `quiet`."""
+    (under backend `comm`'s rules) before it replaces `output`. Says what was written unless
+    `quiet`."""
     from tpc.ir.parse import parse
     from tpc.ir.printer import print_plan
     from tpc.ir.verify import check
@@ -547,7 +558,7 @@ def write_plan(plan: Plan, output: str, *, quiet: bool = False) -> Plan:
             f.write(text)
         with open(tmp, encoding="utf-8") as f:
             written = f.read()
-        check(parse(written, file=output))
+        check(parse(written, file=output), comm)
         os.replace(tmp, output)
     except BaseException:
         if os.path.exists(tmp):

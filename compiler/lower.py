@@ -14,12 +14,30 @@ else an executor needs, one small named pass at a time, each a pure function
                        (FIFO per direction; executors need no tags);
 3. `insert_free_kv`    `free-kv stage S mb M` after the last compute of (S, M) and its sends;
 4. `insert_allreduce`  `allreduce stage S` after the last backward of S, when data > 1;
-5. `insert_reduce_tied` `reduce-tied "NAME"` for each tie spanning several ranks, after every
+5. `insert_exchanges`  (for NCCL's rules, tpc.ir.semantics) the sends and receives that ranks
+                       must post at the same time become one `exchange N` on each rank;
+6. `insert_reduce_tied` `reduce-tied "NAME"` for each tie spanning several ranks, after every
                        backward and allreduce of the rank, in header order on every rank, so
                        the collectives of different ties can never wait on each other;
-6. `append_step`       `step` at the end.
+7. `append_step`       `step` at the end.
 
-`lower(header, compute)` runs them in that order and checks the result with the verifier.
+`lower(header, compute, comm=...)` runs them in that order and checks the result with the
+verifier under the rules of `comm` ("nccl" unless told "gloo": then `insert_exchanges` is left
+out, since buffered sends need no exchange).
+
+How `insert_exchanges` finds the exchanges, from any compute order (no schedule is special):
+on NCCL a send completes only when its receive is posted, and the sends and receives between
+two ranks run in one FIFO shared by both directions, so ranks that each send before they
+receive wait for each other for ever: 1F1B's steady state (the activation one way, the gradient
+the other), or a ring of sends around the ranks (interleaved stages). The pass runs the ranks
+under NCCL's rules (`tpc.ir.semantics.run_comm`, the verifier's own simulation); when they stop
+in a wait-for cycle, each rank of the cycle is blocked at an operation whose partner its
+successor posts later: that partner moves up into the successor's blocked operation, and the
+two become one exchange (batched, like Megatron's send_forward_recv_backward). A receive may
+always move up (it needs only its buffer, and stays above its consumer); a send only past no
+compute. The run then goes on, so every cycle is broken where it first appears, and a send is
+never delayed. An exchange is written where its first operation was, sends first. A cycle that
+cannot be broken this way is left for the verifier to report.
 """
 
 from __future__ import annotations
@@ -28,7 +46,16 @@ from collections import defaultdict
 from typing import Callable, Mapping, Sequence
 
 from tpc.ir.nodes import BACKWARD_OPS, COMPUTE_OPS, Header, Instr, Op, Plan, RankProgram
-from tpc.ir.semantics import compute_messages
+from tpc.ir.semantics import (
+    GLOO,
+    NCCL,
+    Blocked,
+    Entry,
+    comm_entries,
+    compute_messages,
+    run_comm,
+    wait_chain,
+)
 
 Streams = dict[int, tuple[Instr, ...]]
 Pass = Callable[[Header, Streams], Streams]
@@ -174,6 +201,80 @@ def insert_allreduce(header: Header, streams: Streams) -> Streams:
     return out
 
 
+def insert_exchanges(header: Header, streams: Streams) -> Streams:
+    """Run the ranks under NCCL's rules; at each wait-for cycle, make each blocked rank's
+    operation one exchange with the operation its predecessor in the cycle waits for (see the
+    module docstring); then write each exchange at its first operation, sends first."""
+    ranks = sorted(streams)
+    entries = [list(comm_entries(r, streams[r])) for r in ranks]
+    where: dict[tuple[int, tuple], int] = {}  # (rank, message key) -> entry index
+    for r in ranks:
+        for k, e in enumerate(entries[r]):
+            for _, key, _, _ in e.p2p:
+                where[(r, key)] = k
+    tie_ranks = {t.name: frozenset(header.stage_rank(s) for s in t.stages) for t in header.ties}
+
+    def repair(stuck: dict[int, Blocked]) -> dict[int, list[tuple]]:
+        """Join, along one wait-for cycle, the operation each rank waits for to the entry its
+        partner is blocked at; {} when no cycle can be broken that way."""
+        waits = {r: b.waits_for for r, b in stuck.items()}
+        for start in sorted(stuck):
+            chain = wait_chain(waits, start)
+            if len(chain) < 2 or chain[-1] not in chain[:-1]:
+                continue  # no cycle from here
+            cycle = chain[chain.index(chain[-1]):]
+            added: dict[int, list[tuple]] = {}
+            for r, q in zip(cycle, cycle[1:]):
+                # r waits for q to post the other end of one of r's operations: move it up
+                key = next((k for k in stuck[r].missing if (q, k) in where), None)
+                if key is None:
+                    continue
+                later, current = where[(q, key)], stuck[q].entry
+                if later <= current or not _can_move_up(streams[q], entries[q], current, later, key):
+                    continue
+                op = next(o for o in entries[q][later].p2p if o[1] == key)
+                rest = tuple(o for o in entries[q][later].p2p if o[1] != key)
+                entries[q][later] = Entry(entries[q][later].at, rest)
+                entries[q][current] = Entry(entries[q][current].at, entries[q][current].p2p + (op,))
+                where[(q, key)] = current
+                added.setdefault(q, []).append(key)
+            if added:
+                return added
+        return {}
+
+    run_comm(entries, tie_ranks, NCCL, repair=repair)
+    out: Streams = {}
+    for r in ranks:
+        stream = streams[r]
+        at: dict[int, list[int]] = {}
+        moved: set[int] = set()
+        for e in entries[r]:
+            if len(e.p2p) > 1:
+                members = ([p for p, _, is_send, _ in e.p2p if is_send]
+                           + [p for p, _, is_send, _ in e.p2p if not is_send])
+                at[e.at] = members
+                moved.update(members)
+        new: list[Instr] = []
+        for p, instr in enumerate(stream):
+            if p in at:
+                new.append(Instr(Op.EXCHANGE, count=len(at[p])))
+                new += [stream[q] for q in at[p]]
+            elif p not in moved:
+                new.append(instr)
+        out[r] = tuple(new)
+    return out
+
+
+def _can_move_up(stream: Sequence[Instr], entries: list, current: int, later: int, key) -> bool:
+    """Whether the operation of `key` in entry `later` may join entry `current`: a receive
+    always may (it only needs its buffer, and stays above its consumer); a send only when no
+    compute lies between (its producer comes right before it)."""
+    op = next(o for o in entries[later].p2p if o[1] == key)
+    if not op[2]:
+        return True
+    return not any(_is_compute(stream[p]) for p in range(entries[current].at, op[0]))
+
+
 def insert_reduce_tied(header: Header, streams: Streams) -> Streams:
     """`reduce-tied "NAME"` at the end of each rank holding a stage of a tie that spans more
     than one rank. Placing them after every backward and allreduce, in header order, means
@@ -200,6 +301,7 @@ PASSES: tuple[tuple[str, Pass], ...] = (
     ("insert_comm", insert_comm),
     ("insert_free_kv", insert_free_kv),
     ("insert_allreduce", insert_allreduce),
+    ("insert_exchanges", insert_exchanges),
     ("insert_reduce_tied", insert_reduce_tied),
     ("append_step", append_step),
 )
@@ -211,16 +313,20 @@ def to_plan(header: Header, streams: Streams) -> Plan:
     return Plan(header=header, ranks=ranks)
 
 
-def lower(header: Header, compute: Mapping[int, Sequence[Instr]], *, verify: bool = True) -> Plan:
-    """Run every pass over the schedule's compute order and return the plan, verified unless
-    `verify=False` (for a caller that checks it itself, as `tpc compile` does in a step of its
-    own, or a test that studies an unverifiable intermediate)."""
+def lower(header: Header, compute: Mapping[int, Sequence[Instr]], *, verify: bool = True,
+          comm: str = NCCL) -> Plan:
+    """Run every pass over the schedule's compute order and return the plan for backend `comm`
+    ("nccl": with exchanges; "gloo": without), verified under its rules unless `verify=False`
+    (for a caller that checks it itself, as `tpc compile` does in a step of its own, or a test
+    that studies an unverifiable intermediate)."""
     streams: Streams = {r: tuple(compute.get(r, ())) for r in range(header.mesh.pipe)}
-    for _name, run in PASSES:
+    for name, run in PASSES:
+        if name == "insert_exchanges" and comm == GLOO:
+            continue
         streams = run(header, streams)
     plan = to_plan(header, streams)
     if verify:
         from tpc.ir.verify import check
 
-        check(plan)
+        check(plan, comm)
     return plan

@@ -9,6 +9,10 @@ rule of docs/ir.md:
   transfer time `p2p_time(activation_bytes(l, mb_size))`). Messages between two ranks are
   matched by what they carry (payload, the stage boundary crossed, micro-batch, slice), first
   sent first received;
+* a receive inside an `exchange` (posted with its sends, `batch_isend_irecv`) does not hold its
+  rank: the executor waits for it where its value is used, so the compute that consumes it
+  starts at max(its own turn, the message's arrival) and carries the wait. (The simulation
+  predicts time, not deadlock freedom: the verifier checks that under the backend's rules.)
 * `reduce-tied NAME` starts when every rank holding a stage of the tie has reached it (the
   k-th `reduce-tied NAME` of each rank together), then costs an all-reduce of the tied bytes
   over those ranks;
@@ -44,7 +48,7 @@ from tpc.compiler.costmodel.base import CostModel
 from tpc.compiler.memory import Memory, rank_memory, slice_extent
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Header, Instr, Op, Plan
-from tpc.ir.semantics import message_key, tie_ranks
+from tpc.ir.semantics import compute_messages, message_key, tie_ranks
 
 # ---------------------------------------------------------------------------------- results
 
@@ -59,6 +63,9 @@ class Event:
     start: float
     end: float
     wait: float = 0.0
+    # a receive: when its data is there (its end, or later for an exchange's receive, which the
+    # compute using it waits for)
+    arrival: float | None = None
 
     @property
     def line(self) -> int | None:
@@ -141,6 +148,9 @@ class _Sim:
         self.sent: dict[tuple, deque] = {}
         self.tie_seen: dict[tuple[int, str], int] = {}  # (rank, tie) -> reductions done
         self.tie_arrivals: dict[tuple[str, int], dict[int, tuple[float, int]]] = {}
+        self.exchange_end = [0] * len(self.streams)  # the position after a rank's current exchange
+        # (rank, message key) -> (arrival, sender's event) of an exchange's receive not yet used
+        self.arriving: dict[tuple, tuple[float, tuple[int, int]]] = {}
 
     def run(self) -> None:
         moved = True
@@ -153,9 +163,9 @@ class _Sim:
         if stuck:
             raise TpirError([self._stuck(r) for r in stuck])
 
-    def _finish(self, r: int, start: float, end: float, wait: float, pred) -> None:
+    def _finish(self, r: int, start: float, end: float, wait: float, pred, arrival=None) -> None:
         i = self.pos[r]
-        self.events[(r, i)] = Event(r, i, self.streams[r][i], start, end, wait)
+        self.events[(r, i)] = Event(r, i, self.streams[r][i], start, end, wait, arrival)
         self.pred[(r, i)] = pred
         self.clock[r] = end
         self.pos[r] += 1
@@ -169,7 +179,16 @@ class _Sim:
         t = self.clock[r]
         prev = self._previous(r)
         if instr.op in COMPUTE_OPS:
-            self._finish(r, t, t + _compute_time(self.header, instr, self.costs), 0.0, prev)
+            start, pred = t, prev
+            if self.arriving:
+                for _, peer, msg in compute_messages(self.header, r, instr)[0]:
+                    got = self.arriving.pop((r, (peer, r, msg)), None)
+                    if got is not None and got[0] > start:
+                        start, pred = got
+            self._finish(r, t, start + _compute_time(self.header, instr, self.costs), start - t, pred)
+        elif instr.op is Op.EXCHANGE:
+            self.exchange_end[r] = self.pos[r] + 1 + instr.count
+            self._finish(r, t, t, 0.0, prev)
         elif instr.op is Op.SEND:
             self.sent.setdefault(message_key(r, instr), deque()).append((r, self.pos[r], t))
             self._finish(r, t, t, 0.0, prev)
@@ -180,7 +199,10 @@ class _Sim:
             src, index, sent_at = queue.popleft()
             l, _, size = slice_extent(self.header, instr)
             arrival = sent_at + self.costs.p2p_time(self.costs.activation_bytes(l, size))
-            if arrival > t:
+            if self.pos[r] < self.exchange_end[r]:  # waited for where it is used
+                self.arriving[(r, message_key(r, instr))] = (arrival, (src, index))
+                self._finish(r, t, t, 0.0, prev, arrival)
+            elif arrival > t:
                 self._finish(r, t, arrival, arrival - t, (src, index))
             else:
                 self._finish(r, t, t, 0.0, prev)

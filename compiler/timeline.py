@@ -87,7 +87,8 @@ def chrome_trace(result, plan_name: str = "") -> dict:
     for k, (send, recv) in enumerate(message_pairs(result.events)):
         common = {"id": k, "cat": "p2p", "name": send.instr.payload.value, "tid": 0}
         events.append({"ph": "s", "pid": send.rank, "ts": send.start * scale, **common})
-        events.append({"ph": "f", "bp": "e", "pid": recv.rank, "ts": recv.end * scale, **common})
+        there = recv.end if recv.arrival is None else max(recv.end, recv.arrival)
+        events.append({"ph": "f", "bp": "e", "pid": recv.rank, "ts": there * scale, **common})
     meta = {"plan": plan_name, "schedule": result.plan.header.schedule.name,
             "source": "simulate", "time_unit": result.time_unit, "us_per_unit": scale}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"tpc": meta}}

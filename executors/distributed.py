@@ -4,17 +4,25 @@ Every process reads the plan and the model file itself and refuses to start, bef
 communication, when the world does not match the plan's mesh or the model file is not the one
 the plan was compiled from (all ranks see the same files, so all refuse alike).
 
-Communication follows the plan's semantics with torch.distributed:
+Communication follows the plan's semantics with torch.distributed, under the rules of the
+backend (tpc.ir.semantics; the plan is verified under them before the run):
 
-- point-to-point: on gloo, receives are posted early (`irecv` into a buffer of the shape the plan
-  implies, for every `recv` up to the compute after the next one) and waited on just before the
-  instruction that needs them (on NCCL each is issued at its instruction, see
-  `DistTransport.ahead`); sends are `isend`s whose work handles are kept and waited on before
-  `step` at the latest. Messages between two ranks in one direction are received in the order
-  they were sent (the verifier checks it); on gloo the n-th message of a channel also carries tag
-  n, so a mismatch could never be matched silently;
-- `allreduce stage S`: one flat buffer per stage (not one call per parameter) summed over the
-  data-parallel group of this pipeline rank;
+- point-to-point, gloo's buffered rules (the default on the CPU): receives are posted early
+  (`irecv` into a buffer of the shape the plan implies, for every `recv` up to the compute after
+  the next one) and waited on just before the instruction that needs them; sends are `isend`s
+  whose work handles are kept and waited on before `step` at the latest; the n-th message of a
+  channel carries tag n, so a mismatch could never be matched silently. An `exchange` changes
+  nothing there;
+- point-to-point, NCCL's rules (on CUDA; on the CPU with `--comm nccl`): each receive is issued
+  at its own instruction (see `DistTransport.before_instruction`), matched by order, and each
+  `exchange N` is one `batch_isend_irecv` of its sends and receives, issued at its first
+  receive (its sends are collected until then). On NCCL no wait blocks the host: `wait()`
+  orders the CUDA stream, and the watchdog reads `is_completed()`. On gloo with `--comm nccl`
+  every send and exchange is waited on before the next instruction, the rendezvous NCCL's rules
+  describe, so the CPU tests run the path and the rules a GPU run takes;
+- `allreduce stage S`: one flat buffer per stage (not one call per parameter), kept from step
+  to step with the stage's gradients living in it, summed in place over the data-parallel group
+  of this pipeline rank;
 - `reduce-tied NAME`: the tied gradient summed over the ranks of this replica that hold the tie.
 
 Process groups: one data-parallel group per pipeline rank, one tie group per (tie, replica),
@@ -24,7 +32,8 @@ Faults: a rank whose instruction fails prints its located error and leaves with 
 once (os._exit: no teardown that could wait for peers). A rank waiting for a peer gives up after
 --timeout seconds, or as soon as gloo reports the peer's connection closed, and says which rank,
 step and instruction it was blocked on; a watchdog thread backs this up for any wait that does
-not honour the timeout. So no run hangs.
+not honour the timeout, and on NCCL (whose waits do not block the host) watches every work
+handle until it completes. So no run hangs.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import re
 import sys
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,7 +60,7 @@ from tpc.executors.training.run_checkpoints import RunCheckpoints
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Op, Plan
 from tpc.ir.verify import verify_file
-from tpc.ir.semantics import Message
+from tpc.ir.semantics import GLOO, NCCL, Message
 
 
 # ------------------------------------------------------------------------- before anything
@@ -160,22 +170,40 @@ class DistTransport:
     LOOKAHEAD_COMPUTES = 2  # receives are posted up to the compute after the next one
 
     def __init__(self, plan: Plan, world: World, groups: Groups, *, device: torch.device,
-                 hidden_size: int, dtype: torch.dtype, timeout: float, tags: bool):
+                 hidden_size: int, dtype: torch.dtype, timeout: float, tags: bool,
+                 nccl: bool = False, rendezvous: bool = False):
+        """`tags`: gloo with its buffered sends (receives posted ahead, the n-th message of a
+        channel tagged n); else the NCCL branch (receives at their own instruction, matched by
+        order). `nccl`: the backend is NCCL, whose `wait(timeout=...)` would block the host:
+        waits only order the device's stream, and the watchdog reads `is_completed()`.
+        `rendezvous`: on gloo, run NCCL's rules (tpc.ir.semantics): each send, and each
+        exchange, is waited on before the next instruction, so a plan that would hang on
+        NCCL hangs here too (and is reported)."""
         self.plan, self.header = plan, plan.header
         self.pipe = plan.header.mesh.pipe
         self.pipe_rank, self.data_rank = world.rank % self.pipe, world.rank // self.pipe
         self.instrs = plan.program(self.pipe_rank).instrs
         self.groups, self.device, self.timeout = groups, device, timeout
         self.hidden_size, self.dtype, self.tags = hidden_size, dtype, tags
-        self.early = tags  # post receives ahead: gloo only, see `ahead`
+        self.nccl, self.rendezvous = nccl, rendezvous
+        self.early = tags  # post receives ahead: gloo's buffered rules only, see `ahead`
         self.posted: dict[int, tuple[object, torch.Tensor]] = {}
         self.next_post = 0
         self.sends: list[tuple[object, torch.Tensor, str]] = []
         self.sent: dict[int, int] = {}  # messages sent per destination (the tag of the next)
         self.received: dict[int, int] = {}  # receives posted per source
+        # the current exchange: its members' positions, and its sends until it is issued
+        self.exchange_span: range = range(0)
+        self.exchange_sends: list[tuple[object, torch.Tensor, str]] = []
         # what this rank waits for and since when (read by the watchdog thread); set only
         # through `waiting_for`
         self.waiting: tuple[str, float] | None = None
+        # NCCL: the work handles waited on without blocking the host, with what they are and
+        # since when, until they complete (read by the watchdog thread)
+        self.in_flight: deque[tuple[object, str, float]] = deque()
+        self.flat: dict[int, torch.Tensor] = {}  # stage -> its gradients' flat buffer (data > 1)
+        self.batched: set[int] = set()  # positions of receives posted by an exchange
+        self.deferred: dict[Message, tuple[object, str]] = {}  # NCCL: receives waited at their use
 
     def _global(self, pipe_rank: int) -> int:
         return self.data_rank * self.pipe + pipe_rank
@@ -235,42 +263,116 @@ class DistTransport:
         self.posted[index] = (work, buf)
 
     def recv(self, key: Message, src: int, shape, dtype, index: int) -> torch.Tensor:
+        if index in self.exchange_span and index not in self.posted:
+            self._issue_exchange()
         if index not in self.posted:
             self._post(index)
         work, buf = self.posted.pop(index)
-        self._wait(work, f"the message {key} from rank {self._global(src)}")
+        what = f"the message {key} from rank {self._global(src)}"
+        if self.nccl and index in self.batched:
+            # an exchange's receive (lowering moved it up to its send): the stream waits for
+            # it only where its value is used (`claim`), so the computes between still overlap
+            self.batched.discard(index)
+            self.deferred[key] = (work, what)
+            return buf
+        self._wait(work, what)
         return buf
+
+    def claim(self, key: Message) -> None:
+        """The engine is about to use the received value `key`: wait for it if its wait was
+        deferred (an exchange's receive on NCCL)."""
+        got = self.deferred.pop(key, None)
+        if got is not None:
+            self._wait(*got)
 
     # ------------------------------------------------------------------------- sends
 
     def send(self, key: Message, tensor: torch.Tensor, dst: int, index: int) -> None:
         dst_g = self._global(dst)
+        what = f"the send of {key} to rank {dst_g}"
+        if index in self.exchange_span:
+            self.exchange_sends.append((dist.P2POp(dist.isend, tensor, dst_g), tensor, what))
+            if index == self.exchange_span[-1]:  # an exchange of sends only
+                self._issue_exchange()
+            return
         tag = self.sent.get(dst_g, 0)
         self.sent[dst_g] = tag + 1
         work = dist.isend(tensor, dst=dst_g, tag=tag if self.tags else 0)
-        self.sends.append((work, tensor, f"the send of {key} to rank {dst_g}"))
+        if self.rendezvous:  # NCCL's rules on gloo: the send completes before the rank goes on
+            self._wait(work, what)
+            return
+        self.sends.append((work, tensor, what))
         # drop finished sends now and then, so their buffers are freed during the step
         if len(self.sends) > 16:
             self.sends = [s for s in self.sends if not s[0].is_completed()]
 
+    # --------------------------------------------------------------------- exchanges
+
+    def exchange(self, index: int, count: int) -> None:
+        """The next `count` instructions (sends, then receives) are one batch. With gloo's
+        buffered rules a batch changes nothing (sends never block there), so it is issued as
+        separate operations."""
+        if self.tags:
+            return
+        self.exchange_span = range(index + 1, min(index + 1 + count, len(self.instrs)))
+        self.exchange_sends = []
+
+    def _issue_exchange(self) -> None:
+        """Issue the current exchange as one `batch_isend_irecv` (NCCL: one group, the sends
+        and receives complete together): its sends, already collected, and its receives, into
+        buffers of the plan's shapes. Each receive is waited on at its own instruction."""
+        recvs = [q for q in self.exchange_span if self.instrs[q].op is Op.RECV]
+        ops = [op for op, _, _ in self.exchange_sends]
+        bufs = []
+        for q in recvs:
+            ins = self.instrs[q]
+            lo, hi = self.header.microbatches[ins.mb].slices[ins.slice]
+            buf = torch.empty((self.header.microbatches[ins.mb].size, hi - lo, self.hidden_size),
+                              dtype=self.dtype, device=self.device)
+            bufs.append(buf)
+            ops.append(dist.P2POp(dist.irecv, buf, self._global(ins.peer)))
+        works = dist.batch_isend_irecv(ops)
+        n = len(self.exchange_sends)
+        for (_, tensor, what), work in zip(self.exchange_sends, works[:n]):
+            if self.rendezvous:
+                self._wait(work, what)
+            else:
+                self.sends.append((work, tensor, what))
+        for q, buf, work in zip(recvs, bufs, works[n:]):
+            self.posted[q] = (work, buf)
+            self.batched.add(q)
+        self.exchange_span, self.exchange_sends = range(0), []
+
     def flush(self) -> None:
         """Wait for every send of this rank (before `step` and at the end of the stream)."""
+        for key in list(self.deferred):
+            self.claim(key)
         sends, self.sends = self.sends, []
         for work, _tensor, what in sends:
             self._wait(work, what)
 
     # ------------------------------------------------------------------------ collectives
 
-    def allreduce(self, stage: int, tensors: list[torch.Tensor]) -> None:
+    def allreduce(self, stage: int, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Sum a stage's gradients over the data-parallel group as one flat buffer, kept from
+        step to step: the first time, the gradients are copied in and views of the buffer are
+        returned to become the gradients; from then on backward accumulates into the buffer and
+        it is reduced in place, with no copy."""
         if self.groups.dp is None or not tensors:
-            return
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+            return None
+        flat = self.flat.get(stage)
+        if flat is None or not _views_of(flat, tensors):
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            self.flat[stage] = flat
+            views, offset = [], 0
+            for t in tensors:
+                views.append(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+        else:
+            views = None  # already the gradients
         work = dist.all_reduce(flat, group=self.groups.dp, async_op=True)
         self._wait(work, f"the gradients of stage {stage} from the other data-parallel replicas")
-        offset = 0
-        for t in tensors:
-            t.copy_(flat[offset: offset + t.numel()].view_as(t))
-            offset += t.numel()
+        return views
 
     def reduce_tied(self, name: str, tensor: torch.Tensor) -> None:
         group = self.groups.ties.get(name)
@@ -290,6 +392,15 @@ class DistTransport:
     # ---------------------------------------------------------------------------- waits
 
     def _wait(self, work, what: str) -> None:
+        if self.nccl:
+            # WorkNCCL.wait() makes this rank's current CUDA stream wait for the work and
+            # returns at once; with a timeout it would block the host until the work is done,
+            # so no communication would overlap compute. The watchdog reads is_completed().
+            work.wait()
+            self.in_flight.append((work, what, time.monotonic()))
+            if len(self.in_flight) > 64:
+                self.prune()
+            return
         with self.waiting_for(what):
             try:
                 work.wait(timeout=timedelta(seconds=self.timeout))
@@ -299,6 +410,37 @@ class DistTransport:
                     f"gave up waiting for {what}: {cause}",
                     hint="that rank failed or is stuck: see its own error above; if it is merely "
                          "slow, raise --timeout")) from None
+
+
+    def prune(self) -> None:
+        """Forget the NCCL works that have completed."""
+        while self.in_flight and self.in_flight[0][0].is_completed():
+            self.in_flight.popleft()
+
+    def overdue(self, limit: float) -> str | None:
+        """What this rank has waited on for longer than `limit` seconds, or None: a wait that
+        blocks the host, or (NCCL) the oldest work not completed."""
+        now = time.monotonic()
+        waiting = self.waiting
+        if waiting is not None and now - waiting[1] > limit:
+            return waiting[0]
+        for work, what, since in list(self.in_flight):
+            if now - since <= limit:
+                break
+            if not work.is_completed():
+                return what
+        return None
+
+
+def _views_of(flat: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
+    """Whether `tensors` are, in order, the consecutive views of `flat` that `allreduce` made."""
+    base, offset = flat.untyped_storage().data_ptr(), 0
+    for t in tensors:
+        if (t.untyped_storage().data_ptr() != base or t.storage_offset() != offset
+                or not t.is_contiguous()):
+            return False
+        offset += t.numel()
+    return offset == flat.numel()
 
 
 def backend_cause(e: Exception) -> str:
@@ -327,11 +469,11 @@ class Watchdog(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.wait(min(1.0, self.limit / 10)):
-            waiting = self.transport.waiting
-            if waiting is not None and time.monotonic() - waiting[1] > self.limit:
+            what = self.transport.overdue(self.limit)
+            if what is not None:
                 e = self.engine
                 where = e.where(e.pc) if not e.done else f"rank {e.rank_name}, end of the stream"
-                fail(f"{where} (step {e.step}): no progress for {self.limit:.0f} s waiting for {waiting[0]}",
+                fail(f"{where} (step {e.step}): no progress for {self.limit:.0f} s waiting for {what}",
                      hint="a peer failed or is stuck: see its own error; if it is merely slow, raise --timeout")
 
 
@@ -387,8 +529,12 @@ def run_plan(plan: Plan, world: World, options: RunOptions, *, model: torch.nn.M
         hidden_size = sliced.hidden_size
     groups = make_groups(plan, world, options.timeout, pipeline=options.needs_grad_norm)
     dtype = DTYPES[plan.header.shape.dtype]  # the plan was verified: a known name
+    backend = dist.get_backend()
+    rules = options.comm_rules(device)
     transport = DistTransport(plan, world, groups, device=device, hidden_size=hidden_size,
-                              dtype=dtype, timeout=options.timeout, tags=dist.get_backend() == "gloo")
+                              dtype=dtype, timeout=options.timeout,
+                              tags=backend == "gloo" and rules == GLOO, nccl=backend == "nccl",
+                              rendezvous=backend != "nccl" and rules == NCCL)
     engine = RankEngine(plan, pipe_rank, data_rank, transport, stage_factory, hidden_size=hidden_size,
                         options=options, device=device, before_instr=before_instr)
     watchdog = Watchdog(engine, transport, options.timeout)
@@ -399,6 +545,8 @@ def run_plan(plan: Plan, world: World, options: RunOptions, *, model: torch.nn.M
         if checkpoints is not None:
             with transport.waiting_for("the other ranks to load the checkpoint"):
                 start = checkpoints.start([engine])
+        # a collective of every rank before any send or receive: NCCL wants the first use of a
+        # group by batch_isend_irecv (an exchange) preceded by one involving all its ranks
         dist.barrier()
         engine.epoch = time.perf_counter()  # trace times count from a common start
         for step in range(start, options.steps):
@@ -428,11 +576,12 @@ def main(plan_path: str, options: RunOptions, world: World) -> int:
     the exit status (the same on every rank); a failure ends the process with status 1 (see
     `fail`)."""
     torch.set_num_threads(1)
-    # every rank checks the same files: all refuse alike, before any communication
-    plan = verify_file(plan_path)
+    # every rank checks the same files: all refuse alike, before any communication; the plan
+    # under the rules of the backend it will run on
+    device = options.torch_device(world.local_rank)
+    plan = verify_file(plan_path, options.comm_rules(device))
     check_world(plan, world)
     check_plan_model(plan)
-    device = options.torch_device(world.local_rank)
     check_bf16(options, device)
     model = load_plan_model(plan, options.seed)
     sliced = slice_model(model, plan)

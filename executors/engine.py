@@ -65,11 +65,20 @@ class Transport(Protocol):
 
     def recv(self, key: Message, src: int, shape: tuple[int, ...], dtype: torch.dtype, index: int) -> torch.Tensor: ...
 
-    def allreduce(self, stage: int, tensors: list[torch.Tensor]) -> None: ...
+    def allreduce(self, stage: int, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Sum `tensors` (a stage's gradients) over the data-parallel group in place. May return
+        views of a persistent flat buffer holding the sums, to become the gradients (so the next
+        step's backward accumulates into the buffer and nothing is copied)."""
+        ...
 
     def reduce_tied(self, name: str, tensor: torch.Tensor) -> None: ...
 
     def flush(self) -> None: ...
+
+    def exchange(self, index: int, count: int) -> None:
+        """The `count` sends and receives after instruction `index` are one exchange: issued
+        together, complete together (tpc.ir.semantics)."""
+        ...
 
     def sum_over_pipeline(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over the pipeline ranks of this replica (for the global gradient norm)."""
@@ -150,6 +159,7 @@ class RankEngine:
         self.device = device if device is not None else torch.device("cpu")
         self.before_instr = before_instr
         self.transport_before = getattr(transport, "before_instruction", None)
+        self.transport_claim = getattr(transport, "claim", None)  # waits deferred to the use
         self.hidden_size = hidden_size
         self.instrs: tuple[Instr, ...] = plan.program(pipe_rank).instrs
         self.dtype = DTYPES[self.header.shape.dtype]  # the plan was verified: a known name
@@ -182,6 +192,7 @@ class RankEngine:
             Op.ALLREDUCE: self._allreduce,
             Op.REDUCE_TIED: self._reduce_tied,
             Op.STEP: self._step,
+            Op.EXCHANGE: self._exchange,
         }
 
     # ------------------------------------------------------------------------- driving
@@ -284,12 +295,15 @@ class RankEngine:
 
     def _need(self, key: Message, what: str) -> torch.Tensor:
         try:
-            return self.env.pop(key)
+            value = self.env.pop(key)
         except KeyError:
             raise TpirError(Diagnostic(
                 f"{what} ({key}) is not available",
                 hint="an earlier instruction must produce it: a recv, or the compute of the "
                      "neighbouring stage on this rank; it is used once")) from None
+        if self.transport_claim is not None:
+            self.transport_claim(key)
+        return value
 
     def _put(self, key: Message, value: torch.Tensor) -> None:
         if key in self.env:
@@ -404,6 +418,9 @@ class RankEngine:
         tensor = self.transport.recv(key, instr.peer, self._message_shape(m, i), self.dtype, self.pc)
         self._put(key, tensor)
 
+    def _exchange(self, instr: Instr) -> None:
+        self.transport.exchange(self.pc, instr.count)
+
     def _free_kv(self, instr: Instr) -> None:
         self._stage(instr.stage).runtime.free_kv(instr.mb)
 
@@ -412,7 +429,11 @@ class RankEngine:
         params = [p for _, p in unique_parameters(self._stage(instr.stage).named_parameters)
                   if id(p) not in self.reduced]
         grads = [_grad_of(p) for p in params]
-        self.transport.allreduce(instr.stage, grads)
+        views = self.transport.allreduce(instr.stage, grads)
+        if views is not None:  # the gradients live in the transport's flat buffer from now on
+            for p, v in zip(params, views):
+                p.grad = v
+            self.optimizer.keep_grads = True
         self.reduced.update(id(p) for p in params)
 
     def _reduce_tied(self, instr: Instr) -> None:

@@ -1,9 +1,12 @@
 """The reference interpreter: every rank of a plan, every data replica, in one process.
 
-This is the executable definition of the IR's semantics (docs/ir.md):
+This is the executable definition of the IR's semantics (docs/ir.md), under the rules of either
+backend (tpc.ir.semantics), `RunOptions.comm`:
 
-- a send never blocks: it appends to the in-memory FIFO channel of its (source, destination)
-  direction;
+- a send appends to the in-memory FIFO channel of its (source, destination) direction; with
+  gloo's rules (the default) it never blocks; with NCCL's (`comm="nccl"`) the rank does not go
+  past it until the receiver has taken the message (a rendezvous), and past an `exchange` only
+  when every send of it has been taken and every receive has arrived;
 - a receive blocks until its message is at the head of that channel; the message must be the one
   the receive names (FIFO order per direction is part of the format);
 - `allreduce stage S` waits for every replica's rank of stage S and sums their gradients;
@@ -33,7 +36,7 @@ from tpc.executors.plan_model import load_plan_model, slice_model
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
 from tpc.ir.verify import check
-from tpc.ir.semantics import Message, wait_chain
+from tpc.ir.semantics import NCCL, Message, wait_chain
 
 
 @dataclass
@@ -57,6 +60,9 @@ class _Hub:
     def __init__(self):
         self.channels: dict[tuple[int, int], deque[tuple[Message, torch.Tensor]]] = {}
         self.pending: dict[tuple, dict] = {}
+        # per channel, how many messages were ever put on it and taken off it
+        self.pushed: dict[tuple[int, int], int] = {}
+        self.taken: dict[tuple[int, int], int] = {}
 
     def channel(self, src: int, dst: int) -> deque:
         return self.channels.setdefault((src, dst), deque())
@@ -98,19 +104,43 @@ def _ordered_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
 class LocalTransport:
     """One rank's end of the in-memory network."""
 
-    def __init__(self, hub: _Hub, plan: Plan, pipe_rank: int, data_rank: int):
+    def __init__(self, hub: _Hub, plan: Plan, pipe_rank: int, data_rank: int,
+                 rendezvous: bool = False):
+        """`rendezvous`: NCCL's rules (the module docstring), else gloo's buffered sends."""
         self.hub, self.header = hub, plan.header
         self.pipe, self.data = plan.header.mesh.pipe, plan.header.mesh.data
         self.pipe_rank, self.data_rank = pipe_rank, data_rank
         self.me = data_rank * self.pipe + pipe_rank
         self.step = 0
         self.seen: dict[tuple, int] = {}
+        self.rendezvous = rendezvous
+        self.unreceived: list[tuple[Message, int, tuple[int, int], int]] = []  # sends not yet taken
+        self.exchange_end = 0  # the instruction after the members of the current exchange
 
     def _global(self, pipe_rank: int) -> int:
         return self.data_rank * self.pipe + pipe_rank
 
+    def exchange(self, index: int, count: int) -> None:
+        self.exchange_end = index + 1 + count
+
+    def before_instruction(self, index: int) -> None:
+        """NCCL's rules: past a send (or an exchange) only once the receiver took the message."""
+        if not self.unreceived or index < self.exchange_end:
+            return
+        taken = self.hub.taken
+        self.unreceived = [u for u in self.unreceived if taken.get(u[2], 0) <= u[3]]
+        if self.unreceived:
+            key, dst, _, _ = self.unreceived[0]
+            raise Blocked(f"the send of {key}: rank {dst} has not posted its receive (NCCL's "
+                          "rules: a send completes only when its receive is posted)", ranks=(dst,))
+
     def send(self, key: Message, tensor: torch.Tensor, dst: int, index: int) -> None:
-        self.hub.channel(self.me, self._global(dst)).append((key, tensor.clone()))
+        chan = (self.me, self._global(dst))
+        self.hub.channel(*chan).append((key, tensor.clone()))
+        seq = self.hub.pushed.get(chan, 0)
+        self.hub.pushed[chan] = seq + 1
+        if self.rendezvous:
+            self.unreceived.append((key, self._global(dst), chan, seq))
 
     def recv(self, key: Message, src: int, shape, dtype, index: int) -> torch.Tensor:
         queue = self.hub.channel(self._global(src), self.me)
@@ -127,6 +157,8 @@ class LocalTransport:
                 f"received a {tuple(tensor.shape)} {tensor.dtype} tensor, the plan implies {tuple(shape)} {dtype}",
                 hint="both ranks must run the same plan"))
         queue.popleft()
+        chan = (self._global(src), self.me)
+        self.hub.taken[chan] = self.hub.taken.get(chan, 0) + 1
         return tensor
 
     def _occurrence(self, kind: tuple) -> tuple:
@@ -207,7 +239,7 @@ def deadlock_error(engines: list[RankEngine], waiting: dict[int, Blocked]) -> Ra
 def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.Module | None = None,
               sliced=None, stage_factory_for=None, hidden_size: int | None = None,
               batches: BatchSource | None = None, on_step=None, checkpoints=None,
-              verify: bool = True) -> RunResult:
+              verify: bool = True, keep_grads: bool = True) -> RunResult:
     """Run `plan` for `options.steps` training steps with every rank in this process.
 
     How to train is `options` (tpc.executors.options.RunOptions; the interpreter always keeps
@@ -223,14 +255,16 @@ def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.
     the run starts from (the newest checkpoint when resuming: the run then goes from its step
     up to `options.steps`, and `losses` holds only the steps run here; or --init-from weights)
     and saves all ranks' state when due.
-    `verify=False` skips the verifier (to study a broken plan). On CUDA each step's time is
-    taken after the device has finished the step.
+    `verify=False` skips the verifier (to study a broken plan). `keep_grads=False` keeps no
+    copy of the gradients (`grads` and `first_grads` stay empty; benchmarks time steps without
+    that copy). On CUDA each step's time is taken after the device has finished the step.
     """
     options = options or RunOptions()
-    if verify:
-        check(plan)
-    header = plan.header
     device = options.torch_device()
+    rules = options.comm_rules(device, interpreted=True)
+    if verify:
+        check(plan, rules)
+    header = plan.header
     if model is None and stage_factory_for is None:
         model = load_plan_model(plan, options.seed)
     if stage_factory_for is None:
@@ -244,13 +278,15 @@ def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.
         raise TpirError(Diagnostic("the hidden size of the model is unknown",
                                    hint="pass hidden_size with stage_factory_for"))
     batches = batches or RandomTokens(options.seed, header.shape.batch, header.shape.seq, header.shape.vocab)
-    options = dataclasses.replace(options, record_grads=True)
+    if keep_grads:
+        options = dataclasses.replace(options, record_grads=True)
     hub = _Hub()
     engines: list[RankEngine] = []
     for d in range(header.mesh.data):
         for p in range(header.mesh.pipe):
             copy_ = copy.deepcopy(model).to(device) if model is not None else None
-            engines.append(RankEngine(plan, p, d, LocalTransport(hub, plan, p, d), stage_factory_for(copy_),
+            engines.append(RankEngine(plan, p, d, LocalTransport(hub, plan, p, d, rules == NCCL),
+                                      stage_factory_for(copy_),
                                       hidden_size=hidden_size, options=options, device=device))
     start = checkpoints.start(engines) if checkpoints is not None else 0
     losses: list[float] = []

@@ -59,6 +59,11 @@ class RunOptions:
     record_grads: bool = False
     # compute the global gradient norm every step even without clipping or metrics
     grad_norm: bool = False
+    # the communication rules the run follows and its plan is verified under
+    # (tpc.ir.semantics.COMMS): None is the backend's own ("nccl" on CUDA, "gloo" on the CPU
+    # and in the interpreter); "nccl" on the CPU runs NCCL's rules there (the interpreter and
+    # gloo: a send completes only when its receive is posted), so CPU tests exercise them
+    comm: str | None = None
 
     def __post_init__(self):
         if self.steps < 1:
@@ -91,6 +96,8 @@ class RunOptions:
                           f"use one of: {', '.join(LR_SCHEDULES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise _refuse("--device", f"unknown device {self.device!r}", "use cpu, cuda or auto")
+        if self.comm not in (None, "gloo", "nccl"):
+            raise _refuse("--comm", f"unknown communication rules {self.comm!r}", "use nccl or gloo")
         self.lr_at(0)  # refuses a meaningless schedule (warm-up past the end) now
 
     @property
@@ -107,6 +114,16 @@ class RunOptions:
     def needs_grad_norm(self) -> bool:
         """The global gradient norm is computed each step: to clip, to log, or when asked."""
         return self.grad_clip > 0 or self.metrics is not None or self.grad_norm
+
+    def comm_rules(self, device: torch.device, interpreted: bool = False) -> str:
+        """The communication rules of this run: `comm` when given, else the backend's own
+        (NCCL on CUDA under torchrun; buffered sends on gloo and in the interpreter)."""
+        if self.comm is not None:
+            if self.comm == "gloo" and device.type == "cuda" and not interpreted:
+                raise _refuse("--comm", "--comm gloo on CUDA: torchrun ranks on GPUs talk over NCCL",
+                              "leave out --comm (NCCL's rules), or run on the CPU")
+            return self.comm
+        return "nccl" if device.type == "cuda" and not interpreted else "gloo"
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (counting from 0)."""

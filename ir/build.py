@@ -285,6 +285,11 @@ class PlanBuilder(Transformer):
         first, _ = children
         return self._instr(Op.STEP, first, {})
 
+    @_line
+    def exchange(self, children):
+        first, count, _ = children
+        return self._instr(Op.EXCHANGE, first, {"count": count})
+
     # -- the file
 
     @_line

@@ -31,10 +31,13 @@ header's stages, micro-batches and that micro-batch's slices:
     allreduce stage S                 sum stage S's gradients over the data-parallel group
     reduce-tied "NAME"                sum a tied parameter's gradient over the ranks holding it
     step                              optimizer step of every stage of this rank
+    exchange N                        (version 2) the next N instructions, sends then
+                                      receives, are one exchange: issued together and complete
+                                      together (`batch_isend_irecv` on NCCL)
 
-Point-to-point semantics: a send never blocks (it is buffered); a receive blocks until its
-matching send has run; between two ranks, messages in one direction are received in the order
-they were sent. `reduce-tied` blocks until every rank holding the tie has reached it.
+What blocks depends on the backend's rules (tpc.ir.semantics: gloo's buffered sends, NCCL's
+rendezvous sends); between two ranks, messages in one direction are received in the order they
+were sent. `reduce-tied` blocks until every rank holding the tie has reached it.
 """
 
 from __future__ import annotations
@@ -235,6 +238,7 @@ class Op(str, Enum):
     ALLREDUCE = "allreduce"
     REDUCE_TIED = "reduce-tied"
     STEP = "step"
+    EXCHANGE = "exchange"
 
 
 class Payload(str, Enum):
@@ -257,7 +261,11 @@ OPERANDS: dict[Op, tuple[str, ...]] = {
     Op.ALLREDUCE: ("stage",),
     Op.REDUCE_TIED: ("tie",),
     Op.STEP: (),
+    Op.EXCHANGE: ("count",),
 }
+
+# instructions added after format version 1, with the version that added them (rule H1)
+SINCE_VERSION: dict[Op, int] = {Op.EXCHANGE: 2}
 
 COMPUTE_OPS = frozenset(
     {Op.FORWARD, Op.RECOMPUTE, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT}
@@ -277,11 +285,12 @@ class Instr(Line):
     peer: int | None = None
     tie: str | None = None
     checkpoint: bool = False
+    count: int | None = None  # exchange: how many sends and receives follow in it
 
     def __post_init__(self):
         # messages are built only on failure: plans have 100k instructions, parsed often
         wanted = OPERANDS[self.op]
-        for name in ("stage", "mb", "slice", "payload", "peer", "tie"):
+        for name in ("stage", "mb", "slice", "payload", "peer", "tie", "count"):
             value = getattr(self, name)
             if name in wanted:
                 if value is None:
@@ -309,6 +318,8 @@ class Instr(Line):
                 parts += ["to" if self.op is Op.SEND else "from", str(value)]
             elif name == "tie":
                 parts.append(quote(value))
+            elif name == "count":
+                parts.append(str(value))
             else:
                 parts += [name, str(value)]
         if self.checkpoint:

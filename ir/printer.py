@@ -24,7 +24,8 @@ from tpc.ir.nodes import (
     quote,
 )
 
-INDENT = "  "  # instructions, and the comments that belong to them
+INDENT = "  "  # instructions, and the comments that belong to them; the members of an
+# `exchange N` are indented twice
 
 
 def print_plan(plan: Plan) -> str:
@@ -39,8 +40,10 @@ def print_plan(plan: Plan) -> str:
     for program in plan.ranks:
         out.append("")
         _emit(out, "", program.comments, line_text(program), program.note)
+        members = 0  # lines of an exchange still to come: indented one level more
         for instr in program.instrs:
-            _emit(out, INDENT, instr.comments, str(instr), instr.note)
+            _emit(out, INDENT * (2 if members else 1), instr.comments, str(instr), instr.note)
+            members = instr.count if instr.count is not None else max(0, members - 1)
     out += [INDENT + comment_text(c) for c in plan.trailing_comments]
     return "\n".join(out) + "\n"
 

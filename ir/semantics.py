@@ -25,19 +25,39 @@ receive matches the send of the same message on its channel. Within a channel me
 received in the order they were sent (FIFO); the verifier (rule F1) checks that the plan's
 order makes this hold, so executors may match by order alone.
 
-What blocks (the buffered semantics of the format)
---------------------------------------------------
-- `send` never blocks: the message is buffered;
-- `recv` blocks until its matching send has run;
+What blocks: the rules of a backend
+-----------------------------------
+A plan runs under the rules of the backend that carries its messages, named by `COMMS`:
+
+- `gloo` (buffered sends): a `send` never blocks (the message is buffered); a `recv` blocks
+  until its matching send has run. The format's own semantics: the interpreter runs it, and
+  every valid plan satisfies it (verifier rule D1).
+- `nccl` (rendezvous sends): a send completes only when its receive is posted, and the sends
+  and receives between two ranks, in both directions, run in issue order on one communicator
+  and stream, one FIFO per rank pair (PyTorch's NCCL process group). A plan satisfies these
+  rules when every rank can run with each point-to-point operation blocking the rank until its
+  partner operation is posted: an `exchange N` (format version 2) makes its N sends and
+  receives one operation, issued together (`batch_isend_irecv`) and complete together, so two
+  ranks that must send to each other at the same time exchange instead of waiting for each
+  other. Blocking the rank is stricter than NCCL (which blocks only the stream), so a plan
+  that passes cannot hang on NCCL whatever the message sizes. Verifier rule D1 under `nccl`.
+
+Under both rules:
 - `reduce-tied NAME` blocks until every rank holding a stage of the tie has reached it;
 - `allreduce stage S` is among the data-parallel replicas of this pipeline rank, which run the
   same stream: it never waits on another pipeline rank;
 - everything else runs at once.
+
+`comm_entries` cuts a rank's stream into what can block (one send or receive, one exchange, one
+reduce-tied) and `run_comm` runs all ranks under a backend's rules: the verifier, lowering and
+the interpreter's rendezvous mode all use them.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, NamedTuple
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import networkx as nx
 
@@ -144,11 +164,202 @@ def tie_ranks(header: Header, name: str) -> tuple[int, ...]:
     return ()
 
 
-def blocks(op: Op) -> bool:
-    """Whether an instruction can wait on another pipeline rank: a receive (for its send) or a
-    reduce-tied (for the tie's other ranks). Sends are buffered; allreduce waits only on
-    replicas running the same stream."""
-    return op is Op.RECV or op is Op.REDUCE_TIED
+def blocks(op: Op, comm: str = "gloo") -> bool:
+    """Whether an instruction can wait on another pipeline rank under `comm`'s rules: a
+    receive (for its send), a reduce-tied (for the tie's other ranks), and under `nccl` a send
+    (for its receive) and an exchange. Allreduce waits only on replicas running the same
+    stream."""
+    if op is Op.RECV or op is Op.REDUCE_TIED:
+        return True
+    return comm == NCCL and op in (Op.SEND, Op.EXCHANGE)
+
+
+# ------------------------------------------------------------------ the backends' rules
+
+GLOO, NCCL = "gloo", "nccl"
+# the rules a plan can be checked and run under (the module docstring), by backend name
+COMMS: dict[str, str] = {
+    GLOO: "buffered sends: a send never blocks, a receive waits for its send",
+    NCCL: "rendezvous sends: a send or receive completes only when its partner is posted, one "
+          "FIFO per rank pair; an exchange's sends and receives complete together",
+}
+
+
+def exchange_span(instrs: Sequence[Instr], p: int) -> range:
+    """The positions of the members of the `exchange N` at position p: the N instructions
+    after it (fewer at the end of the stream)."""
+    return range(p + 1, min(len(instrs), p + 1 + (instrs[p].count or 0)))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What can block on a rank: one send or receive, one exchange (at its `exchange` line, with
+    its members), or one reduce-tied. `p2p` are (position, message key, is a send, peer) for
+    each send and receive, in stream order."""
+
+    at: int
+    p2p: tuple[tuple[int, tuple, bool, int], ...] = ()
+    tie: str | None = None
+
+
+def comm_entries(rank: int, instrs: Sequence[Instr], keep=None) -> list[Entry]:
+    """Rank `rank`'s stream as the entries that can block, in order. `keep(p)` may leave out
+    instructions (the verifier leaves out those that failed the operand rules)."""
+    out: list[Entry] = []
+    p, n = 0, len(instrs)
+    while p < n:
+        ins = instrs[p]
+        if keep is not None and not keep(p):
+            p += 1
+            continue
+        if ins.op is Op.EXCHANGE:
+            span = exchange_span(instrs, p)
+            members = tuple((q, message_key(rank, instrs[q]), instrs[q].op is Op.SEND, instrs[q].peer)
+                            for q in span if instrs[q].op in (Op.SEND, Op.RECV)
+                            and (keep is None or keep(q)))
+            out.append(Entry(p, members))
+            p = span.stop
+            continue
+        if ins.op in (Op.SEND, Op.RECV):
+            out.append(Entry(p, ((p, message_key(rank, ins), ins.op is Op.SEND, ins.peer),)))
+        elif ins.op is Op.REDUCE_TIED:
+            out.append(Entry(p, tie=ins.tie))
+        p += 1
+    return out
+
+
+@dataclass
+class Blocked:
+    """Where a rank stays for ever: the instruction it blocks on and the ranks it waits for."""
+
+    at: int
+    waits_for: list[int]
+    # the message keys it waits to be matched (empty for a reduce-tied)
+    missing: list[tuple]
+    entry: int = 0  # the index of its entry in its rank's entries
+
+
+def run_comm(entries: Sequence[Sequence[Entry]], tie_ranks: Mapping[str, frozenset[int]],
+             comm: str, repair=None) -> dict[int, Blocked]:
+    """Run every rank's entries under `comm`'s rules (GLOO or NCCL, the module docstring);
+    the ranks that never finish, with where they block. Every receive must have its one
+    send (the verifier runs this only then). A reduce-tied of a tie not in `tie_ranks` is
+    skipped.
+
+    `repair(stuck) -> {rank: [message keys]}` (NCCL only; lowering uses it) may, when every
+    rank is stuck, add operations to the blocked ranks' current entries (`entries` are then
+    lists it changes in place, `Blocked.entry` saying which); the run goes on with those
+    operations posted, and ends when `repair` returns nothing."""
+    n = len(entries)
+    ptr = [0] * n
+    sub = [0] * n  # gloo: the next member of the current entry
+    sent: set[tuple] = set()  # gloo: messages sent
+    posted: dict[tuple, int] = {}  # nccl: message key -> rank whose current entry posts it
+    matched: set[tuple] = set()  # nccl: keys both of whose ends were posted together
+    waiting_msg: dict[tuple, int] = {}
+    arrived: dict[str, set[int]] = {}
+    done_ties: set[str] = set()
+    waiting_tie: dict[str, list[int]] = {}
+    ready = deque(range(n))
+    nccl = comm == NCCL
+
+    def post_key(r: int, key: tuple) -> None:
+        """nccl: rank r posts its end of `key`; matched when the other end is posted."""
+        other = posted.pop(key, None)
+        if other is None:
+            posted[key] = r
+        else:
+            matched.add(key)
+            ready.append(other)
+
+    def post(r: int) -> None:
+        """nccl: rank r has reached its current entry: post its ends."""
+        for _, key, _, _ in entries[r][ptr[r]].p2p:
+            post_key(r, key)
+
+    def advance(r: int) -> None:
+        ptr[r] += 1
+        sub[r] = 0
+        if nccl and ptr[r] < len(entries[r]) and entries[r][ptr[r]].p2p:
+            post(r)
+
+    for r in range(n):
+        if nccl and entries[r] and entries[r][0].p2p:
+            post(r)
+    while True:
+        _drain(entries, tie_ranks, nccl, ptr, sub, sent, matched, waiting_msg, arrived,
+               done_ties, waiting_tie, ready, advance)
+        stuck = _stuck(entries, tie_ranks, nccl, ptr, sub, matched, arrived)
+        added = repair(stuck) if stuck and repair is not None and nccl else None
+        if not added:
+            return stuck
+        for r, keys in added.items():
+            for key in keys:
+                post_key(r, key)
+            ready.append(r)
+
+
+def _drain(entries, tie_ranks, nccl, ptr, sub, sent, matched, waiting_msg, arrived, done_ties,
+           waiting_tie, ready, advance) -> None:
+    """Run ranks from `ready` until none can move (the body of `run_comm`)."""
+    while ready:
+        r = ready.popleft()
+        stream = entries[r]
+        while ptr[r] < len(stream):
+            e = stream[ptr[r]]
+            if e.tie is not None:
+                if e.tie not in tie_ranks or e.tie in done_ties:
+                    advance(r)
+                    continue
+                got = arrived.setdefault(e.tie, set())
+                got.add(r)
+                if got >= tie_ranks[e.tie]:
+                    done_ties.add(e.tie)
+                    ready.extend(waiting_tie.pop(e.tie, []))
+                    advance(r)
+                    continue
+                waiting_tie.setdefault(e.tie, []).append(r)
+                break
+            if nccl:
+                if all(key in matched for _, key, _, _ in e.p2p):
+                    advance(r)
+                    continue
+                break
+            # gloo: the members in order; a receive waits for its send
+            while sub[r] < len(e.p2p):
+                _, key, is_send, _ = e.p2p[sub[r]]
+                if is_send:
+                    sent.add(key)
+                    if key in waiting_msg:
+                        ready.append(waiting_msg.pop(key))
+                elif key not in sent:
+                    waiting_msg[key] = r
+                    break
+                sub[r] += 1
+            if sub[r] < len(e.p2p):
+                break
+            advance(r)
+
+
+def _stuck(entries, tie_ranks, nccl, ptr, sub, matched, arrived) -> dict[int, Blocked]:
+    """Where each unfinished rank blocks (the end of `run_comm`)."""
+    n = len(entries)
+    stuck: dict[int, Blocked] = {}
+    for r in range(n):
+        if ptr[r] >= len(entries[r]):
+            continue
+        e = entries[r][ptr[r]]
+        if e.tie is not None:
+            stuck[r] = Blocked(e.at, sorted(tie_ranks[e.tie] - arrived.get(e.tie, set())), [],
+                               ptr[r])
+        elif nccl:
+            missing = [(p, key, peer) for p, key, _, peer in e.p2p if key not in matched]
+            stuck[r] = Blocked(missing[0][0], sorted({peer for _, _, peer in missing}),
+                               [key for _, key, _ in missing], ptr[r])
+        else:
+            p, key, _, peer = e.p2p[sub[r]]
+            stuck[r] = Blocked(p, [peer], [key], ptr[r])
+    return stuck
 
 
 def wait_chain(waits_for: Mapping[int, Iterable[int]], start: int) -> list[int]:

@@ -16,7 +16,7 @@ from tpc.ir.nodes import FORMAT_VERSION, OPERANDS, Loc, Op
 
 
 _OPERAND_SYNTAX = {"stage": "stage S", "mb": "mb M", "slice": "slice I", "payload": "act|grad",
-                   "tie": '"NAME"'}
+                   "tie": '"NAME"', "count": "N"}
 
 
 def _instr_syntax(op: Op) -> str:

@@ -69,6 +69,12 @@ def causal_attention(q, k, v, k_prefix, v_prefix, scale=None, dropout_p=0.0, rep
     if lq == lk:
         return F.scaled_dot_product_attention(q, kf, vf, dropout_p=dropout_p, is_causal=True, scale=scale, **extra)
     if _fused_bottom_right(q):
+        # the causal bias dispatches to the fused kernels itself, ahead of autocast, which would
+        # otherwise cast q, k and v to one dtype (rotary embeddings leave q and k in float32
+        # while v is bf16): cast them to the autocast dtype as SDPA under autocast does
+        if torch.is_autocast_enabled(q.device.type):
+            dt = torch.get_autocast_dtype(q.device.type)
+            q, kf, vf = q.to(dt), kf.to(dt), vf.to(dt)
         mask = causal_lower_right(lq, lk)
     else:  # cached for plain tensors only: a mask made under a tracing mode must not outlive it
         build = _bottom_right_mask if type(q) is torch.Tensor else _bottom_right_mask.__wrapped__

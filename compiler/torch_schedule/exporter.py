@@ -36,7 +36,8 @@ FORMATS = ("compute_only", "compute_comms")
 _COMPUTE = {Op.FORWARD: "F", Op.BACKWARD: "B", Op.BACKWARD_INPUT: "I", Op.BACKWARD_WEIGHT: "W"}
 _COMM = {(Op.SEND, Payload.ACT): "SEND_F", (Op.RECV, Payload.ACT): "RECV_F",
          (Op.SEND, Payload.GRAD): "SEND_B", (Op.RECV, Payload.GRAD): "RECV_B"}
-_LEFT_OUT = {Op.LOAD: "load", Op.FREE_KV: "free-kv", Op.REDUCE_TIED: "reduce-tied", Op.STEP: "step"}
+_LEFT_OUT = {Op.LOAD: "load", Op.FREE_KV: "free-kv", Op.REDUCE_TIED: "reduce-tied", Op.STEP: "step",
+             Op.EXCHANGE: "exchange"}  # torch batches its own sends and receives
 
 
 @dataclass(frozen=True)

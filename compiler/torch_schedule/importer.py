@@ -40,6 +40,7 @@ from tpc.compiler.torch_schedule.layout import layout_of
 from tpc.compiler.torch_schedule.slice_map import flat_units
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Header, Instr, Op, Payload, Plan, RankProgram
+from tpc.ir.semantics import NCCL
 
 _COMPUTE_OP = {A.FORWARD: Op.FORWARD, A.FULL_BACKWARD: Op.BACKWARD,
                A.BACKWARD_INPUT: Op.BACKWARD_INPUT, A.BACKWARD_WEIGHT: Op.BACKWARD_WEIGHT}
@@ -82,7 +83,7 @@ def plan_from_schedule(sched: TorchCsv, header: Header, units=None) -> Imported:
 
     # the actions that could not become instructions are left out and the rest verified, so
     # one run reports everything (a stage's wrong micro-batch and the one it then lacks)
-    diagnostics = problems + [cells.relocate(d) for d in verify(plan)]
+    diagnostics = problems + [cells.relocate(d) for d in verify(plan, NCCL)]
     if diagnostics:
         located = sorted(diagnostics, key=lambda d: (d.loc.line, d.loc.col) if d.loc else (0, 0))
         raise TpirError(located, source=sched.text)
@@ -185,8 +186,9 @@ class _Fsdp:
 
 
 def _lower(header: Header, streams: dict[int, list[Instr]], *, comms: bool):
-    """The lowering passes of compiler/lower.py; the CSV's own communication replaces
-    `insert_comm` when it has some, and its REDUCE_GRAD the `allreduce` tpc would place."""
+    """The lowering passes of compiler/lower.py, for NCCL's rules; the CSV's own communication
+    replaces `insert_comm` when it has some, and its REDUCE_GRAD the `allreduce` tpc would
+    place."""
     out = {r: tuple(s) for r, s in streams.items()}
     out = lowering.insert_loads(header, out)
     if not comms:
@@ -198,7 +200,8 @@ def _lower(header: Header, streams: dict[int, list[Instr]], *, comms: bool):
         ours = {id(ins) for s in out.values() for ins in s}
         with_tpc = {r: tuple(ins for ins in s if id(ins) in ours or ins.stage not in placed)
                     for r, s in with_tpc.items()}
-    out = lowering.insert_reduce_tied(header, with_tpc)
+    out = lowering.insert_exchanges(header, with_tpc)  # plans for NCCL: tpc.ir.semantics
+    out = lowering.insert_reduce_tied(header, out)
     return lowering.append_step(header, out)
 
 
@@ -246,6 +249,9 @@ def _attribute(stream, origins: dict, row, rank: int) -> list[Origin]:
             base = latest.get((ins.stage, ins.mb), previous)
         elif ins.op is Op.ALLREDUCE:
             base = latest.get((ins.stage,), previous)
+        elif ins.op is Op.EXCHANGE:  # the computation its first send serves
+            first = stream[p + 1] if p + 1 < len(stream) else ins
+            base = producer.get((first.payload, first.stage, first.mb, first.slice), previous)
         elif ins.op in (Op.LOAD, Op.RECV):
             base = next((out[q] for q in range(p + 1, len(stream))
                          if stream[q].op in COMPUTE_OPS and out[q] is not None), previous)

@@ -29,14 +29,15 @@ def import_csv(path: str) -> Imported:
     return plan_from_schedule(sched, header, slice_map.units if slice_map else None)
 
 
-def load_checked_plan(path: str, *, needs_model: bool = False) -> Plan:
-    """The verified plan at `path`: a `.tpir` file (parsed and verified), or a torch schedule
-    CSV (imported, errors at its cells). `needs_model`: the caller will build the plan's model
-    (a cost model of its stages), which a CSV alone does not name."""
+def load_checked_plan(path: str, *, needs_model: bool = False, comm: str = "gloo") -> Plan:
+    """The verified plan at `path`: a `.tpir` file (parsed and verified under backend `comm`'s
+    rules), or a torch schedule CSV (imported for NCCL, errors at its cells). `needs_model`:
+    the caller will build the plan's model (a cost model of its stages), which a CSV alone does
+    not name."""
     if not is_schedule_csv(path):
         from tpc.ir.verify import verify_file
 
-        return verify_file(path)
+        return verify_file(path, comm)
     if needs_model:
         raise TpirError(Diagnostic(
             f"{path} is a torch schedule with no model: only unit costs can price it", where=path,

@@ -27,19 +27,21 @@ _EPS = 1e-6
 
 
 def local_sq_norm(named_params: Iterable[tuple[str, torch.nn.Parameter]], skip: frozenset[str] | set[str] = frozenset()) -> torch.Tensor:
-    """Sum of squared gradient entries of the named parameters, as a float64 scalar tensor
-    (float64 so summing many ranks' shares loses nothing). Parameters without a gradient, names
-    in `skip`, and a tensor listed twice under two names (a tie within one rank) add nothing
-    beyond their first appearance."""
-    total = torch.zeros((), dtype=torch.float64)
+    """Sum of squared gradient entries of the named parameters, as a float64 scalar tensor on
+    the gradients' device (float64 so summing many ranks' shares loses nothing; on the device
+    so that the step's one device-to-host transfer is the caller's, `clip_global`'s). Parameters
+    without a gradient, names in `skip`, and a tensor listed twice under two names (a tie within
+    one rank) add nothing beyond their first appearance."""
+    total = None
     seen: set[int] = set()
     for name, p in named_params:
         if name in skip or p.grad is None or id(p) in seen:
             continue
         seen.add(id(p))
         g = p.grad.detach()
-        total = total + g.to(torch.float64).pow(2).sum().cpu()
-    return total
+        sq = g.to(torch.float64).pow(2).sum()
+        total = sq if total is None else total + sq
+    return torch.zeros((), dtype=torch.float64) if total is None else total
 
 
 def clip_coef(total_sq_norm: float | torch.Tensor, max_norm: float) -> float:
@@ -87,7 +89,8 @@ def clip_global(named_params: list[tuple[str, torch.nn.Parameter]], max_norm: fl
     """The three steps in one call, for an executor: this rank's share, summed by
     `sum_over_pipeline` over the pipeline ranks of this replica (an all_reduce over that group
     under torchrun; the plain sum of every rank's share in the interpreter), then the scaling.
-    Returns the global gradient norm (before clipping), worth logging even when max_norm is 0."""
-    total = sum_over_pipeline(local_sq_norm(named_params, skip))
+    Returns the global gradient norm (before clipping), worth logging even when max_norm is 0.
+    The norm reaches the host once per step (one device-to-host transfer), here."""
+    total = float(sum_over_pipeline(local_sq_norm(named_params, skip)))
     apply_clip((p for _, p in named_params), clip_coef(total, max_norm))
     return grad_norm(total)

@@ -45,7 +45,9 @@ class OptimSpec:
 class RankOptimizer:
     """`step()` updates the parameters and zeroes their gradients (set to None). The torch
     optimizer is `tpc.executors.training.param_groups.build_optimizer`'s: decay on matrices only, and
-    per-parameter (foreach=False) arithmetic, so a split model steps exactly as the whole one."""
+    multi-tensor (foreach) kernels with per-element arithmetic, so a split model steps exactly as
+    the whole one. With `keep_grads` (set when the gradients live in a transport's flat buffer)
+    the gradients are zeroed in place instead of dropped, so they stay in the buffer."""
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], spec: OptimSpec):
         from tpc.executors.training.param_groups import build_optimizer as torch_optimizer
@@ -55,6 +57,7 @@ class RankOptimizer:
         self.params = [p for _, p in params]
         # a rank may hold no trainable parameter; step is then a no-op
         self.opt = torch_optimizer(spec.kind, params, spec.lr, spec.weight_decay, spec.betas) if params else None
+        self.keep_grads = False
 
     def set_lr(self, lr: float) -> None:
         if self.opt is not None:
@@ -64,7 +67,7 @@ class RankOptimizer:
     def step(self) -> None:
         if self.opt is not None:
             self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+            self.opt.zero_grad(set_to_none=not self.keep_grads)
 
 
 def build_optimizer(named_params, spec: OptimSpec) -> RankOptimizer:

@@ -49,8 +49,10 @@ def build_optimizer(kind: str, named_params: Iterable[tuple[str, torch.nn.Parame
                     weight_decay: float, betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.Optimizer:
     """AdamW over `adamw_groups`, or plain SGD (no momentum, no decay) over all parameters by name.
 
-    `foreach=False`: the per-parameter loop does the same arithmetic whichever parameters a rank
-    holds, so a model split over ranks steps to bit-identical weights as the whole model would.
+    `foreach=True`: one multi-tensor kernel per operation instead of one per parameter; each
+    element gets the same arithmetic as in the per-parameter loop, whichever parameters a rank
+    holds, so a model split over ranks steps to bit-identical weights as the whole model would
+    (tests/executors/training/test_param_groups.py checks it against foreach=False).
     The rate is a starting value; the training loop sets each group's "lr" from `lr_at` per step.
     """
     if kind not in KINDS:
@@ -64,11 +66,11 @@ def build_optimizer(kind: str, named_params: Iterable[tuple[str, torch.nn.Parame
         if not params:
             raise _no_params()
         group = {"params": [p for _, p in params], "names": [n for n, _ in params]}
-        return torch.optim.SGD([group], lr=lr, foreach=False)
+        return torch.optim.SGD([group], lr=lr, foreach=True)
     groups = adamw_groups(named, weight_decay)
     if not groups:
         raise _no_params()
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=False)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=True)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -8,7 +8,7 @@ source line and a caret. `tpc compile` checks the plan it has lowered (the lower
 build an incomplete plan until the last one), `tpc verify` and `tpc simulate` check
 what they read, and the executors check a plan before they run it, so this module is the
 precise statement of what a valid plan is. The rules are checked in this order, header.py
-(H), program.py (O, C, R) and comm.py (F, D); report.py holds what they share:
+(H), program.py (O, C, R) and comm.py (F, X, D); report.py holds what they share:
 
 Header (a broken numbering of stages, micro-batches or rank sections makes every later rule
 meaningless, so those stop verification after the header):
@@ -74,13 +74,20 @@ Program order on a rank (X "after" Y: Y's line comes earlier in the same rank se
 Communication across ranks:
   F1  between two ranks, in one direction, messages are received in the order they were sent
       (channels are FIFO and untagged): the first crossing pair of each channel is reported.
-  D1  no deadlock: all ranks are simulated with the semantics of the format (a send is
-      buffered and never blocks; a receive blocks until its send has run; `reduce-tied` blocks
-      until every rank of its tie reaches it; `allreduce` is among identical data-parallel
-      replicas and never waits on another pipeline rank). Each stuck rank is reported at the
-      instruction it blocks on, with the chain of ranks waiting for each other. The
-      simulation runs only when the matching rules (O4, O6, C4, C7) hold, since it needs every
-      receive paired with its one send.
+  X1  (format version 2, H1) `exchange N` is followed by N >= 2 sends and receives, the sends
+      first, no other instruction and no exchange among them.
+  D1  no deadlock under the rules of the backend the plan is checked for (`comm`, tpc.ir.
+      semantics): all ranks are simulated. `gloo` (the default of `verify`): a send is
+      buffered and never blocks; a receive blocks until its send has run. `nccl`: a send or
+      receive blocks its rank until its partner is posted on the other rank (rendezvous: one
+      FIFO per rank pair, both directions), and an exchange until all its members are matched,
+      which happens together. Under both, `reduce-tied` blocks until every rank of its tie
+      reaches it; `allreduce` is among identical data-parallel replicas and never waits on
+      another pipeline rank. Each stuck rank is reported at the instruction it blocks on, with
+      the chain of ranks and lines waiting for each other. The simulation runs only when the
+      matching rules (O4, O6, C4, C7, X1) hold, since it needs every receive paired with its one
+      send. `tpc compile` checks under the rules of its target (`--comm`, NCCL unless told
+      gloo), `tpc run` under those of the backend it runs on, `tpc verify` under `--comm`.
 """
 
 from __future__ import annotations
@@ -89,7 +96,8 @@ from pathlib import Path
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
-from tpc.ir.verify.comm import check_deadlock, check_fifo
+from tpc.ir.semantics import COMMS, GLOO
+from tpc.ir.verify.comm import check_deadlock, check_exchanges, check_fifo
 from tpc.ir.verify.header import DTYPES, check_header
 from tpc.ir.verify.program import (
     check_comm_complete,
@@ -101,30 +109,36 @@ from tpc.ir.verify.program import (
 )
 from tpc.ir.verify.report import Report, Shape, build_index
 
-__all__ = ["verify", "check", "verify_file", "DTYPES"]
+__all__ = ["verify", "check", "verify_file", "DTYPES", "COMMS"]
 
 
 # ------------------------------------------------------------------------------ public API
 
 
-def verify(plan: Plan) -> list[Diagnostic]:
-    """Every error of `plan`, sorted by line (by rank and instruction when there are no lines)."""
+def verify(plan: Plan, comm: str = GLOO) -> list[Diagnostic]:
+    """Every error of `plan` under the rules of backend `comm` (a key of `COMMS`: "gloo",
+    buffered sends, or "nccl", rendezvous sends), sorted by line (by rank and instruction when
+    there are no lines)."""
+    if comm not in COMMS:
+        raise ValueError(f"unknown communication rules {comm!r}: one of {', '.join(COMMS)}")
     report = Report(plan)
     if check_header(plan, report):
-        _check_program(plan, report)
+        _check_program(plan, report, comm)
     return report.sorted()
 
 
-def check(plan: Plan) -> Plan:
-    """`plan` itself if it is valid; otherwise a `TpirError` carrying every diagnostic."""
-    diagnostics = verify(plan)
+def check(plan: Plan, comm: str = GLOO) -> Plan:
+    """`plan` itself if it is valid under `comm`'s rules; otherwise a `TpirError` carrying every
+    diagnostic."""
+    diagnostics = verify(plan, comm)
     if diagnostics:
         raise TpirError(diagnostics, source=None)
     return plan
 
 
-def verify_file(path: str) -> Plan:
-    """Read, parse and check a `.tpir` file; errors carry its text so carets render."""
+def verify_file(path: str, comm: str = GLOO) -> Plan:
+    """Read, parse and check a `.tpir` file under `comm`'s rules; errors carry its text so
+    carets render."""
     from tpc.ir.parse import parse
 
     p = Path(path)
@@ -142,13 +156,13 @@ def verify_file(path: str) -> Plan:
         if e.source is None:
             raise TpirError(e.diagnostics, source=text) from None
         raise
-    diagnostics = verify(plan)
+    diagnostics = verify(plan, comm)
     if diagnostics:
         raise TpirError(diagnostics, source=text)
     return plan
 
 
-def _check_program(plan: Plan, rep: Report) -> None:
+def _check_program(plan: Plan, rep: Report, comm: str) -> None:
     shape = Shape.of(plan)
     valid = check_operands(plan, shape, rep)
     idx = build_index(plan, valid)
@@ -158,5 +172,6 @@ def _check_program(plan: Plan, rep: Report) -> None:
     check_once_per_rank(plan, shape, idx, rep)
     check_order(plan, shape, idx, rep)
     check_fifo(plan, shape, idx, rep)
+    check_exchanges(plan, rep)
     if rep.comm_errors == 0:
-        check_deadlock(plan, shape, idx, rep)
+        check_deadlock(plan, shape, idx, rep, comm)

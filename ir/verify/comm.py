@@ -1,12 +1,23 @@
-"""Communication rules across ranks (see tpc.ir.verify): F1 (FIFO channels) and D1 (no
-deadlock under the buffered semantics of tpc.ir.semantics)."""
+"""Communication rules across ranks (see tpc.ir.verify): F1 (FIFO channels), X1 (exchanges)
+and D1 (no deadlock under the rules of the backend, tpc.ir.semantics)."""
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 
 from tpc.ir.nodes import Instr, Plan
-from tpc.ir.semantics import Message, channel, message, wait_chain
+from tpc.ir.semantics import (
+    GLOO,
+    NCCL,
+    Message,
+    channel,
+    comm_entries,
+    exchange_span,
+    message,
+    run_comm,
+    wait_chain,
+)
+from tpc.ir.verify.header import require_version
 from tpc.ir.verify.report import O, Index, Report, Shape
 
 
@@ -53,68 +64,67 @@ def check_fifo(plan: Plan, shape: Shape, idx: Index, rep: Report) -> None:
             top_send, top_recv = sp, p
 
 
+# ------------------------------------------------------------------------------- exchanges
+
+
+def check_exchanges(plan: Plan, rep: Report) -> None:
+    """X1: `exchange N` (format version 2) is followed by N >= 2 sends and receives, the sends
+    first, none of them another exchange."""
+    for r, rp in enumerate(plan.ranks):
+        instrs = rp.instrs
+        for p, ins in enumerate(instrs):
+            if ins.op is not O.EXCHANGE:
+                continue
+            require_version(plan, rep, 2, ins.loc, f"rank {r}, instruction {p} ({ins})", (1, r, p),
+                            "`exchange`")
+            n = ins.count
+            span = exchange_span(instrs, p)
+            members = [instrs[q] for q in span]
+            hint = (f"write `exchange {n}` above {n} consecutive sends and receives, the sends "
+                    "first; a lone send or receive needs no exchange")
+            if n < 2:
+                rep.instr(r, p, f"an exchange of {n} instruction{'s' if n != 1 else ''}: an "
+                          "exchange groups at least 2 sends and receives", hint, comm=True)
+            elif len(members) < n:
+                rep.instr(r, p, f"`exchange {n}` needs {n} instructions below it, and the rank's "
+                          f"stream ends after {len(members)}", hint, comm=True)
+            elif not all(m.op in (O.SEND, O.RECV) for m in members):
+                q = next(q for q in span if instrs[q].op not in (O.SEND, O.RECV))
+                rep.instr(r, q, f"{instrs[q]} is inside the `exchange {n}` at {rep.at(r, p)}: "
+                          "an exchange holds only sends and receives", hint, comm=True)
+            elif any(a.op is O.RECV and b.op is O.SEND for a, b in zip(members, members[1:])):
+                q = next(q for q in span[1:] if instrs[q].op is O.SEND and instrs[q - 1].op is O.RECV)
+                rep.instr(r, q, f"a send after a receive inside the `exchange {n}` at "
+                          f"{rep.at(r, p)}: an exchange lists its sends first", hint, comm=True)
+
+
 # -------------------------------------------------------------------------------- deadlock
 
 
-def check_deadlock(plan: Plan, shape: Shape, idx: Index, rep: Report) -> None:
-    """D1: run every rank; a receive waits for its send, reduce-tied for its tie's ranks."""
-    n_ranks = len(plan.ranks)
-    streams = [
-        [(p, ins) for p, ins in enumerate(rp.instrs)
-         if idx.valid[r][p] and ins.op in (O.SEND, O.RECV, O.REDUCE_TIED)
-         and (ins.op is not O.REDUCE_TIED or ins.tie in shape.ties)]
-        for r, rp in enumerate(plan.ranks)
-    ]
-    ptr = [0] * n_ranks
-    sent: set[tuple] = set()
-    waiting_msg: dict[tuple, int] = {}
-    arrived: dict[str, set[int]] = defaultdict(set)
-    waiting_tie: dict[str, list[int]] = defaultdict(list)
-    done_ties: set[str] = set()
-    ready = deque(range(n_ranks))
-    while ready:
-        r = ready.popleft()
-        stream = streams[r]
-        while ptr[r] < len(stream):
-            _, ins = stream[ptr[r]]
-            if ins.op is O.SEND:
-                msg = _message(ins, r)[2]
-                sent.add(msg)
-                if msg in waiting_msg:
-                    ready.append(waiting_msg.pop(msg))
-            elif ins.op is O.RECV:
-                msg = _message(ins, r)[2]
-                if msg not in sent:
-                    waiting_msg[msg] = r
-                    break
-            elif ins.tie not in done_ties:
-                arrived[ins.tie].add(r)
-                if arrived[ins.tie] >= shape.tie_ranks[ins.tie]:
-                    done_ties.add(ins.tie)
-                    ready.extend(waiting_tie.pop(ins.tie, []))
-                else:
-                    waiting_tie[ins.tie].append(r)
-                    break
-            ptr[r] += 1
-    stuck = [r for r in range(n_ranks) if ptr[r] < len(streams[r])]
-    if stuck:
-        _report_deadlock(plan, shape, idx, rep, streams, ptr, stuck, arrived)
+def check_deadlock(plan: Plan, shape: Shape, idx: Index, rep: Report, comm: str = GLOO) -> None:
+    """D1: run every rank under `comm`'s rules (tpc.ir.semantics): a receive waits for its send,
+    reduce-tied for its tie's ranks, and under NCCL a send or an exchange for its partners."""
+    entries = [comm_entries(r, rp.instrs, keep=idx.valid[r].__getitem__)
+               for r, rp in enumerate(plan.ranks)]
+    ties = {t: ranks for t, ranks in shape.tie_ranks.items() if t in shape.ties}
+    # a plan that deadlocks even with buffered sends is reported as such: the order itself is
+    # wrong, whatever the backend
+    for rules in (GLOO,) if comm == GLOO else (GLOO, comm):
+        stuck = run_comm(entries, ties, rules)
+        if stuck:
+            _report_deadlock(plan, idx, rep, stuck, rules)
+            return
 
 
-def _report_deadlock(plan, shape, idx, rep, streams, ptr, stuck, arrived) -> None:
-    blocked = {r: streams[r][ptr[r]][0] for r in stuck}
-    waits_for: dict[int, list[int]] = {}
-    for r in stuck:
-        ins = plan.ranks[r].instrs[blocked[r]]
-        if ins.op is O.RECV:
-            waits_for[r] = [ins.peer]
-        else:
-            waits_for[r] = sorted(shape.tie_ranks[ins.tie] - arrived[ins.tie])
+def _report_deadlock(plan, idx, rep, stuck, comm) -> None:
+    waits_for = {r: b.waits_for for r, b in stuck.items()}
+    blocked = {r: b.at for r, b in stuck.items()}
     send_at = _send_positions(plan, idx)
-    for r in stuck:
+    rules = "" if comm == GLOO else " under NCCL's rules"
+    for r, b in sorted(stuck.items()):
         chain = _wait_chain(r, waits_for, blocked, rep)
-        ins = plan.ranks[r].instrs[blocked[r]]
-        if ins.op is O.RECV:
+        ins = plan.ranks[r].instrs[b.at]
+        if ins.op is O.RECV and comm == GLOO:
             src = ins.peer
             sp = send_at.get(_message(ins, r)[2])
             message = (f"deadlock: rank {r} waits here forever for rank {src}, which never "
@@ -123,12 +133,24 @@ def _report_deadlock(plan, shape, idx, rep, streams, ptr, stuck, arrived) -> Non
             if sp is not None and src in blocked:
                 fix = (f"; the send at {rep.ref(src, sp)} must run before rank {src} blocks at "
                        f"{rep.at(src, blocked[src])}: move one of them, or this receive")
+        elif ins.op in (O.SEND, O.RECV):
+            peer = ins.peer
+            what = "receive" if ins.op is O.SEND else "send"
+            message = (f"deadlock{rules}: rank {r} waits here forever for rank {peer} to post "
+                       f"the matching {what}")
+            fix = ""
+            if peer in blocked:
+                fix = (f"; rank {peer} is itself blocked at {rep.ref(peer, blocked[peer])}. "
+                       f"Under NCCL a send completes only when its receive is posted, and two "
+                       f"ranks' sends and receives run in order on one FIFO: where two ranks each "
+                       f"send before they receive, post each one's send and receive together as "
+                       f"one `exchange N` (`tpc compile` does), or reorder them")
         else:
-            others = ", ".join(str(q) for q in waits_for[r])
-            message = (f"deadlock: rank {r} waits here forever for rank(s) {others} to reach "
-                       f"reduce-tied \"{ins.tie}\"")
+            others = ", ".join(str(q) for q in b.waits_for)
+            message = (f"deadlock{rules}: rank {r} waits here forever for rank(s) {others} to "
+                       f"reach reduce-tied \"{ins.tie}\"")
             fix = "; reorder so that every rank of the tie reaches it without waiting on another"
-        rep.instr(r, blocked[r], message, chain + fix)
+        rep.instr(r, b.at, message, chain + fix)
 
 
 def _send_positions(plan: Plan, idx: Index) -> dict[tuple, int]:

@@ -19,7 +19,7 @@ class O:
     LOAD, FORWARD, RECOMPUTE, STEP = Op.LOAD, Op.FORWARD, Op.RECOMPUTE, Op.STEP
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
     SEND, RECV, FREE_KV = Op.SEND, Op.RECV, Op.FREE_KV
-    ALLREDUCE, REDUCE_TIED = Op.ALLREDUCE, Op.REDUCE_TIED
+    ALLREDUCE, REDUCE_TIED, EXCHANGE = Op.ALLREDUCE, Op.REDUCE_TIED, Op.EXCHANGE
 
 
 # ops whose instructions are about one (stage, mb, slice)
@@ -134,8 +134,8 @@ def build_index(plan: Plan, valid: list[list[bool]]) -> Index:
         keys: list[tuple | None] = [None] * len(rp.instrs)
         idx.keys.append(keys)
         for p, ins in enumerate(rp.instrs):
-            if not ok[p]:
-                continue
+            if not ok[p] or ins.op is O.EXCHANGE:
+                continue  # an exchange groups the lines below it; rule X1 checks it
             key = keys[p] = index_key(ins, r)
             occ[key].append((r, p))
             op = ins.op

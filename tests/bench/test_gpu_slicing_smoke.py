@@ -87,3 +87,31 @@ def test_cuda_missing_is_one_line_error(gpu_slicing, capsys):
     assert gpu_slicing.main([]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--device cpu" in err
+
+
+def test_timed_steps_size_kv_as_the_engine_and_copy_no_gradients(gpu_slicing, monkeypatch, capsys):
+    """Every forward the bench times gets the KV capacity the engine passes (the whole
+    sequence: no buffer doubling the engine never does), and the interpreter's timed steps keep
+    no copy of the gradients."""
+    from tpc.executors import engine
+    from tpc.executors.stage_runtime import StageRuntime
+
+    capacities, copies = [], []
+    forward = StageRuntime.forward
+
+    def recording(self, mb, sl, x, offset, targets=None, checkpoint=False, capacity=None):
+        capacities.append(capacity)
+        return forward(self, mb, sl, x, offset, targets, checkpoint, capacity)
+
+    step = engine.RankEngine._step
+
+    def step_recording(self, instr):
+        copies.append(self.options.keeps_grads)
+        return step(self, instr)
+
+    monkeypatch.setattr(StageRuntime, "forward", recording)
+    monkeypatch.setattr(engine.RankEngine, "_step", step_recording)
+    assert gpu_slicing.main(SMOKE) == 0
+    capsys.readouterr()
+    assert capacities and set(capacities) == {128}
+    assert copies and not any(copies)

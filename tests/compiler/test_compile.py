@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -216,3 +217,32 @@ def test_auto_slices_take_the_optimisers_choice(capsys):
     assert tuple(m.slices for m in h.microbatches) == want.slices
     err = capsys.readouterr().err
     assert "optimise" in err and "optimiser: 2 stages, sequence 64" in err
+
+
+def test_compile_lowers_and_verifies_for_the_backend_it_targets(tmp_path, capsys):
+    """`tpc compile` targets NCCL unless told `--comm gloo`: the NCCL plan pairs 1F1B's
+    steady-state sends and receives into exchanges and passes NCCL's rules; the gloo plan has
+    none, passes gloo's rules, and is refused under NCCL's by `tpc verify` and by
+    `tpc run --comm nccl`, at both ranks' lines."""
+    from tpc.cli.main import main
+    from tpc.ir.parse import parse
+    from tpc.ir.verify import verify
+
+    common = ["--stages", "2", "--microbatches", "3", "--seq-len", "8", "--batch", "3",
+              "--schedule", "1f1b", "-q"]
+    nccl, gloo = tmp_path / "nccl.tpir", tmp_path / "gloo.tpir"
+    assert main(["compile", TINY, "-o", str(nccl), *common]) == 0
+    assert main(["compile", TINY, "-o", str(gloo), *common, "--comm", "gloo"]) == 0
+    text = {p: p.read_text() for p in (nccl, gloo)}
+    assert "exchange 2" in text[nccl] and "exchange" not in text[gloo]
+    assert verify(parse(text[nccl]), "nccl") == [] and verify(parse(text[gloo]), "gloo") == []
+    assert main(["verify", str(nccl)]) == 0
+    assert main(["verify", "--comm", "gloo", str(gloo)]) == 0
+    capsys.readouterr()
+    located = re.compile(rf"{re.escape(str(gloo))}:(\d+):3: error: deadlock under NCCL's rules: rank (\d)")
+    assert main(["verify", str(gloo)]) == 1
+    said = located.findall(capsys.readouterr().err)
+    assert sorted(r for _, r in said) == ["0", "1"], said
+    assert main(["run", "--interpret", "--comm", "nccl", str(gloo)]) == 1
+    assert located.findall(capsys.readouterr().err) == said  # refused before any rank runs
+    assert main(["run", "--interpret", "--comm", "nccl", str(nccl), "--verify-grads", "-q"]) == 0

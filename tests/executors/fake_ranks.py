@@ -24,7 +24,7 @@ def _run(case: dict, world: World, timeout: float, hook=None):
     options = RunOptions(steps=case.get("steps", 1), optim=spec, record_grads=True,
                          grad_clip=case.get("clip", 0.0), timeout=timeout,
                          lr_schedule="cosine" if "warmup" in case else "constant",
-                         warmup=case.get("warmup", 0))
+                         warmup=case.get("warmup", 0), comm=case.get("comm"))
     return run_plan(plan, world, options, model=model, device=torch.device("cpu"),
                     stage_factory=fake_factory(model), hidden_size=8,
                     batches=RandomTokens(0, h.batch, h.seq, h.vocab), before_instr=hook)
@@ -74,10 +74,33 @@ def run_real_cases(rank: int, out_dir: str, cases: list[dict], timeout: float) -
             model, sliced = fresh_model("gpt", plan.header.shape.seq)
             h = plan.header.shape
             options = RunOptions(steps=case.get("steps", 1), optim=OptimSpec(*case.get("optim", ("sgd", 0.1))),
-                                 record_grads=True, timeout=timeout)
+                                 record_grads=True, timeout=timeout, comm=case.get("comm"))
             outcome = run_plan(plan, world, options, model=model, device=torch.device("cpu"), sliced=sliced,
                                batches=RandomTokens(0, h.batch, h.seq, h.vocab))
         except Exception as e:  # noqa: BLE001
             fail(e if hasattr(e, "render") else f"{type(e).__name__}: {e}")
         torch.save({"losses": outcome.losses, "first_grads": outcome.first_grads, "params": outcome.params},
                    Path(out_dir) / f"case{i}_rank{rank}.pt")
+
+
+def run_buffered_only(rank: int, out_dir: str, case: dict, timeout: float) -> None:
+    """Run, under NCCL's rules on gloo (`comm="nccl"`), the plan lowered for gloo's buffered
+    sends (no exchanges): a plan that deadlocks on NCCL, run without the verifier."""
+    from tpc.compiler.lower import lower
+    from tpc.compiler.schedules import build_schedule
+    from tests.executors.fake import fake_header
+
+    world = World.from_env()
+    init(world, torch.device("cpu"), timeout)
+    header = fake_header(**case["plan"])
+    plan = lower(header, build_schedule(header.schedule.name, header), comm="gloo")
+    torch.manual_seed(0)
+    model = FakeLM(n_layer=2, tie=case["plan"].get("tie", False))
+    options = RunOptions(timeout=timeout, comm="nccl")
+    try:
+        run_plan(plan, world, options, model=model, device=torch.device("cpu"),
+                 stage_factory=fake_factory(model), hidden_size=8,
+                 batches=RandomTokens(0, header.shape.batch, header.shape.seq, header.shape.vocab))
+    except Exception as e:  # noqa: BLE001
+        fail(e if hasattr(e, "render") else str(e))
+    os._exit(0)

@@ -13,7 +13,7 @@ import torch
 from tests.executors.dist_harness import launch
 from tests.executors.dist_harness import run_cases as harness_run_cases
 from tests.executors.fake import FakeLM, fake_factory, fake_plan, reference
-from tests.executors.fake_ranks import run_cases, run_with_fault
+from tests.executors.fake_ranks import run_buffered_only, run_cases, run_with_fault
 from tpc.executors.training.batches import RandomTokens
 from tpc.executors.options import RunOptions
 from tpc.executors.oracle import relative_error
@@ -33,10 +33,28 @@ TWO_RANKS.append(dict(plan=dict(schedule="seq1f1b", stages=2, slices="3", microb
 # warm-up/cosine learning rate
 TWO_RANKS.append(dict(plan=dict(schedule="1f1b", stages=2, slices="3", microbatches=2, tie=True),
                       steps=3, optim=("sgd", 0.5), clip=0.05, warmup=2))
+# NCCL's rules on gloo (`comm="nccl"`: the NCCL branch of DistTransport, tags=False, receives at
+# their instruction, each exchange one batch_isend_irecv, every send and exchange complete before
+# the rank goes on, as a rendezvous): the plans tpc compiles for GPUs, run as a GPU runs them
+NCCL_TWO = [dict(plan=dict(schedule=s, stages=2, slices="2,7,3", microbatches=3, tie=True), comm="nccl")
+            for s in ("1f1b", "seq1f1b", "zb-h2")]
+NCCL_TWO.append(dict(plan=dict(schedule="interleaved", stages=4, ranks=[0, 1, 0, 1], slices="3",
+                               microbatches=2, tie=True), comm="nccl"))
+NCCL_TWO.append(dict(plan=dict(schedule="1f1b", stages=2, slices="3", microbatches=2, tie=True),
+                     steps=3, optim=("adamw", 1e-2, 0.1), clip=0.05, warmup=2, comm="nccl"))
+TWO_RANKS += NCCL_TWO
 FOUR_RANKS = [dict(plan=dict(schedule=s, stages=2, slices="3", microbatches=2, dp=2, batch=8, tie=True))
               for s in ("1f1b", "terapipe", "seq1f1b")]
 FOUR_RANKS += [dict(plan=dict(schedule=s, stages=4, slices="3", microbatches=4, tie=True))
                for s in ("1f1b", "terapipe", "seq1f1b")]
+FOUR_RANKS += [dict(plan=dict(schedule=s, stages=4, slices="2,7,3", microbatches=4, tie=True), comm="nccl")
+               for s in ("1f1b", "seq1f1b")]
+FOUR_RANKS.append(dict(plan=dict(schedule="seq1f1b", stages=2, slices="3", microbatches=3, dp=2, batch=12,
+                                 tie=True), comm="nccl"))
+# several steps with data parallelism: from the second step on the gradients live in the
+# all-reduce's flat buffer (zeroed in place by the optimizer, accumulated into by backward)
+FOUR_RANKS.append(dict(plan=dict(schedule="1f1b", stages=2, slices="3", microbatches=2, dp=2, batch=8, tie=True),
+                       steps=3, optim=("adamw", 1e-2, 0.1)))
 
 
 
@@ -62,7 +80,7 @@ def _interpreted(case):
     spec = OptimSpec(*case.get("optim", ("sgd", 0.1)))
     options = RunOptions(steps=case.get("steps", 1), optim=spec, grad_clip=case.get("clip", 0.0),
                          lr_schedule="cosine" if "warmup" in case else "constant",
-                         warmup=case.get("warmup", 0))
+                         warmup=case.get("warmup", 0), comm=case.get("comm"))
     result = interpret(plan, options, model=model, stage_factory_for=fake_factory, hidden_size=8)
     return plan, model, result
 
@@ -131,6 +149,17 @@ def test_two_ranks_clipping_and_lr_schedule(two_ranks):
             assert relative_error(value, final[name].detach()) <= TOL, name
 
 
+@pytest.mark.parametrize("i", range(5, 5 + len(NCCL_TWO)))
+def test_two_ranks_under_nccl_rules(two_ranks, i):
+    """The exchanges of 1F1B, seq1F1B, ZB-H2 and interleaved stages, one batch_isend_irecv each,
+    with every send a rendezvous: the same loss and gradients as autograd and the interpreter."""
+    case = TWO_RANKS[i]
+    assert case["comm"] == "nccl"
+    plan = fake_plan(**case["plan"])
+    assert any(ins.op.value == "exchange" for rp in plan.ranks for ins in rp.instrs)
+    _check_case(case, two_ranks[i])
+
+
 @pytest.mark.parametrize("i", range(len(FOUR_RANKS)))
 def test_four_ranks_gradients(four_ranks, i):
     _check_case(FOUR_RANKS[i], four_ranks[i])
@@ -158,3 +187,15 @@ def test_failing_rank_reports_and_the_others_exit(tmp_path):
     assert codes == [1, 1], errs
     assert re.search(r"rank 0, instruction 4: .*: RuntimeError: injected failure \(step 0\)", errs[0]), errs[0]
     assert "rank 1, instruction" in errs[1] and "gave up waiting" in errs[1], errs[1]
+
+
+def test_a_plan_safe_only_with_buffered_sends_hangs_under_nccl_rules_and_is_reported(tmp_path):
+    """1F1B lowered for gloo (no exchanges) under NCCL's rules on gloo: each rank's first
+    steady-state send waits for a receive the other rank posts only after its own send, as on
+    GPUs; both ranks give up after --timeout and say where, instead of hanging."""
+    case = dict(plan=dict(schedule="1f1b", stages=2, slices="1", microbatches=3))
+    codes, errs = launch(2, tmp_path, run_buffered_only, case, 4.0, limit=90)
+    assert codes == [1, 1], errs
+    for r, peer in ((0, 1), (1, 0)):
+        assert re.search(rf"rank {r}, instruction \d+: send \w+ stage {r} mb \d slice 0 to {peer}: "
+                         rf"gave up waiting for the send of .* to rank {peer}", errs[r]), errs[r]

@@ -24,9 +24,16 @@ TWO = [
 ]
 NEW = ["interleaved", "looped-bfs", "zb-h1", "zb-h2", "seq-zb", "seq-interleaved"]
 GRID = [dict(plan=_plan(schedule, stages=4, ranks=2, slices=slices)) for schedule in NEW for slices in ("1", "3", "2,9,5")]
+# under NCCL's rules on gloo (`comm="nccl"`): the NCCL branch of the executor, each exchange one
+# batch_isend_irecv, every send complete before its rank goes on
+TWO += [
+    dict(plan=_plan("interleaved", stages=4, ranks=2), comm="nccl"),
+    dict(plan=_plan("zb-h2", stages=2, slices="3", microbatches=3, batch=6), comm="nccl"),
+]
 FOUR = [  # pipe 2 x data 2
     dict(plan=_plan("seq-zb", stages=2, dp=2, batch=8)),
     dict(plan=_plan("seq-interleaved", stages=4, ranks=2, dp=2, batch=8)),
+    dict(plan=_plan("seq-interleaved", stages=4, ranks=2, dp=2, batch=8), comm="nccl"),
 ]
 
 

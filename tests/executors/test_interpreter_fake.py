@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from tests.executors.fake import FakeLM, fake_factory, fake_plan, reference
+from tests.executors.fake import FakeLM, fake_factory, fake_header, fake_plan, reference
 from tpc.executors.training.batches import RandomTokens
 from tpc.executors.options import RunOptions
 from tpc.executors.oracle import relative_error
@@ -49,10 +49,13 @@ def assert_matches_autograd(plan, model, result):
 CASES = list(itertools.product(["gpipe", "1f1b", "terapipe", "seq1f1b"], [1, 2, 4], ["1", "3", "8", "2,7,3"], [1, 4]))
 
 
+@pytest.mark.parametrize("comm", ["gloo", "nccl"])
 @pytest.mark.parametrize("schedule,stages,slices,mbs", CASES)
-def test_gradients_match_autograd(schedule, stages, slices, mbs):
+def test_gradients_match_autograd(schedule, stages, slices, mbs, comm):
+    """Under gloo's buffered rules and under NCCL's (a send completes only when its receive is
+    posted; the plan's exchanges complete together)."""
     plan = fake_plan(schedule=schedule, stages=stages, slices=slices, microbatches=mbs, tie=True, n_layer=2)
-    model, result = run_fake(plan)
+    model, result = run_fake(plan, comm=comm)
     assert_matches_autograd(plan, model, result)
 
 
@@ -170,6 +173,32 @@ def _located(plan):
 def _line(plan, rank, op, payload=None):
     ins = next(i for i in plan.ranks[rank].instrs if i.op is op and (payload is None or i.payload == payload))
     return ins.loc.line, str(ins)
+
+
+def test_a_plan_safe_only_with_buffered_sends_deadlocks_under_nccl_rules():
+    """1F1B lowered for gloo runs with buffered sends; under NCCL's rules each rank's first
+    steady-state send waits for the other's, and the interpreter names both lines."""
+    from tpc.compiler.lower import lower
+    from tpc.compiler.schedules import build_schedule
+
+    header = fake_header(schedule="1f1b", stages=2, slices="1", microbatches=3)
+    plan = _located(lower(header, build_schedule("1f1b", header), comm="gloo"))
+    model, result = run_fake(plan)  # gloo's rules: fine
+    assert_matches_autograd(plan, model, result)
+    with pytest.raises(TpirError) as err:
+        run_fake(plan, verify=False, comm="nccl")
+    head = err.value.diagnostics[0].message
+    sends = {r: [i for i in plan.ranks[r].instrs if i.op is Op.SEND] for r in (0, 1)}
+    # rank 0 is past its first send (mb 0, received at once) and waits at the next instruction
+    assert "deadlock" in head and "rank 0 line" in head and "rank 1 line" in head, head
+    texts = "\n".join(d.message for d in err.value.diagnostics[1:])
+    assert f"the send of act stage 1 mb 1 slice 0: rank 1 has not posted its receive" in texts, texts
+    assert f"the send of grad stage 0 mb 0 slice 0: rank 0 has not posted its receive" in texts, texts
+    assert len(sends[0]) == 3 and len(sends[1]) == 3
+    # with the plan's exchanges (lowered for NCCL, the default) the same run is exact
+    paired = fake_plan(schedule="1f1b", stages=2, slices="1", microbatches=3)
+    model, result = run_fake(paired, comm="nccl")
+    assert_matches_autograd(paired, model, result)
 
 
 def test_deadlock_lists_every_stuck_rank():

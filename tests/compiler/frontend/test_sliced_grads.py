@@ -107,3 +107,47 @@ def test_fused_bottom_right_bias_matches_oracle(name, monkeypatch):
     assert used and set(used) == {5, 8}  # the slices with a prefix, in every layer
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
     assert max_rel_error(summed(per_stage), ref_grads) <= 1e-5
+
+
+def _lower_right_reference(q, k, v, scale=None):
+    """Plain attention with the bottom-right causal mask, in float32."""
+    lq, lk = q.size(-2), k.size(-2)
+    sees = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+    s = (q.float() @ k.float().transpose(-1, -2)) * (scale or q.size(-1) ** -0.5)
+    return torch.softmax(s.masked_fill(~sees, float("-inf")), dim=-1) @ v.float()
+
+
+def test_fused_bottom_right_under_bf16_autocast_takes_one_dtype(monkeypatch):
+    """On CUDA a slice with a prefix hands SDPA `causal_lower_right`, which picks the flash (or
+    memory-efficient) kernel itself, ahead of autocast: q and k in float32 (rotary embeddings)
+    with v in bf16 failed there ("Expected query, key, and value to have the same dtype"). The
+    kernel eligibility and the flash kernel are stubbed on CPU with the math reference: the
+    kernel now gets q, k, v in the autocast dtype and the result is the reference's."""
+    import torch.nn.attention.bias as bias_mod
+
+    from tpc.compiler.frontend import ops
+
+    got = []
+
+    def flash(q, k, v, dropout_p, is_causal=False, return_debug_mask=False, scale=None):
+        got.append((q.dtype, k.dtype, v.dtype, is_causal))
+        return (_lower_right_reference(q, k, v, scale).to(q.dtype),)
+
+    monkeypatch.setattr(ops, "_fused_bottom_right", lambda q: True)
+    monkeypatch.setattr(bias_mod, "can_use_flash_attention", lambda params: True)
+    monkeypatch.setattr(bias_mod.torch.ops.aten, "_scaled_dot_product_flash_attention", flash)
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 3, 8)  # float32: rotated
+    k, k_prefix = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 5, 8)
+    v, v_prefix = torch.randn(2, 4, 3, 8).bfloat16(), torch.randn(2, 4, 5, 8).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ops.causal_attention(q, k, v, k_prefix, v_prefix)
+    assert got == [(torch.bfloat16, torch.bfloat16, torch.bfloat16, True)]
+    ref = _lower_right_reference(q.bfloat16(), torch.cat([k_prefix, k], -2).bfloat16(),
+                                 torch.cat([v_prefix, v], -2))
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), ref, atol=2e-2)
+    # without the cast the fused path refuses the mixed dtypes, as it did on CUDA
+    monkeypatch.setattr(ops.torch, "is_autocast_enabled", lambda *a: False)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="same dtype"):
+        ops.causal_attention(q, k, v, k_prefix, v_prefix)

@@ -12,7 +12,7 @@ from tpc.compiler.memory import rank_memory
 from tpc.compiler.costmodel.unit import UnitCosts
 from tpc.compiler.simulate import simulate
 from tpc.ir.diagnostics import TpirError
-from tpc.ir.nodes import Instr, Op, Payload, Plan, RankProgram, Tie
+from tpc.ir.nodes import COMPUTE_OPS, Instr, Op, Payload, Plan, RankProgram, Tie
 from tpc.ir.parse import parse
 from tpc.ir.printer import print_plan
 
@@ -95,11 +95,17 @@ def test_the_critical_path_explains_the_iteration_time(schedule, p, m, n, p2p):
     for before, after in zip(path, path[1:]):
         if after.rank == before.rank:
             assert after.index == before.index + 1 and after.start == before.end
-        else:  # a message: the receive ends when the send's data is there
-            assert before.instr.op is Op.SEND and after.instr.op is Op.RECV
+        elif after.instr.op is Op.RECV:  # a message: the receive ends when the send's data is there
+            assert before.instr.op is Op.SEND
             assert after.end == pytest.approx(before.end + p2p)
             transfers += p2p
+        else:  # an exchange's receive: the compute using it starts when the data is there
+            assert before.instr.op is Op.SEND and after.instr.op in COMPUTE_OPS
+            assert after.start + after.wait == pytest.approx(before.end + p2p)
+            transfers += p2p
     work = math.fsum(e.work for e in path if e.instr.op is not Op.RECV)
+    # a compute that waited for an exchange's receive from the rank before it on the path
+    # started its work when the data arrived: its wait is the transfer, counted above
     assert work + transfers == pytest.approx(result.iteration_time)
 
 
