@@ -217,7 +217,7 @@ class DistTransport:
                 self._post(j)
             elif ins.op in COMPUTE_OPS:
                 computes += 1
-            elif ins.op in (Op.ALLREDUCE, Op.REDUCE_TIED, Op.STEP):
+            elif ins.op in (Op.ALLREDUCE, Op.REDUCE_TIED, Op.STEP, Op.REDUCE_LOSS):
                 break  # nothing is received past a collective until it is reached
             j += 1
         self.next_post = max(self.next_post, j)
@@ -271,6 +271,12 @@ class DistTransport:
         for t in tensors:
             t.copy_(flat[offset: offset + t.numel()].view_as(t))
             offset += t.numel()
+
+    def reduce_loss(self, tensor: torch.Tensor) -> None:
+        if self.groups.dp is None:
+            return
+        work = dist.all_reduce(tensor, group=self.groups.dp, async_op=True)
+        self._wait(work, "the evaluation loss of the other data-parallel replicas")
 
     def reduce_tied(self, name: str, tensor: torch.Tensor) -> None:
         group = self.groups.ties.get(name)
