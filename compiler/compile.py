@@ -408,7 +408,8 @@ def compile_plan(model_path: str, options: CompileOptions) -> Plan:
         from tpc.compiler.evaluation import eval_slicing
 
         with progress.step("eval DP") as d:
-            eval_mbs = eval_slicing(source.for_stages([st.units for st in header.stages]), header)
+            eval_mbs = eval_slicing(source.for_stages([st.units for st in header.stages]), header,
+                                    microbatches=opts.microbatch_count)
             d.append(slicing_summary(dataclasses.replace(header, microbatches=eval_mbs)))
     with progress.step("self-check") as d:
         check_plan_slices(sliced, header, eval_mbs)

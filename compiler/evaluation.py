@@ -13,7 +13,10 @@ slice.
 
 `eval_slicing(...)` chooses the evaluation's micro-batches and token slices with TeraPipe's DP
 when a cost model is at hand (`slice_optimiser.optimise(..., backward=False)`: a slot is a
-forward and one transfer); without one the evaluation takes the training program's.
+forward and one transfer), with as many micro-batches as training when `--microbatches` fixed
+that count (a measured profile knows the micro-batch sizes it was measured at, and a fit
+extrapolated to others can misjudge them badly); without a cost model the evaluation takes the
+training program's micro-batches and slices.
 """
 
 from __future__ import annotations
@@ -58,14 +61,16 @@ def eval_program(header: Header, microbatches: Sequence[Microbatch] | None = Non
     return EvalProgram(microbatches=mbs, ranks=ranks)
 
 
-def eval_slicing(cost, header: Header, granularity: int | None = None) -> tuple[Microbatch, ...]:
+def eval_slicing(cost, header: Header, granularity: int | None = None,
+                 microbatches: int | None = None) -> tuple[Microbatch, ...]:
     """The evaluation's micro-batches and token slices chosen by the DP with no backward
     (compiler/slice_optimiser.py), for `header`'s stages under `cost` (a cost model of those
-    stages)."""
+    stages). `microbatches`: how many (the count `--microbatches` fixed for training, so that
+    the sizes stay those the cost model was measured at); None lets the knapsack choose."""
     from tpc.compiler.slice_optimiser import DEFAULT_GRANULARITY, optimise
 
     choice = optimise(cost, header.num_stages, header.shape.seq, header.replica_batch,
-                      granularity=granularity or DEFAULT_GRANULARITY, data=header.mesh.data,
-                      backward=False)
+                      microbatches=microbatches, granularity=granularity or DEFAULT_GRANULARITY,
+                      data=header.mesh.data, backward=False)
     return tuple(Microbatch(index=m, size=size, slices=tuple(sl))
                  for m, (size, sl) in enumerate(zip(choice.mb_sizes, choice.slices)))
