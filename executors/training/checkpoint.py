@@ -136,7 +136,10 @@ def save_checkpoint(dir: str | os.PathLike, step: int, shards: dict[str, Any], m
     _write_shards(tmp, shards, process_group, distributed)
     if leader:
         _write_meta(tmp, {"format": FORMAT, **meta, "step": step})
-        _publish(root, tmp, final, point_latest=name is None)
+        if name is None:
+            _publish(root, tmp, final)
+        else:
+            _replace_dir(root, tmp, final)
     if distributed:
         # no rank goes on (and possibly exits) before the checkpoint is complete
         dist.barrier(group=process_group)
@@ -155,8 +158,16 @@ def _write_meta(tmp: Path, meta: dict) -> None:
     _write_durably(tmp / META_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
-def _publish(root: Path, tmp: Path, final: Path, point_latest: bool = True) -> None:
-    """Rename the finished directory into place, then point `latest` at it (unless not)."""
+def _publish(root: Path, tmp: Path, final: Path) -> None:
+    """Rename the finished directory into place, then point `latest` at it."""
+    _replace_dir(root, tmp, final)
+    _write_durably(root / (LATEST + ".tmp"), final.name + "\n")
+    os.replace(root / (LATEST + ".tmp"), root / LATEST)
+    _fsync_dir(root)
+
+
+def _replace_dir(root: Path, tmp: Path, final: Path) -> None:
+    """Rename the finished directory `tmp` to `final`, replacing one already there."""
     old = None
     if final.exists():  # the same step saved again (a resumed run): keep it until replaced
         old = root / (_TMP + "old_" + final.name)
@@ -165,10 +176,6 @@ def _publish(root: Path, tmp: Path, final: Path, point_latest: bool = True) -> N
         os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(root)
-    if point_latest:
-        _write_durably(root / (LATEST + ".tmp"), final.name + "\n")
-        os.replace(root / (LATEST + ".tmp"), root / LATEST)
-        _fsync_dir(root)
     if old is not None:
         shutil.rmtree(old)
 
