@@ -31,8 +31,12 @@ What blocks (the buffered semantics of the format)
 - `recv` blocks until its matching send has run;
 - `reduce-tied NAME` blocks until every rank holding a stage of the tie has reached it;
 - `allreduce stage S` is among the data-parallel replicas of this pipeline rank, which run the
-  same stream: it never waits on another pipeline rank;
+  same stream: it never waits on another pipeline rank; so is `reduce-loss`, the evaluation
+  program's sum of its loss over those replicas;
 - everything else runs at once.
+
+The evaluation program (format version 2, `Plan.evaluation()`) is a plan like any other here:
+its forwards exchange activations by the same messages, one direction per pair of ranks.
 """
 
 from __future__ import annotations
@@ -146,8 +150,8 @@ def tie_ranks(header: Header, name: str) -> tuple[int, ...]:
 
 def blocks(op: Op) -> bool:
     """Whether an instruction can wait on another pipeline rank: a receive (for its send) or a
-    reduce-tied (for the tie's other ranks). Sends are buffered; allreduce waits only on
-    replicas running the same stream."""
+    reduce-tied (for the tie's other ranks). Sends are buffered; allreduce and reduce-loss wait
+    only on replicas running the same stream."""
     return op is Op.RECV or op is Op.REDUCE_TIED
 
 
