@@ -94,10 +94,32 @@ def test_interpreter_eval_loss_is_plain_pytorch(case, tmp_path):
     assert res.eval_losses[-1][1] != res.eval_losses[0][1]  # the weights did change
 
 
+class _Engines:
+    """Stands where `RunCheckpoints` would: keeps the training engines to look at afterwards."""
+
+    def start(self, engines):
+        self.engines = engines
+        return 0
+
+    def after_step(self, engines, done):
+        pass
+
+    def after_eval(self, engines, done, loss):
+        pass
+
+
+def _optimizer_state(engines) -> list[torch.Tensor]:
+    out = []
+    for e in engines:
+        for state in e.optimizer.opt.state.values():
+            out += [torch.as_tensor(v) for _, v in sorted(state.items())]
+    return out
+
+
 def test_evaluation_changes_nothing_training_reads(tmp_path):
     """Dropout makes training draw random masks: a run that evaluates after every step trains
-    bit-identically to one that never does (losses, weights, and so the AdamW state that made
-    them), and leaves the random stream where the run without it leaves it."""
+    bit-identically to one that never does (losses, weights, gradients, AdamW state), and leaves
+    the random stream where the run without it leaves it."""
     plan = eval_plan("gpt_dropout", eval_slices=THREE)
     batches = EvalBatches(val_file(tmp_path), batch=BATCH, seq=SEQ, vocab=256, count=K)
     runs = []
@@ -105,9 +127,13 @@ def test_evaluation_changes_nothing_training_reads(tmp_path):
         model, sliced = fresh_model("gpt_dropout")
         torch.manual_seed(123)
         opts = RunOptions(steps=3, eval_every=1 if evaluate else 0, eval_data="val.bin" if evaluate else None)
-        res = interpret(plan, opts, model=model, sliced=sliced, eval_batches=batches if evaluate else None)
-        runs.append((res, torch.get_rng_state()))
-    (plain, rng_plain), (evaluated, rng_evaluated) = runs
+        kept = _Engines()
+        res = interpret(plan, opts, model=model, sliced=sliced, eval_batches=batches if evaluate else None,
+                        checkpoints=kept)
+        runs.append((res, torch.get_rng_state(), _optimizer_state(kept.engines)))
+    (plain, rng_plain, opt_plain), (evaluated, rng_evaluated, opt_evaluated) = runs
+    assert len(opt_plain) == len(opt_evaluated) > 0
+    assert all(torch.equal(a, b) for a, b in zip(opt_plain, opt_evaluated))
     assert len(evaluated.eval_losses) == 4 and not plain.eval_losses
     assert plain.losses == evaluated.losses
     assert plain.state_dict.keys() == evaluated.state_dict.keys()
