@@ -241,3 +241,30 @@ def test_torchrun_eval_loss_is_the_interpreters_and_plain_pytorch(dp, eval_slice
     trained = fresh_model("gpt")[0]
     trained.load_state_dict(res.state_dict)
     assert abs(got[-1][1] - plain_eval_loss(trained, batches)) <= TOL
+
+
+@pytest.mark.parametrize("family", ["starcoder2", "lfm2"])
+def test_hugging_face_windowed_caches_evaluate_as_plain_pytorch(family, tmp_path):
+    """Code nobody here wrote: a sliding window of 4 in every layer (starcoder2) and short causal
+    convolutions (lfm2) keep only a window of their cache; the evaluation's slices (5, 6, 5
+    tokens) read it as training's do."""
+    import copy
+
+    from tests.compiler.frontend.hf_models import config_dict
+    from tests.executors.real import traced
+
+    config = tmp_path / family / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps(config_dict(family)))
+    plan = real_plan(family, path=str(config), stages=2, microbatches=2, slices="2", schedule="seq1f1b",
+                     seq_len=SEQ, batch=BATCH)
+    plan = dataclasses.replace(plan, eval=eval_program(plan.header, (Microbatch(0, BATCH, tuple(THREE[0])),)))
+    vocab = plan.header.shape.vocab
+    batches = EvalBatches(val_file(tmp_path / "data", vocab=vocab), batch=BATCH, seq=SEQ, vocab=vocab, count=K)
+    model, sliced, _ = traced(str(config), SEQ)
+    res = interpret(plan, RunOptions(steps=2, eval_every=2, eval_data="val.bin"), model=copy.deepcopy(model),
+                    sliced=sliced, eval_batches=batches)
+    assert abs(res.eval_losses[0][1] - plain_eval_loss(copy.deepcopy(model), batches)) <= TOL
+    trained = copy.deepcopy(model)
+    trained.load_state_dict(res.state_dict)
+    assert abs(res.eval_losses[-1][1] - plain_eval_loss(trained, batches)) <= TOL
