@@ -198,6 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--init-from", metavar="PATH", help="start from these weights: a state_dict .pt (read "
                    "weights-only), a .safetensors file, a Hugging Face model directory (config.json + "
                    "safetensors) or a checkpoint directory")
+    r.add_argument("--eval-data", metavar="FILE", help="validation token file (e.g. data/val.bin from "
+                   "examples/prepare_corpus.py): the plan's forward-only evaluation program gives the "
+                   "validation loss and perplexity before the first step, every --eval-every steps and "
+                   "after the last, in the progress line and --metrics")
+    r.add_argument("--eval-every", type=int, default=0, metavar="N", help="evaluate every N steps "
+                   "(default: 0, only before the first and after the last step)")
+    r.add_argument("--eval-batches", type=int, default=4, metavar="K", help="validation batches per "
+                   "evaluation, each of the plan's batch x seq, the same K every time (default: 4)")
+    r.add_argument("--save-best", action="store_true", help="also keep the checkpoint of the lowest "
+                   "validation loss, as DIR/best beside DIR/latest (needs --checkpoint-dir, --eval-data)")
     r.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     r.set_defaults(func=cmd_run)
 

@@ -19,7 +19,8 @@ def options_from_args(args) -> RunOptions:
         device=args.device, bf16=args.bf16, timeout=args.timeout, data=args.data,
         trace_path=args.trace, metrics=args.metrics, checkpoint_dir=args.checkpoint_dir,
         save_every=args.save_every, resume=args.resume, init_from=args.init_from, verify_grads=args.verify_grads,
-        tolerance=args.tolerance, quiet=args.quiet, comm=args.comm)
+        tolerance=args.tolerance, quiet=args.quiet, comm=args.comm, eval_data=args.eval_data,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, save_best=args.save_best)
 
 
 def cmd_run(args) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tpc.compiler import timeline
 from tpc.compiler.costmodel.resolve import plan_cost_model
-from tpc.compiler.sim_report import format_report
+from tpc.compiler.sim_report import format_eval_report, format_report
 from tpc.compiler.simulate import simulate
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.compiler.torch_schedule.load import load_checked_plan
@@ -29,6 +29,9 @@ def cmd_simulate(args) -> int:
                             source=args.plan)
     result = simulate(plan, costs)
     print(format_report(result, args.plan, costs.describe()))
+    if plan.eval is not None:
+        print()
+        print(format_eval_report(simulate(plan.evaluation(), costs)))
     if args.trace:
         _writing("--trace", args.trace, lambda: timeline.write_trace(result, args.trace, args.plan))
         print(f"trace: {args.trace} (open it in https://ui.perfetto.dev)")

@@ -1,7 +1,8 @@
 """`tpc compile`: from a model file to a verified plan.
 
-    load_model -> SlicedModel.from_model -> partition -> header -> self-check of the header's
-    slices -> build_schedule -> lower -> check
+    load_model -> SlicedModel.from_model -> partition -> header -> the evaluation's slicing ->
+    self-check of the header's and the evaluation's slices -> build_schedule -> lower ->
+    the evaluation program (compiler/evaluation.py) -> check
 
 `compile_plan` returns the Plan; `compile_to_file` also writes it, atomically, after re-reading
 the written text and verifying that, so the file on disk is exactly what was verified.
@@ -12,6 +13,7 @@ mistake is a TpirError that names the option and says what would be right.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
@@ -454,9 +456,17 @@ def compile_plan(model_path: str, options: CompileOptions) -> Plan:
             header = place_chunks(header, opts.pipe)
         if opts.slices_auto:
             auto_slices_without_costs(opts, progress)
+    eval_mbs = header.microbatches
+    if opts.searching:  # the evaluation's own micro-batches and slices: the DP without backward
+        from tpc.compiler.evaluation import eval_slicing
+
+        with progress.step("eval DP") as d:
+            eval_mbs = eval_slicing(source.for_stages([st.units for st in header.stages]), header,
+                                    microbatches=opts.microbatch_count)
+            d.append(slicing_summary(dataclasses.replace(header, microbatches=eval_mbs)))
     with progress.step("self-check") as d:
-        check_plan_slices(sliced, header)
-        d.append(f"{len(_slicings(header))} slicing(s) at length {opts.seq_len}")
+        check_plan_slices(sliced, header, eval_mbs)
+        d.append(f"{len(_slicings(header, eval_mbs))} slicing(s) at length {opts.seq_len}")
     with progress.step("schedule") as d:
         compute = build_schedule(header.schedule.name, header)
         d.append(f"{header.schedule.name}: {slicing_summary(header)}")
@@ -465,6 +475,11 @@ def compile_plan(model_path: str, options: CompileOptions) -> Plan:
     with progress.step("lower") as d:
         plan = lower(header, compute, verify=False, comm=opts.comm)  # verified next, on its own
         d.append(f"{sum(len(p.instrs) for p in plan.ranks)} instructions")
+    with progress.step("eval") as d:
+        from tpc.compiler.evaluation import eval_program
+
+        plan = dataclasses.replace(plan, eval=eval_program(header, eval_mbs))
+        d.append(f"forward only, {sum(len(p.instrs) for p in plan.eval.ranks)} instructions")
     with progress.step("verify") as d:
         check(plan, opts.comm)
         d.append(f"under {opts.comm}'s rules")
@@ -516,20 +531,21 @@ def recompute_stages(header: Header, compute, opts: CompileOptions, source, prog
     return out
 
 
-def _slicings(header: Header) -> list[tuple[int, ...]]:
-    """The distinct slice lengths of the plan's micro-batches."""
+def _slicings(header: Header, extra=()) -> list[tuple[int, ...]]:
+    """The distinct slice lengths of the plan's micro-batches (and of `extra` ones)."""
     out: list[tuple[int, ...]] = []
-    for mb in header.microbatches:
+    for mb in (*header.microbatches, *extra):
         lens = tuple(hi - lo for lo, hi in mb.slices)
         if lens not in out:
             out.append(lens)
     return out
 
 
-def check_plan_slices(sliced, header: Header) -> None:
+def check_plan_slices(sliced, header: Header, extra=()) -> None:
     """The front end's numeric self-check (sliced vs unsliced model at the full length) with
-    each slicing the plan uses: what the plan will run is what is checked."""
-    for lens in _slicings(header):
+    each slicing the plan uses (`extra`: the evaluation's micro-batches): what the plan will
+    run is what is checked."""
+    for lens in _slicings(header, extra):
         sliced.check_slicing(list(lens))
 
 

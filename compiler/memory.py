@@ -108,8 +108,11 @@ class _Held:
         self.total -= self.items.pop(key, 0.0)
 
 
-def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: CostModel) -> RankMemory:
-    """Walk one rank's stream and account its memory (see the module docstring)."""
+def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: CostModel,
+                forward_only: bool = False) -> RankMemory:
+    """Walk one rank's stream and account its memory (see the module docstring). A
+    `forward_only` stream (the evaluation program) keeps no stash: only KV caches come and go
+    (parameters, gradients and optimizer state stay allocated through a run's evaluation)."""
     params = sum(costs.param_bytes(s) for s in header.stages_of_rank(rank))
     static = dict(params=params, grads=params, optimizer=2 * params)
     acts, kv, kv_grads = _Held(), _Held(), _Held()  # keyed (stage, mb, slice)
@@ -125,7 +128,7 @@ def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: Cos
                 kv_slices[owner] = list(range(len(mb.slices)))
                 for j, nbytes in enumerate(costs.kv_slice_bytes(instr.stage, tuple(hi - lo for lo, hi in mb.slices), size)):
                     kv.add((*owner, j), nbytes)
-            if not instr.checkpoint:
+            if not instr.checkpoint and not forward_only:
                 acts.add(instr.key, costs.stash_bytes(instr.stage, l, c, size))
         elif instr.op in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
             slice_extent(header, instr)  # a located error for a slice the header lacks

@@ -59,3 +59,15 @@ def format_report(result: SimResult, name: str, costs_text: str) -> str:
     if m == "act":
         lines.append("memory in slice activations (graphs kept from a forward to its backward)")
     return "\n".join(lines)
+
+
+def format_eval_report(result: SimResult) -> str:
+    """One line for the plan's evaluation program (forward only): its predicted time per
+    validation batch, its slicing, its mean bubble and the largest peak memory."""
+    h = result.plan.header
+    M = len(h.microbatches)
+    t, m = result.time_unit, result.memory_unit
+    peak = max(r.peak_memory.total for r in result.ranks)
+    return (f"evaluation program (forward only): {M} micro-batch{'es' if M != 1 else ''}, "
+            f"{slices_summary(h)}; {format_quantity(result.iteration_time, t)} per batch, "
+            f"mean bubble {result.bubble:.1%}, peak memory {format_quantity(peak, m)}")

@@ -16,6 +16,8 @@ rule of docs/ir.md:
 * `reduce-tied NAME` starts when every rank holding a stage of the tie has reached it (the
   k-th `reduce-tied NAME` of each rank together), then costs an all-reduce of the tied bytes
   over those ranks;
+* `reduce-loss` (the evaluation program, `Plan.evaluation()`, which simulates like any plan)
+  costs an all-reduce of one float64 over the data-parallel replicas;
 * `allreduce stage S` costs the cost model's `grad_sync_time(S, data)` (by default a ring
   all-reduce of `param_bytes(S)` over the data-parallel replicas; they run identical streams,
   so nobody waits for anybody);
@@ -211,6 +213,9 @@ class _Sim:
         elif instr.op is Op.ALLREDUCE:
             cost = self.costs.grad_sync_time(instr.stage, self.header.mesh.data)
             self._finish(r, t, t + cost, 0.0, prev)
+        elif instr.op is Op.REDUCE_LOSS:  # one float64 summed over the replicas
+            cost = self.costs.allreduce_time(8.0, self.header.mesh.data)
+            self._finish(r, t, t + cost, 0.0, prev)
         else:  # load, free-kv, step: bookkeeping the cost models do not time
             self._finish(r, t, t, 0.0, prev)
         return True
@@ -275,7 +280,7 @@ def simulate(plan: Plan, costs: CostModel) -> SimResult:
         busy = math.fsum(e.work for e in mine)
         compute = math.fsum(e.work for e in mine if e.instr.op in COMPUTE_OPS)
         idle = total - busy
-        memory = rank_memory(plan.header, p.rank, p.instrs, costs)
+        memory = rank_memory(plan.header, p.rank, p.instrs, costs, forward_only=plan.forward_only)
         ranks.append(
             RankStats(p.rank, busy, compute, idle, idle / total if total > 0 else 0.0, memory.peak)
         )

@@ -47,8 +47,8 @@ class Choice:
         return sum(len(s) for s in self.slices)
 
 
-def _slot_fn(cost: CostModel):
-    return lambda l, c, b: slot_times(cost, l, c, b)
+def _slot_fn(cost: CostModel, backward: bool = True):
+    return lambda l, c, b: slot_times(cost, l, c, b, backward)
 
 
 def _check_inputs(K: int, L: int, batch: int, microbatches: int | None, granularity: int):
@@ -76,10 +76,10 @@ def sync_time_of(cost: CostModel, data: int) -> float:
 
 
 def batch_only(cost: CostModel, K: int, L: int, batch: int, microbatches: int | None = None,
-               max_mb_size: int | None = None) -> dp.DPResult:
+               max_mb_size: int | None = None, backward: bool = True) -> dp.DPResult:
     """Best cut of the batch into micro-batches with no token slicing (GPipe's search)."""
     sizes = tuple(range(1, (max_mb_size or batch) + 1))
-    t = slot_times(cost, np.full(len(sizes), L), np.zeros(len(sizes)), np.array(sizes))
+    t = slot_times(cost, np.full(len(sizes), L), np.zeros(len(sizes)), np.array(sizes), backward)
     pos = np.array([0, L])
     times = np.full((2, len(sizes)), np.inf)
     times[1] = t
@@ -114,11 +114,13 @@ def _uniform_bound(slot, K, L, batch, microbatches, granularity) -> float:
 
 def optimise(cost: CostModel, K: int, L: int, batch: int, microbatches: int | None = None,
              granularity: int = DEFAULT_GRANULARITY, token_slicing: bool = True,
-             max_mb_size: int | None = None, data: int = 1) -> Choice:
+             max_mb_size: int | None = None, data: int = 1, backward: bool = True) -> Choice:
     """Micro-batch sizes and token slices minimising the predicted step time.
 
     `batch` is the batch of one data-parallel replica; `data` the number of replicas (only
     the gradient sync depends on it). `microbatches=None` lets the knapsack choose how many.
+    `backward=False` prices a forward-only program (evaluation): a slot is the forward and the
+    activation's transfer, and there is no gradient sync.
     """
     _check_inputs(K, L, batch, microbatches, granularity)
     max_mb = min(max_mb_size or batch, batch)
@@ -126,9 +128,9 @@ def optimise(cost: CostModel, K: int, L: int, batch: int, microbatches: int | No
         raise TpirError(Diagnostic(
             f"{microbatches} micro-batches of at most {max_mb} cannot hold a batch of {batch}",
             where="optimiser", hint="allow more micro-batches or larger ones"))
-    slot = _slot_fn(cost)
-    base = batch_only(cost, K, L, batch, microbatches, max_mb)
-    sync = sync_time_of(cost, data)
+    slot = _slot_fn(cost, backward)
+    base = batch_only(cost, K, L, batch, microbatches, max_mb, backward)
+    sync = sync_time_of(cost, data) if backward else 0.0
     notes = []
     if not token_slicing or L <= granularity:
         best = base

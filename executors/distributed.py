@@ -55,6 +55,7 @@ from tpc.executors.engine import DTYPES, RankEngine, stage_factory_from_model
 from tpc.executors.options import RunOptions
 from tpc.executors.plan_model import check_plan_model, load_plan_model, slice_model
 from tpc.executors.rank_layout import describe as describe_layout
+from tpc.executors.evaluation import eval_batches
 from tpc.executors.run import GradientCheck, Reporter, batch_source, check_bf16, write_trace
 from tpc.executors.training.run_checkpoints import RunCheckpoints
 from tpc.ir.diagnostics import Diagnostic, TpirError
@@ -245,7 +246,7 @@ class DistTransport:
                 self._post(j)
             elif ins.op in COMPUTE_OPS:
                 computes += 1
-            elif ins.op in (Op.ALLREDUCE, Op.REDUCE_TIED, Op.STEP):
+            elif ins.op in (Op.ALLREDUCE, Op.REDUCE_TIED, Op.STEP, Op.REDUCE_LOSS):
                 break  # nothing is received past a collective until it is reached
             j += 1
         self.next_post = max(self.next_post, j)
@@ -374,6 +375,12 @@ class DistTransport:
         self._wait(work, f"the gradients of stage {stage} from the other data-parallel replicas")
         return views
 
+    def reduce_loss(self, tensor: torch.Tensor) -> None:
+        if self.groups.dp is None:
+            return
+        work = dist.all_reduce(tensor, group=self.groups.dp, async_op=True)
+        self._wait(work, "the evaluation loss of the other data-parallel replicas")
+
     def reduce_tied(self, name: str, tensor: torch.Tensor) -> None:
         group = self.groups.ties.get(name)
         if group is None:
@@ -501,6 +508,8 @@ class RankOutcome:
     params: dict[str, torch.Tensor]
     peak_live: int
     events: list
+    # (completed steps, validation loss) of each evaluation, the same on every rank
+    eval_losses: list = field(default_factory=list)
 
 
 def init(world: World, device: torch.device, timeout: float) -> None:
@@ -515,7 +524,8 @@ def init(world: World, device: torch.device, timeout: float) -> None:
 
 def run_plan(plan: Plan, world: World, options: RunOptions, *, model: torch.nn.Module, device: torch.device,
              sliced=None, stage_factory=None, hidden_size: int | None = None, batches,
-             on_step=None, checkpoints=None, before_instr=None) -> RankOutcome:
+             on_step=None, checkpoints=None, before_instr=None, eval_batches=None,
+             on_eval=None) -> RankOutcome:
     """Run this rank's stream up to step `options.steps` in an initialised process group: from
     step 0 (from --init-from weights, when `checkpoints` has them), or, when `checkpoints`
     (`tpc.executors.training.run_checkpoints.RunCheckpoints`) resumes, from the newest
@@ -537,9 +547,13 @@ def run_plan(plan: Plan, world: World, options: RunOptions, *, model: torch.nn.M
                               rendezvous=backend != "nccl" and rules == NCCL)
     engine = RankEngine(plan, pipe_rank, data_rank, transport, stage_factory, hidden_size=hidden_size,
                         options=options, device=device, before_instr=before_instr)
+    evaluation = None
+    if eval_batches is not None:
+        evaluation = _evaluation(plan, world, options, eval_batches, groups, model, sliced, device,
+                                 dtype, hidden_size)
     watchdog = Watchdog(engine, transport, options.timeout)
     watchdog.start()
-    losses, first_grads = [], {}
+    losses, first_grads, eval_losses = [], {}, []
     try:
         start = 0
         if checkpoints is not None:
@@ -549,6 +563,11 @@ def run_plan(plan: Plan, world: World, options: RunOptions, *, model: torch.nn.M
         # group by batch_isend_irecv (an exchange) preceded by one involving all its ranks
         dist.barrier()
         engine.epoch = time.perf_counter()  # trace times count from a common start
+        if evaluation is not None and start == 0:
+            with transport.waiting_for("the evaluation before the first step"):
+                eval_losses.append((0, evaluation.run()))
+            if on_eval is not None:
+                on_eval(0, eval_losses[-1][1])
         for step in range(start, options.steps):
             started = time.perf_counter()
             transport.start_step()
@@ -559,16 +578,55 @@ def run_plan(plan: Plan, world: World, options: RunOptions, *, model: torch.nn.M
             losses.append(float(total))
             if step == start:
                 first_grads = dict(engine.grads)
+            step_time = time.perf_counter() - started
+            val = None
+            if evaluation is not None and evaluation.due(step + 1):
+                with transport.waiting_for("the evaluation"):
+                    val = evaluation.run()
+                eval_losses.append((step + 1, val))
             if on_step is not None:
                 on_step(step, losses[-1], dict(lr=options.lr_at(step), grad_norm=engine.grad_norm,
-                                               step_time=time.perf_counter() - started))
+                                               step_time=step_time, val_loss=val))
             if checkpoints is not None:
                 with transport.waiting_for("the other ranks to write their checkpoint shards"):
                     checkpoints.after_step([engine], step + 1)
+                    if val is not None:
+                        checkpoints.after_eval([engine], step + 1, val)
     finally:
         watchdog.stop.set()
     return RankOutcome(losses, first_grads, {n: p.detach().cpu().clone() for n, p in engine.named_parameters},
-                       engine.peak_live, engine.events)
+                       engine.peak_live, engine.events, eval_losses)
+
+
+def _evaluation(plan: Plan, world: World, options: RunOptions, batches, groups: Groups, model, sliced,
+                device: torch.device, dtype: torch.dtype, hidden_size: int):
+    """This rank's engine of the evaluation program, with a transport of its own over the same
+    groups, its stages sharing the training stages' parameters; the loss is broadcast from the
+    last stage's rank of replica 0 (after `reduce-loss` it holds the sum over the replicas)."""
+    from tpc.executors.evaluation import Evaluation
+
+    if sliced is None:
+        raise TpirError(Diagnostic("evaluation needs the model's front end (`sliced`)",
+                                   hint="run with the plan's model, not a stand-in stage factory"))
+    view = plan.evaluation()
+    pipe = view.header.mesh.pipe
+    transport = DistTransport(view, world, groups, device=device, hidden_size=hidden_size, dtype=dtype,
+                              timeout=options.timeout, tags=dist.get_backend() == "gloo")
+    engine = RankEngine(view, world.rank % pipe, world.rank // pipe, transport,
+                        stage_factory_from_model(sliced, model, evaluation=True), hidden_size=hidden_size,
+                        options=options, device=device)
+    src = view.header.stage_rank(view.header.num_stages - 1)  # global rank: replica 0
+
+    def run_batch(k: int, tokens: torch.Tensor) -> float:
+        transport.start_step()
+        engine.run_step(k, tokens)
+        loss = torch.tensor([engine.step_loss if world.rank == src else 0.0], dtype=torch.float64,
+                            device=device)
+        work = dist.broadcast(loss, src=src, async_op=True)
+        transport._wait(work, f"the evaluation loss from rank {src}")
+        return float(loss[0])
+
+    return Evaluation(batches, options.eval_every, options.steps, run_batch, device)
 
 
 def main(plan_path: str, options: RunOptions, world: World) -> int:
@@ -588,6 +646,7 @@ def main(plan_path: str, options: RunOptions, world: World) -> int:
     gradient_check = GradientCheck(plan, options, model) if options.verify_grads else None
     model.to(device)
     batches = batch_source(plan, options)
+    validation = eval_batches(plan, options)  # every rank refuses a bad file alike, before training
     try:
         init(world, device, options.timeout)
     except Exception as e:  # noqa: BLE001 - whatever the rendezvous raises, say what it means
@@ -600,7 +659,8 @@ def main(plan_path: str, options: RunOptions, world: World) -> int:
     checkpoints = RunCheckpoints.from_options(plan, options, say=show.message, model=model)
     try:
         outcome = run_plan(plan, world, options, model=model, device=device, sliced=sliced,
-                           batches=batches, on_step=show, checkpoints=checkpoints)
+                           batches=batches, on_step=show, checkpoints=checkpoints,
+                           eval_batches=validation, on_eval=show.evaluation)
         show.close()
     except TpirError as e:
         fail(e)

@@ -73,6 +73,10 @@ class Transport(Protocol):
 
     def reduce_tied(self, name: str, tensor: torch.Tensor) -> None: ...
 
+    def reduce_loss(self, tensor: torch.Tensor) -> None:
+        """Sum the evaluation loss (one float64) over the data-parallel group, in place."""
+        ...
+
     def flush(self) -> None: ...
 
     def exchange(self, index: int, count: int) -> None:
@@ -115,15 +119,17 @@ class BuiltStage:
 StageFactory = Callable[[Stage, float], BuiltStage]
 
 
-def stage_factory_from_model(sliced, model_copy: torch.nn.Module) -> StageFactory:
+def stage_factory_from_model(sliced, model_copy: torch.nn.Module, evaluation: bool = False) -> StageFactory:
     """Stages cut from the front end's `SlicedModel`, sharing parameters with `model_copy` (so
-    that two stages of one rank share a tied parameter, and the copy's state_dict is current)."""
+    that two stages of one rank share a tied parameter, and the copy's state_dict is current).
+    `evaluation`: the stages of the evaluation program, as `model.eval()` runs them (dropout
+    off), sharing the same parameters with the training stages."""
 
     def build(stage: Stage, loss_scale: float) -> BuiltStage:
         from tpc.executors.stage_runtime import StageRuntime
 
         lo, hi = stage.units
-        module = sliced.stage_module(lo, hi, params_from=model_copy)
+        module = sliced.stage_module(lo, hi, params_from=model_copy, evaluation=evaluation)
         return BuiltStage(StageRuntime(module, loss_scale), list(module.named_parameters()))
 
     return build
@@ -170,7 +176,9 @@ class RankEngine:
         }
         self.named_parameters = unique_parameters(
             (n, p) for s in sorted(self.stages) for n, p in self.stages[s].named_parameters)
-        self.optimizer = RankOptimizer(self.named_parameters, self.options.optim)
+        # the evaluation program (`Plan.evaluation()`) runs forward only: no optimizer
+        self.forward_only = plan.forward_only
+        self.optimizer = None if self.forward_only else RankOptimizer(self.named_parameters, self.options.optim)
         self.peak_live = 0
         self.events: list[TraceEvent] = []
         self.epoch = time.perf_counter()
@@ -193,6 +201,7 @@ class RankEngine:
             Op.REDUCE_TIED: self._reduce_tied,
             Op.STEP: self._step,
             Op.EXCHANGE: self._exchange,
+            Op.REDUCE_LOSS: self._reduce_loss,
         }
 
     # ------------------------------------------------------------------------- driving
@@ -356,9 +365,13 @@ class RankEngine:
                 raise TpirError(Diagnostic(f"micro-batch {m} is not loaded",
                                            hint=f"put `load mb {m}` before the first forward of it"))
             targets = self.targets[m][:, lo:hi]
+        capacity = self.header.microbatches[m].slices[-1][1]
         with self._compute():
-            out = stage.runtime.forward(m, i, x, lo, targets=targets, checkpoint=instr.checkpoint,
-                                        capacity=self.header.microbatches[m].slices[-1][1])
+            if self.forward_only:
+                out = stage.runtime.evaluate(m, i, x, lo, targets=targets, capacity=capacity)
+            else:
+                out = stage.runtime.forward(m, i, x, lo, targets=targets, checkpoint=instr.checkpoint,
+                                            capacity=capacity)
         if s == self.last_stage:
             self.step_loss = self.step_loss + out.detach().double()  # on the device: no sync per slice
         else:
@@ -442,6 +455,11 @@ class RankEngine:
             raise TpirError(Diagnostic(f"no stage of rank {self.pipe_rank} holds {instr.tie!r}",
                                        hint="reduce-tied belongs on the ranks whose stages hold the tie"))
         self.transport.reduce_tied(instr.tie, _grad_of(param))
+
+    def _reduce_loss(self, instr: Instr) -> None:
+        total = torch.as_tensor(self.step_loss, dtype=torch.float64, device=self.device).reshape(1).clone()
+        self.transport.reduce_loss(total)
+        self.step_loss = total[0]
 
     def _step(self, instr: Instr) -> None:
         self.transport.flush()

@@ -52,6 +52,8 @@ class RunResult:
     events: list[TraceEvent] = field(default_factory=list)
     # the first step's gradients (the step where the weights are still the initial ones)
     first_grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    # (completed steps, validation loss) of each evaluation (with `eval_batches`)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
 
 
 class _Hub:
@@ -177,6 +179,11 @@ class LocalTransport:
         self.hub.collective(self._occurrence(("tie", name, self.data_rank)), members, self.me,
                             [tensor], f"reduce-tied {name!r}")
 
+    def reduce_loss(self, tensor: torch.Tensor) -> None:
+        members = [d * self.pipe + self.pipe_rank for d in range(self.data)]
+        self.hub.collective(self._occurrence(("reduce-loss", self.pipe_rank)), members, self.me,
+                            [tensor], "reduce-loss")
+
     def flush(self) -> None:
         pass  # in-memory sends complete at once
 
@@ -239,7 +246,8 @@ def deadlock_error(engines: list[RankEngine], waiting: dict[int, Blocked]) -> Ra
 def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.Module | None = None,
               sliced=None, stage_factory_for=None, hidden_size: int | None = None,
               batches: BatchSource | None = None, on_step=None, checkpoints=None,
-              verify: bool = True, keep_grads: bool = True) -> RunResult:
+              verify: bool = True, keep_grads: bool = True, eval_batches=None,
+              on_eval=None) -> RunResult:
     """Run `plan` for `options.steps` training steps with every rank in this process.
 
     How to train is `options` (tpc.executors.options.RunOptions; the interpreter always keeps
@@ -258,6 +266,11 @@ def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.
     `verify=False` skips the verifier (to study a broken plan). `keep_grads=False` keeps no
     copy of the gradients (`grads` and `first_grads` stay empty; benchmarks time steps without
     that copy). On CUDA each step's time is taken after the device has finished the step.
+    `eval_batches` (`tpc.executors.training.eval_data.EvalBatches`: get(k), count) runs the
+    plan's evaluation program (executors/evaluation.py) before the first step (of a run from
+    step 0), after every `options.eval_every` steps and after the last, on every replica's
+    ranks with their own weights; `on_eval(done, loss)` is called for the one before the first
+    step, the others go to `on_step` as info["val_loss"]; all are in `RunResult.eval_losses`.
     """
     options = options or RunOptions()
     device = options.torch_device()
@@ -282,15 +295,25 @@ def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.
         options = dataclasses.replace(options, record_grads=True)
     hub = _Hub()
     engines: list[RankEngine] = []
+    copies = []
     for d in range(header.mesh.data):
         for p in range(header.mesh.pipe):
             copy_ = copy.deepcopy(model).to(device) if model is not None else None
+            copies.append(copy_)
             engines.append(RankEngine(plan, p, d, LocalTransport(hub, plan, p, d, rules == NCCL),
                                       stage_factory_for(copy_),
                                       hidden_size=hidden_size, options=options, device=device))
+    evaluation = None
+    if eval_batches is not None:
+        evaluation = _evaluation(plan, options, eval_batches, copies, sliced, hidden_size, device)
     start = checkpoints.start(engines) if checkpoints is not None else 0
     losses: list[float] = []
+    eval_losses: list[tuple[int, float]] = []
     first_grads: dict[str, torch.Tensor] = {}
+    if evaluation is not None and start == 0:
+        eval_losses.append((0, evaluation.run()))
+        if on_eval is not None:
+            on_eval(0, eval_losses[-1][1])
     for step in range(start, options.steps):
         started = time.perf_counter()
         tokens = batches.get(step)
@@ -304,11 +327,18 @@ def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.
             first_grads = canonical_names(model, _gather(engines, lambda e: e.grads.items()))
         if device.type == "cuda":  # the optimiser's kernels may still be running
             torch.cuda.synchronize(device)
+        step_time = time.perf_counter() - started
+        val = None
+        if evaluation is not None and evaluation.due(step + 1):
+            val = evaluation.run()
+            eval_losses.append((step + 1, val))
         if on_step is not None:
             on_step(step, loss, dict(lr=options.lr_at(step), grad_norm=engines[0].grad_norm,
-                                     step_time=time.perf_counter() - started))
+                                     step_time=step_time, val_loss=val))
         if checkpoints is not None:
             checkpoints.after_step(engines, step + 1)
+            if val is not None:
+                checkpoints.after_eval(engines, step + 1, val)
     return RunResult(
         losses=losses,
         grads=canonical_names(model, _gather(engines, lambda e: e.grads.items())),
@@ -316,7 +346,37 @@ def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.
         state_dict=_state_dict(model, engines),
         events=[ev for e in engines for ev in e.events],
         first_grads=first_grads,
+        eval_losses=eval_losses,
     )
+
+
+def _evaluation(plan: Plan, options: RunOptions, batches, copies, sliced, hidden_size: int,
+                device: torch.device):
+    """The evaluation program on engines of its own, one per (pipeline rank, replica), whose
+    stages share the parameters of that rank's training copy (executors/evaluation.py)."""
+    from tpc.executors.evaluation import Evaluation, check_eval_plan
+
+    check_eval_plan(plan, dataclasses.replace(options, eval_data=options.eval_data or "--eval-data"))
+    if sliced is None:
+        raise TpirError(Diagnostic("evaluation needs the model's front end (`sliced`)",
+                                   hint="run with the plan's model, not a stand-in stage factory"))
+    view = plan.evaluation()
+    hub = _Hub()
+    pipe = view.header.mesh.pipe
+    engines = [RankEngine(view, p, d, LocalTransport(hub, view, p, d),
+                          stage_factory_from_model(sliced, copies[d * pipe + p], evaluation=True),
+                          hidden_size=hidden_size, options=options, device=device)
+               for d in range(view.header.mesh.data) for p in range(pipe)]
+    last = view.header.stage_rank(view.header.num_stages - 1)  # replica 0's engine of the last stage
+
+    def run_batch(k: int, tokens: torch.Tensor) -> float:
+        for e in engines:
+            e.transport.step = k
+            e.begin_step(k, tokens)
+        run_cooperatively(engines)
+        return [e.end_step() for e in engines][last]
+
+    return Evaluation(batches, options.eval_every, options.steps, run_batch, device)
 
 
 def _gather(engines: list[RankEngine], items) -> dict[str, torch.Tensor]:

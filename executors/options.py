@@ -64,6 +64,13 @@ class RunOptions:
     # and in the interpreter); "nccl" on the CPU runs NCCL's rules there (the interpreter and
     # gloo: a send completes only when its receive is posted), so CPU tests exercise them
     comm: str | None = None
+    # validation (executors/evaluation.py): the plan's evaluation program on `eval_batches`
+    # batches of this token file, before the first step, every `eval_every` steps (0: only
+    # then) and after the last; `save_best` keeps the checkpoint of the lowest validation loss
+    eval_data: str | None = None
+    eval_every: int = 0
+    eval_batches: int = 4
+    save_best: bool = False
 
     def __post_init__(self):
         if self.steps < 1:
@@ -98,6 +105,20 @@ class RunOptions:
             raise _refuse("--device", f"unknown device {self.device!r}", "use cpu, cuda or auto")
         if self.comm not in (None, "gloo", "nccl"):
             raise _refuse("--comm", f"unknown communication rules {self.comm!r}", "use nccl or gloo")
+        if self.eval_every < 0:
+            raise _refuse("--eval-every", f"--eval-every must be >= 0, got {self.eval_every}",
+                          "evaluate every N steps, e.g. --eval-every 100; 0 evaluates only before the "
+                          "first and after the last step")
+        if self.eval_batches < 1:
+            raise _refuse("--eval-batches", f"--eval-batches must be >= 1, got {self.eval_batches}",
+                          "the number of validation batches, e.g. --eval-batches 4")
+        for flag, given in (("--eval-every", self.eval_every > 0), ("--save-best", self.save_best)):
+            if given and not self.eval_data:
+                raise _refuse(flag, f"{flag} needs --eval-data",
+                              "give the validation token file, e.g. --eval-data data/val.bin")
+        if self.save_best and not self.checkpoint_dir:
+            raise _refuse("--save-best", "--save-best needs --checkpoint-dir",
+                          "e.g. --checkpoint-dir ckpt --save-best (the best checkpoint is DIR/best)")
         self.lr_at(0)  # refuses a meaningless schedule (warm-up past the end) now
 
     @property

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from tpc.executors.evaluation import eval_batches, perplexity
 from tpc.executors.options import RunOptions
 from tpc.executors.oracle import batch_reference, gradient_error, gradient_floor
 from tpc.executors.plan_model import check_plan_model, load_plan_model
@@ -61,10 +62,12 @@ def interpret_plan(plan: Plan, options: RunOptions) -> int:
     model = load_plan_model(plan, options.seed)
     check = GradientCheck(plan, options, model) if options.verify_grads else None
     batches = batch_source(plan, options)
+    validation = eval_batches(plan, options)  # read and checked before any training
     reporter = Reporter(options, plan, rank=0)
     checkpoints = RunCheckpoints.from_options(plan, options, say=reporter.message, model=model)
     result = interpret(plan, options, model=model, batches=batches, on_step=reporter,
-                       checkpoints=checkpoints, verify=False)
+                       checkpoints=checkpoints, verify=False, eval_batches=validation,
+                       on_eval=reporter.evaluation)
     reporter.close()
     if options.trace_path:
         write_trace(options.trace_path, result.events)
@@ -150,13 +153,26 @@ class Reporter:
 
     def __call__(self, step: int, loss: float, info: dict) -> None:
         t = info["step_time"]
+        val = info.get("val_loss")
         self.progress.update(step + 1, loss=loss, tokens=self.tokens, step_time=t, lr=info["lr"],
-                             grad_norm=info["grad_norm"])
+                             grad_norm=info["grad_norm"], val_loss=val)
         if self.write_metrics:
             if self.metrics is None:
                 self.metrics = self._open(first_step=step)
+            extra = {} if val is None else {"val_loss": val, "val_ppl": perplexity(val)}
             self.metrics.write(step + 1, loss=loss, lr=info["lr"], grad_norm=info["grad_norm"],
-                               tokens_per_s=self.tokens / t if t > 0 else float("inf"), step_time=t)
+                               tokens_per_s=self.tokens / t if t > 0 else float("inf"), step_time=t,
+                               **extra)
+
+    def evaluation(self, done: int, val_loss: float) -> None:
+        """An evaluation outside a step's line: before the first step (`done` = 0)."""
+        from tpc.executors.training.progress import format_validation
+
+        self.progress.message(f"validation after {done} steps: {format_validation(val_loss)}")
+        if self.write_metrics:
+            if self.metrics is None:
+                self.metrics = self._open(first_step=done)
+            self.metrics.write_eval(done, val_loss=val_loss, val_ppl=perplexity(val_loss))
 
     def _open(self, first_step: int):
         from tpc.executors.training.progress import MetricsWriter

@@ -92,6 +92,7 @@ class StageRuntime:
         self._slices: dict[tuple[int, int], _Slice] = {}
         self._caches: dict[int, _Cache] = {}
         self._empty: dict[tuple[int, torch.device], list] = {}
+        self._evaluated: dict[int, int] = {}  # forward-only: mb -> slices run so far
 
     # ------------------------------------------------------------------ forward
 
@@ -120,6 +121,28 @@ class StageRuntime:
             rec.y, rec.kv_out = y, kv
         self._slices[(mb, sl)] = rec
         return self._scaled(y).detach()
+
+    def evaluate(self, mb: int, sl: int, x: torch.Tensor, offset: int, targets=None,
+                 capacity: int | None = None) -> torch.Tensor:
+        """Forward one slice with no autograd graph and nothing kept but the KV cache the next
+        slice reads (the evaluation program); returns the activation (or the scaled loss)."""
+        done = self._evaluated.get(mb, 0)
+        if sl != done:
+            raise RuntimeError(f"forward of micro-batch {mb} slice {sl} needs the KV cache of slices "
+                               f"0..{sl - 1}; {done} have run on stage {self.module.lo}:{self.module.hi}")
+        if self.module.is_last and targets is None:
+            raise RuntimeError(f"the last stage needs targets for micro-batch {mb} slice {sl}")
+        cache = self._caches.get(mb)
+        start = cache.length if cache is not None else 0
+        with torch.no_grad():
+            if start == 0:
+                prefix = self._empty_kv(x.size(0), x.device)
+            else:
+                prefix = [self._prefix_view(cache, t, start) for t in range(len(cache.kv))]
+            y, kv = self.module(x, int(offset), prefix, targets)
+            self._append(mb, kv, capacity)
+        self._evaluated[mb] = sl + 1
+        return self._scaled(y)
 
     def recompute(self, mb: int, sl: int) -> None:
         """Rebuild the autograd graph of a checkpointed forward (same inputs, same cached prefix)."""
@@ -333,6 +356,7 @@ class StageRuntime:
         for key in [k for k in self._slices if k[0] == mb]:
             del self._slices[key]
         self._caches.pop(mb, None)
+        self._evaluated.pop(mb, None)
 
     @property
     def live_activations(self) -> int:

@@ -12,6 +12,7 @@ from lark import Token, Transformer
 from tpc.ir.diagnostics import Diagnostic
 from tpc.ir.nodes import (
     FORMAT_VERSION,
+    EvalProgram,
     FORMAT_VERSIONS,
     Header,
     Instr,
@@ -289,12 +290,37 @@ class PlanBuilder(Transformer):
     def exchange(self, children):
         first, count, _ = children
         return self._instr(Op.EXCHANGE, first, {"count": count})
+    def reduce_loss(self, children):
+        first, _ = children
+        return self._instr(Op.REDUCE_LOSS, first, {})
+
+    # -- the evaluation program
+
+    @_line
+    def eval_line(self, children):
+        return self._trivia(children[0])
+
+    @_line
+    def eval_program(self, children):
+        trivia, *rest = children
+        microbatches = tuple(c for c in rest if isinstance(c, Microbatch))
+        ranks = [c for c in rest if isinstance(c, RankProgram)]
+        diagnostics = _check_rank_order(ranks)
+        if not microbatches:
+            diagnostics.append(Diagnostic(
+                "the evaluation program has no micro-batches", trivia["loc"],
+                f"add `{SYNTAX['microbatch']}` lines below `eval`, before its rank sections"))
+        if diagnostics:
+            raise Located(diagnostics)
+        return EvalProgram(microbatches=microbatches, ranks=tuple(ranks), **trivia)
 
     # -- the file
 
     @_line
     def start(self, children):
         version, *rest = children
+        evaluation = next((c for c in rest if isinstance(c, EvalProgram)), None)
+        rest = [c for c in rest if not isinstance(c, EvalProgram)]
         lines = [c for c in rest if not isinstance(c, RankProgram)]
         ranks = [c for c in rest if isinstance(c, RankProgram)]
         diagnostics = _check_header_order(lines, version, ranks, self.file)
@@ -318,7 +344,7 @@ class PlanBuilder(Transformer):
         )
         trailing = tuple(text for _, text in self.comments[self.next_comment:])
         return Plan(header=header, ranks=tuple(ranks), trailing_comments=trailing,
-                    source=self.file)
+                    source=self.file, eval=evaluation)
 
 
 _PAYLOADS = {p.value: p for p in Payload}

@@ -34,6 +34,12 @@ header's stages, micro-batches and that micro-batch's slices:
     exchange N                        (version 2) the next N instructions, sends then
                                       receives, are one exchange: issued together and complete
                                       together (`batch_isend_irecv` on NCCL)
+    reduce-loss                       sum the evaluation loss over the data-parallel group
+                                      (evaluation program only, format version 2)
+
+A plan may hold, after the training program, an evaluation program (format version 2): an
+`eval` line, its own micro-batches and one rank section per pipeline rank of the same mesh and
+stages, running forward only (`EvalProgram`; `Plan.evaluation()` is it as a plan of its own).
 
 What blocks depends on the backend's rules (tpc.ir.semantics: gloo's buffered sends, NCCL's
 rendezvous sends); between two ranks, messages in one direction are received in the order they
@@ -239,6 +245,7 @@ class Op(str, Enum):
     REDUCE_TIED = "reduce-tied"
     STEP = "step"
     EXCHANGE = "exchange"
+    REDUCE_LOSS = "reduce-loss"  # format version 2: the evaluation program's loss
 
 
 class Payload(str, Enum):
@@ -262,6 +269,7 @@ OPERANDS: dict[Op, tuple[str, ...]] = {
     Op.REDUCE_TIED: ("tie",),
     Op.STEP: (),
     Op.EXCHANGE: ("count",),
+    Op.REDUCE_LOSS: (),
 }
 
 # instructions added after format version 1, with the version that added them (rule H1)
@@ -335,6 +343,24 @@ class RankProgram(Line):
     instrs: tuple[Instr, ...]
 
 
+# the format version that added the evaluation program (`eval`, `reduce-loss`)
+EVAL_VERSION = 2
+# the instructions an evaluation program may hold: forward only (rule E2)
+EVAL_OPS = frozenset({Op.LOAD, Op.FORWARD, Op.SEND, Op.RECV, Op.FREE_KV, Op.REDUCE_LOSS})
+
+
+@dataclass(frozen=True)
+class EvalProgram(Line):
+    """`eval`, then the evaluation program's `microbatch` lines and one `rank R` section per
+    pipeline rank: the forward of every slice of one batch of `shape batch` rows (the same
+    mesh, stages and sequence length as training), its own micro-batches and token slices,
+    no backward and no step. The loss is summed on the last stage (`reduce-loss` sums it over
+    the data-parallel group). Format version 2."""
+
+    microbatches: tuple[Microbatch, ...]
+    ranks: tuple[RankProgram, ...]
+
+
 @dataclass(frozen=True)
 class Plan:
     header: Header
@@ -343,9 +369,22 @@ class Plan:
     trailing_comments: tuple[str, ...] = field(default=(), compare=False, repr=False)
     # the file the plan was read from, for diagnostics
     source: str = field(default="<plan>", compare=False, repr=False)
+    # the evaluation program, if the plan has one (format version 2)
+    eval: EvalProgram | None = None
+    # True for the plan `evaluation()` returns: a forward-only program (rules E2-E4)
+    forward_only: bool = False
 
     def program(self, rank: int) -> RankProgram:
         return self.ranks[rank]
+
+    def evaluation(self) -> "Plan | None":
+        """The evaluation program as a plan of its own (the header with the evaluation's
+        micro-batches, its rank sections, `forward_only`), which the verifier, the simulator
+        and the executors read like any plan; None when there is none."""
+        if self.eval is None:
+            return None
+        header = dataclasses.replace(self.header, microbatches=self.eval.microbatches)
+        return Plan(header=header, ranks=self.eval.ranks, source=self.source, forward_only=True)
 
 
 def quote(text: str) -> str:

@@ -37,15 +37,26 @@ def print_plan(plan: Plan) -> str:
                                 *h.ties, *h.microbatches]
     for line in header_lines:
         _emit(out, "", line.comments, line_text(line), line.note)
-    for program in plan.ranks:
+    _emit_ranks(out, plan.ranks)
+    if plan.eval is not None:
+        ev = plan.eval
+        out.append("")
+        _emit(out, "", ev.comments, "eval", ev.note)
+        for line in ev.microbatches:
+            _emit(out, "", line.comments, line_text(line), line.note)
+        _emit_ranks(out, ev.ranks)
+    out += [INDENT + comment_text(c) for c in plan.trailing_comments]
+    return "\n".join(out) + "\n"
+
+
+def _emit_ranks(out: list[str], ranks) -> None:
+    for program in ranks:
         out.append("")
         _emit(out, "", program.comments, line_text(program), program.note)
         members = 0  # lines of an exchange still to come: indented one level more
         for instr in program.instrs:
             _emit(out, INDENT * (2 if members else 1), instr.comments, str(instr), instr.note)
             members = instr.count if instr.count is not None else max(0, members - 1)
-    out += [INDENT + comment_text(c) for c in plan.trailing_comments]
-    return "\n".join(out) + "\n"
 
 
 def line_text(line: Line) -> str:

@@ -45,12 +45,15 @@ A plan runs under the rules of the backend that carries its messages, named by `
 Under both rules:
 - `reduce-tied NAME` blocks until every rank holding a stage of the tie has reached it;
 - `allreduce stage S` is among the data-parallel replicas of this pipeline rank, which run the
-  same stream: it never waits on another pipeline rank;
+  same stream: it never waits on another pipeline rank; so is `reduce-loss`, the evaluation
+  program's sum of its loss over those replicas;
 - everything else runs at once.
 
 `comm_entries` cuts a rank's stream into what can block (one send or receive, one exchange, one
 reduce-tied) and `run_comm` runs all ranks under a backend's rules: the verifier, lowering and
 the interpreter's rendezvous mode all use them.
+The evaluation program (format version 2, `Plan.evaluation()`) is a plan like any other here:
+its forwards exchange activations by the same messages, one direction per pair of ranks.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ SYNTAX: dict[str, str] = {
     "tie": 'tie "NAME" stages S T ...',
     "microbatch": "microbatch M size N slices A:B ...",
     "rank": "rank R",
+    "eval": "eval",
     **{op.value: _instr_syntax(op) for op in Op},
 }
 

@@ -3,7 +3,8 @@
 # compile examples/gpt.py into a 2-stage token-sliced plan (the optimiser picks the slices from
 # the measured costs), draw its predicted timeline, train it under torchrun on CPU (2 ranks,
 # gloo), and sample text from the trained checkpoint. Everything it writes goes to out/
-# (override: OUT=dir). Knobs: STEPS (default 500), SEQ (128), BATCH (16), LR (3e-3).
+# (override: OUT=dir). Training prints the validation loss (the plan's forward-only evaluation
+# program on 4 batches of val.bin) before the first and after the last step. Knobs: STEPS (default 500), SEQ (128), BATCH (16), LR (3e-3).
 # About 3 minutes on 2 CPU cores. Run it again with RESUME=1 STEPS=1000 to continue training
 # from the last checkpoint (STEPS is the step training ends at).
 set -euo pipefail
@@ -35,7 +36,7 @@ section "compile: 2 pipeline stages, 2 micro-batches, token slices chosen by the
 tpc compile examples/gpt.py -o "$OUT/plan.tpir" --stages 2 --microbatches 2 \
     --seq-len "$SEQ" --batch "$BATCH" --slices auto --cost "$OUT/profile.msgpack" --schedule seq1f1b
 tpc verify "$OUT/plan.tpir"
-grep '^microbatch' "$OUT/plan.tpir"
+sed -n '/^eval/q;/^microbatch/p' "$OUT/plan.tpir"  # the training program's (the evaluation's follow `eval`)
 
 section "simulate: predicted timeline"
 tpc simulate "$OUT/plan.tpir" --cost "$OUT/profile.msgpack" --png "$OUT/timeline.png" --trace "$OUT/timeline.json"
@@ -46,15 +47,22 @@ resume=()
 torchrun --nproc-per-node 2 --no-python --log-dir "$OUT/torchrun-logs" --redirects 0 \
     tpc run "$OUT/plan.tpir" --steps "$STEPS" --data "$OUT/data/train.bin" --device cpu \
     --lr "$LR" --warmup 20 --grad-clip 1.0 --metrics "$OUT/metrics.jsonl" \
-    --checkpoint-dir "$OUT/ckpt" --save-every 100 "${resume[@]}"
+    --checkpoint-dir "$OUT/ckpt" --save-every 100 --eval-data "$OUT/data/val.bin" --eval-batches 4 \
+    "${resume[@]}"
 python3 - "$OUT/metrics.jsonl" <<'PY'
 import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
+every = [json.loads(line) for line in open(sys.argv[1])]
+rows = [r for r in every if "loss" in r]
 mean = lambda rs: sum(r["loss"] for r in rs) / len(rs)
 n = max(1, min(20, len(rows) // 4))
 print(f"loss: {mean(rows[:n]):.3f} (mean of steps {rows[0]['step']}-{rows[n - 1]['step']}) -> "
       f"{mean(rows[-n:]):.3f} (steps {rows[-n]['step']}-{rows[-1]['step']}); "
       f"uniform over 256 bytes would be 5.545")
+val = [r for r in every if "val_loss" in r]
+if val:
+    print(f"validation loss: {val[0]['val_loss']:.3f} after step {val[0]['step']} -> "
+          f"{val[-1]['val_loss']:.3f} after step {val[-1]['step']} (perplexity "
+          f"{val[0]['val_ppl']:.1f} -> {val[-1]['val_ppl']:.1f})")
 PY
 
 section "sample from the trained model (prompt \"def \")"

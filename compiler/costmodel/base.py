@@ -121,8 +121,9 @@ class CostModel(ABC):
         return type(self).__name__
 
 
-def slot_times(cost: CostModel, l, c, mb) -> np.ndarray:
-    """Time one slice occupies the bottleneck stage: forward + backward + the two transfers.
+def slot_times(cost: CostModel, l, c, mb, backward: bool = True) -> np.ndarray:
+    """Time one slice occupies the bottleneck stage: forward + backward + the two transfers
+    (with `backward=False`, for a forward-only program: forward + one transfer).
 
     The pipeline latency formula of TeraPipe assumes identical stages; with unequal stages
     (embedding on the first, the LM head on the last) the slowest stage sets both the rate of
@@ -135,16 +136,18 @@ def slot_times(cost: CostModel, l, c, mb) -> np.ndarray:
     worst = None
     for s in cost.distinct_stages():
         f, b = cost.slice_times(s, l, c, mb)
-        t = np.asarray(f, dtype=np.float64) + np.asarray(b, dtype=np.float64)
+        t = np.asarray(f, dtype=np.float64)
+        if backward:
+            t = t + np.asarray(b, dtype=np.float64)
         worst = t if worst is None else np.maximum(worst, t)
-    return worst + transfer_times(cost, l, mb)
+    return worst + transfer_times(cost, l, mb, backward)
 
 
-def transfer_times(cost: CostModel, l, mb) -> np.ndarray:
+def transfer_times(cost: CostModel, l, mb, backward: bool = True) -> np.ndarray:
     """The blocking transfers a slice adds to its slot: its activation forward and its
-    gradient back (none with a single stage)."""
+    gradient back (only the activation without `backward`; none with a single stage)."""
     l = np.asarray(l)
     if cost.num_stages <= 1:
         return np.zeros(np.broadcast(l, np.asarray(mb)).shape)
     nbytes = np.asarray(cost.activation_bytes_array(l, mb), dtype=np.float64)
-    return 2 * np.asarray(cost.p2p_times(nbytes), dtype=np.float64)
+    return (2 if backward else 1) * np.asarray(cost.p2p_times(nbytes), dtype=np.float64)

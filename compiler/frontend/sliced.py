@@ -216,10 +216,16 @@ class SlicedModel:
         return [(name, tuple(st)) for name, st in sorted(users.items()) if len(st) >= 2]
 
     def stage_module(self, lo: int, hi: int, params_from: nn.Module | None = None,
-                     with_loss: bool = True) -> StageModule:
+                     with_loss: bool = True, evaluation: bool = False) -> StageModule:
+        """Units [lo, hi) as a `StageModule`; `evaluation`: as `model.eval()` runs them
+        (dropout off, `inference.py`)."""
         if not (0 <= lo < hi <= self.num_units):
             raise ValueError(f"unit range {lo}:{hi} is not inside 0:{self.num_units}")
         graph, sites = build_stage_graph(self, lo, hi, with_loss)
+        if evaluation:
+            from tpc.compiler.frontend.inference import without_dropout
+
+            graph = without_dropout(graph)
         src = params_from if params_from is not None else self.model
         params = dict(src.named_parameters())
         buffers = dict(src.named_buffers())

@@ -85,7 +85,11 @@ def compile_schedule_file(model_path: str, schedule_file: str, *, seq_len: int, 
     imported = plan_from_schedule(sched, header, slice_map.units if slice_map else None)
     say(f"  schedule   {schedule_file}: {layout.ranks} ranks, {layout.stages} stages, "
         f"{layout.microbatches} torch micro-batches; {imported.summary()}")
-    return imported.plan
+    from tpc.compiler.evaluation import eval_program
+
+    # the evaluation program: the forward of the header's micro-batches and slices, as `tpc
+    # compile` writes it without a cost model
+    return dataclasses.replace(imported.plan, eval=eval_program(imported.plan.header))
 
 
 def _slice_count(slices) -> int:

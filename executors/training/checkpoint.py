@@ -5,6 +5,8 @@ Layout of a checkpoint directory DIR:
     DIR/step_000020/            one complete checkpoint: DCP files (.metadata, *.distcp) ...
     DIR/step_000020/tpc.json    ... and what it belongs to: format, step, model, plan, mesh
     DIR/latest                  text file naming the newest complete step directory
+    DIR/best/                   with --save-best: the checkpoint of the lowest validation loss
+                                (its tpc.json has "val_loss"), replaced as a better one comes
 
 This module writes and reads a checkpoint whatever its keys: a dict of tensors and plain values
 (nested dicts are stored under their dotted paths). Which keys a run writes, and how a run of
@@ -47,6 +49,7 @@ FORMAT = 2  # the layout `tpc run` writes (model_state.py)
 READABLE = (1, 2)  # the layouts this version reads
 META_FILE = "tpc.json"
 LATEST = "latest"
+BEST = "best"  # the checkpoint of the lowest validation loss (--save-best), beside `latest`
 _PREFIX = "step_"
 _TMP = ".tmp_"
 # a template section whose entries may be absent from a checkpoint (see _without_missing_optional)
@@ -104,9 +107,11 @@ def plan_summary(header) -> dict[str, str]:
 
 
 def save_checkpoint(dir: str | os.PathLike, step: int, shards: dict[str, Any], meta: dict, *,
-                    process_group=None) -> Path:
+                    process_group=None, name: str | None = None) -> Path:
     """Write `shards` as checkpoint `step` under `dir` and make it the latest; returns its path.
     `meta` goes into tpc.json with the step (and "format": FORMAT unless it names its own).
+    With `name` (BEST: `--save-best`) it is written as DIR/NAME instead, replacing the one there
+    as atomically, and `latest` is left alone.
 
     Without an initialised process group (the interpreter, tests) one process writes all
     shards. Under torchrun every rank of `process_group` (default: the world) must call this
@@ -116,8 +121,8 @@ def save_checkpoint(dir: str | os.PathLike, step: int, shards: dict[str, Any], m
         raise ValueError(f"checkpoint step must be >= 0, got {step}")
     _check_structure(shards, "")
     root = Path(dir)
-    final = root / step_dir_name(step)
-    tmp = root / (_TMP + step_dir_name(step))
+    final = root / (name or step_dir_name(step))
+    tmp = root / (_TMP + final.name)
     distributed = _distributed(process_group)
     leader = not distributed or dist.get_rank(process_group) == 0
 
@@ -131,7 +136,10 @@ def save_checkpoint(dir: str | os.PathLike, step: int, shards: dict[str, Any], m
     _write_shards(tmp, shards, process_group, distributed)
     if leader:
         _write_meta(tmp, {"format": FORMAT, **meta, "step": step})
-        _publish(root, tmp, final)
+        if name is None:
+            _publish(root, tmp, final)
+        else:
+            _replace_dir(root, tmp, final)
     if distributed:
         # no rank goes on (and possibly exits) before the checkpoint is complete
         dist.barrier(group=process_group)
@@ -152,6 +160,14 @@ def _write_meta(tmp: Path, meta: dict) -> None:
 
 def _publish(root: Path, tmp: Path, final: Path) -> None:
     """Rename the finished directory into place, then point `latest` at it."""
+    _replace_dir(root, tmp, final)
+    _write_durably(root / (LATEST + ".tmp"), final.name + "\n")
+    os.replace(root / (LATEST + ".tmp"), root / LATEST)
+    _fsync_dir(root)
+
+
+def _replace_dir(root: Path, tmp: Path, final: Path) -> None:
+    """Rename the finished directory `tmp` to `final`, replacing one already there."""
     old = None
     if final.exists():  # the same step saved again (a resumed run): keep it until replaced
         old = root / (_TMP + "old_" + final.name)
@@ -159,9 +175,6 @@ def _publish(root: Path, tmp: Path, final: Path) -> None:
             shutil.rmtree(old)
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_dir(root)
-    _write_durably(root / (LATEST + ".tmp"), final.name + "\n")
-    os.replace(root / (LATEST + ".tmp"), root / LATEST)
     _fsync_dir(root)
     if old is not None:
         shutil.rmtree(old)

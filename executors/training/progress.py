@@ -9,6 +9,9 @@ written every `every` steps and at the last one:
 
     step 40/100  loss 2.3141  lr 3.00e-04  51.2k tok/s  0.160 s/step  ETA 0:00:09
 
+With `tpc run --eval-data`, a step that was evaluated adds its validation loss and perplexity
+(`val 2.1032 ppl 8.19`), and its plain line is written whatever `every` says.
+
 The ETA is the remaining steps times the mean time of the last few steps (the first steps of a
 run are slower: allocation, warm caches, so a run-long mean would overestimate). The bar is
 tqdm's (what PyTorch users see from most training loops): it keeps the line the width of the
@@ -45,9 +48,21 @@ def format_rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s:.0f}"
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss): the perplexity of a mean token loss (inf where it would overflow)."""
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def format_validation(val_loss: float) -> str:
+    """'val 2.1032 ppl 8.19': a validation loss and its perplexity."""
+    return f"val {val_loss:.4f} ppl {perplexity(val_loss):.2f}"
+
+
 def format_stats(*, loss: float, tokens_per_s: float, step_time: float, eta: float, lr: float | None = None,
-                 grad_norm: float | None = None) -> str:
+                 grad_norm: float | None = None, val_loss: float | None = None) -> str:
     parts = [f"loss {loss:.4f}"]
+    if val_loss is not None:
+        parts.append(format_validation(val_loss))
     if lr is not None:
         parts.append(f"lr {lr:.2e}")
     if grad_norm is not None:
@@ -79,19 +94,20 @@ class Progress:
         return (self.total - step) * sum(self._recent) / len(self._recent)
 
     def update(self, step: int, *, loss: float, tokens: int, step_time: float, lr: float | None = None,
-               grad_norm: float | None = None) -> None:
+               grad_norm: float | None = None, val_loss: float | None = None) -> None:
         self._recent.append(step_time)
         if not self.enabled:
             return
         stats = format_stats(loss=loss, tokens_per_s=tokens / step_time if step_time > 0 else math.inf,
-                             step_time=step_time, eta=self.eta(step), lr=lr, grad_norm=grad_norm)
+                             step_time=step_time, eta=self.eta(step), lr=lr, grad_norm=grad_norm,
+                             val_loss=val_loss)
         if self.tty:
             bar = self._open(step - 1)
             bar.set_postfix_str(stats, refresh=False)
             bar.update(step - bar.n)
             if step >= self.total:
                 self.close()
-        elif step % self.every == 0 or step >= self.total or step == 1:
+        elif step % self.every == 0 or step >= self.total or step == 1 or val_loss is not None:
             width = len(str(self.total))
             self.stream.write(f"step {step:>{width}}/{self.total}  {stats}\n")
             self.stream.flush()
@@ -152,6 +168,12 @@ class MetricsWriter:
               step_time: float, **extra: Any) -> None:
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "step_time": step_time, **extra}
+        self._f.write(json.dumps({k: _finite(v) for k, v in record.items()}) + "\n")
+        self._f.flush()
+
+    def write_eval(self, step: int, *, val_loss: float, val_ppl: float) -> None:
+        """A row of an evaluation alone (before the first step: {"step": 0, "val_loss": ...})."""
+        record = {"step": step, "val_loss": val_loss, "val_ppl": val_ppl}
         self._f.write(json.dumps({k: _finite(v) for k, v in record.items()}) + "\n")
         self._f.flush()
 

@@ -63,6 +63,8 @@ class RunCheckpoints:
     init_from: str | None = None
     model_names: object = None  # init_from.ModelNames of the unsliced model, for --init-from
     say: Callable[[str], None] = field(default=lambda text: None)
+    save_best: bool = False  # keep DIR/best, the checkpoint of the lowest validation loss
+    best: float = float("inf")  # its validation loss (read back from DIR/best when resuming)
 
     @staticmethod
     def from_options(plan, options, say: Callable[[str], None] | None = None,
@@ -83,7 +85,8 @@ class RunCheckpoints:
             total=options.steps, resume=options.resume,
             meta=checkpoint.run_meta(plan.header, plan_sha256(plan), options.optim.kind),
             seed=options.seed, source=str(Path(options.data).name) if options.data else "random",
-            plan=plan, init_from=options.init_from, model_names=names, say=say or (lambda text: None))
+            plan=plan, init_from=options.init_from, model_names=names, say=say or (lambda text: None),
+            save_best=options.save_best)
 
     # ------------------------------------------------------------------------ starting
 
@@ -91,6 +94,10 @@ class RunCheckpoints:
         """Load what the run starts from into `engines` and return the step it starts at: the
         newest checkpoint with --resume (when DIR has one, or always without --init-from), else
         the --init-from weights at step 0, else nothing (step 0)."""
+        if self.resume and self.save_best:
+            best = self.dir / checkpoint.BEST
+            if checkpoint.is_complete(best):
+                self.best = float(checkpoint.read_meta(best).get("val_loss", float("inf")))
         if self.resume:
             found = checkpoint.latest_checkpoint(self.dir)
             if found is not None or not self.init_from:
@@ -120,6 +127,18 @@ class RunCheckpoints:
         state = state_to_save(engines, done, data_position(self.seed, done, self.source))
         path = checkpoint.save_checkpoint(self.dir, done, state, self.meta, process_group=process_group)
         self.say(f"checkpoint: {path} (step {done})")
+        return path
+
+    def after_eval(self, engines: Sequence, done: int, val_loss: float, *, process_group=None) -> Path | None:
+        """With --save-best, save DIR/best when the validation loss after `done` steps is the
+        lowest so far. Every process calls this with the same loss (all write, or none)."""
+        if not self.save_best or self.dir is None or not val_loss < self.best:
+            return None
+        state = state_to_save(engines, done, data_position(self.seed, done, self.source))
+        path = checkpoint.save_checkpoint(self.dir, done, state, {**self.meta, "val_loss": val_loss},
+                                          process_group=process_group, name=checkpoint.BEST)
+        self.best = val_loss
+        self.say(f"best checkpoint: {path} (step {done}, validation loss {val_loss:.4f})")
         return path
 
     # ---------------------------------------------------------------------- resuming

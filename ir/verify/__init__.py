@@ -88,6 +88,25 @@ Communication across ranks:
       matching rules (O4, O6, C4, C7, X1) hold, since it needs every receive paired with its one
       send. `tpc compile` checks under the rules of its target (`--comm`, NCCL unless told
       gloo), `tpc run` under those of the backend it runs on, `tpc verify` under `--comm`.
+
+The evaluation program (format version 2: an `eval` line after the training program, its own
+`microbatch` lines and rank sections; docs/ir.md, "The evaluation program") is checked as a plan
+of its own (`Plan.evaluation()`: the same header with its micro-batches) by the rules above, with
+these in place of the training-only ones (evaluation.py):
+  E1  `eval` needs `tpir 2` (H1, `header.require_version`); its micro-batches follow H5 (sizes
+      summing to batch / data, slices tiling [0, seq)) and it has one `rank R` section per
+      pipeline rank, in order (H6).
+  E2  forward only: its instructions are `load`, `forward` (never `checkpoint`), `send act`,
+      `recv act`, `free-kv` and `reduce-loss`; `reduce-loss` only there, only when `mesh data`
+      > 1, and only on the rank of the last stage. O1-O4 hold as in training.
+  E3  completeness: exactly one forward per (stage, mb, slice) (C1 without backward); loads
+      (C3); for every activation crossing ranks one send and one receive (C4 without
+      gradients); every (stage, mb) freed exactly once (no KV cache outlives the program); with
+      `mesh data` > 1 exactly one `reduce-loss` on the rank of the last stage; no step.
+  E4  order: R1-R3, R7 and R8 as in training; `reduce-loss` after every forward of the last
+      stage on its rank. F1 and D1 as in training (a forward-only program sends one direction
+      per pair of ranks, and `reduce-loss`, among identical replicas, never waits on another
+      pipeline rank).
 """
 
 from __future__ import annotations
@@ -98,6 +117,7 @@ from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
 from tpc.ir.semantics import COMMS, GLOO
 from tpc.ir.verify.comm import check_deadlock, check_exchanges, check_fifo
+from tpc.ir.verify.evaluation import check_evaluation
 from tpc.ir.verify.header import DTYPES, check_header
 from tpc.ir.verify.program import (
     check_comm_complete,
@@ -124,6 +144,8 @@ def verify(plan: Plan, comm: str = GLOO) -> list[Diagnostic]:
     report = Report(plan)
     if check_header(plan, report):
         _check_program(plan, report, comm)
+    if plan.eval is not None:
+        check_evaluation(plan, report, lambda p, r: _check_program(p, r, comm))
     return report.sorted()
 
 
@@ -163,6 +185,7 @@ def verify_file(path: str, comm: str = GLOO) -> Plan:
 
 
 def _check_program(plan: Plan, rep: Report, comm: str) -> None:
+    """The instruction rules (O, C, R, F, X, D; in a forward-only plan E2-E4) of one program."""
     shape = Shape.of(plan)
     valid = check_operands(plan, shape, rep)
     idx = build_index(plan, valid)

@@ -43,6 +43,24 @@ def require_version(plan: Plan, rep: Report, needed: int, loc: Loc | None, where
     return False
 
 
+def check_evaluation_header(view: Plan, loc: Loc | None, rep: Report) -> bool:
+    """E1: the evaluation's micro-batches (H5) and rank sections (H6), on the evaluation as a
+    plan (`Plan.evaluation()`). False when the numbering is too broken to go on."""
+    if not view.header.microbatches:
+        rep.add(loc, "eval", (2, 0, -1), "the evaluation program has no micro-batches",
+                "add `microbatch 0 size N slices 0:L` lines below `eval`")
+        return False
+    ok = _check_microbatches(view, rep)
+    if len(view.ranks) != view.header.mesh.pipe:
+        rep.add(loc, "eval", (2, 0, -1),
+                f"the evaluation program has {len(view.ranks)} rank sections, the mesh "
+                f"{view.header.mesh.pipe} pipeline ranks",
+                f"give the evaluation one `rank R` section per pipeline rank 0.."
+                f"{view.header.mesh.pipe - 1}")
+        return False
+    return ok and _check_sections(view, rep)
+
+
 def _check_model_and_dtype(plan: Plan, rep: Report) -> None:
     h = plan.header
     if not _SHA256.fullmatch(h.model.sha256):

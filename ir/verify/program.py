@@ -3,7 +3,7 @@ order on a rank R1-R11."""
 
 from __future__ import annotations
 
-from tpc.ir.nodes import Instr, Payload, Plan
+from tpc.ir.nodes import EVAL_OPS, Instr, Payload, Plan
 from tpc.ir.semantics import neighbour_stage
 from tpc.ir.verify.report import ACT, GRAD, O, Index, Report, Shape, text
 
@@ -30,6 +30,13 @@ def _operand_problem(ins: Instr, r: int, shape: Shape) -> tuple[str, str, bool] 
     """(message, hint, breaks pairing) for the first operand rule `ins` breaks, or None."""
     comm = ins.op in (O.SEND, O.RECV, O.REDUCE_TIED)
     k, m_count = shape.k, len(shape.nslices)
+    if shape.forward_only:
+        problem = _eval_problem(ins, r, shape)
+        if problem is not None:
+            return problem
+    elif ins.op is O.REDUCE_LOSS:
+        return ("reduce-loss belongs to the evaluation program (below `eval`)",
+                "remove this line: a training step's loss is summed by the executor", False)
     if ins.stage is not None and ins.stage >= k:
         return f"stage {ins.stage} does not exist", f"the plan has stages 0..{k - 1}", comm
     if ins.mb is not None and ins.mb >= m_count:
@@ -57,6 +64,29 @@ def _operand_problem(ins: Instr, r: int, shape: Shape) -> tuple[str, str, bool] 
                 "remove this line, or raise `mesh data`", False)
     if ins.op is O.REDUCE_TIED:
         return _tie_problem(ins, r, shape)
+    return None
+
+
+def _eval_problem(ins: Instr, r: int, shape: Shape) -> tuple[str, str, bool] | None:
+    """E2: the evaluation program runs forward only, and its loss is reduced where it is."""
+    comm = ins.op in (O.SEND, O.RECV, O.REDUCE_TIED)
+    if ins.op not in EVAL_OPS or ins.payload is GRAD:
+        return (f"the evaluation program runs forward only: no `{ins.op.value}"
+                f"{' grad' if ins.payload is GRAD else ''}` in it",
+                "remove this line: an evaluation has no backward, no gradient message, no "
+                "gradient reduction and no step; it may hold load, forward, send act, recv act, "
+                "free-kv and reduce-loss", comm)
+    if ins.checkpoint:
+        return ("an evaluation forward keeps no graph: `checkpoint` means nothing there",
+                "drop `checkpoint`", False)
+    if ins.op is O.REDUCE_LOSS:
+        last = shape.stage_rank[-1]
+        if shape.data == 1:
+            return ("reduce-loss with `mesh data 1`: there is no data-parallel group to sum over",
+                    "remove this line, or raise `mesh data`", False)
+        if r != last:
+            return (f"reduce-loss on rank {r}, which does not hold the last stage: the loss is "
+                    f"on rank {last}", f"move this line to the evaluation's rank {last}", False)
     return None
 
 
@@ -131,6 +161,8 @@ def check_compute_complete(plan: Plan, shape: Shape, idx: Index, rep: Report) ->
                     place = f", below {rep.ref(r, after)}" if after is not None else ""
                     rep.section(r, f"no forward of {what}",
                                 f"add {text(O.FORWARD, s, m, i)} to rank {r}{place}")
+                if shape.forward_only:
+                    continue  # E3: a forward and nothing else
                 _check_backward_complete(shape, idx, rep, s, m, i)
                 if fwd:
                     _check_recompute(rep, idx, fwd[0], s, m, i)
@@ -192,7 +224,8 @@ def check_comm_complete(shape: Shape, idx: Index, rep: Report) -> None:
         for m, n in enumerate(shape.nslices):
             for i in range(n):
                 _check_pair(idx, rep, ACT, s, s + 1, m, i, src, dst)
-                _check_pair(idx, rep, GRAD, s + 1, s, m, i, dst, src)
+                if not shape.forward_only:
+                    _check_pair(idx, rep, GRAD, s + 1, s, m, i, dst, src)
 
 
 def _check_pair(idx: Index, rep: Report, payload: Payload, s_from: int, s_to: int, m: int,
@@ -244,6 +277,9 @@ def check_once_per_rank(plan: Plan, shape: Shape, idx: Index, rep: Report) -> No
                     place = f" above {rep.ref(r, use)}" if use is not None else ""
                     rep.section(r, f"rank {r} never loads micro-batch {m}",
                                 f"add {text(O.LOAD, mb=m)}{place}")
+        if shape.forward_only:
+            _check_eval_once(shape, idx, rep, r, held)
+            continue
         if shape.data > 1:
             for s in held:
                 if not occ.get((O.ALLREDUCE, s)):
@@ -260,6 +296,23 @@ def check_once_per_rank(plan: Plan, shape: Shape, idx: Index, rep: Report) -> No
         if not occ.get((O.STEP, r)):
             rep.section(r, f"rank {r} never runs `step`",
                         "add `step` as the last instruction that touches parameters")
+
+
+def _check_eval_once(shape: Shape, idx: Index, rep: Report, r: int, held: list[int]) -> None:
+    """E3: an evaluation frees every KV cache it made, and reduces its loss over the
+    data-parallel group on the rank of the last stage."""
+    for s in held:
+        for m, n in enumerate(shape.nslices):
+            if not idx.occ.get((O.FREE_KV, s, m)):
+                after = idx.first((O.FORWARD, None, s, m, n - 1))
+                place = f" below {rep.ref(r, after)}" if after is not None else ""
+                rep.section(r, f"the KV cache of stage {s} mb {m} is never freed",
+                            f"add {text(O.FREE_KV, s, m)}{place}: an evaluation keeps nothing "
+                            "past its last slice")
+    if shape.data > 1 and r == shape.stage_rank[-1] and not idx.occ.get((O.REDUCE_LOSS, r)):
+        rep.section(r, f"the evaluation loss is never summed over the {shape.data} "
+                    "data-parallel replicas", "add `reduce-loss` after the last forward of the "
+                    "last stage")
 
 
 # ---------------------------------------------------------------------------- program order
@@ -354,6 +407,10 @@ def _check_after_all(ins: Instr, r: int, p: int, shape: Shape, idx: Index,
     elif op is O.STEP:
         last = idx.last_param.get(r)
         what = f"the parameters of rank {r}, which {{}} still uses"
+    elif op is O.REDUCE_LOSS:
+        lasts = [p2 for (s, _), p2 in idx.last_about.items() if s == shape.k - 1]
+        last = max(lasts) if lasts else None
+        what = "the loss of the last stage, to which {} still adds"
     else:
         return
     if last is not None and last > p:

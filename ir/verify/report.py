@@ -19,7 +19,7 @@ class O:
     LOAD, FORWARD, RECOMPUTE, STEP = Op.LOAD, Op.FORWARD, Op.RECOMPUTE, Op.STEP
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
     SEND, RECV, FREE_KV = Op.SEND, Op.RECV, Op.FREE_KV
-    ALLREDUCE, REDUCE_TIED, EXCHANGE = Op.ALLREDUCE, Op.REDUCE_TIED, Op.EXCHANGE
+    ALLREDUCE, REDUCE_TIED, EXCHANGE, REDUCE_LOSS = Op.ALLREDUCE, Op.REDUCE_TIED, Op.EXCHANGE, Op.REDUCE_LOSS
 
 
 # ops whose instructions are about one (stage, mb, slice)
@@ -33,8 +33,10 @@ WEIGHT_GRAD_OPS = frozenset({O.BACKWARD, O.BACKWARD_WEIGHT})
 class Report:
     """Collects diagnostics with a sort key, and knows how to name a place in the plan."""
 
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, section: str = ""):
         self.plan = plan
+        # "eval " for the evaluation program: "eval rank 0, instruction 3" in a plan without lines
+        self.section_word = section
         self._items: list[tuple[tuple, Diagnostic]] = []
         # errors that break send/receive or reduce-tied pairing: the deadlock simulation
         # needs every receive paired with exactly one send, so it runs only when this is 0
@@ -48,11 +50,17 @@ class Report:
 
     def instr(self, r: int, p: int, message: str, hint: str, comm: bool = False) -> None:
         ins = self.plan.ranks[r].instrs[p]
-        self.add(ins.loc, f"rank {r}, instruction {p} ({ins})", (1, r, p), message, hint, comm)
+        self.add(ins.loc, f"{self.section_word}rank {r}, instruction {p} ({ins})",
+                 (1 + bool(self.section_word), r, p), message, hint, comm)
 
     def section(self, r: int, message: str, hint: str, comm: bool = False) -> None:
         """An error about something missing from rank r's section: located at `rank r`."""
-        self.add(self.plan.ranks[r].loc, f"rank {r}", (1, r, -1), message, hint, comm)
+        self.add(self.plan.ranks[r].loc, f"{self.section_word}rank {r}",
+                 (1 + bool(self.section_word), r, -1), message, hint, comm)
+
+    def merge(self, other: "Report") -> None:
+        """Take the diagnostics of another program's report (the evaluation's)."""
+        self._items += other._items
 
     def sorted(self) -> list[Diagnostic]:
         return [d for _, d in sorted(self._items, key=lambda kd: kd[0])]
@@ -67,7 +75,7 @@ class Report:
     def at(self, r: int, p: int) -> str:
         """'line 17' or 'rank 0, instruction 7'."""
         loc = self.plan.ranks[r].instrs[p].loc
-        return f"line {loc.line}" if loc else f"rank {r}, instruction {p}"
+        return f"line {loc.line}" if loc else f"{self.section_word}rank {r}, instruction {p}"
 
 
 def text(op: Op, stage=None, mb=None, slice=None, payload=None, peer=None, tie=None) -> str:
@@ -116,7 +124,7 @@ def index_key(ins: Instr, r: int) -> tuple:
         return (op, r, ins.mb)
     if op is O.REDUCE_TIED:
         return (op, r, ins.tie)
-    if op is O.STEP:
+    if op is O.STEP or op is O.REDUCE_LOSS:
         return (op, r)
     if op is O.FREE_KV:
         return (op, ins.stage, ins.mb)
@@ -165,6 +173,7 @@ class Shape:
     # tie -> ranks holding its stages
     tie_ranks: dict[str, frozenset[int]]
     ends: frozenset[int]  # the ranks of the first and last stage: they load
+    forward_only: bool = False  # the evaluation program (rules E2-E4)
 
     @staticmethod
     def of(plan: Plan) -> "Shape":
@@ -177,6 +186,7 @@ class Shape:
             tie_names=frozenset(t.name for t in h.ties),
             tie_ranks={n: frozenset(stage_rank[s] for s in st) for n, st in ties.items()},
             ends=frozenset({stage_rank[0], stage_rank[-1]}),
+            forward_only=plan.forward_only,
         )
 
 
