@@ -115,11 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
         "verified per-rank plan.",
     )
     c.add_argument("model", help="Python file defining a zero-argument callable that returns the model")
-    c.add_argument("-o", "--output", required=True, help="where to write the plan (.tpir)")
+    c.add_argument("-o", "--output", required=True, help="where to write the plan (.tpir); with several "
+                   "--seq-len lengths, the folder of the plan bundle (index.tpir and one seqL.tpir per length)")
     c.add_argument("--factory", default="model", help="name of the callable in MODEL (default: model)")
     c.add_argument("--stages", default=None, help="pipeline stages K, or 'auto' to search pipeline × data splits of --ranks (default: 2, or what --schedule-file runs)")
     c.add_argument("--microbatches", default=None, help="micro-batches per step, or 'auto': the optimiser's batch knapsack chooses their number and sizes (needs --slices auto and a cost model) (default: 1, or what --schedule-file names)")
-    c.add_argument("--seq-len", type=int, required=True, help="training sequence length L")
+    c.add_argument("--seq-len", required=True, help="training sequence length L; or several, comma-separated "
+                   "(e.g. 64,128,256,512): a plan bundle, one plan per length sharing one stage split, "
+                   "written into the folder -o names (for `tpc run --curriculum`)")
+    c.add_argument("--constant-tokens", action="store_true", help="with several --seq-len: give each shorter "
+                   "length --batch x longest / length sequences, so every step has the same tokens "
+                   "(for `tpc run --curriculum-type seqlen_reshape`); default: --batch at every length "
+                   "(seqlen_truncate)")
     c.add_argument("--batch", type=int, required=True, help="global batch size (sequences per step)")
     c.add_argument("--slices", default="1", help="token slices per micro-batch: N (equal), l1,l2,... (lengths summing to L), or 'auto' (the optimiser chooses) (default: 1)")
     c.add_argument("--schedule", default=None, help="gpipe | 1f1b | terapipe | seq1f1b | auto (default: seq1f1b)")
