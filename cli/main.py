@@ -41,7 +41,17 @@ def _read_text(path: str) -> str:
 
 def cmd_verify(args) -> int:
     from tpc.compiler.torch_schedule.load import load_checked_plan
+    from tpc.ir.verify.bundle import is_bundle, load_bundle
 
+    if is_bundle(args.plan):
+        bundle = load_bundle(args.plan)
+        for plan in bundle.plans:
+            n = sum(len(r.instrs) for r in plan.ranks)
+            print(f"{plan.source}: ok (seq {plan.header.shape.seq}, batch {plan.header.shape.batch}, "
+                  f"{len(plan.ranks)} ranks, {n} instructions)")
+        print(f"{args.plan}: ok (a plan bundle of {len(bundle.plans)} lengths, "
+              f"{', '.join(map(str, bundle.lengths))}; one stage split)")
+        return 0
     plan = load_checked_plan(args.plan)
     n = sum(len(r.instrs) for r in plan.ranks)
     print(f"{args.plan}: ok ({len(plan.ranks)} ranks, {plan.header.num_stages} stages, {n} instructions)")
@@ -70,7 +80,16 @@ def cmd_fmt(args) -> int:
 def cmd_show(args) -> int:
     from tpc.ir.parse import parse
     from tpc.ir.show import render_grid
+    from tpc.ir.verify.bundle import is_bundle, load_bundle
 
+    if is_bundle(args.plan):
+        bundle = load_bundle(args.plan)
+        for k, plan in enumerate(bundle.plans):
+            h = plan.header
+            print(("\n" if k else "") + f"== {plan.source}: seq {h.shape.seq}, batch {h.shape.batch}, "
+                  f"schedule {h.schedule.name}")
+            print(render_grid(plan, width=args.width))
+        return 0
     plan = parse(_read_text(args.plan), file=args.plan)
     print(render_grid(plan, width=args.width))
     return 0
@@ -142,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="check a plan: dependencies, matching sends, deadlock freedom",
                        description="Check every rule of the plan format and report every error with file:line:col.")
-    v.add_argument("plan", help="a .tpir file, or a torch.distributed.pipelining schedule .csv")
+    v.add_argument("plan", help="a .tpir file, a plan bundle (its folder or index.tpir: every plan, and that "
+                   "they share one model and stage split), or a torch.distributed.pipelining schedule .csv")
     v.set_defaults(func=cmd_verify)
 
     f = sub.add_parser("fmt", help="rewrite plans in canonical form",
@@ -153,13 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("show", help="print a plan as a steps × ranks grid",
                        description="Print each rank's compute order side by side, one row per step, communication left out.")
-    s.add_argument("plan", help="a .tpir file")
+    s.add_argument("plan", help="a .tpir file, or a plan bundle (each of its plans in turn)")
     s.add_argument("--width", type=int, default=0, help="column width (default: fit the widest cell)")
     s.set_defaults(func=cmd_show)
 
     sim = sub.add_parser("simulate", help="predict a plan's timeline, bubble and memory",
                          description="Discrete-event simulation of a plan under a cost model.")
-    sim.add_argument("plan", help="a .tpir file, or a torch.distributed.pipelining schedule .csv (with --unit)")
+    sim.add_argument("plan", help="a .tpir file, a plan bundle (each plan, then their step times side by "
+                     "side), or a torch.distributed.pipelining schedule .csv (with --unit)")
     g = sim.add_mutually_exclusive_group()
     g.add_argument("--cost", help="measured cost profile (.msgpack from `tpc profile`)")
     g.add_argument("--device-model", help="analytic cost model: v100 | a100 | h100 | h200 | a spec file")
