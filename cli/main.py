@@ -193,7 +193,18 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="execute a plan (under torchrun, or --interpret in one process)",
                        description="Run a plan: under torchrun one process per rank (NCCL on CUDA, gloo on CPU), "
                        "or with --interpret all ranks in this process (the reference interpreter).")
-    r.add_argument("plan", help="a .tpir file")
+    r.add_argument("plan", help="a .tpir file, or a plan bundle (with --curriculum)")
+    r.add_argument("--curriculum", metavar="SCHEDULE", help="a sequence-length curriculum over a plan bundle "
+                   "(DeepSpeed Data Efficiency's): fixed_linear:START:END:STEPS (the length grows linearly "
+                   "from START to END over STEPS steps), fixed_root:START:END:STEPS[:DEGREE] (as the "
+                   "DEGREE-th root, default 2), or fixed_discrete:L1,L2,...:S1,S2,... (L1 up to step S1, "
+                   "L2 up to S2, ..., the last after). Lengths are DeepSpeed's (multiples of 8) rounded down "
+                   "to the bundle's; each step runs its length's plan in the same processes "
+                   "(docs/training.md)")
+    r.add_argument("--curriculum-type", default="seqlen_truncate", choices=("seqlen_truncate", "seqlen_reshape"),
+                   help="how a step's batch is cut to its length: seqlen_truncate keeps the first L tokens of "
+                   "each sequence; seqlen_reshape cuts each sequence into sequences of L, so every step has the "
+                   "same tokens (a bundle compiled with --constant-tokens) (default: seqlen_truncate)")
     r.add_argument("--interpret", action="store_true", help="run every rank in this process with the reference interpreter")
     r.add_argument("--steps", type=int, default=1, help="training steps (default: 1)")
     r.add_argument("--verify-grads", action="store_true", help="compare loss and gradients with plain autograd on the unsliced model; exit 1 above --tolerance")
