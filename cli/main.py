@@ -59,13 +59,13 @@ def cmd_verify(args) -> int:
 
 
 def cmd_fmt(args) -> int:
-    from tpc.ir.parse import parse
-    from tpc.ir.printer import print_plan
+    from tpc.ir.parse import parse_document
+    from tpc.ir.printer import print_document
 
     status = 0
     for path in args.plans:
         text = _read_text(path)
-        canonical = print_plan(parse(text, file=path))
+        canonical = print_document(parse_document(text, file=path))
         if canonical == text:
             continue
         if args.check:
@@ -167,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fmt", help="rewrite plans in canonical form",
                        description="Re-print each plan canonically (after a hand edit).")
-    f.add_argument("plans", nargs="+", help=".tpir files")
+    f.add_argument("plans", nargs="+", help=".tpir files (plans, or a plan bundle's index.tpir)")
     f.add_argument("--check", action="store_true", help="change nothing; exit 1 if a file is not canonical")
     f.set_defaults(func=cmd_fmt)
 
