@@ -26,6 +26,8 @@ typical use:
   torchrun --nproc-per-node 2 --no-python tpc run plan.tpir --steps 20
   tpc run --interpret plan.tpir --verify-grads
   tpc verify schedule.csv              # a torch.distributed.pipelining schedule (docs/torch-pipelining.md)
+  tpc compile examples/gpt.py -o plans --seq-len 32,64,128 --batch 8   # a plan bundle, one plan per length
+  torchrun --nproc-per-node 2 --no-python tpc run plans --curriculum fixed_linear:32:128:100 --steps 200
 """
 
 
