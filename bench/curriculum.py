@@ -21,7 +21,7 @@ CPU profile (`tpc profile`, run first).
    (--slices 1, same stages and micro-batches); medians side by side, the first step of every
    block left out. The curriculum run's own median step time per length is printed with them.
 
-    OMP_NUM_THREADS=1 python bench/curriculum.py [--steps 300] [--every 25] [--type seqlen_truncate]
+    OMP_NUM_THREADS=1 python bench/curriculum.py [--steps 200] [--every 20] [--type seqlen_truncate]
 """
 
 from __future__ import annotations
@@ -112,13 +112,13 @@ def slices_text(plan_path: str) -> str:
     from tpc.ir.verify import verify_file
 
     mbs = verify_file(plan_path).header.microbatches
-    return " | ".join(" ".join(str(hi - lo) for lo, hi in m.slices) for m in mbs)
+    return " / ".join(" ".join(str(hi - lo) for lo, hi in m.slices) for m in mbs)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300, help="steps of each training run (default: 300)")
-    ap.add_argument("--every", type=int, default=25, help="checkpoint (and evaluate) every N steps (default: 25)")
+    ap.add_argument("--steps", type=int, default=200, help="steps of each training run (default: 200)")
+    ap.add_argument("--every", type=int, default=20, help="checkpoint (and evaluate) every N steps (default: 20)")
     ap.add_argument("--type", default="seqlen_truncate", choices=("seqlen_truncate", "seqlen_reshape"),
                     help="--curriculum-type of the curriculum run (default: seqlen_truncate)")
     ap.add_argument("--target", type=float, help="the fixed held-out loss (default: the plain run's at 80%% of its steps)")
@@ -196,6 +196,8 @@ def main(argv=None) -> int:
     tokens = lambda r: sum(x["tokens_per_s"] * x["step_time"] for x in r["rows"])  # noqa: E731
     print(f"  tokens trained: plain {tokens(base):,.0f}, curriculum {tokens(cur):,.0f}; final held-out loss "
           f"plain {base['losses'][max(base['losses'])]:.4f}, curriculum {cur['losses'][max(cur['losses'])]:.4f}")
+    print(f"  whole runs (start-up, tracing every length, checkpoints included): plain {base['wall']:.0f} s, "
+          f"curriculum {cur['wall']:.0f} s")
 
     print(f"\n2. step time per length: the bundle's plan (optimiser's slices) vs the unsliced plan, "
           f"{args.repeats} x {args.block} alternating steps each (random tokens, SGD), and the curriculum run's median")
