@@ -175,6 +175,7 @@ def main(argv=None) -> int:
         # 2. per-length step times, sliced vs unsliced, side by side in the same processes
         pairs = [(str(work / "unsliced" / f"seq{L}.tpir"), str(work / "bundle" / f"seq{L}.tpir")) for L in LENGTHS]
         measured = launch(2, rank_lengths, pairs, args.repeats, args.block)[0]
+        slicing = [slices_text(sliced) for _, sliced in pairs]
 
     print(f"sequence-length curriculum on {MACHINE}: {MODEL} (4 layers, width 256), corpus of "
           f"examples/prepare_corpus.py (4 MB), 2 stages on 2 gloo ranks under torchrun, batch {BATCH}, "
@@ -202,10 +203,10 @@ def main(argv=None) -> int:
     print(f"\n2. step time per length: the bundle's plan (optimiser's slices) vs the unsliced plan, "
           f"{args.repeats} x {args.block} alternating steps each (random tokens, SGD), and the curriculum run's median")
     rows = []
-    for L, (unsliced, sliced), times in zip(LENGTHS, pairs, measured):
+    for L, slices, times in zip(LENGTHS, slicing, measured):
         t_u, t_s = median(times[0]), median(times[1])
         in_run = [r["step_time"] for r in cur["rows"] if r.get("seq") == L]
-        rows.append([L, slices_text(sliced), f"{t_u * 1e3:.0f}", f"{t_s * 1e3:.0f}", f"{t_u / t_s:.2f}x",
+        rows.append([L, slices, f"{t_u * 1e3:.0f}", f"{t_s * 1e3:.0f}", f"{t_u / t_s:.2f}x",
                      f"{median(in_run) * 1e3:.0f}" if in_run else "-"])
     print(table(["length", "slices (per micro-batch)", "unsliced ms", "bundle ms", "unsliced / bundle",
                  "curriculum run ms"], rows))

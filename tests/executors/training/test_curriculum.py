@@ -196,12 +196,20 @@ def test_a_misspelt_curriculum_names_the_flag(files, spec, message, tmp_path, ca
 # -------------------------------------------------------------------- parity with plain torch
 
 
-def test_interpreter_matches_plain_pytorch_across_plan_switches(files, tmp_path):
+@pytest.fixture(scope="module")
+def whole(files, tmp_path_factory):
+    """The 12-step interpreter run never stopped, saving at steps 6 and 12: metrics, checkpoints."""
     plans, _, data = files
-    assert main(_run(plans, data, 12, tmp_path / "m.jsonl")) == 0
+    d = tmp_path_factory.mktemp("whole")
+    assert main(_run(plans, data, 12, d / "m.jsonl", "--checkpoint-dir", str(d / "ck"), "--save-every", "6")) == 0
+    return metrics(d / "m.jsonl"), d / "ck"
+
+
+def test_interpreter_matches_plain_pytorch_across_plan_switches(files, whole):
+    _, _, data = files
     plain, lengths = plain_curriculum(data, LINEAR, 12)
     assert lengths == [8, 8, 16, 16, 16, 16, 16, 32, 32, 32, 32, 32] and _switches(lengths) == 2
-    _matches_plain(metrics(tmp_path / "m.jsonl"), plain, lengths)
+    _matches_plain(whole[0], plain, lengths)
 
 
 def test_reshape_keeps_the_tokens_of_a_step_and_matches_plain_pytorch(files, tmp_path):
@@ -215,38 +223,38 @@ def test_reshape_keeps_the_tokens_of_a_step_and_matches_plain_pytorch(files, tmp
     assert [r["tokens_per_s"] * r["step_time"] for r in rows] == pytest.approx([BATCH * 32] * 8, rel=1e-9)
 
 
-def test_stop_and_resume_in_the_middle_of_the_curriculum(files, tmp_path, monkeypatch):
+def test_stop_and_resume_in_the_middle_of_the_curriculum(files, whole, tmp_path, monkeypatch):
     plans, _, data = files
-    whole = tmp_path / "whole"
-    assert main(_run(plans, data, 12, whole / "m.jsonl", "--checkpoint-dir", str(whole / "ck"))) == 0
     ck, out = tmp_path / "ck", tmp_path / "m.jsonl"
     with monkeypatch.context() as m:
         m.setattr(checkpoint, "save_checkpoint", stopping_after(5))  # at length 16, before the switch to 32
         assert main(_run(plans, data, 12, out, "--checkpoint-dir", str(ck), "--save-every", "5")) == 130
     assert [r["seq"] for r in metrics(out)] == [8, 8, 16, 16, 16]
-    from tpc.executors.training.checkpoint import latest_checkpoint
+    from tpc.executors.training.checkpoint import latest_checkpoint, read_meta
 
     assert latest_checkpoint(ck).name == "step_000005"
     assert main(_run(plans, data, 12, out, "--checkpoint-dir", str(ck), "--save-every", "5", "--resume")) == 0
-    got, want = metrics(out), metrics(whole / "m.jsonl")
+    got, want = metrics(out), whole[0]
     assert [(r["step"], r["seq"], r["loss"], r["lr"], r["grad_norm"]) for r in got] == \
            [(r["step"], r["seq"], r["loss"], r["lr"], r["grad_norm"]) for r in want]
     from tpc.executors.training.export import export_state_dict
 
     mine, _ = export_state_dict(ck)
-    theirs, _ = export_state_dict(whole / "ck")
-    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    theirs, _ = export_state_dict(whole[1])
+    assert read_meta(ck)["step"] == 12 and all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
-def test_resume_under_another_curriculum_is_refused(files, tmp_path, capsys):
+def test_resume_under_another_curriculum_is_refused(files, whole, tmp_path, capsys):
     plans, _, data = files
     ck = tmp_path / "ck"
-    assert main(_run(plans, data, 6, tmp_path / "m.jsonl", "--checkpoint-dir", str(ck))) == 0
-    capsys.readouterr()
-    assert main(_run(plans, data, 8, tmp_path / "m.jsonl", "--checkpoint-dir", str(ck), "--resume",
+    shutil.copytree(whole[1], ck)
+    shutil.rmtree(ck / "step_000012")
+    (ck / "latest").write_text("step_000006")
+    assert main(_run(plans, data, 12, tmp_path / "m.jsonl", "--checkpoint-dir", str(ck), "--resume",
                      spec="fixed_linear:8:32:20")) == 1
     err = capsys.readouterr().err
     assert "--curriculum: error: --resume: " in err and f"trained with --curriculum {LINEAR} --curriculum-type seqlen_truncate" in err
+    assert not (tmp_path / "m.jsonl").exists()  # nothing trained
 
 
 def test_two_gloo_ranks_match_plain_pytorch_and_resume_mid_curriculum(files, tmp_path):
@@ -267,17 +275,20 @@ def test_two_gloo_ranks_match_plain_pytorch_and_resume_mid_curriculum(files, tmp
 # ------------------------------------------------------------------------------- refusals
 
 
-def test_a_length_the_bundle_lacks_is_refused_before_any_communication(files, tmp_path):
+def test_a_length_the_bundle_lacks_is_refused_before_any_communication(files, capsys, monkeypatch):
+    """Run as rank 0 of 2 under torchrun's environment: refused before joining the group (a rank
+    that joined would wait for its peer until --timeout)."""
     plans, _, data = files
-    argv = ["run", plans, "--curriculum", "fixed_linear:8:64:8", "--steps", "4", "--data", data, "--timeout", "5"]
-    codes, errs = launch(2, tmp_path, run_cli_rank, argv, limit=60)
-    assert codes == [1, 1], errs
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(var, value)
+    assert main(["run", plans, "--curriculum", "fixed_linear:8:64:8", "--steps", "4", "--data", data,
+                 "--timeout", "5"]) == 1
+    err = capsys.readouterr().err
     index = Path(plans) / "index.tpir"
-    for err in errs:  # each rank refuses on its own, at the index's last plan line
-        assert f"{index}:11:1: error: --curriculum fixed_linear:8:64:8: asks for length 64, and the bundle " \
-               "has plans of lengths 8, 16, 32 only" in err, err
-        assert "hint: recompile the bundle with 64 among --seq-len" in err
-        assert "gave up waiting" not in err and "could not join" not in err
+    assert f"{index}:11:1: error: --curriculum fixed_linear:8:64:8: asks for length 64, and the bundle " \
+           "has plans of lengths 8, 16, 32 only" in err, err
+    assert "hint: recompile the bundle with 64 among --seq-len" in err
+    assert not torch.distributed.is_initialized()
 
 
 def _edited_bundle(plans: str, tmp_path: Path, seq: int, old: str, new: str) -> Path:
