@@ -263,10 +263,10 @@ def test_two_gloo_ranks_match_plain_pytorch_and_resume_mid_curriculum(files, tmp
     plans, _, data = files
     argv = ["run", plans, "--curriculum", LINEAR, "--steps", "12", "--data", data, *TRAIN, "--timeout", "60",
             "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "6", "--metrics", str(tmp_path / "m.jsonl"), "-q"]
-    codes, errs = launch(2, tmp_path, run_cli_rank, argv, 6, limit=180)
+    codes, errs = launch(2, tmp_path, run_cli_rank, argv, 6, limit=300)
     assert codes == [130, 130], errs
     assert [r["seq"] for r in metrics(tmp_path / "m.jsonl")] == [8, 8, 16, 16, 16, 16]
-    codes, errs = launch(2, tmp_path, run_cli_rank, argv + ["--resume"], limit=180)
+    codes, errs = launch(2, tmp_path, run_cli_rank, argv + ["--resume"], limit=300)
     assert codes == [0, 0], errs
     plain, lengths = plain_curriculum(data, LINEAR, 12)
     _matches_plain(metrics(tmp_path / "m.jsonl"), plain, lengths)
