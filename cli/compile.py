@@ -97,11 +97,25 @@ def check_options(*, stages, microbatches, seq_len, batch, slices="1", schedule=
         comm=comm)
 
 
-def options_from_args(args) -> CompileOptions:
+def parse_lengths(spec) -> tuple[int, ...]:
+    """`--seq-len`: one length, or comma-separated lengths (a plan bundle, one plan each)."""
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        return (spec,)
+    parts = [p.strip() for p in str(spec).split(",")]
+    try:
+        return tuple(int(p) for p in parts)
+    except ValueError:
+        raise _error("--seq-len", f"--seq-len {spec!r} is not a length or a list of lengths",
+                     "give the training sequence length, e.g. --seq-len 128, or several for a plan "
+                     "bundle, e.g. --seq-len 64,128,256") from None
+
+
+def options_from_args(args, seq_len: int | None = None) -> CompileOptions:
     return check_options(
         stages=2 if args.stages is None else args.stages,
         microbatches=1 if args.microbatches is None else args.microbatches,
-        seq_len=args.seq_len, batch=args.batch, slices=args.slices,
+        seq_len=parse_lengths(args.seq_len)[-1] if seq_len is None else seq_len, batch=args.batch,
+        slices=args.slices,
         schedule="seq1f1b" if args.schedule is None else args.schedule, dp=args.dp,
         ranks=args.ranks, factory=args.factory, cost=args.cost, device_model=args.device_model,
         memory_per_rank=args.memory_per_rank, explain=args.explain, quiet=args.quiet,
@@ -127,12 +141,23 @@ def compile_schedule_from_args(args):
         if value == AUTO:
             raise _error(option, f"{option} auto with --schedule-file: the schedule file says it",
                          f"leave out {option}")
-    return compile_schedule_file(args.model, args.schedule_file, seq_len=args.seq_len, batch=args.batch,
-                                 microbatches=microbatches, slices=parse_slices(args.slices, args.seq_len),
+    seq_len = parse_lengths(args.seq_len)[0]
+    return compile_schedule_file(args.model, args.schedule_file, seq_len=seq_len, batch=args.batch,
+                                 microbatches=microbatches, slices=parse_slices(args.slices, seq_len),
                                  dp=args.dp, stages=stages, factory=args.factory, quiet=args.quiet)
 
 
 def cmd_compile(args) -> int:
+    lengths = parse_lengths(args.seq_len)
+    if len(lengths) > 1 or args.constant_tokens:
+        from tpc.compiler.bundle import compile_bundle
+
+        if args.schedule_file:
+            raise _error("--schedule-file", "--schedule-file with several --seq-len lengths",
+                         "compile a plan bundle from the schedule builders (leave out --schedule-file)")
+        compile_bundle(args.model, args.output, options_from_args(args, lengths[-1]), lengths,
+                       constant_tokens=args.constant_tokens)
+        return 0
     if args.schedule_file:
         from tpc.compiler.compile import write_plan
 

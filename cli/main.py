@@ -26,6 +26,8 @@ typical use:
   torchrun --nproc-per-node 2 --no-python tpc run plan.tpir --steps 20
   tpc run --interpret plan.tpir --verify-grads
   tpc verify schedule.csv              # a torch.distributed.pipelining schedule (docs/torch-pipelining.md)
+  tpc compile examples/gpt.py -o plans --seq-len 32,64,128 --batch 8   # a plan bundle, one plan per length
+  torchrun --nproc-per-node 2 --no-python tpc run plans --curriculum fixed_linear:32:128:100 --steps 200
 """
 
 
@@ -41,7 +43,17 @@ def _read_text(path: str) -> str:
 
 def cmd_verify(args) -> int:
     from tpc.compiler.torch_schedule.load import load_checked_plan
+    from tpc.ir.verify.bundle import is_bundle, load_bundle
 
+    if is_bundle(args.plan):
+        bundle = load_bundle(args.plan)
+        for plan in bundle.plans:
+            n = sum(len(r.instrs) for r in plan.ranks)
+            print(f"{plan.source}: ok (seq {plan.header.shape.seq}, batch {plan.header.shape.batch}, "
+                  f"{len(plan.ranks)} ranks, {n} instructions)")
+        print(f"{args.plan}: ok (a plan bundle of {len(bundle.plans)} lengths, "
+              f"{', '.join(map(str, bundle.lengths))}; one stage split)")
+        return 0
     plan = load_checked_plan(args.plan, comm=args.comm)
     n = sum(len(r.instrs) for r in plan.ranks)
     print(f"{args.plan}: ok ({len(plan.ranks)} ranks, {plan.header.num_stages} stages, {n} instructions),"
@@ -50,13 +62,13 @@ def cmd_verify(args) -> int:
 
 
 def cmd_fmt(args) -> int:
-    from tpc.ir.parse import parse
-    from tpc.ir.printer import print_plan
+    from tpc.ir.parse import parse_document
+    from tpc.ir.printer import print_document
 
     status = 0
     for path in args.plans:
         text = _read_text(path)
-        canonical = print_plan(parse(text, file=path))
+        canonical = print_document(parse_document(text, file=path))
         if canonical == text:
             continue
         if args.check:
@@ -71,7 +83,16 @@ def cmd_fmt(args) -> int:
 def cmd_show(args) -> int:
     from tpc.ir.parse import parse
     from tpc.ir.show import render_grid
+    from tpc.ir.verify.bundle import is_bundle, load_bundle
 
+    if is_bundle(args.plan):
+        bundle = load_bundle(args.plan)
+        for k, plan in enumerate(bundle.plans):
+            h = plan.header
+            print(("\n" if k else "") + f"== {plan.source}: seq {h.shape.seq}, batch {h.shape.batch}, "
+                  f"schedule {h.schedule.name}")
+            print(render_grid(plan, width=args.width))
+        return 0
     plan = parse(_read_text(args.plan), file=args.plan)
     print(render_grid(plan, width=args.width))
     return 0
@@ -116,11 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
         "verified per-rank plan.",
     )
     c.add_argument("model", help="Python file defining a zero-argument callable that returns the model")
-    c.add_argument("-o", "--output", required=True, help="where to write the plan (.tpir)")
+    c.add_argument("-o", "--output", required=True, help="where to write the plan (.tpir); with several "
+                   "--seq-len lengths, the folder of the plan bundle (index.tpir and one seqL.tpir per length)")
     c.add_argument("--factory", default="model", help="name of the callable in MODEL (default: model)")
     c.add_argument("--stages", default=None, help="pipeline stages K, or 'auto' to search pipeline × data splits of --ranks (default: 2, or what --schedule-file runs)")
     c.add_argument("--microbatches", default=None, help="micro-batches per step, or 'auto': the optimiser's batch knapsack chooses their number and sizes (needs --slices auto and a cost model) (default: 1, or what --schedule-file names)")
-    c.add_argument("--seq-len", type=int, required=True, help="training sequence length L")
+    c.add_argument("--seq-len", required=True, help="training sequence length L; or several, comma-separated "
+                   "(e.g. 64,128,256,512): a plan bundle, one plan per length sharing one stage split, "
+                   "written into the folder -o names (for `tpc run --curriculum`)")
+    c.add_argument("--constant-tokens", action="store_true", help="with several --seq-len: give each shorter "
+                   "length --batch x longest / length sequences, so every step has the same tokens "
+                   "(for `tpc run --curriculum-type seqlen_reshape`); default: --batch at every length "
+                   "(seqlen_truncate)")
     c.add_argument("--batch", type=int, required=True, help="global batch size (sequences per step)")
     c.add_argument("--slices", default="1", help="token slices per micro-batch: N (equal), l1,l2,... (lengths summing to L), or 'auto' (the optimiser chooses) (default: 1)")
     c.add_argument("--schedule", default=None, help="gpipe | 1f1b | terapipe | seq1f1b | interleaved | looped-bfs | zb-h1 | zb-h2 | seq-zb | seq-interleaved | auto (default: seq1f1b; docs/schedules.md)")
@@ -139,25 +167,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="check a plan: dependencies, matching sends, deadlock freedom",
                        description="Check every rule of the plan format and report every error with file:line:col.")
-    v.add_argument("plan", help="a .tpir file, or a torch.distributed.pipelining schedule .csv")
+    v.add_argument("plan", help="a .tpir file, a plan bundle (its folder or index.tpir: every plan, and that "
+                   "they share one model and stage split), or a torch.distributed.pipelining schedule .csv")
     v.add_argument("--comm", choices=("nccl", "gloo"), default="nccl", help="check deadlock freedom under this backend's rules: nccl (the default: a send completes only when its receive is posted, one FIFO per rank pair, an `exchange` completes together) or gloo (buffered sends). A deadlock is reported with the ranks and lines of the wait cycle")
     v.set_defaults(func=cmd_verify)
 
     f = sub.add_parser("fmt", help="rewrite plans in canonical form",
                        description="Re-print each plan canonically (after a hand edit).")
-    f.add_argument("plans", nargs="+", help=".tpir files")
+    f.add_argument("plans", nargs="+", help=".tpir files (plans, or a plan bundle's index.tpir)")
     f.add_argument("--check", action="store_true", help="change nothing; exit 1 if a file is not canonical")
     f.set_defaults(func=cmd_fmt)
 
     s = sub.add_parser("show", help="print a plan as a steps × ranks grid",
                        description="Print each rank's compute order side by side, one row per step, communication left out.")
-    s.add_argument("plan", help="a .tpir file")
+    s.add_argument("plan", help="a .tpir file, or a plan bundle (each of its plans in turn)")
     s.add_argument("--width", type=int, default=0, help="column width (default: fit the widest cell)")
     s.set_defaults(func=cmd_show)
 
     sim = sub.add_parser("simulate", help="predict a plan's timeline, bubble and memory",
                          description="Discrete-event simulation of a plan under a cost model.")
-    sim.add_argument("plan", help="a .tpir file, or a torch.distributed.pipelining schedule .csv (with --unit)")
+    sim.add_argument("plan", help="a .tpir file, a plan bundle (each plan, then their step times side by "
+                     "side), or a torch.distributed.pipelining schedule .csv (with --unit)")
     g = sim.add_mutually_exclusive_group()
     g.add_argument("--cost", help="measured cost profile (.msgpack from `tpc profile`)")
     g.add_argument("--device-model", help="analytic cost model: v100 | a100 | h100 | h200 | a spec file")
@@ -170,7 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="execute a plan (under torchrun, or --interpret in one process)",
                        description="Run a plan: under torchrun one process per rank (NCCL on CUDA, gloo on CPU), "
                        "or with --interpret all ranks in this process (the reference interpreter).")
-    r.add_argument("plan", help="a .tpir file")
+    r.add_argument("plan", help="a .tpir file, or a plan bundle (with --curriculum)")
+    r.add_argument("--curriculum", metavar="SCHEDULE", help="a sequence-length curriculum over a plan bundle "
+                   "(DeepSpeed Data Efficiency's): fixed_linear:START:END:STEPS (the length grows linearly "
+                   "from START to END over STEPS steps), fixed_root:START:END:STEPS[:DEGREE] (as the "
+                   "DEGREE-th root, default 2), or fixed_discrete:L1,L2,...:S1,S2,... (L1 up to step S1, "
+                   "L2 up to S2, ..., the last after). Lengths are DeepSpeed's (multiples of 8) rounded down "
+                   "to the bundle's; each step runs its length's plan in the same processes "
+                   "(docs/training.md)")
+    r.add_argument("--curriculum-type", default="seqlen_truncate", choices=("seqlen_truncate", "seqlen_reshape"),
+                   help="how a step's batch is cut to its length: seqlen_truncate keeps the first L tokens of "
+                   "each sequence; seqlen_reshape cuts each sequence into sequences of L, so every step has the "
+                   "same tokens (a bundle compiled with --constant-tokens) (default: seqlen_truncate)")
     r.add_argument("--interpret", action="store_true", help="run every rank in this process with the reference interpreter")
     r.add_argument("--steps", type=int, default=1, help="training steps (default: 1)")
     r.add_argument("--comm", choices=("nccl", "gloo"), default=None, help="the communication rules to run under and verify the plan for (default: the backend's own: nccl on CUDA, gloo on the CPU and with --interpret). --comm nccl on the CPU runs NCCL's rules with the interpreter or gloo: a send completes only when its receive is posted, an `exchange` is one batch, so a plan that would hang on GPUs hangs (and is reported) here (docs/training.md, 'Communication')")

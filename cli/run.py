@@ -25,7 +25,29 @@ def options_from_args(args) -> RunOptions:
 
 def cmd_run(args) -> int:
     """The exit status: 0 ok; 1 on a refused plan or a failed gradient check."""
+    from tpc.ir.diagnostics import Diagnostic, TpirError
+    from tpc.ir.verify.bundle import is_bundle
+
     options = options_from_args(args)
+    bundle = is_bundle(args.plan)
+    if args.curriculum and not bundle:
+        raise TpirError(Diagnostic(f"--curriculum switches between the plans of a bundle, and {args.plan} "
+                                   "is one plan", where="--curriculum",
+                                   hint="compile a bundle: `tpc compile MODEL -o PLANS --seq-len 64,128,256 ...`, "
+                                        "and run `tpc run PLANS --curriculum ...`"))
+    if bundle and not args.curriculum:
+        raise TpirError(Diagnostic(f"{args.plan} is a plan bundle: which plan runs at which step is the "
+                                   "curriculum's to say", where="--curriculum",
+                                   hint="add --curriculum fixed_linear:START:END:STEPS (see `tpc run --help`), "
+                                        f"or run one plan: {args.plan}/seqL.tpir"))
+    if args.curriculum:
+        if args.interpret:
+            from tpc.executors.run import interpret_curriculum
+
+            return interpret_curriculum(args.plan, options, args.curriculum, args.curriculum_type)
+        from tpc.executors.distributed import World, main_curriculum
+
+        return main_curriculum(args.plan, options, World.from_env(), args.curriculum, args.curriculum_type)
     if args.interpret:
         from tpc.executors.run import interpret_plan
         from tpc.ir.verify import verify_file

@@ -24,6 +24,10 @@ def _writing(option: str, path: str, write) -> None:
 
 
 def cmd_simulate(args) -> int:
+    from tpc.ir.verify.bundle import is_bundle
+
+    if is_bundle(args.plan):
+        return simulate_bundle(args)
     plan = load_checked_plan(args.plan, needs_model=bool(args.cost or args.device_model))
     costs = plan_cost_model(plan.header, cost=args.cost, device_model=args.device_model,
                             source=args.plan)
@@ -42,4 +46,38 @@ def cmd_simulate(args) -> int:
         comparison = timeline.compare(result, timeline.read_trace(args.compare))
         print(f"\npredicted vs measured ({args.compare}):")
         print(timeline.format_comparison(comparison))
+    return 0
+
+
+def simulate_bundle(args) -> int:
+    """A plan bundle: each plan's table, then one line per length side by side (the predicted
+    step time, and the time per token, which a curriculum trades against the loss)."""
+    from tpc.compiler.timeline import slices_summary
+    from tpc.compiler.quantities import format_quantity
+    from tpc.ir.verify.bundle import load_bundle
+
+    for option in ("trace", "png", "compare"):
+        if getattr(args, option):
+            raise TpirError(Diagnostic(
+                f"--{option} draws one plan, and {args.plan} is a plan bundle", where=f"--{option}",
+                hint=f"simulate one plan of it: `tpc simulate {args.plan}/seqL.tpir --{option} ...`"))
+    bundle = load_bundle(args.plan)
+    rows = []
+    for member, plan in zip(bundle.index.members, bundle.plans):
+        costs = plan_cost_model(plan.header, cost=args.cost, device_model=args.device_model,
+                                source=plan.source)
+        result = simulate(plan, costs)
+        print(format_report(result, plan.source, costs.describe()))
+        print()
+        t = result.time_unit
+        h = plan.header
+        rows.append((str(member.seq), str(h.shape.batch), h.schedule.name, slices_summary(h),
+                     format_quantity(result.iteration_time, t),
+                     format_quantity(result.iteration_time / h.tokens_per_step, t), f"{result.bubble:.1%}"))
+    head = ("seq", "batch", "schedule", "slices", "step", "per token", "bubble")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    print(f"{args.plan}: {len(rows)} plans, one stage split")
+    for r in [head, *rows]:
+        print("  " + "  ".join(v.rjust(w) if i in (0, 1, 4, 5, 6) else v.ljust(w)
+                               for i, (v, w) in enumerate(zip(r, widths))).rstrip())
     return 0

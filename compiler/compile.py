@@ -343,10 +343,10 @@ def cost_source_for(model, sliced, vocab: int, sha256: str, *, cost, device_mode
                             num_units=sliced.num_units, model_sha256=sha256 if cost else None)
 
 
-def search_space(opts: CompileOptions, num_units: int):
+def search_space(opts: CompileOptions, num_units: int, split=None):
     """What the plan search may choose (compiler/search.py): the meshes of --stages auto
     --ranks N or the given one, every schedule or the given one, the optimiser's slicing or
-    the given slices."""
+    the given slices. `split` (pipe, data, ranges) fixes the mesh and the stage partition."""
     from tpc.compiler.search import AUTO_SCHEDULES, Space, meshes_for_ranks
 
     if opts.stages_auto:
@@ -366,16 +366,17 @@ def search_space(opts: CompileOptions, num_units: int):
         slices=None if opts.slices_auto else opts.cuts,
         budget=None if opts.recompute == "auto" else opts.memory_per_rank,
         skipped=tuple(skipped),
+        ranges=None if split is None else tuple(split[2]),
     )  # fmt: skip
 
 
-def search_header(opts: CompileOptions, source, make_header, progress) -> Header:
+def search_header(opts: CompileOptions, source, make_header, progress, split=None) -> Header:
     """The header of the plan the search chooses among what the 'auto' options leave open;
-    with nothing open, the given plan on the cost-balanced partition."""
+    with nothing open, the given plan on the cost-balanced partition (on `split`'s, when given)."""
     from tpc.compiler.search import explain as explain_search
     from tpc.compiler.search import search_plan
 
-    space = search_space(opts, source.num_units)
+    space = search_space(opts, source.num_units, split)
     with progress.step("search") as d:
         result = search_plan(source, space, make_header)
         best = result.best
@@ -411,8 +412,10 @@ class _Progress:
 # ------------------------------------------------------------------------------ compile
 
 
-def compile_plan(model_path: str, options: CompileOptions) -> Plan:
-    """Compile `model_path` into a verified plan (see the module docstring)."""
+def compile_plan(model_path: str, options: CompileOptions, split=None) -> Plan:
+    """Compile `model_path` into a verified plan (see the module docstring). `split`, a
+    (pipe, data, stage unit ranges) triple, fixes the mesh and the stage partition (the plans
+    of a bundle share one); the rest is chosen as the options say."""
     from tpc.compiler.lower import lower
     from tpc.ir.verify import check
 
@@ -445,11 +448,12 @@ def compile_plan(model_path: str, options: CompileOptions) -> Plan:
         # a cost model is named: the partition comes from its unit times, and whatever is
         # 'auto' is chosen by simulated step time
         source = cost_source_for(model, sliced, vocab, sha, cost=opts.cost, device_model=opts.device_model)
-        header = search_header(opts, source, make_header, progress)
+        header = search_header(opts, source, make_header, progress, split)
     else:
         source = None
         with progress.step("partition") as d:
-            ranges = [tuple(r) for r in sliced.partition_by_params(opts.num_stages)]
+            ranges = ([tuple(r) for r in split[2]] if split is not None
+                      else [tuple(r) for r in sliced.partition_by_params(opts.num_stages)])
             d.append(" | ".join(f"{lo}:{hi}" for lo, hi in ranges))
         header = make_header(opts.num_stages, opts.dp, ranges, opts.schedule)
         if opts.chunks > 1:

@@ -107,6 +107,8 @@ class Space:
     budget: float | None = None  # bytes per rank
     granularity: int = DEFAULT_GRANULARITY
     skipped: tuple[str, ...] = ()  # meshes left out, and why (for --explain)
+    # a fixed stage partition (the other plans of a bundle share the first one's); None: searched
+    ranges: Ranges | None = None
 
 
 @dataclass(frozen=True)
@@ -278,14 +280,17 @@ def _partition_and_slicings(source: CostSource, space: Space, pipe: int, data: i
     if space.slices is not None:
         sizes = _equal_sizes(rows, M)  # given slices come with a given micro-batch count
         given = Slicing("given", sizes, (space.slices,) * M)
+        if space.ranges is not None:
+            return space.ranges, [given], 0
         # the transfers depend only on the stage count: price them with any partition of it
         probe = source.for_stages(minmax_partition(np.ones(n_units), pipe))
         W, extra = slice_work(source, probe, given.mb_sizes, given.slices)
         return best_partition(W, pipe, extra), [given], 0
     # start from the partition balancing the unsliced step, then alternate DP and partition
-    ranges = minmax_partition(source.unit_times(L, 0, rows / (M or 1)), pipe)
+    # (with a fixed partition: one DP run on it)
+    ranges = space.ranges or minmax_partition(source.unit_times(L, 0, rows / (M or 1)), pipe)
     seen, best, runs = [], None, 0
-    while ranges not in seen and runs < ROUNDS:
+    while ranges not in seen and runs < (1 if space.ranges is not None else ROUNDS):
         seen.append(ranges)
         cost = source.for_stages(ranges)
         choice = optimise(cost, pipe, L, rows, microbatches=M, granularity=g, data=data)

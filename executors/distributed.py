@@ -698,3 +698,115 @@ def _check_gradients(world: World, outcome: RankOutcome, check, batches) -> int:
     everyone = [None] * world.size
     dist.all_gather_object(everyone, (worst, name, sorted(held)))
     return check.conclude(outcome.losses[0], everyone, show=world.rank == 0)
+
+
+# ------------------------------------------------------------------------- curricula
+
+
+def run_bundle(plans: dict[int, Plan], length_of, world: World, options: RunOptions, *,
+               model: torch.nn.Module, device: torch.device, batches, on_step=None,
+               checkpoints=None, sliced: dict | None = None) -> RankOutcome:
+    """`run_plan` for a plan bundle (executors/curriculum.py): step s runs the plan of length
+    `length_of(s)`. One set of process groups (the plans share mesh and ties), one model and one
+    optimizer serve every plan; each plan has its own engine and transport, which share the
+    channels' message counts, so switching plans between steps needs no communication and no
+    re-initialisation."""
+    first = plans[min(plans)]
+    pipe = first.header.mesh.pipe
+    pipe_rank, data_rank = world.rank % pipe, world.rank // pipe
+    groups = make_groups(first, world, options.timeout, pipeline=options.needs_grad_norm)
+    dtype = DTYPES[first.header.shape.dtype]
+    tags = dist.get_backend() == "gloo"
+    engines: dict[int, tuple[RankEngine, DistTransport]] = {}
+    shared = None
+    for seq, plan in sorted(plans.items()):
+        traced = sliced[seq] if sliced is not None else slice_model(model, plan)
+        transport = DistTransport(plan, world, groups, device=device, hidden_size=traced.hidden_size,
+                                  dtype=dtype, timeout=options.timeout, tags=tags)
+        if shared is not None:  # the n-th message of a channel, whichever plan sends it
+            transport.sent, transport.received = shared[1].sent, shared[1].received
+        engine = RankEngine(plan, pipe_rank, data_rank, transport, stage_factory_from_model(traced, model),
+                            hidden_size=traced.hidden_size, options=options, device=device,
+                            optimizer=shared[0].optimizer if shared is not None else None)
+        engines[seq] = (engine, transport)
+        shared = shared or (engine, transport)
+    engine, transport = shared
+    watchdog = Watchdog(engine, transport, options.timeout)
+    watchdog.start()
+    losses, first_grads = [], {}
+    try:
+        start = 0
+        if checkpoints is not None:
+            with transport.waiting_for("the other ranks to load the checkpoint"):
+                start = checkpoints.start([engine])
+        dist.barrier()
+        epoch = time.perf_counter()
+        for e, _ in engines.values():
+            e.epoch = epoch
+        for step in range(start, options.steps):
+            started = time.perf_counter()
+            seq = length_of(step)
+            engine, transport = engines[seq]
+            watchdog.engine, watchdog.transport = engine, transport
+            transport.start_step()
+            engine.run_step(step, batches.get(step))
+            total = torch.tensor([engine.step_loss], dtype=torch.float64, device=device)
+            with transport.waiting_for("the loss of the other ranks"):
+                dist.all_reduce(total)
+            losses.append(float(total))
+            if step == start:
+                first_grads = dict(engine.grads)
+            if on_step is not None:
+                on_step(step, losses[-1], dict(lr=options.lr_at(step), grad_norm=engine.grad_norm,
+                                               step_time=time.perf_counter() - started, seq=seq,
+                                               tokens=plans[seq].header.tokens_per_step))
+            if checkpoints is not None:
+                with transport.waiting_for("the other ranks to write their checkpoint shards"):
+                    checkpoints.after_step([engine], step + 1)
+    finally:
+        watchdog.stop.set()
+    return RankOutcome(losses, first_grads, {n: p.detach().cpu().clone() for n, p in engine.named_parameters},
+                       max(e.peak_live for e, _ in engines.values()),
+                       [ev for e, _ in engines.values() for ev in e.events])
+
+
+def main_curriculum(path: str, options: RunOptions, world: World, spec: str, data_type: str) -> int:
+    """`tpc run PLANS --curriculum SPEC` under torchrun. Every rank reads and checks the bundle,
+    the curriculum and the model file before any communication, so all refuse alike."""
+    from tpc.executors.run import CurriculumRun
+
+    torch.set_num_threads(1)
+    run = CurriculumRun(path, options, spec, data_type)
+    check_world(run.full, world)
+    device = options.torch_device(world.local_rank)
+    check_bf16(options, device)
+    model = load_plan_model(run.full, options.seed)
+    sliced = {seq: slice_model(model, plan) for seq, plan in run.plans.items()}
+    model.to(device)
+    batches = run.batches(options)
+    try:
+        init(world, device, options.timeout)
+    except Exception as e:  # noqa: BLE001 - whatever the rendezvous raises, say what it means
+        fail(f"rank {world.rank}: could not join the other {world.size - 1} rank(s) within "
+             f"{options.timeout:g} s: {backend_cause(e)}",
+             hint="every rank must start (torchrun --nproc-per-node N) and reach MASTER_ADDR:MASTER_PORT")
+    show = Reporter(options, run.full, world.rank)
+    show.message(run.describe())
+    checkpoints = RunCheckpoints.from_options(run.full, options, say=show.message, model=model,
+                                              curriculum=run.checkpoint_record())
+    try:
+        outcome = run_bundle(run.plans, run.length_of, world, options, model=model, device=device,
+                             batches=batches, on_step=show, checkpoints=checkpoints, sliced=sliced)
+        show.close()
+    except TpirError as e:
+        fail(e)
+    except Exception as e:  # noqa: BLE001 - outside an instruction (setup): still report and leave
+        fail(f"rank {world.rank}: {type(e).__name__}: {e}")
+    if options.trace_path:
+        gathered = [None] * world.size if world.rank == 0 else None
+        dist.gather_object(outcome.events, gathered, dst=0)
+        if world.rank == 0:
+            write_trace(options.trace_path, [ev for evs in gathered for ev in evs])
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

@@ -153,10 +153,13 @@ class RankEngine:
     def __init__(self, plan: Plan, pipe_rank: int, data_rank: int, transport: Transport,
                  stage_factory: StageFactory, *, hidden_size: int, options: RunOptions | None = None,
                  device: torch.device | None = None,
-                 before_instr: Callable[["RankEngine", int], None] | None = None):
+                 before_instr: Callable[["RankEngine", int], None] | None = None,
+                 optimizer: RankOptimizer | None = None):
         """`options` say how to train (optimizer, learning rate, clipping, tracing, bf16, ...);
         `device` is where this rank computes (default: the CPU); `before_instr(engine, index)`
-        runs before each instruction (tests inject faults with it)."""
+        runs before each instruction (tests inject faults with it). `optimizer`: the optimizer
+        of another engine of this rank over the same parameters (the plans of a bundle share
+        their weights and optimizer state); by default the engine builds its own."""
         self.plan, self.header = plan, plan.header
         self.pipe_rank, self.data_rank = pipe_rank, data_rank
         self.global_rank = data_rank * self.header.mesh.pipe + pipe_rank
@@ -178,7 +181,14 @@ class RankEngine:
             (n, p) for s in sorted(self.stages) for n, p in self.stages[s].named_parameters)
         # the evaluation program (`Plan.evaluation()`) runs forward only: no optimizer
         self.forward_only = plan.forward_only
-        self.optimizer = None if self.forward_only else RankOptimizer(self.named_parameters, self.options.optim)
+        if optimizer is not None:
+            held = {id(p) for _, p in self.named_parameters}
+            if held != {id(p) for p in optimizer.params}:
+                raise TpirError(Diagnostic(
+                    f"rank {pipe_rank}: the shared optimizer updates other parameters than this "
+                    "plan's stages hold", hint="plans that share an optimizer must split the model alike"))
+        self.optimizer = None if self.forward_only else (
+            optimizer or RankOptimizer(self.named_parameters, self.options.optim))
         self.peak_live = 0
         self.events: list[TraceEvent] = []
         self.epoch = time.perf_counter()

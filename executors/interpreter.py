@@ -377,6 +377,70 @@ def _evaluation(plan: Plan, options: RunOptions, batches, copies, sliced, hidden
         return [e.end_step() for e in engines][last]
 
     return Evaluation(batches, options.eval_every, options.steps, run_batch, device)
+def interpret_bundle(plans: dict[int, Plan], length_of, options: RunOptions | None = None, *,
+                     model: torch.nn.Module, batches: BatchSource, on_step=None,
+                     checkpoints=None) -> RunResult:
+    """Run a plan bundle's plans (`plans`: length -> verified plan, one stage split) for
+    `options.steps` steps, step s running the plan of length `length_of(s)` on `batches.get(s)`
+    (executors/curriculum.py). Every (pipeline rank, replica) keeps one copy of the model and
+    one optimizer, which the engines of all lengths share: switching plans between steps moves
+    no weight and keeps the optimizer state. Otherwise as `interpret` (`on_step`'s info also
+    has the step's "seq" and "tokens")."""
+    options = dataclasses.replace(options or RunOptions(), record_grads=True)
+    device = options.torch_device()
+    hub = _Hub()
+    copies: dict[tuple[int, int], torch.nn.Module] = {}
+    engines_of: dict[int, list[RankEngine]] = {}
+    first: list[RankEngine] | None = None
+    for seq, plan in sorted(plans.items()):
+        sliced = slice_model(model, plan)
+        mesh = plan.header.mesh
+        engines: list[RankEngine] = []
+        for d in range(mesh.data):
+            for p in range(mesh.pipe):
+                copy_ = copies.setdefault((p, d), copy.deepcopy(model).to(device))
+                shared = first[len(engines)].optimizer if first is not None else None
+                engines.append(RankEngine(plan, p, d, LocalTransport(hub, plan, p, d),
+                                          stage_factory_from_model(sliced, copy_),
+                                          hidden_size=sliced.hidden_size, options=options,
+                                          device=device, optimizer=shared))
+        engines_of[seq] = engines
+        first = first or engines
+    start = checkpoints.start(first) if checkpoints is not None else 0
+    losses: list[float] = []
+    first_grads: dict[str, torch.Tensor] = {}
+    engines = first
+    for step in range(start, options.steps):
+        started = time.perf_counter()
+        seq = length_of(step)
+        engines = engines_of[seq]
+        tokens = batches.get(step)
+        for e in engines:
+            e.transport.step = step
+            e.begin_step(step, tokens)
+        run_cooperatively(engines)
+        loss = sum(e.end_step() for e in engines)
+        losses.append(loss)
+        if step == start:
+            first_grads = canonical_names(model, _gather(engines, lambda e: e.grads.items()))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if on_step is not None:
+            on_step(step, loss, dict(lr=options.lr_at(step), grad_norm=engines[0].grad_norm,
+                                     step_time=time.perf_counter() - started, seq=seq,
+                                     tokens=plans[seq].header.tokens_per_step))
+        if checkpoints is not None:
+            checkpoints.after_step(engines, step + 1)
+    mesh = first[0].header.mesh
+    return RunResult(
+        losses=losses,
+        grads=canonical_names(model, _gather(engines, lambda e: e.grads.items())),
+        peak_live=[max(e.peak_live for es in engines_of.values() for e in es if e.pipe_rank == p)
+                   for p in range(mesh.pipe)],
+        state_dict=_state_dict(model, engines),
+        events=[ev for es in engines_of.values() for e in es for ev in e.events],
+        first_grads=first_grads,
+    )
 
 
 def _gather(engines: list[RankEngine], items) -> dict[str, torch.Tensor]:

@@ -154,15 +154,18 @@ class Reporter:
     def __call__(self, step: int, loss: float, info: dict) -> None:
         t = info["step_time"]
         val = info.get("val_loss")
-        self.progress.update(step + 1, loss=loss, tokens=self.tokens, step_time=t, lr=info["lr"],
+        # a curriculum's steps differ in tokens; they say theirs, and their length
+        tokens = info.get("tokens", self.tokens)
+        seq = {"seq": info["seq"]} if "seq" in info else {}
+        self.progress.update(step + 1, loss=loss, tokens=tokens, step_time=t, lr=info["lr"],
                              grad_norm=info["grad_norm"], val_loss=val)
         if self.write_metrics:
             if self.metrics is None:
                 self.metrics = self._open(first_step=step)
             extra = {} if val is None else {"val_loss": val, "val_ppl": perplexity(val)}
             self.metrics.write(step + 1, loss=loss, lr=info["lr"], grad_norm=info["grad_norm"],
-                               tokens_per_s=self.tokens / t if t > 0 else float("inf"), step_time=t,
-                               **extra)
+                               tokens_per_s=tokens / t if t > 0 else float("inf"), step_time=t,
+                               **seq, **extra)
 
     def evaluation(self, done: int, val_loss: float) -> None:
         """An evaluation outside a step's line: before the first step (`done` = 0)."""
@@ -197,3 +200,78 @@ def write_trace(path: str, events) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(chrome_trace(events)), encoding="utf-8")
     print(f"trace: {path} ({len(events)} instructions)", file=sys.stderr)
+
+
+# --------------------------------------------------------------------- curricula over bundles
+
+
+class CurriculumRun:
+    """A plan bundle and a curriculum over it, checked before any communication: the bundle
+    (every plan and rules B1-B4), the lengths the curriculum asks for, the batches the data type
+    needs, and the model file (executors/curriculum.py)."""
+
+    def __init__(self, path: str, options: RunOptions, spec: str, data_type: str):
+        from tpc.executors.curriculum import check_curriculum, parse_curriculum
+        from tpc.ir.verify.bundle import load_bundle
+
+        self.curriculum = parse_curriculum(spec)  # the flag's spelling first: no file is read
+        self.bundle = load_bundle(path)
+        check_curriculum(self.curriculum, self.bundle, data_type)
+        self.data_type = data_type
+        used = self.curriculum.lengths_used(self.bundle.lengths)
+        self.plans = {seq: self.bundle.plan(seq) for seq in used}
+        # the full length: batches are drawn there; checkpoints and progress describe its plan
+        self.full = self.bundle.plan(self.curriculum.end)
+        check_plan_model(self.full)
+        if options.verify_grads:
+            raise TpirError(Diagnostic(
+                "--verify-grads checks one plan's first step; with --curriculum check each plan of "
+                "the bundle on its own", where="--verify-grads",
+                hint=f"`tpc run --interpret {path}/seqL.tpir --verify-grads` for each length L"))
+
+    def length_of(self, step: int) -> int:
+        return self.curriculum.length(step, self.bundle.lengths)
+
+    def batches(self, options: RunOptions):
+        from tpc.executors.curriculum import CurriculumBatches
+
+        return CurriculumBatches(batch_source(self.full, options), self.curriculum,
+                                 self.bundle.lengths, self.data_type)
+
+    def checkpoint_record(self) -> dict:
+        return {"spec": self.curriculum.spec, "type": self.data_type, "length_of": self.length_of}
+
+    def describe(self) -> str:
+        """One line: the curriculum, and the steps at which it switches plans (up to 6)."""
+        switches, last = [], None
+        step, limit = 0, 10 ** 6
+        while step < limit and len(switches) < 6:
+            seq = self.length_of(step)
+            if seq != last:
+                switches.append(f"{seq} from step {step + 1}")
+                last = seq
+                if seq == self.curriculum.end:
+                    break
+            step += 1
+        return (f"curriculum {self.curriculum.spec} ({self.data_type}): " + ", ".join(switches))
+
+
+def interpret_curriculum(path: str, options: RunOptions, spec: str, data_type: str) -> int:
+    """`tpc run --interpret PLANS --curriculum SPEC`: the bundle's plans in this process."""
+    from tpc.executors.interpreter import interpret_bundle
+    from tpc.executors.training.run_checkpoints import RunCheckpoints
+
+    run = CurriculumRun(path, options, spec, data_type)
+    device = options.torch_device()
+    check_bf16(options, device)
+    model = load_plan_model(run.full, options.seed)
+    reporter = Reporter(options, run.full, rank=0)
+    reporter.message(run.describe())
+    checkpoints = RunCheckpoints.from_options(run.full, options, say=reporter.message, model=model,
+                                              curriculum=run.checkpoint_record())
+    result = interpret_bundle(run.plans, run.length_of, options, model=model, batches=run.batches(options),
+                              on_step=reporter, checkpoints=checkpoints)
+    reporter.close()
+    if options.trace_path:
+        write_trace(options.trace_path, result.events)
+    return 0

@@ -13,6 +13,9 @@ from tpc.ir.diagnostics import Diagnostic
 from tpc.ir.nodes import (
     FORMAT_VERSION,
     EvalProgram,
+    Bundle,
+    BundleLine,
+    BundleMember,
     FORMAT_VERSIONS,
     Header,
     Instr,
@@ -31,7 +34,16 @@ from tpc.ir.nodes import (
     Tie,
     UnitsLine,
 )
-from tpc.ir.syntax import HEADER_ORDER, OPTIONAL, ORDER_HINT, REPEATED, SYNTAX
+from tpc.ir.syntax import (
+    BUNDLE_ORDER,
+    BUNDLE_ORDER_HINT,
+    BUNDLE_REPEATED,
+    HEADER_ORDER,
+    OPTIONAL,
+    ORDER_HINT,
+    REPEATED,
+    SYNTAX,
+)
 
 
 def _comment_text(tok: Token) -> str:
@@ -203,6 +215,18 @@ class PlanBuilder(Transformer):
                           index=self._nat(index, "microbatch"), size=self._nat(size, "size"),
                           slices=tuple(slices))
 
+    @_line
+    def bundle_line(self, children):
+        first, = children
+        return self._make(BundleLine, "bundle", self._trivia(first))
+
+    @_line
+    def member_line(self, children):
+        first, path, _, seq, _, batch = children
+        trivia = self._trivia(first)
+        return self._make(BundleMember, "plan", trivia, path=self._str(path),
+                          seq=self._nat(seq, "seq"), batch=self._nat(batch, "batch"))
+
     # -- instructions
 
     @_line
@@ -323,6 +347,13 @@ class PlanBuilder(Transformer):
         rest = [c for c in rest if not isinstance(c, EvalProgram)]
         lines = [c for c in rest if not isinstance(c, RankProgram)]
         ranks = [c for c in rest if isinstance(c, RankProgram)]
+        if any(isinstance(l, BundleLine) for l in lines):
+            return self._bundle(version, lines, ranks)
+        foreign = [l for l in lines if _KIND[type(l)] not in HEADER_ORDER]
+        if foreign:
+            raise Located([Diagnostic(
+                f"a {_KIND[type(l)]!r} line belongs to a plan bundle's index, not to a plan", l.loc,
+                "an index starts `tpir 2` then `bundle`; " + BUNDLE_ORDER_HINT) for l in foreign])
         diagnostics = _check_header_order(lines, version, ranks, self.file)
         diagnostics += _check_rank_order(ranks)
         if diagnostics:
@@ -347,6 +378,31 @@ class PlanBuilder(Transformer):
                     source=self.file, eval=evaluation)
 
 
+    def _bundle(self, version: "_Version", lines: list[Line], ranks: list[RankProgram]) -> Bundle:
+        """A plan bundle's index: the bundle lines in BUNDLE_ORDER, no plan-only lines, no ranks."""
+        diagnostics = [Diagnostic(f"a plan bundle's index has no {_KIND[type(l)]!r} line", l.loc,
+                                  f"each plan of the bundle says its own; {BUNDLE_ORDER_HINT}")
+                       for l in lines if _KIND[type(l)] not in BUNDLE_ORDER]
+        diagnostics += [Diagnostic("a plan bundle's index has no rank sections", r.loc,
+                                   "the instructions are in the plans it lists (`plan \"PATH\" seq L "
+                                   "batch B` lines); delete this section") for r in ranks]
+        kept = [l for l in lines if _KIND[type(l)] in BUNDLE_ORDER]
+        diagnostics += _check_header_order(kept, version, [], self.file, order=BUNDLE_ORDER,
+                                           repeated=BUNDLE_REPEATED, optional=frozenset({"tie"}),
+                                           hint=BUNDLE_ORDER_HINT)
+        if diagnostics:
+            diagnostics.sort(key=lambda d: (d.loc.line, d.loc.col))
+            raise Located(diagnostics)
+        by_kind = {kind: [l for l in kept if _KIND[type(l)] == kind] for kind in BUNDLE_ORDER}
+        trailing = tuple(text for _, text in self.comments[self.next_comment:])
+        return Bundle(
+            bundle=by_kind["bundle"][0], model=by_kind["model"][0], mesh=by_kind["mesh"][0],
+            units=by_kind["units"][0], stages=tuple(by_kind["stage"]), ties=tuple(by_kind["tie"]),
+            members=tuple(by_kind["plan"]), version=version.number,
+            version_comments=version.trivia.get("comments", ()), version_note=version.trivia.get("note"),
+            version_loc=version.trivia["loc"], trailing_comments=trailing, source=self.file)
+
+
 _PAYLOADS = {p.value: p for p in Payload}
 
 
@@ -359,12 +415,16 @@ class _Version:
 _KIND: dict[type, str] = {
     ModelLine: "model", ShapeLine: "shape", MeshLine: "mesh", ScheduleLine: "schedule",
     UnitsLine: "units", Stage: "stage", Tie: "tie", Microbatch: "microbatch",
+    BundleLine: "bundle", BundleMember: "plan",
 }
 
 
 def _check_header_order(lines: list[Line], version: _Version, ranks: list[RankProgram],
-                        file: str) -> list[Diagnostic]:
-    """Each header line once (stage/tie/microbatch: in a group), in HEADER_ORDER, none missing."""
+                        file: str, *, order=HEADER_ORDER, repeated=REPEATED, optional=OPTIONAL,
+                        hint=ORDER_HINT) -> list[Diagnostic]:
+    """Each header line once (stage/tie/microbatch: in a group), in HEADER_ORDER, none missing
+    (a bundle's index: its own order, the same rules)."""
+    HEADER_ORDER, REPEATED, OPTIONAL, ORDER_HINT = order, repeated, optional, hint
     out: list[Diagnostic] = []
     first_at: dict[str, Line] = {}
     last_rank = -1

@@ -387,6 +387,55 @@ class Plan:
         return Plan(header=header, ranks=self.eval.ranks, source=self.source, forward_only=True)
 
 
+# ------------------------------------------------------------------ the plan bundle (version 2)
+
+
+@dataclass(frozen=True)
+class BundleLine(Line):
+    """`bundle`: the line after `tpir 2` that makes a file a plan bundle's index."""
+
+
+@dataclass(frozen=True)
+class BundleMember(Line):
+    """`plan "PATH" seq L batch B`: one plan of the bundle, compiled for sequence length L and a
+    global batch of B sequences. PATH is relative to the index file's folder."""
+
+    path: str
+    seq: int
+    batch: int
+
+    def __post_init__(self):
+        _check(self.seq >= 1 and self.batch >= 1, "seq and batch must be >= 1")
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """The index of a plan bundle: one plan per sequence length, all with the same model, mesh,
+    units, stage split and ties (so weights never move when a run switches plans), recorded
+    here once. Members are listed by increasing length (docs/ir.md, "Plan bundles")."""
+
+    bundle: BundleLine
+    model: ModelLine
+    mesh: MeshLine
+    units: UnitsLine
+    stages: tuple[Stage, ...]
+    members: tuple[BundleMember, ...]
+    ties: tuple[Tie, ...] = ()
+    version: int = FORMAT_VERSION
+    version_comments: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    version_note: str | None = field(default=None, compare=False, repr=False)
+    version_loc: Loc | None = field(default=None, compare=False, repr=False)
+    trailing_comments: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    source: str = field(default="<bundle>", compare=False, repr=False)
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return tuple(m.seq for m in self.members)
+
+    def member(self, seq: int) -> BundleMember | None:
+        return next((m for m in self.members if m.seq == seq), None)
+
+
 def quote(text: str) -> str:
     """A string literal as the printer writes it: double quotes; backslash escapes for
     backslash, double quote, newline, carriage return and tab (one line, always)."""

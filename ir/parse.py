@@ -27,10 +27,10 @@ from tpc.grammar import grammar_text
 from tpc.ir.build import Located, PlanBuilder
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.lexer import FastContextualLexer
-from tpc.ir.nodes import Loc, Plan
+from tpc.ir.nodes import Bundle, Loc, Plan
 from tpc.ir.syntax import SYNTAX, syntax_diagnostic
 
-__all__ = ["PlanParser", "parse", "SYNTAX"]
+__all__ = ["PlanParser", "parse", "parse_bundle", "parse_document", "SYNTAX"]
 
 
 class PlanParser:
@@ -54,7 +54,12 @@ class PlanParser:
         self.lock = threading.Lock()
 
     def parse(self, text: str, file: str = "<string>") -> Plan:
-        """Parse the text of a .tpir file. Raises `TpirError` (and nothing else) on bad input."""
+        """Parse the text of a .tpir plan. Raises `TpirError` (and nothing else) on bad input,
+        a plan bundle's index included."""
+        return _expect(self.parse_document(text, file), Plan, text, file)
+
+    def parse_document(self, text: str, file: str = "<string>") -> Plan | Bundle:
+        """Parse a .tpir file: a plan, or a plan bundle's index (`bundle` after the version)."""
         source = text
         if not text.endswith("\n"):
             text += "\n"  # every line ends with a newline; positions are unchanged
@@ -88,3 +93,27 @@ def default_parser() -> PlanParser:
 def parse(text: str, file: str = "<string>") -> Plan:
     """Parse the text of a .tpir file with the default parser (see `PlanParser.parse`)."""
     return default_parser().parse(text, file)
+
+
+def parse_document(text: str, file: str = "<string>") -> Plan | Bundle:
+    """A plan or a plan bundle's index, whichever the text is."""
+    return default_parser().parse_document(text, file)
+
+
+def parse_bundle(text: str, file: str = "<string>") -> Bundle:
+    """A plan bundle's index; a plan is refused (located at its version line)."""
+    return _expect(default_parser().parse_document(text, file), Bundle, text, file)
+
+
+def _expect(doc, kind, text: str, file: str):
+    if isinstance(doc, kind):
+        return doc
+    loc = doc.version_loc if isinstance(doc, Bundle) else doc.header.version_loc
+    if kind is Plan:
+        message = "this is a plan bundle's index (its second line is `bundle`), not a plan"
+        hint = ("give it to `tpc verify`, `show`, `simulate` or `run` whole, or one of the plans "
+                "its `plan` lines name")
+    else:
+        message = "this is a plan, not a plan bundle's index"
+        hint = "a bundle's index starts `tpir 2` then `bundle` (`tpc compile --seq-len 64,128 ...` writes one)"
+    raise TpirError(Diagnostic(message, loc or Loc(file, 1, 1), hint), source=text)

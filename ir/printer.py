@@ -9,6 +9,9 @@ so there is one spelling of each thing in the code base.
 from __future__ import annotations
 
 from tpc.ir.nodes import (
+    Bundle,
+    BundleLine,
+    BundleMember,
     Instr,
     Line,
     MeshLine,
@@ -57,6 +60,20 @@ def _emit_ranks(out: list[str], ranks) -> None:
         for instr in program.instrs:
             _emit(out, INDENT * (2 if members else 1), instr.comments, str(instr), instr.note)
             members = instr.count if instr.count is not None else max(0, members - 1)
+def print_bundle(bundle: Bundle) -> str:
+    """The canonical text of a plan bundle's index, ending with one newline."""
+    b = bundle
+    out: list[str] = []
+    _emit(out, "", b.version_comments, f"tpir {b.version}", b.version_note)
+    for line in [b.bundle, b.model, b.mesh, b.units, *b.stages, *b.ties, *b.members]:
+        _emit(out, "", line.comments, line_text(line), line.note)
+    out += [comment_text(c) for c in b.trailing_comments]
+    return "\n".join(out) + "\n"
+
+
+def print_document(doc) -> str:
+    """A plan or a bundle's index, each in its canonical form."""
+    return print_bundle(doc) if isinstance(doc, Bundle) else print_plan(doc)
 
 
 def line_text(line: Line) -> str:
@@ -86,6 +103,10 @@ def line_text(line: Line) -> str:
     if isinstance(line, Microbatch):
         slices = " ".join(f"{lo}:{hi}" for lo, hi in line.slices)
         return f"microbatch {line.index} size {line.size} slices {slices}"
+    if isinstance(line, BundleLine):
+        return "bundle"
+    if isinstance(line, BundleMember):
+        return f"plan {quote(line.path)} seq {line.seq} batch {line.batch}"
     raise TypeError(f"not a line of a plan: {type(line).__name__}")
 
 

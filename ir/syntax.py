@@ -51,11 +51,19 @@ SYNTAX: dict[str, str] = {
     "microbatch": "microbatch M size N slices A:B ...",
     "rank": "rank R",
     "eval": "eval",
+    "bundle": "bundle",
+    "plan": 'plan "PATH" seq L batch B',
     **{op.value: _instr_syntax(op) for op in Op},
 }
 
 ORDER_HINT = ("header lines come in this order: tpir, model, shape, mesh, schedule, units, "
               "stage lines, tie lines, microbatch lines")
+
+# A plan bundle's index (format version 2): these lines, in this order; stage, tie and plan repeat.
+BUNDLE_ORDER: tuple[str, ...] = ("bundle", "model", "mesh", "units", "stage", "tie", "plan")
+BUNDLE_REPEATED = frozenset({"stage", "tie", "plan"})
+BUNDLE_ORDER_HINT = ("a plan bundle's index reads: tpir 2, bundle, model, mesh, units, stage lines, "
+                     "tie lines, plan lines (and no shape, schedule, microbatch or rank lines)")
 
 _INSTR_WORDS = tuple(op.value for op in Op)
 _HEADER_WORDS = HEADER_ORDER

@@ -42,9 +42,15 @@ def plan_sha256(plan) -> str:
     return hashlib.sha256(print_plan(plan).encode("utf-8")).hexdigest()
 
 
-def data_position(seed: int, next_step: int, source: str) -> dict:
-    """What the data stream needs to continue: batches are a function of (seed, step)."""
-    return {"seed": int(seed), "next_step": int(next_step), "source": source}
+def data_position(seed: int, next_step: int, source: str, curriculum: dict | None = None) -> dict:
+    """What the data stream needs to continue: batches are a function of (seed, step), and
+    under a sequence-length curriculum (executors/curriculum.py) of the curriculum too, whose
+    spelling, data type and next step's length are recorded with them."""
+    out = {"seed": int(seed), "next_step": int(next_step), "source": source}
+    if curriculum is not None:
+        out.update(curriculum=curriculum["spec"], curriculum_type=curriculum["type"],
+                   seq=int(curriculum["length_of"](next_step)))
+    return out
 
 
 @dataclass
@@ -65,12 +71,15 @@ class RunCheckpoints:
     say: Callable[[str], None] = field(default=lambda text: None)
     save_best: bool = False  # keep DIR/best, the checkpoint of the lowest validation loss
     best: float = float("inf")  # its validation loss (read back from DIR/best when resuming)
+    # a sequence-length curriculum: {"spec", "type", "length_of": step -> length}; None: none
+    curriculum: dict | None = None
 
     @staticmethod
     def from_options(plan, options, say: Callable[[str], None] | None = None,
-                     model=None) -> "RunCheckpoints | None":
+                     model=None, curriculum: dict | None = None) -> "RunCheckpoints | None":
         """None when the run neither saves nor loads anything. `model` is the unsliced model
-        (needed with --init-from: the file's names are checked against all of its names)."""
+        (needed with --init-from: the file's names are checked against all of its names);
+        `curriculum` is recorded with the data position (see `data_position`)."""
         if not options.checkpoint_dir and not options.init_from:
             return None
         names = None
@@ -86,7 +95,7 @@ class RunCheckpoints:
             meta=checkpoint.run_meta(plan.header, plan_sha256(plan), options.optim.kind),
             seed=options.seed, source=str(Path(options.data).name) if options.data else "random",
             plan=plan, init_from=options.init_from, model_names=names, say=say or (lambda text: None),
-            save_best=options.save_best)
+            save_best=options.save_best, curriculum=curriculum)
 
     # ------------------------------------------------------------------------ starting
 
@@ -124,7 +133,7 @@ class RunCheckpoints:
         this with its own engine (all write in parallel); the interpreter with all of them."""
         if not self.due(done):
             return None
-        state = state_to_save(engines, done, data_position(self.seed, done, self.source))
+        state = state_to_save(engines, done, data_position(self.seed, done, self.source, self.curriculum))
         path = checkpoint.save_checkpoint(self.dir, done, state, self.meta, process_group=process_group)
         self.say(f"checkpoint: {path} (step {done})")
         return path
@@ -176,13 +185,31 @@ class RunCheckpoints:
                 f"{data.get('seed')}, this run asks for {self.source!r} with --seed {self.seed}",
                 where="--resume",
                 hint="resume with the same --data and --seed, so the batches continue where they stopped"))
+        theirs = (data.get("curriculum"), data.get("curriculum_type"))
+        mine = (self.curriculum["spec"], self.curriculum["type"]) if self.curriculum else (None, None)
+        if theirs != mine:
+            def say(c):
+                return f"--curriculum {c[0]} --curriculum-type {c[1]}" if c[0] else "no curriculum"
+            raise TpirError(Diagnostic(
+                f"--resume: the checkpoint {found} was trained with {say(theirs)}, this run asks for "
+                f"{say(mine)}", where="--curriculum",
+                hint="resume with the same curriculum, so each step gets the length and batch it had; "
+                     f"to start from its weights alone use --init-from {found} with another --checkpoint-dir"))
+        if self.curriculum and data.get("seq") is not None and int(data["seq"]) != self.curriculum["length_of"](step):
+            raise TpirError(Diagnostic(
+                f"--resume: the checkpoint {found} would continue at length {data['seq']}, and this "
+                f"bundle gives step {step + 1} length {self.curriculum['length_of'](step)}",
+                where="--curriculum",
+                hint="the bundle's lengths changed: resume with the bundle the run was started with"))
         if loaded.step != step:
             raise TpirError(Diagnostic(
                 f"{found}: corrupt checkpoint: its shards are at step {loaded.step}, tpc.json says {step}",
                 hint="resume from an earlier step directory, or delete this one"))
         if loaded.rng is not None:
             checkpoint.restore_rng(loaded.rng)
-        self.say(describe_resume(meta, self.meta, found, step) +
+        at = (f" at length {data.get('seq')} of --curriculum {self.curriculum['spec']}"
+              if self.curriculum and data.get("seq") is not None else "")
+        self.say(describe_resume(meta, self.meta, found, step) + at +
                  (f"; it already reaches --steps {self.total}, nothing to train" if step == self.total else ""))
         return step
 

@@ -107,6 +107,18 @@ these in place of the training-only ones (evaluation.py):
       stage on its rank. F1 and D1 as in training (a forward-only program sends one direction
       per pair of ranks, and `reduce-loss`, among identical replicas, never waits on another
       pipeline rank).
+
+Plan bundles (format version 2; `tpc.ir.verify.bundle.load_bundle` reads and checks one: an
+index, `tpir 2` then `bundle`, the model, mesh, units, stage and tie lines its plans share, and
+one `plan "PATH" seq L batch B` line per plan; each plan is verified by every rule above, its
+errors located in its own file):
+  B1  the index says `tpir 2` or newer (rule H1, `header.require_version`).
+  B2  it lists at least one plan, by strictly increasing length; each plan file exists (paths
+      are relative to the index's folder).
+  B3  every plan has the index's model line (path, sha256, factory), mesh, units, stage split
+      (each stage's index, rank and unit range) and ties: switching between them moves no weight.
+  B4  each plan's shape has its plan line's seq and batch; all plans have one vocab and dtype.
+The index's own stage lines are checked through B3: each equals that of a plan verified by H2-H4.
 """
 
 from __future__ import annotations

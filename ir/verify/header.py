@@ -33,8 +33,9 @@ def check_header(plan: Plan, rep: Report) -> bool:
 def require_version(plan: Plan, rep: Report, needed: int, loc: Loc | None, where: str,
                     order: tuple, what: str) -> bool:
     """Rule H1 for a line or instruction added in format version `needed`: a plan whose version
-    line is older may not use it. Every addition to the format calls this where it is checked."""
-    have = plan.header.version
+    line is older may not use it. Every addition to the format calls this where it is checked.
+    `plan` may also be a plan bundle's index (which has its own version line)."""
+    have = plan.header.version if hasattr(plan, "header") else plan.version
     if have >= needed:
         return True
     rep.add(loc, where, order, f"{what} needs format version {needed}, and this plan says `tpir {have}`",

@@ -1,0 +1,129 @@
+"""`tpc compile --seq-len 64,128,256 -o FOLDER`: a plan bundle, one verified plan per length.
+
+The longest length is compiled first, exactly as `tpc compile` compiles one plan (with a cost
+model the search chooses the mesh, the stage partition, micro-batches, slices and schedule).
+Its mesh and stage partition are then fixed for every shorter length, so that a run switching
+plans between steps (a sequence-length curriculum, executors/curriculum.py) never moves a
+weight; for each shorter length the slices, the micro-batches and, with a cost model and
+`--schedule auto`, the schedule are chosen again for that length (TeraPipe: the best slicing
+depends on the length).
+
+The batch of each plan is `--batch` (DeepSpeed's `seqlen_truncate`: shorter sequences, as many),
+or with `constant_tokens` `--batch x longest / length` (`seqlen_reshape`: the tokens of a step
+stay the same; each length must divide the longest).
+
+Written: FOLDER/seqL.tpir for each length, then FOLDER/index.tpir (ir/verify/bundle.py), each
+file atomically; the folder is read back and verified (every plan, and rules B1-B4) before the
+function returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+
+from tpc.compiler.compile import CompileOptions, compile_plan, write_plan
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import Bundle, BundleLine, BundleMember, Plan
+from tpc.ir.verify.bundle import INDEX, LoadedBundle, load_bundle
+
+
+def _error(option: str, message: str, hint: str) -> TpirError:
+    return TpirError(Diagnostic(message, hint=hint, where=option))
+
+
+def member_file(seq: int) -> str:
+    return f"seq{seq}.tpir"
+
+
+def bundle_options(options: CompileOptions, lengths: tuple[int, ...], constant_tokens: bool
+                   ) -> dict[int, CompileOptions]:
+    """The options of each length's plan, checked before anything is traced. `options` are
+    those of the longest length."""
+    if len(lengths) < 2:
+        raise _error("--seq-len", "a plan bundle needs at least two lengths",
+                     "give comma-separated lengths, e.g. --seq-len 64,128,256")
+    if list(lengths) != sorted(set(lengths)):
+        raise _error("--seq-len", f"--seq-len {','.join(map(str, lengths))}: lengths must be "
+                     "distinct and increasing", "e.g. --seq-len 64,128,256,512")
+    if isinstance(options.slices, tuple):
+        raise _error("--slices", "--slices with lengths fits one sequence length, not several",
+                     "give a count of equal slices (each length is cut into that many), or 'auto'")
+    longest = lengths[-1]
+    out: dict[int, CompileOptions] = {}
+    for seq in lengths:
+        batch = options.batch
+        if constant_tokens:
+            if (options.batch * longest) % seq:
+                raise _error("--constant-tokens", f"a step of {options.batch} x {longest} tokens does "
+                             f"not reshape into whole sequences of {seq}",
+                             "choose lengths that divide the longest one, e.g. 64,128,256,512")
+            batch = options.batch * longest // seq
+        slices = options.slices
+        if isinstance(slices, int) and slices > seq:
+            raise _error("--slices", f"--slices {slices} but the length {seq} has only {seq} tokens",
+                         f"use at most {lengths[0]} slices, or 'auto'")
+        try:
+            out[seq] = dataclasses.replace(options, seq_len=seq, batch=batch)
+        except TpirError as e:
+            raise TpirError([dataclasses.replace(d, message=f"at length {seq}: {d.message}")
+                             for d in e.diagnostics]) from None
+    return out
+
+
+def compile_bundle(model_path: str, output: str, options: CompileOptions, lengths: tuple[int, ...],
+                   *, constant_tokens: bool = False) -> LoadedBundle:
+    """Compile one plan per length into the folder `output` (see the module docstring)."""
+    per_length = bundle_options(options, tuple(lengths), constant_tokens)
+    folder = Path(output)
+    if folder.exists() and not folder.is_dir():
+        raise _error("--output", f"{output} is a file; a plan bundle is written into a folder",
+                     "give a folder name (it is created), e.g. -o plans")
+    if not folder.parent.resolve().is_dir():
+        raise _error("--output", f"no such folder: {folder.parent}", "create it first, or write elsewhere")
+    longest = lengths[-1]
+    say = (lambda text: None) if options.quiet else (lambda text: print(text, flush=True))
+    say(f"length {longest}:")
+    first = compile_plan(model_path, per_length[longest])
+    h = first.header
+    split = (h.mesh.pipe, h.mesh.data, tuple(s.units for s in h.stages))
+    plans: dict[int, Plan] = {longest: first}
+    for seq in lengths[:-1]:
+        say(f"length {seq} (stage split of length {longest}: "
+            + " | ".join(f"{lo}:{hi}" for lo, hi in split[2]) + "):")
+        o = dataclasses.replace(per_length[seq], stages=split[0], dp=split[1], ranks=None)
+        plans[seq] = compile_plan(model_path, o, split)
+    folder.mkdir(exist_ok=True)
+    for seq in lengths:
+        write_plan(plans[seq], str(folder / member_file(seq)), quiet=options.quiet)
+    index = bundle_index(plans)
+    from tpc.ir.printer import print_bundle
+
+    _write_atomically(folder / INDEX, print_bundle(index))
+    loaded = load_bundle(str(folder))
+    say(f"wrote {folder / INDEX}: {len(lengths)} plans (lengths {', '.join(map(str, lengths))}), "
+        f"one stage split")
+    return loaded
+
+
+def bundle_index(plans: dict[int, Plan]) -> Bundle:
+    """The index of plans that share one split (the longest one's lines are recorded)."""
+    longest = plans[max(plans)].header
+    members = tuple(BundleMember(path=member_file(seq), seq=seq, batch=plans[seq].header.shape.batch)
+                    for seq in sorted(plans))
+    return Bundle(bundle=BundleLine(), model=longest.model, mesh=longest.mesh, units=longest.units,
+                  stages=longest.stages, ties=longest.ties, members=members)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tpir-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
