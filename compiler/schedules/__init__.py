@@ -25,6 +25,8 @@ from tpc.compiler.schedules import (
     terapipe,
     zb_h1,
     zb_h2,
+    zbv,
+    dualpipev,
 )
 from tpc.compiler.schedules.common import Compute
 from tpc.ir.diagnostics import Diagnostic, TpirError
@@ -33,7 +35,7 @@ from tpc.ir.nodes import Header
 MODULES: dict[str, ModuleType] = {
     mod.NAME: mod
     for mod in (gpipe, one_f_one_b, terapipe, seq1f1b, interleaved, looped_bfs, zb_h1, zb_h2,
-                seq_zb, seq_interleaved)
+                seq_zb, seq_interleaved, zbv, dualpipev)
 }
 SCHEDULES: dict[str, Callable[..., Compute]] = {name: mod.build for name, mod in MODULES.items()}
 
