@@ -19,7 +19,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from tpc.compiler.schedules import SCHEDULES, build_schedule
+from tpc.compiler.schedules import SCHEDULES, build_schedule, stages_per_rank
+from tpc.compiler.schedules.placement import vshape
 from tpc.compiler.slicing import AUTO, check_slices, equal_slices, ranges_of
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import (
@@ -103,9 +104,11 @@ class CompileOptions:
 
     @property
     def pipe(self) -> int:
-        """Pipeline ranks: the stages, or with `stages=AUTO` a placeholder until the search
-        picks the mesh (all ranks)."""
-        return self.ranks if self.stages_auto else self.stages
+        """Pipeline ranks: the stages (half of them for a V-shaped schedule, two stages per
+        rank), or with `stages=AUTO` a placeholder until the search picks the mesh (all ranks)."""
+        if self.stages_auto:
+            return self.ranks
+        return self.stages // 2 if stages_per_rank(self.schedule) == 2 else self.stages
 
     @property
     def data(self) -> int:
@@ -155,6 +158,12 @@ def _check_options(o: CompileOptions) -> None:
         if D != 1:
             raise _error("--dp", f"--dp {D} with --stages auto: the search chooses the "
                          "data-parallel degree", "leave out --dp (the search splits --ranks)")
+    if not o.stages_auto and stages_per_rank(o.schedule) == 2 and o.stages % 2:
+        raise _error("--stages", f"schedule {o.schedule!r} runs a V: stage i and stage 2p-1-i on "
+                     f"rank i, two stages on each of p ranks, so it needs an even number of "
+                     f"stages, not {o.stages}",
+                     f"use --stages {o.stages + 1} (on {(o.stages + 1) // 2} ranks) or "
+                     f"--stages {max(2, o.stages - 1)}")
     K, D = o.pipe, o.data
     if B % D:
         raise _error(
@@ -171,10 +180,11 @@ def _check_options(o: CompileOptions) -> None:
             f"use at most {rows} micro-batches, or a larger --batch",
         )
     if R is not None and not o.stages_auto and R != K * D:
+        per = f"--stages {o.stages} / 2 (two stages per rank)" if K != o.stages else f"--stages {K}"
         raise _error(
             "--ranks",
-            f"--ranks {R} does not match --stages {K} x --dp {D} = {K * D}",
-            "leave out --ranks, or make it stages x dp",
+            f"--ranks {R} does not match {per} x --dp {D} = {K * D}",
+            "leave out --ranks, or make it pipeline ranks x dp",
         )
     if o.schedule_auto:
         if not costs:
@@ -219,15 +229,17 @@ def build_header(
     data: int | None = None,
     schedule: str | None = None,
 ) -> Header:
-    """The plan header; stage s runs on pipeline rank s. Ties within one stage are dropped: a
-    parameter used by one stage only needs no reduction between stages. `pipe`, `data` and
-    `schedule` override the options' (the plan search's candidates)."""
+    """The plan header; stage s runs on pipeline rank s, or for a V-shaped schedule stages s and
+    2p-1-s on rank s (`placement.vshape`). Ties within one stage are dropped: a parameter used
+    by one stage only needs no reduction between stages. `pipe`, `data` and `schedule` override
+    the options' (the plan search's candidates)."""
     pipe = opts.pipe if pipe is None else pipe
     data = opts.data if data is None else data
     schedule = opts.schedule if schedule is None else schedule
+    ranks = vshape(len(ranges), pipe) if stages_per_rank(schedule) == 2 else range(len(ranges))
     stages = tuple(
-        Stage(index=s, rank=s, units=(lo, hi), label=stage_label(unit_labels, lo, hi))
-        for s, (lo, hi) in enumerate(ranges)
+        Stage(index=s, rank=r, units=(lo, hi), label=stage_label(unit_labels, lo, hi))
+        for s, ((lo, hi), r) in enumerate(zip(ranges, ranks))
     )
     tie_lines = tuple(
         Tie(name=name, stages=tuple(sorted(set(st)))) for name, st in ties if len(set(st)) > 1
@@ -308,7 +320,7 @@ def search_space(opts: CompileOptions, num_units: int):
                 "change --ranks, --batch or --microbatches",
             )
     else:
-        meshes, skipped = [(opts.stages, opts.dp)], []
+        meshes, skipped = [(opts.pipe, opts.dp)], []
     return Space(
         seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.microbatch_count,
         meshes=tuple(meshes), schedules=AUTO_SCHEDULES if opts.schedule_auto else (opts.schedule,),
@@ -398,7 +410,7 @@ def compile_plan(model_path: str, options: CompileOptions) -> Plan:
         with progress.step("partition") as d:
             ranges = [tuple(r) for r in sliced.partition_by_params(opts.stages)]
             d.append(" | ".join(f"{lo}:{hi}" for lo, hi in ranges))
-        header = make_header(opts.stages, opts.dp, ranges, opts.schedule)
+        header = make_header(opts.pipe, opts.dp, ranges, opts.schedule)
         if opts.slices_auto:
             auto_slices_without_costs(opts, progress)
     with progress.step("self-check") as d:

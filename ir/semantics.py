@@ -37,7 +37,7 @@ What blocks (the buffered semantics of the format)
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, NamedTuple
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import networkx as nx
 
@@ -142,6 +142,23 @@ def tie_ranks(header: Header, name: str) -> tuple[int, ...]:
         if tie.name == name:
             return tuple(sorted({header.stage_rank(s) for s in tie.stages}))
     return ()
+
+
+def allreduce_covers(stage_rank: Sequence[int], ties: Iterable[Iterable[int]], stage: int) -> frozenset[int]:
+    """The stages whose gradients `allreduce stage S` reduces: S, and every stage on S's rank
+    joined to it by ties (`stage_rank[s]` the rank of stage s, `ties` the stages of each tie).
+    A tied parameter of two stages on one rank is one tensor, reduced by the first allreduce of
+    either; so each of those allreduces must come after the backwards of all of them."""
+    rank, tie_sets = stage_rank[stage], [set(t) for t in ties]
+    group, todo = {stage}, [stage]
+    while todo:
+        s = todo.pop()
+        for tie in tie_sets:
+            if s in tie:
+                new = {t for t in tie if 0 <= t < len(stage_rank) and stage_rank[t] == rank} - group
+                group |= new
+                todo += new
+    return frozenset(group)
 
 
 def blocks(op: Op) -> bool:

@@ -61,6 +61,13 @@ def placement_of(name: str) -> str:
     return getattr(MODULES[name], "PLACEMENT", "linear")
 
 
+def stages_per_rank(name: str) -> int:
+    """2 for a schedule made for the V-shaped placement (stage i and 2p-1-i on rank i), else 1:
+    how many stages `tpc compile` and the plan search put on each pipeline rank for it (an
+    unknown name counts 1; `build_schedule` refuses it)."""
+    return 2 if name in MODULES and placement_of(name) == "vshape" else 1
+
+
 def build_schedule(name: str, header: Header, **params) -> Compute:
     """The compute order of schedule `name` for `header`; TpirError for an unknown name or
     parameter."""
