@@ -1,6 +1,7 @@
 """The new schedules and recomputation under the distributed executor (gloo, one process per
 rank), a representative few: several chunks per rank, split backward, unequal token slices,
-recomputation, and pipeline x data parallel. Each rank's loss and gradients equal plain autograd
+recomputation, and pipeline x data parallel; the V-shaped zbv and dualpipev each with 1 slice,
+3 slices and unequal slices between the two groups. Each rank's loss and gradients equal plain autograd
 (<= 1e-5) and the interpreter's (<= 1e-6). One process group per world size runs every case."""
 
 from __future__ import annotations
@@ -20,10 +21,17 @@ TWO = [
     dict(plan=_plan("interleaved", stages=4, ranks=2)),
     dict(plan=_plan("seq-zb", stages=4, ranks=2, recompute={0: "full", 1: "none", 2: "none", 3: "none"})),
     dict(plan=_plan("zb-h2", stages=2, slices="3", microbatches=3, batch=6, recompute="full")),
+    # the V (stage i and 3-i on rank i): 1 slice and unequal slices, then pp x dp below
+    dict(plan=_plan("zbv", stages=4, ranks=2, slices="1", microbatches=3, batch=6)),
+    dict(plan=_plan("dualpipev", stages=4, ranks=2, microbatches=4)),
+    dict(plan=_plan("dualpipev", stages=4, ranks=2, microbatches=4, slices="3")),
 ]
 FOUR = [  # pipe 2 x data 2
     dict(plan=_plan("seq-zb", stages=2, dp=2, batch=8)),
     dict(plan=_plan("seq-interleaved", stages=4, ranks=2, dp=2, batch=8)),
+    dict(plan=_plan("zbv", stages=4, ranks=2, dp=2, batch=8, slices="3")),
+    dict(plan=_plan("zbv", stages=4, ranks=2, dp=2, batch=8)),
+    dict(plan=_plan("dualpipev", stages=4, ranks=2, dp=2, batch=8, microbatches=4, slices="1")),
 ]
 
 
