@@ -18,9 +18,15 @@ SGD step (no weight decay) and all-reduce the loss for logging every iteration.
 - gradients: one step of each from the same initial weights and batch, before any update: the
   largest relative error max|a-b|/max|b| over parameters.
 
-Targets: tpc 1f1b time ratio <= 1.0 vs Schedule1F1B, memory ratio <= 1.0.
+The V-shaped pairs, zbv vs ScheduleZBVZeroBubble and dualpipev vs ScheduleDualPipeV, run 2 x
+ranks stages, stage i and 2p-1-i on rank i in both (torch's "v" placement is the plan's), the
+first and the last stage on rank 0.
+
+Targets: tpc 1f1b time ratio <= 1.0 vs Schedule1F1B, memory ratio <= 1.0; zbv and dualpipev
+time ratio <= 0.95 and memory ratio <= 1.0 vs torch's, gradients equal (<= 1e-5).
 
     OMP_NUM_THREADS=1 python bench/vs_torch_pipelining.py [--steps 12] [--worlds 2,4]
+        [--schedules gpipe,1f1b,zbv,dualpipev] [--microbatches 4]
 """
 
 from __future__ import annotations
@@ -38,7 +44,12 @@ from common import (MACHINE, at_root, compile_plan, launch, load_note, median, o
 
 MODEL = "bench/models/gpt_untied.py"
 SEQ, BATCH, MICRO = 256, 8, 4
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zbv": "ScheduleZBVZeroBubble",
+             "dualpipev": "ScheduleDualPipeV"}
+# the V-shaped pairs run 2 stages per rank (stage i and 2p-1-i on rank i) and need
+# micro-batches >= 2 x ranks (DualPipeV); the targets of each pair: (time ratio, memory ratio)
+V_SHAPED = {"zbv", "dualpipev"}
+TARGETS = {"1f1b": (1.0, 1.0), "zbv": (0.95, 1.0), "dualpipev": (0.95, 1.0)}
 LR = 1e-4
 
 
@@ -89,16 +100,22 @@ class TorchPipe:
 
         self.rank, self.world = rank, world
         self.model = load_plan_model(plan, 0)  # the weights tpc builds (seed 0)
-        units = plan.header.stages[rank].units
-        part = _torch_stage_module(self.model, units)
-        stage = pipelining.PipelineStage(part, rank, world, torch.device("cpu"))
+        h = plan.header
+        self.micro = len(h.microbatches)
+        mine = h.stages_of_rank(rank)  # the plan's placement: one stage, or two in a V
+        parts = [_torch_stage_module(self.model, h.stages[s].units) for s in mine]
+        stages = [pipelining.PipelineStage(part, s, h.num_stages, torch.device("cpu"))
+                  for s, part in zip(mine, parts)]
+        self.first = 0 in mine
+        self.last = h.num_stages - 1 in mine
 
         def loss_fn(logits, targets):
             return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
-        self.schedule = getattr(pipelining, SCHEDULES[schedule])(stage, n_microbatches=MICRO, loss_fn=loss_fn,
-                                                                  scale_grads=True)
-        self.params = [p for p in part.parameters()]
+        cls = getattr(pipelining.schedules, SCHEDULES[schedule])
+        self.schedule = cls(stages if len(stages) > 1 else stages[0], n_microbatches=self.micro,
+                            loss_fn=loss_fn, scale_grads=True)
+        self.params = [p for part in parts for p in part.parameters()]
         self.opt = torch.optim.SGD(self.params, lr=LR)
 
     def step(self, tokens, *, keep_grads: bool = False):
@@ -108,13 +125,13 @@ class TorchPipe:
 
         ids, targets = tokens[:, :-1], tokens[:, 1:]
         losses = []
-        if self.rank == 0:
-            self.schedule.step(ids)
-        elif self.rank == self.world - 1:
-            self.schedule.step(target=targets, losses=losses)
+        inputs = (ids,) if self.first else ()
+        if self.last:
+            self.schedule.step(*inputs, target=targets, losses=losses)
         else:
-            self.schedule.step()
-        loss = torch.tensor([float(sum(l.detach() for l in losses)) / MICRO if losses else 0.0], dtype=torch.float64)
+            self.schedule.step(*inputs)
+        loss = torch.tensor([float(sum(l.detach() for l in losses)) / self.micro if losses else 0.0],
+                            dtype=torch.float64)
         dist.all_reduce(loss)
         grads = None
         if keep_grads:
@@ -195,14 +212,21 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each first (default: 2)")
     ap.add_argument("--steps", type=int, default=12, help="timed steps of each (default: 12)")
     ap.add_argument("--mem-steps", type=int, default=3, help="steps of the memory runs (default: 3)")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES),
+                    help=f"tpc schedules to pair with torch's (default: {','.join(SCHEDULES)}); "
+                         "zbv and dualpipev run 2 x ranks stages, in a V")
+    ap.add_argument("--microbatches", type=int, default=MICRO,
+                    help=f"micro-batches per step (default: {MICRO}; dualpipev needs >= 2 x ranks)")
     args = ap.parse_args(argv)
     at_root()
     rows, ok_all = [], True
     with tempfile.TemporaryDirectory(prefix="tpc-bench-") as tmp:
         for world in (int(w) for w in args.worlds.split(",")):
-            for schedule in SCHEDULES:
-                plan = compile_plan(MODEL, Path(tmp) / f"{schedule}{world}.tpir", factory=args.factory, stages=world, microbatches=MICRO,
-                                    seq_len=SEQ, batch=BATCH, slices=1, schedule=schedule)
+            for schedule in args.schedules.split(","):
+                stages = 2 * world if schedule in V_SHAPED else world
+                plan = compile_plan(MODEL, Path(tmp) / f"{schedule}{world}.tpir", factory=args.factory, stages=stages,
+                                    microbatches=args.microbatches, seq_len=SEQ, batch=BATCH, slices=1,
+                                    schedule=schedule)
                 t0 = time.monotonic()
                 timed = launch(world, rank_time, plan, schedule, args.warmup, args.steps)
                 mem = {fw: launch(world, rank_memory, plan, schedule, fw, args.mem_steps) for fw in ("tpc", "torch")}
@@ -212,8 +236,8 @@ def main(argv=None) -> int:
                 t_tpc, t_torch = median(timed[0]["tpc_times"]), median(timed[0]["torch_times"])
                 ratio = t_tpc / t_torch
                 mem_ratio = max(mem["tpc"]) / max(mem["torch"])
-                target = schedule == "1f1b"
-                good = (ratio <= 1.0 and mem_ratio <= 1.0) if target else True
+                target = TARGETS.get(schedule)
+                good = (ratio <= target[0] and mem_ratio <= target[1] and err <= 1e-5) if target else True
                 ok_all &= good
                 rows.append([f"{world} ranks, {schedule} vs {SCHEDULES[schedule]}",
                              f"{t_tpc * 1e3:.0f} / {t_torch * 1e3:.0f}", f"{ratio:.3f}",
@@ -223,7 +247,7 @@ def main(argv=None) -> int:
                              (ok(good) if target else "-")])
                 print(f"  {rows[-1][0]}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     print(f"tpc vs torch.distributed.pipelining on {MACHINE}: GPT untied ({args.factory}), batch {BATCH} x {SEQ} tokens, "
-          f"{MICRO} micro-batches, gloo, 1 thread per rank; {args.steps} alternating timed steps; {load_note()}")
+          f"{args.microbatches} micro-batches, gloo, 1 thread per rank; {args.steps} alternating timed steps; {load_note()}")
     print(table(["setup", "ms/iter tpc / torch", "time ratio", "peak MiB per rank tpc / torch",
                  "memory ratio", "grad rel. err", "target met"], rows))
     return 0 if ok_all else 1
