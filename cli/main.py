@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--seq-len", type=int, required=True, help="training sequence length L")
     c.add_argument("--batch", type=int, required=True, help="global batch size (sequences per step)")
     c.add_argument("--slices", default="1", help="token slices per micro-batch: N (equal), l1,l2,... (lengths summing to L), or 'auto' (the optimiser chooses) (default: 1)")
-    c.add_argument("--schedule", default=None, help="gpipe | 1f1b | terapipe | seq1f1b | auto (default: seq1f1b)")
+    c.add_argument("--schedule", default=None, help="gpipe | 1f1b | terapipe | seq1f1b | interleaved | looped-bfs | zb-h1 | zb-h2 | seq-zb | seq-interleaved | zbv | dualpipev | auto (default: seq1f1b). zbv (ZB-V) and dualpipev (DualPipeV) run in a V: --stages K puts stage i and K-1-i on rank i, K/2 ranks (K even; dualpipev needs --microbatches >= K); with auto, --stages K fixes K ranks and a V candidate runs 2K stages on them (docs/schedules.md)")
     c.add_argument("--schedule-file", default=None, help="a torch.distributed.pipelining schedule CSV (_dump_csv) giving the compute order, stages, their ranks and the micro-batches (docs/torch-pipelining.md)")
     c.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
     c.add_argument("--ranks", type=int, default=None, help="total ranks, with --stages auto")
