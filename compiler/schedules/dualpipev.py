@@ -21,8 +21,11 @@ c0 = stage r and c1 = stage 2p-1-r, M micro-batches:
   6  B c1, B c0             r + 1 times, switching to split backwards (B now, W queued) half way
   7  a queued W, B c0       p - r - 1 times
   8  a queued W             r + 1 times
-Its bubble is (p - 1)(F&B + B - 3W) (DualPipe's table, with PP = 2p stages: (PP/2 - 1)(...)),
-and each rank holds at most 2p + 1 chunk micro-batches' activations (PP + 1).
+DualPipe's table gives its bubble as (PP/2 - 1)(F&B + B - 3W) with PP = 2p chunks and its
+activations as PP + 1 per rank. Under unit costs (a chunk's F 1, full B 2, W 1) the simulator
+measures a first-rank bubble of p - 1, the formula's value with F&B = B (the forward hidden under
+the backward), although it prices the pair one after the other, and 2p + 1 chunk micro-batches
+held on every rank (tests/compiler/simulate/test_textbook_schedules.py).
 
 Constraints, refused with located errors: the V (an even number of stages, 2p on p ranks) and
 at least 2p micro-batches (step 4 runs M - 2p + r + 1 >= 1 times on rank 0).
