@@ -161,3 +161,22 @@ def test_allreduce_of_tied_stages_on_one_rank_waits_for_both():
     errors = [d.message for d in verify(bad)]
     assert any("allreduce stage 3 runs before it is done with the gradients of stage 3 (and of stage 0, "
                "tied to it on this rank)" in e for e in errors), errors
+
+
+def test_a_rank_of_a_v_counts_the_parameters_of_both_its_stages():
+    """What --schedule auto compares against --memory-per-rank: the simulator's peak, which holds
+    both chunks' parameters, gradients and optimizer state on each rank of the V."""
+    from dataclasses import dataclass
+
+    from tpc.compiler.costmodel.unit import UnitCosts
+    from tpc.compiler.simulate import simulate
+
+    @dataclass(frozen=True)
+    class Weighted(UnitCosts):
+        def param_bytes(self, stage: int) -> float:
+            return 10.0 ** stage
+
+    h = header(2, schedule="zbv", mbs=3)
+    result = simulate(lower(h, build_schedule("zbv", h)), Weighted())
+    assert [r.peak_memory.params for r in result.ranks] == [1 + 1000, 10 + 100]
+    assert [r.peak_memory.optimizer for r in result.ranks] == [2 * 1001, 2 * 110]
