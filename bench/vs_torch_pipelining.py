@@ -24,11 +24,16 @@ ScheduleInterleavedZeroBubble; the tpc plans are `tpc compile --stages R --virtu
 - gradients: one step of each from the same initial weights and batch, before any update: the
   largest relative error max|a-b|/max|b| over parameters.
 
-Targets: tpc 1f1b time ratio <= 1.0 vs Schedule1F1B, memory ratio <= 1.0; interleaved,
-looped-bfs and zb-h1 time ratio <= 0.95 vs their torch counterpart, memory ratio <= 1.0;
-gradients equal for every pair.
+The V-shaped pairs, zbv vs ScheduleZBVZeroBubble and dualpipev vs ScheduleDualPipeV, run 2 x
+ranks stages, stage i and 2p-1-i on rank i in both (torch's "v" placement is the plan's), the
+first and the last stage on rank 0.
 
-    OMP_NUM_THREADS=1 python bench/vs_torch_pipelining.py [--steps 12] [--worlds 2,4] [--schedules gpipe,1f1b,...]
+Targets: tpc 1f1b time ratio <= 1.0 vs Schedule1F1B, memory ratio <= 1.0; interleaved,
+looped-bfs, zb-h1, zbv and dualpipev time ratio <= 0.95 vs their torch counterpart, memory
+ratio <= 1.0; gradients equal for every pair.
+
+    OMP_NUM_THREADS=1 python bench/vs_torch_pipelining.py [--steps 12] [--worlds 2,4]
+        [--schedules gpipe,1f1b,...,zbv,dualpipev] [--microbatches 4]
 """
 
 from __future__ import annotations
@@ -53,7 +58,12 @@ SCHEDULES = {
     "interleaved": ("ScheduleInterleaved1F1B", 2, 0.95),
     "looped-bfs": ("ScheduleLoopedBFS", 2, 0.95),
     "zb-h1": ("ScheduleInterleavedZeroBubble", 2, 0.95),
+    "zbv": ("ScheduleZBVZeroBubble", 2, 0.95),
+    "dualpipev": ("ScheduleDualPipeV", 2, 0.95),
 }
+# the V-shaped pairs run 2 stages per rank (stage i and 2p-1-i on rank i, torch's "v" placement)
+# and need micro-batches >= 2 x ranks (DualPipeV)
+V_SHAPED = {"zbv", "dualpipev"}
 LR = 1e-4
 
 
@@ -105,17 +115,20 @@ class TorchPipe:
         self.rank, self.world = rank, world
         self.model = load_plan_model(plan, 0)  # the weights tpc builds (seed 0)
         h = plan.header
-        local = sorted(h.stages_of_rank(rank))  # the chunks of this rank, as the plan places them
-        parts = [_torch_stage_module(self.model, h.stages[s].units) for s in local]
-        stages = [pipelining.PipelineStage(part, s, h.num_stages, torch.device("cpu")) for part, s in zip(parts, local)]
-        self.first, self.last = 0 in local, h.num_stages - 1 in local
+        self.micro = len(h.microbatches)
+        mine = h.stages_of_rank(rank)  # the plan's placement: one stage, or two in a V
+        parts = [_torch_stage_module(self.model, h.stages[s].units) for s in mine]
+        stages = [pipelining.PipelineStage(part, s, h.num_stages, torch.device("cpu"))
+                  for s, part in zip(mine, parts)]
+        self.first = 0 in mine
+        self.last = h.num_stages - 1 in mine
 
         def loss_fn(logits, targets):
             return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
         cls = getattr(pipelining.schedules, SCHEDULES[schedule][0])
         self.schedule = cls(stages if issubclass(cls, pipelining.schedules.PipelineScheduleMulti) else stages[0],
-                            n_microbatches=MICRO, loss_fn=loss_fn, scale_grads=True)
+                            n_microbatches=self.micro, loss_fn=loss_fn, scale_grads=True)
         self.params = [p for part in parts for p in part.parameters()]
         self.opt = torch.optim.SGD(self.params, lr=LR)
 
@@ -126,9 +139,13 @@ class TorchPipe:
 
         ids, targets = tokens[:, :-1], tokens[:, 1:]
         losses = []
-        self.schedule.step(*([ids] if self.first else []),
-                           **(dict(target=targets, losses=losses) if self.last else {}))
-        loss = torch.tensor([float(sum(l.detach() for l in losses)) / MICRO if losses else 0.0], dtype=torch.float64)
+        inputs = (ids,) if self.first else ()
+        if self.last:
+            self.schedule.step(*inputs, target=targets, losses=losses)
+        else:
+            self.schedule.step(*inputs)
+        loss = torch.tensor([float(sum(l.detach() for l in losses)) / self.micro if losses else 0.0],
+                            dtype=torch.float64)
         dist.all_reduce(loss)
         grads = None
         if keep_grads:
@@ -210,7 +227,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="timed steps of each (default: 12)")
     ap.add_argument("--mem-steps", type=int, default=3, help="steps of the memory runs (default: 3)")
     ap.add_argument("--schedules", default=",".join(SCHEDULES),
-                    help=f"tpc schedules to compare, each with its torch counterpart (default: {','.join(SCHEDULES)})")
+                    help=f"tpc schedules to pair with torch's (default: {','.join(SCHEDULES)}); "
+                         "zbv and dualpipev run 2 x ranks stages, in a V")
+    ap.add_argument("--microbatches", type=int, default=MICRO,
+                    help=f"micro-batches per step (default: {MICRO}; dualpipev needs >= 2 x ranks)")
     args = ap.parse_args(argv)
     at_root()
     rows, ok_all = [], True
@@ -218,8 +238,10 @@ def main(argv=None) -> int:
         for world in (int(w) for w in args.worlds.split(",")):
             for schedule in args.schedules.split(","):
                 torch_name, chunks, target = SCHEDULES[schedule]
-                plan = compile_plan(MODEL, Path(tmp) / f"{schedule}{world}.tpir", factory=args.factory, stages=world,
-                                    virtual_stages=chunks, microbatches=MICRO, seq_len=SEQ, batch=BATCH, slices=1,
+                v = schedule in V_SHAPED
+                plan = compile_plan(MODEL, Path(tmp) / f"{schedule}{world}.tpir", factory=args.factory,
+                                    stages=2 * world if v else world, virtual_stages=1 if v else chunks,
+                                    microbatches=args.microbatches, seq_len=SEQ, batch=BATCH, slices=1,
                                     schedule=schedule)
                 t0 = time.monotonic()
                 timed = launch(world, rank_time, plan, schedule, args.warmup, args.steps)
@@ -241,7 +263,7 @@ def main(argv=None) -> int:
                 print(f"  {rows[-1][0]}: {time.monotonic() - t0:.0f} s: {' | '.join(rows[-1][1:])}", file=sys.stderr,
                       flush=True)
     print(f"tpc vs torch.distributed.pipelining on {MACHINE}: GPT untied ({args.factory}), batch {BATCH} x {SEQ} tokens, "
-          f"{MICRO} micro-batches, gloo, 1 thread per rank; {args.steps} alternating timed steps; {load_note()}")
+          f"{args.microbatches} micro-batches, gloo, 1 thread per rank; {args.steps} alternating timed steps; {load_note()}")
     print(table(["setup", "ms/iter tpc / torch", "time ratio", "peak MiB per rank tpc / torch",
                  "memory ratio", "grad rel. err", "target met"], rows))
     return 0 if ok_all else 1

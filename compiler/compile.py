@@ -22,7 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tpc.compiler.recompute import OPTION as RECOMPUTE
-from tpc.compiler.schedules import SCHEDULES, build_schedule
+from tpc.compiler.schedules import SCHEDULES, build_schedule, stages_per_rank
+from tpc.compiler.schedules.placement import vshape
 from tpc.compiler.slicing import AUTO, check_slices, equal_slices, ranges_of
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import (
@@ -111,11 +112,14 @@ class CompileOptions:
 
     @property
     def pipe(self) -> int:
-        """Pipeline ranks: the stages (with --virtual-stages V, each holds V of them; with
-        --ranks R fewer than stages x dp, R / dp ranks hold the stages in a loop), or with
-        `stages=AUTO` a placeholder until the search picks the mesh (all ranks)."""
+        """Pipeline ranks: the stages (half of them for a V-shaped schedule, two stages per
+        rank; with --virtual-stages V, each holds V of them; with --ranks R fewer than stages x
+        dp, R / dp ranks hold the stages in a loop), or with `stages=AUTO` a placeholder until
+        the search picks the mesh (all ranks)."""
         if self.stages_auto:
             return self.ranks
+        if stages_per_rank(self.schedule) == 2:
+            return self.stages // 2
         if self.virtual_stages == 1 and self.ranks is not None:
             return self.ranks // self.dp
         return self.stages
@@ -190,6 +194,19 @@ def _check_options(o: CompileOptions) -> None:
         if V != 1:
             raise _error("--virtual-stages", f"--virtual-stages {V} with --stages auto: the search "
                          "places one stage per rank", "give --stages, or leave out --virtual-stages")
+    if not o.stages_auto and stages_per_rank(o.schedule) == 2 and o.stages % 2:
+        raise _error("--stages", f"schedule {o.schedule!r} runs a V: stage i and stage 2p-1-i on "
+                     f"rank i, two stages on each of p ranks, so it needs an even number of "
+                     f"stages, not {o.stages}",
+                     f"use --stages {o.stages + 1} (on {(o.stages + 1) // 2} ranks) or "
+                     f"--stages {max(2, o.stages - 1)}")
+    if not o.stages_auto and stages_per_rank(o.schedule) == 2 and V != 1:
+        raise _error("--virtual-stages", f"schedule {o.schedule!r} puts two stages on each rank "
+                     "in a V by itself", "leave out --virtual-stages")
+    if R is not None and not o.stages_auto and stages_per_rank(o.schedule) == 2 and R != (o.stages // 2) * D:
+        raise _error("--ranks", f"--ranks {R} does not match --stages {o.stages} / 2 (two stages per "
+                     f"rank) x --dp {D} = {(o.stages // 2) * D}",
+                     "leave out --ranks, or make it pipeline ranks x dp")
     if R is not None and not o.stages_auto:
         K = o.stages
         if V != 1 and R != K * D:
@@ -201,7 +218,7 @@ def _check_options(o: CompileOptions) -> None:
                          f"puts several stages on each pipeline rank (--ranks / --dp dividing the stages)",
                          f"leave out --ranks, or give {K * D}, or p x {D} with p dividing {K} "
                          f"(--stages {K} --ranks {(K // 2 or 1) * D} puts 2 stages on each rank)")
-    if o.chunks > 1 and costs:
+    if o.chunks > 1 and costs and stages_per_rank(o.schedule) == 1:
         raise _error("--virtual-stages" if V != 1 else "--ranks",
                      f"{o.chunks} stages per pipeline rank with a cost model: the plan search "
                      "places one stage per rank",
@@ -269,15 +286,17 @@ def build_header(
     data: int | None = None,
     schedule: str | None = None,
 ) -> Header:
-    """The plan header; stage s runs on pipeline rank s. Ties within one stage are dropped: a
-    parameter used by one stage only needs no reduction between stages. `pipe`, `data` and
-    `schedule` override the options' (the plan search's candidates)."""
+    """The plan header; stage s runs on pipeline rank s, or for a V-shaped schedule stages s and
+    2p-1-s on rank s (`placement.vshape`). Ties within one stage are dropped: a parameter used
+    by one stage only needs no reduction between stages. `pipe`, `data` and `schedule` override
+    the options' (the plan search's candidates)."""
     pipe = opts.pipe if pipe is None else pipe
     data = opts.data if data is None else data
     schedule = opts.schedule if schedule is None else schedule
+    ranks = vshape(len(ranges), pipe) if stages_per_rank(schedule) == 2 else range(len(ranges))
     stages = tuple(
-        Stage(index=s, rank=s, units=(lo, hi), label=stage_label(unit_labels, lo, hi))
-        for s, (lo, hi) in enumerate(ranges)
+        Stage(index=s, rank=r, units=(lo, hi), label=stage_label(unit_labels, lo, hi))
+        for s, ((lo, hi), r) in enumerate(zip(ranges, ranks))
     )
     tie_lines = tuple(
         Tie(name=name, stages=tuple(sorted(set(st)))) for name, st in ties if len(set(st)) > 1
@@ -358,7 +377,7 @@ def search_space(opts: CompileOptions, num_units: int, split=None):
                 "change --ranks, --batch or --microbatches",
             )
     else:
-        meshes, skipped = [(opts.stages, opts.dp)], []
+        meshes, skipped = [(opts.pipe, opts.dp)], []
     return Space(
         seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.microbatch_count,
         meshes=tuple(meshes), schedules=AUTO_SCHEDULES if opts.schedule_auto else (opts.schedule,),
@@ -455,9 +474,10 @@ def compile_plan(model_path: str, options: CompileOptions, split=None) -> Plan:
             ranges = ([tuple(r) for r in split[2]] if split is not None
                       else [tuple(r) for r in sliced.partition_by_params(opts.num_stages)])
             d.append(" | ".join(f"{lo}:{hi}" for lo, hi in ranges))
-        header = make_header(opts.num_stages, opts.dp, ranges, opts.schedule)
-        if opts.chunks > 1:
-            header = place_chunks(header, opts.pipe)
+        if opts.chunks > 1 and stages_per_rank(opts.schedule) == 1:
+            header = place_chunks(make_header(opts.num_stages, opts.dp, ranges, opts.schedule), opts.pipe)
+        else:
+            header = make_header(opts.pipe, opts.dp, ranges, opts.schedule)
         if opts.slices_auto:
             auto_slices_without_costs(opts, progress)
     eval_mbs = header.microbatches

@@ -51,6 +51,7 @@ from tpc.ir.semantics import (
     NCCL,
     Blocked,
     Entry,
+    allreduce_covers,
     comm_entries,
     compute_messages,
     run_comm,
@@ -185,7 +186,8 @@ def insert_free_kv(header: Header, streams: Streams) -> Streams:
 def insert_allreduce(header: Header, streams: Streams) -> Streams:
     """`allreduce stage S` after the last backward of S (and what follows it), when there is
     more than one data-parallel replica; the reduction of stage S overlaps the backwards of
-    the rank's other stages."""
+    the rank's other stages. A stage tied to another stage of its rank waits for the last
+    backward of both (`semantics.allreduce_covers`: the tied tensor is reduced once)."""
     if header.mesh.data <= 1:
         return dict(streams)
     out: Streams = {}
@@ -194,9 +196,12 @@ def insert_allreduce(header: Header, streams: Streams) -> Streams:
         for p, instr in enumerate(stream):
             if instr.op in BACKWARD_OPS:
                 last[instr.stage] = p
+        ranks = [st.rank for st in header.stages]
+        covers = {s: allreduce_covers(ranks, (t.stages for t in header.ties), s) for s in last}
+        after = {s: max(last.get(t, -1) for t in covers[s]) for s in last}
         at: dict[int, list[Instr]] = defaultdict(list)
-        for s, p in sorted(last.items(), key=lambda kv: kv[1]):
-            at[_tail_end(stream, p, {s})].append(Instr(Op.ALLREDUCE, stage=s))
+        for s, p in sorted(after.items(), key=lambda kv: (kv[1], kv[0])):
+            at[_tail_end(stream, p, set(covers[s]))].append(Instr(Op.ALLREDUCE, stage=s))
         out[rank] = _splice(stream, at)
     return out
 

@@ -16,7 +16,11 @@ What is searched depends on the options; everything else is held fixed:
   formula is an approximation of the real schedule; simulating the simple alternatives too
   means the plan chosen is never slower, simulated, than the best equal slicing). With given
   slices, just those;
-* schedules (`--schedule auto`): terapipe, seq1f1b, 1f1b, gpipe, zb-h1, zb-h2, seq-zb.
+* schedules (`--schedule auto`): terapipe, seq1f1b, 1f1b, gpipe, zb-h1, zb-h2, seq-zb, and the
+  V-shaped zbv and dualpipev. A V-shaped schedule runs 2 x pipe stages on the pipe ranks of a mesh
+  (stage i and 2p-1-i on rank i), partitioned for that many stages; it is left out of a mesh whose
+  model has fewer units, and dualpipev of a slicing with fewer than 2 x pipe micro-batches. A
+  rank's memory is the simulator's, which counts every stage the rank holds (both chunks of a V).
 
 Every (mesh, slicing, schedule), in that order, is built (header, schedule, lowering) and
 simulated under the partition's cost model; its peak memory per rank is the simulator's
@@ -57,9 +61,9 @@ from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Header, Microbatch
 
 # the schedules `--schedule auto` compares, in the order that breaks ties
-# (the zero-bubble ones last: a tie keeps the simpler schedule; the search places one stage per
-# rank, so the schedules of several chunks per rank are not among them)
-AUTO_SCHEDULES = ("terapipe", "seq1f1b", "1f1b", "gpipe", "zb-h1", "zb-h2", "seq-zb")
+# (the zero-bubble ones after the plain ones: a tie keeps the simpler schedule; the looped
+# schedules of several chunks per rank are not among them, the V-shaped ones are)
+AUTO_SCHEDULES = ("terapipe", "seq1f1b", "1f1b", "gpipe", "zb-h1", "zb-h2", "seq-zb", "zbv", "dualpipev")
 # DP runs per mesh when the partition and the slicing are chosen together
 ROUNDS = 4
 # relative difference of simulated times below which two candidates are equally fast
@@ -164,22 +168,28 @@ def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> Se
     start = time.perf_counter()
     candidates, dp_runs = [], 0
     incumbent = math.inf  # the fastest fitting time so far
-    for pipe, data in space.meshes:
+    for pipe, data, per_rank, schedules in _groups(space, source.num_units):
         rows = space.batch // data
-        ranges, slicings, runs = _partition_and_slicings(source, space, pipe, data, rows)
+        ranges, slicings, runs = _partition_and_slicings(source, space, pipe * per_rank, data, rows)
         dp_runs += runs
         # one memo per mesh: every schedule and slicing asks the same (stage, l, c, b) again
         cost = _Memo(source.for_stages(ranges))
         for slicing in slicings:
-            bound = busy_bound(cost.inner, slicing, data)
-            for schedule in space.schedules:
+            bound = busy_bound(cost.inner, slicing, data, per_rank)
+            for schedule in schedules:
                 if bound > incumbent * (1 + TIE):
                     # a rank's own compute already takes longer than a plan that fits
                     candidates.append(Candidate(pipe, data, ranges, schedule, slicing, bound,
                                                 math.nan, False, None, simulated=False))
                     continue
                 header = make_header(pipe, data, ranges, schedule, slicing.microbatches())
-                plan = lower(header, build_schedule(schedule, header), verify=False)
+                try:
+                    compute = build_schedule(schedule, header)
+                except TpirError:
+                    if len(space.schedules) == 1:
+                        raise  # the schedule the user named refuses this plan: say why
+                    continue  # e.g. dualpipev with fewer than 2 x pipe micro-batches
+                plan = lower(header, compute, verify=False)
                 sim = simulate(plan, cost)
                 peak = max(r.peak_memory.total for r in sim.ranks)
                 fits = space.budget is None or peak <= space.budget
@@ -194,18 +204,35 @@ def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> Se
     return SearchResult(tuple(candidates), best, space, time.perf_counter() - start, dp_runs)
 
 
-def busy_bound(cost, slicing: Slicing, data: int) -> float:
+def _groups(space: Space, num_units: int):
+    """(pipe, data, stages per rank, schedules) in search order: per mesh, the schedules of one
+    stage per rank, then those of two (the V-shaped ones, 2 x pipe stages: left out where the
+    model has fewer units)."""
+    from tpc.compiler.schedules import stages_per_rank
+
+    for pipe, data in space.meshes:
+        for per_rank in (1, 2):
+            names = tuple(n for n in space.schedules if stages_per_rank(n) == per_rank)
+            if names and pipe * per_rank <= num_units:
+                yield pipe, data, per_rank, names
+
+
+def busy_bound(cost, slicing: Slicing, data: int, per_rank: int = 1) -> float:
     """A lower bound on any schedule's step time for a slicing: the busiest rank's compute
-    (every forward and backward of its stage) plus its gradient all-reduce."""
+    (every forward and backward of its stages: stage s, or with two per rank in a V stages s
+    and K-1-s) plus their gradient all-reduces."""
     l = np.array([hi - lo for s in slicing.slices for lo, hi in s], dtype=np.float64)
     c = np.array([lo for s in slicing.slices for lo, _ in s], dtype=np.float64)
     mb = np.array([b for b, s in zip(slicing.mb_sizes, slicing.slices) for _ in s], dtype=np.float64)
-    busiest = 0.0
-    for stage in range(cost.num_stages):
+    K = cost.num_stages
+    work = []
+    for stage in range(K):
         f, b = cost.slice_times(stage, l, c, mb)
         sync = cost.grad_sync_time(stage, data) if data > 1 else 0.0
-        busiest = max(busiest, float(np.sum(f + b)) + sync)
-    return busiest
+        work.append(float(np.sum(f + b)) + sync)
+    if per_rank == 2:
+        return max(work[r] + work[K - 1 - r] for r in range(K // 2))
+    return max(work)
 
 
 class _Memo:
@@ -249,7 +276,9 @@ def _nothing_fits(candidates, space: Space) -> TpirError:
 
 
 def _describe(c: Candidate) -> str:
-    return (f"{c.pipe} stage{'s' * (c.pipe != 1)} x {c.data} replica{'s' * (c.data != 1)}, "
+    K = len(c.ranges)
+    on = f" on {c.pipe} rank{'s' * (c.pipe != 1)}" if K != c.pipe else ""
+    return (f"{K} stage{'s' * (K != 1)}{on} x {c.data} replica{'s' * (c.data != 1)}, "
             f"units {partition_text(c.ranges)}, "
             f"{c.schedule}, {c.slicing.summary()}")
 

@@ -48,6 +48,7 @@ from pathlib import Path
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Op
 from tpc.ir.semantics import message_key
+from tpc.ir.show import directions
 
 # --------------------------------------------------------------------------- Chrome trace
 
@@ -263,6 +264,14 @@ COLOURS = {
     Op.REDUCE_TIED: "#8C8C8C",
     Op.STEP: "#55A868",
 }
+# the way back up of a bidirectional (V-shaped) plan: the same ops in a second palette
+UP_COLOURS = {
+    Op.FORWARD: "#2A9D8F",
+    Op.RECOMPUTE: "#A6D4B2",
+    Op.BACKWARD: "#8172B3",
+    Op.BACKWARD_INPUT: "#B39DDB",
+    Op.BACKWARD_WEIGHT: "#64347A",
+}
 IDLE = "#EEEEEE"
 LEGEND = {
     Op.FORWARD: "forward", Op.RECOMPUTE: "recompute", Op.BACKWARD: "backward",
@@ -328,12 +337,25 @@ def _chunk_of(header) -> dict[int, tuple[int, int]]:
     return out
 
 
+def box_colour(instr, chunk_of: dict, ways: dict | None) -> str:
+    """The colour of an instruction's box: its op's; on the way back up of a bidirectional plan
+    (`ir.show.directions`) the op's colour of the second palette; on a later chunk of a rank
+    holding several stages otherwise, lighter."""
+    if ways is not None and ways.get(instr.stage) == "up" and instr.op in UP_COLOURS:
+        return UP_COLOURS[instr.op]
+    colour = COLOURS[instr.op]
+    if ways is None and instr.stage is not None and instr.stage in chunk_of:
+        colour = shade(colour, *chunk_of[instr.stage])
+    return colour
+
+
 def write_gantt(result, path: str, width_in: float = 12.0) -> None:
     """A Gantt chart: one row per rank (rank 0 on top), one box per instruction that takes
     time: forward, recompute (hatched), backward, backward-input and backward-weight in their
     colours, 'mb.slice' inside a box wide enough to hold it; the idle time of a rank shows as the
     grey background between boxes. On a rank holding several stages (interleaved chunks) each
-    later chunk's boxes are lighter, and the rank's label lists its stages."""
+    later chunk's boxes are lighter, and the rank's label lists its stages. A bidirectional plan
+    (stages down the ranks and back up, a V) draws the way up in a second palette."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -346,13 +368,14 @@ def write_gantt(result, path: str, width_in: float = 12.0) -> None:
     fig, ax = plt.subplots(figsize=(width_in, 1.6 + 0.55 * P), dpi=150)
     axes_px = width_in * fig.dpi * 0.86  # the axes' share of the figure width
     row_h = 0.8
-    used = set()
+    used, used_up = set(), set()
     fontsize = _label_size(result, axes_px / T * scale)
     for p in result.plan.ranks:
         y = P - 1 - p.rank
         ax.broken_barh([(0, T)], (y - row_h / 2, row_h), facecolors=IDLE, edgecolor="none")
     chunk_of = _chunk_of(result.plan.header)
-    several = any(n > 1 for _, n in chunk_of.values())
+    ways = directions(result.plan.header)
+    several = ways is None and any(n > 1 for _, n in chunk_of.values())
     for e in result.events:
         dur = e.work * scale
         if dur <= 0 or e.instr.op not in COLOURS:
@@ -360,15 +383,16 @@ def write_gantt(result, path: str, width_in: float = 12.0) -> None:
         used.add(e.instr.op)
         y = P - 1 - e.rank
         x = (e.start + e.wait) * scale
-        colour = COLOURS[e.instr.op]
-        if e.instr.stage is not None and e.instr.stage in chunk_of:
-            colour = shade(colour, *chunk_of[e.instr.stage])
+        colour = box_colour(e.instr, chunk_of, ways)
+        if ways is not None and ways.get(e.instr.stage) == "up":
+            used_up.add(e.instr.op)
         ax.broken_barh([(x, dur)], (y - row_h / 2, row_h), facecolors=colour,
                        edgecolor="white", linewidth=0.6,
                        hatch="//" if e.instr.op is Op.RECOMPUTE else None)
         if e.instr.slice is not None and fontsize:
+            dark = colour in (COLOURS[e.instr.op], UP_COLOURS.get(e.instr.op))
             ax.text(x + dur / 2, y, box_label(e.instr), ha="center", va="center",
-                    fontsize=fontsize, color="white" if colour == COLOURS[e.instr.op]
+                    fontsize=fontsize, color="white" if dark
                     and e.instr.op is not Op.RECOMPUTE else "black")
     ax.set_yticks(range(P))
     def rank_label(r: int) -> str:
@@ -388,11 +412,16 @@ def write_gantt(result, path: str, width_in: float = 12.0) -> None:
             seen.add(LEGEND[op])
             handles.append(Patch(facecolor=COLOURS[op], label=LEGEND[op],
                                  hatch="//" if op is Op.RECOMPUTE else None))
+    for op in UP_COLOURS:
+        if op in used_up:
+            handles.append(Patch(facecolor=UP_COLOURS[op], label=f"{LEGEND[op]}, way up"))
     if several:
         handles.append(Patch(facecolor=shade(COLOURS[Op.FORWARD], 1, 2), label="later chunk (lighter)"))
     handles.append(Patch(facecolor=IDLE, label="idle (bubble)"))
+    ncol = min(len(handles), 6)
+    rows = -(-len(handles) // ncol)
     fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0),
-               ncol=len(handles), frameon=False, fontsize=8)
-    fig.tight_layout(rect=(0, 0.3 / fig.get_figheight(), 1, 1))  # room for the legend
+               ncol=ncol, frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0.3 * rows / fig.get_figheight(), 1, 1))  # room for the legend
     fig.savefig(path)
     plt.close(fig)

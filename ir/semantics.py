@@ -167,6 +167,23 @@ def tie_ranks(header: Header, name: str) -> tuple[int, ...]:
     return ()
 
 
+def allreduce_covers(stage_rank: Sequence[int], ties: Iterable[Iterable[int]], stage: int) -> frozenset[int]:
+    """The stages whose gradients `allreduce stage S` reduces: S, and every stage on S's rank
+    joined to it by ties (`stage_rank[s]` the rank of stage s, `ties` the stages of each tie).
+    A tied parameter of two stages on one rank is one tensor, reduced by the first allreduce of
+    either; so each of those allreduces must come after the backwards of all of them."""
+    rank, tie_sets = stage_rank[stage], [set(t) for t in ties]
+    group, todo = {stage}, [stage]
+    while todo:
+        s = todo.pop()
+        for tie in tie_sets:
+            if s in tie:
+                new = {t for t in tie if 0 <= t < len(stage_rank) and stage_rank[t] == rank} - group
+                group |= new
+                todo += new
+    return frozenset(group)
+
+
 def blocks(op: Op, comm: str = "gloo") -> bool:
     """Whether an instruction can wait on another pipeline rank under `comm`'s rules: a
     receive (for its send), a reduce-tied (for the tie's other ranks), and under `nccl` a send

@@ -7,12 +7,14 @@ chooses, can be read at a glance; the legend under the grid says so.
 
 A rank that holds several stages (the chunks of an interleaved or V-shaped schedule) is titled
 with them, `rank 0 [0,4]`, and its cells carry the chunk: `F4.0.1:c1` is stage 4, the rank's
-chunk 1 (its stages in pipeline order are chunks 0, 1, ...).
+chunk 1 (its stages in pipeline order are chunks 0, 1, ...). A plan whose stages go down the
+ranks and come back up (the V of zbv and dualpipev, `directions`) is bidirectional: its cells
+carry the direction instead, `F0.0.1:dn` on the way down, `F3.0.1:up` on the way back.
 """
 
 from __future__ import annotations
 
-from tpc.ir.nodes import Instr, Op, Plan
+from tpc.ir.nodes import Header, Instr, Op, Plan
 
 # The short name of each instruction the grid shows; the rest are left out.
 SHORT: dict[Op, str] = {
@@ -40,7 +42,28 @@ CHUNK_LEGEND = (
 )
 
 
-def cell(instr: Instr, chunk: int | None = None) -> str:
+DIRECTION_LEGEND = (
+    "\nThe stages go down the ranks and come back up (a V): :dn marks a stage of the way down, "
+    ":up one of the way back; a rank titled [0,3] holds stage 0 (dn) and stage 3 (up)."
+)
+
+
+def directions(header: Header) -> dict[int, str] | None:
+    """stage -> "dn" or "up" when the pipeline runs down the ranks and back up: the stages'
+    ranks rise (never fall) to the first stage on the highest rank, then fall (never rise), and
+    the last stage is back on the first's rank. None for any other placement (one direction)."""
+    ranks = [st.rank for st in header.stages]
+    if len(ranks) < 2 or ranks[0] != ranks[-1] or len(set(ranks)) < 2:
+        return None
+    turn = ranks.index(max(ranks))
+    rising = all(a <= b for a, b in zip(ranks[:turn + 1], ranks[1:turn + 1]))
+    falling = all(a >= b for a, b in zip(ranks[turn:], ranks[turn + 1:]))
+    if not (rising and falling):
+        return None
+    return {s: "dn" if s <= turn else "up" for s in range(len(ranks))}
+
+
+def cell(instr: Instr, chunk: int | str | None = None) -> str:
     """`F0.1.2` is the forward of stage 0, micro-batch 1, slice 2; `F0.1.2*` checkpointed;
     `F4.1.2:c1` on a rank whose chunk 1 is stage 4."""
     short = SHORT[instr.op]
@@ -48,7 +71,9 @@ def cell(instr: Instr, chunk: int | None = None) -> str:
         return short
     text = f"{short}{instr.stage}.{instr.mb}.{instr.slice}"
     text = text + "*" if instr.checkpoint else text
-    return text if chunk is None else f"{text}:c{chunk}"
+    if chunk is None:
+        return text
+    return f"{text}:{chunk}" if isinstance(chunk, str) else f"{text}:c{chunk}"
 
 
 def _chunks(plan: Plan, rank: int) -> dict[int, int] | None:
@@ -60,8 +85,9 @@ def _chunks(plan: Plan, rank: int) -> dict[int, int] | None:
 def columns(plan: Plan) -> list[list[str]]:
     """Per pipeline rank, the cells of its shown instructions in stream order."""
     out = []
+    ways = directions(plan.header)
     for program in plan.ranks:
-        chunk = _chunks(plan, program.rank)
+        chunk = ways if ways is not None else _chunks(plan, program.rank)
         out.append([cell(i, None if chunk is None or i.stage is None else chunk.get(i.stage))
                     for i in program.instrs if i.op in SHORT])
     return out
@@ -90,7 +116,8 @@ def render_grid(plan: Plan, width: int = 0) -> str:
         cells = [col[n] if n < len(col) else IDLE for col in cols]
         lines.append(_row(str(n).rjust(step_width), cells, col_width))
     several = any(_chunks(plan, program.rank) for program in plan.ranks)
-    return "\n".join(lines) + "\n\n" + LEGEND + (CHUNK_LEGEND if several else "")
+    marks = DIRECTION_LEGEND if directions(plan.header) else CHUNK_LEGEND if several else ""
+    return "\n".join(lines) + "\n\n" + LEGEND + marks
 
 
 def _fit(text: str, width: int) -> str:

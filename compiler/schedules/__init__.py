@@ -25,6 +25,8 @@ from tpc.compiler.schedules import (
     terapipe,
     zb_h1,
     zb_h2,
+    zbv,
+    dualpipev,
 )
 from tpc.compiler.schedules.common import Compute
 from tpc.ir.diagnostics import Diagnostic, TpirError
@@ -33,7 +35,7 @@ from tpc.ir.nodes import Header
 MODULES: dict[str, ModuleType] = {
     mod.NAME: mod
     for mod in (gpipe, one_f_one_b, terapipe, seq1f1b, interleaved, looped_bfs, zb_h1, zb_h2,
-                seq_zb, seq_interleaved)
+                seq_zb, seq_interleaved, zbv, dualpipev)
 }
 SCHEDULES: dict[str, Callable[..., Compute]] = {name: mod.build for name, mod in MODULES.items()}
 
@@ -57,6 +59,13 @@ def placement_of(name: str) -> str:
     if name not in MODULES:
         raise _unknown(name)
     return getattr(MODULES[name], "PLACEMENT", "linear")
+
+
+def stages_per_rank(name: str) -> int:
+    """2 for a schedule made for the V-shaped placement (stage i and 2p-1-i on rank i), else 1:
+    how many stages `tpc compile` and the plan search put on each pipeline rank for it (an
+    unknown name counts 1; `build_schedule` refuses it)."""
+    return 2 if name in MODULES and placement_of(name) == "vshape" else 1
 
 
 def build_schedule(name: str, header: Header, **params) -> Compute:

@@ -107,3 +107,28 @@ def one_f_one_b(forwards: list, backwards: list, warmup: int) -> list:
         b += 1
     out.extend(backwards[b:])
     return out
+
+
+def vshape_chunks(header: Header, schedule: str) -> dict[int, tuple[int, int]]:
+    """(chunk 0, chunk 1) = (stage r, stage 2p-1-r) of each rank r of a V-shaped placement
+    (`placement.vshape`); a TpirError naming the placement otherwise."""
+    p, K = header.mesh.pipe, header.num_stages
+    ok = K == 2 * p and all(st.rank == (st.index if st.index < p else K - 1 - st.index)
+                            for st in header.stages)
+    if not ok:
+        where = ", ".join(f"stage {st.index} on rank {st.rank}" for st in header.stages)
+        raise TpirError(Diagnostic(
+            f"schedule {schedule!r} runs a V: 2p stages on p ranks, stage i and stage 2p-1-i on "
+            f"rank i; but the plan has {K} stage{'s' if K != 1 else ''} ({where})",
+            where=f"--schedule {schedule}",
+            hint=f"give an even number of stages: --stages {2 * max(1, K // 2)} puts them on "
+                 f"{max(1, K // 2)} ranks in a V"))
+    return {r: (r, K - 1 - r) for r in range(p)}
+
+
+def expand(header: Header, op: Op, stage: int, mb: int) -> list[Instr]:
+    """One micro-batch's work on one stage as slice instructions: a forward in token order,
+    any backward kind in reverse token order (the key/value gradients of later slices)."""
+    n = len(header.microbatches[mb].slices)
+    order = range(n) if op is Op.FORWARD else reversed(range(n))
+    return [Instr(op, stage=stage, mb=mb, slice=i) for i in order]

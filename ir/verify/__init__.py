@@ -65,7 +65,9 @@ Program order on a rank (X "after" Y: Y's line comes earlier in the same rank se
   R7  `send act` (s,m,i) after forward (s,m,i); `send grad` (s,m,i) after the backward(-input)
       of (s,m,i).
   R8  `free-kv stage s mb m` after every other instruction about stage s and micro-batch m.
-  R9  `allreduce stage s` after every backward and backward-weight of stage s.
+  R9  `allreduce stage s` after every backward and backward-weight of stage s, and of every
+      stage on its rank joined to s by ties (`semantics.allreduce_covers`: a tied parameter of
+      two stages on one rank is one tensor, reduced by the first of their allreduces).
   R10 `reduce-tied NAME` after every backward and backward-weight of the tie's stages held by
       that rank.
   R11 `step` after every forward, recompute, backward(-input/-weight), allreduce and

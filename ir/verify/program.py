@@ -397,8 +397,13 @@ def _check_after_all(ins: Instr, r: int, p: int, shape: Shape, idx: Index,
         last = idx.last_about.get((ins.stage, ins.mb))
         what = f"the KV cache of stage {ins.stage} mb {ins.mb}, which {{}} still uses"
     elif op is O.ALLREDUCE:
-        last = idx.last_wgrad.get(ins.stage)
-        what = f"the gradients of stage {ins.stage}, to which {{}} still adds"
+        covered = shape.allreduce_covers[ins.stage]
+        lasts = [idx.last_wgrad[s] for s in covered if s in idx.last_wgrad]
+        last = max(lasts) if lasts else None
+        tied = (f" (and of stage{'s' * (len(covered) > 2)} "
+                f"{', '.join(str(s) for s in sorted(covered - {ins.stage}))}, tied to it on this rank)"
+                if len(covered) > 1 else "")
+        what = f"the gradients of stage {ins.stage}{tied}, to which {{}} still adds"
     elif op is O.REDUCE_TIED:
         tied = [s for s in shape.ties.get(ins.tie, ()) if shape.stage_rank[s] == r]
         lasts = [idx.last_wgrad[s] for s in tied if s in idx.last_wgrad]

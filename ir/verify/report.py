@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tpc.ir.diagnostics import Diagnostic
 from tpc.ir.nodes import Instr, Loc, Op, Payload, Plan
+from tpc.ir.semantics import allreduce_covers
 
 ACT, GRAD = Payload.ACT, Payload.GRAD
 
@@ -173,6 +174,8 @@ class Shape:
     # tie -> ranks holding its stages
     tie_ranks: dict[str, frozenset[int]]
     ends: frozenset[int]  # the ranks of the first and last stage: they load
+    # stage -> the stages whose gradients its allreduce reduces (semantics.allreduce_covers)
+    allreduce_covers: dict[int, frozenset[int]]
     forward_only: bool = False  # the evaluation program (rules E2-E4)
 
     @staticmethod
@@ -187,6 +190,7 @@ class Shape:
             tie_ranks={n: frozenset(stage_rank[s] for s in st) for n, st in ties.items()},
             ends=frozenset({stage_rank[0], stage_rank[-1]}),
             forward_only=plan.forward_only,
+            allreduce_covers={s: allreduce_covers(stage_rank, ties.values(), s) for s in range(len(h.stages))},
         )
 
 

@@ -22,7 +22,7 @@ from tpc.compiler.costmodel.resolve import load_cost_source
 from tpc.compiler.costmodel.store import save_profile
 from tpc.compiler.lower import lower
 from tpc.compiler.slice_optimiser import DEFAULT_GRANULARITY
-from tpc.compiler.schedules import build_schedule
+from tpc.compiler.schedules import build_schedule, stages_per_rank
 from tpc.compiler.quantities import format_bytes
 from tpc.compiler.search import AUTO_SCHEDULES, search_plan
 from tpc.compiler.simulate import simulate
@@ -116,11 +116,13 @@ def test_chosen_plan_is_never_slower_than_equal_slicing(tiny, source, schedule, 
 def test_pruning_bound_is_a_lower_bound(tiny, source):
     """busy_bound never exceeds a simulated time, so a candidate it rules out is slower than
     the chosen plan."""
+    from tpc.compiler.schedules import stages_per_rank
     from tpc.compiler.search import busy_bound
 
     result = search(tiny, source, stages="auto", ranks=4, microbatches=1, schedule="auto")
+    assert {"zbv", "1f1b"} <= {c.schedule for c in result.candidates}
     for c in result.candidates:
-        bound = busy_bound(source.for_stages(c.ranges), c.slicing, c.data)
+        bound = busy_bound(source.for_stages(c.ranges), c.slicing, c.data, stages_per_rank(c.schedule))
         if c.simulated:
             assert 0 < bound <= c.time * (1 + 1e-12)
         else:
@@ -150,14 +152,24 @@ def _fixed_slices_search(tiny, source, budget=None):
 @pytest.mark.parametrize("which_budget", ["none", "between"])
 def test_schedule_auto_is_the_fastest_schedule_that_fits(tiny, source, which_budget):
     """Brute force: every schedule the search compares (AUTO_SCHEDULES) built on the chosen
-    partition and simulated here; the search's choice is the fastest of those within the budget."""
+    partition and simulated here; the search's choice is the fastest of those within the budget.
+    A V-shaped schedule runs twice the stages on the same ranks, on a partition of its own: its
+    header is the search's candidate of that schedule, built and simulated here again."""
     free = _fixed_slices_search(tiny, source)
-    peaks = sorted({c.peak for c in free.candidates})
+    peaks = sorted({c.peak for c in free.candidates if c.simulated})
     budget = None if which_budget == "none" else (peaks[0] + peaks[1]) / 2
     result = _fixed_slices_search(tiny, source, budget)
     brute = {}
     for name in sorted(AUTO_SCHEDULES):
-        h = dataclasses.replace(result.best.header, schedule=ScheduleLine(name=name))
+        if stages_per_rank(name) == 2:
+            c = next(c for c in free.candidates if c.schedule == name)
+            opts = check_options(**{**BASE, "schedule": "auto", "microbatches": 4, "slices": "8"}, device_model="h100")
+            make = header_maker(model_path=TINY, sha256=tiny.sha, factory="model", opts=opts,
+                                vocab=tiny.vocab, sliced=tiny.sliced)
+            h = make(c.pipe, c.data, c.ranges, name, c.slicing.microbatches())
+            assert h.num_stages == 2 * h.mesh.pipe == 2 * result.best.header.mesh.pipe
+        else:
+            h = dataclasses.replace(result.best.header, schedule=ScheduleLine(name=name))
         t, peak = simulated(h, source)
         if budget is None or peak <= budget:
             brute[name] = t
@@ -169,8 +181,11 @@ def test_schedule_auto_is_the_fastest_schedule_that_fits(tiny, source, which_bud
 
 
 def test_schedule_auto_with_slices_auto_matches_each_schedule_searched_alone(tiny, source):
-    auto = search(tiny, source, schedule="auto", microbatches=2)
-    alone = {name: search(tiny, source, schedule=name, microbatches=2).best.time for name in AUTO_SCHEDULES}
+    """With --schedule auto, --stages K fixes the pipeline ranks: a V-shaped schedule runs 2K
+    stages on them, which alone is --schedule zbv --stages 2K."""
+    auto = search(tiny, source, schedule="auto", microbatches=4)
+    alone = {name: search(tiny, source, schedule=name, microbatches=4,
+                          stages=str(2 * stages_per_rank(name))).best.time for name in AUTO_SCHEDULES}
     assert auto.best.time == pytest.approx(min(alone.values()), rel=1e-12)
     assert alone[auto.best.schedule] == pytest.approx(auto.best.time, rel=1e-12)
 

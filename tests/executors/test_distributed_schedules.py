@@ -1,7 +1,8 @@
 """The new schedules and recomputation under the distributed executor (gloo, one process per
 rank): every new schedule x {1, 3 equal, unequal slices} with two chunks per rank on two ranks
-(GRID), and a few more: split backward with one chunk, recomputation, and pipeline x data
-parallel. Each rank's loss and gradients equal plain autograd
+(GRID), and a few more: split backward with one chunk, recomputation, pipeline x data parallel,
+NCCL's rules on gloo, and the V-shaped zbv and dualpipev each with 1 slice, 3 slices and
+unequal slices between the two groups. Each rank's loss and gradients equal plain autograd
 (<= 1e-5) and the interpreter's (<= 1e-6). One process group per world size runs every case."""
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ TWO = [
     dict(plan=_plan("interleaved", stages=4, ranks=2)),
     dict(plan=_plan("seq-zb", stages=4, ranks=2, recompute={0: "full", 1: "none", 2: "none", 3: "none"})),
     dict(plan=_plan("zb-h2", stages=2, slices="3", microbatches=3, batch=6, recompute="full")),
+    # the V (stage i and 3-i on rank i): 1 slice and unequal slices, then pp x dp below
+    dict(plan=_plan("zbv", stages=4, ranks=2, slices="1", microbatches=3, batch=6)),
+    dict(plan=_plan("dualpipev", stages=4, ranks=2, microbatches=4)),
+    dict(plan=_plan("dualpipev", stages=4, ranks=2, microbatches=4, slices="3")),
 ]
 NEW = ["interleaved", "looped-bfs", "zb-h1", "zb-h2", "seq-zb", "seq-interleaved"]
 GRID = [dict(plan=_plan(schedule, stages=4, ranks=2, slices=slices)) for schedule in NEW for slices in ("1", "3", "2,9,5")]
@@ -34,6 +39,9 @@ FOUR = [  # pipe 2 x data 2
     dict(plan=_plan("seq-zb", stages=2, dp=2, batch=8)),
     dict(plan=_plan("seq-interleaved", stages=4, ranks=2, dp=2, batch=8)),
     dict(plan=_plan("seq-interleaved", stages=4, ranks=2, dp=2, batch=8), comm="nccl"),
+    dict(plan=_plan("zbv", stages=4, ranks=2, dp=2, batch=8, slices="3")),
+    dict(plan=_plan("zbv", stages=4, ranks=2, dp=2, batch=8)),
+    dict(plan=_plan("dualpipev", stages=4, ranks=2, dp=2, batch=8, microbatches=4, slices="1")),
 ]
 
 

@@ -102,3 +102,25 @@ def test_weights_after_several_steps_match_plain_training():
     final = dict(ref.named_parameters())
     worst, where = gradient_error({n: result.state_dict[n] for n in final}, {n: final[n].detach() for n in final})
     assert worst <= TOL, (worst, where)
+
+
+# ------------------------------------------------------------------- V-shaped: zbv, dualpipev
+
+V_SHAPED = [("zbv", 2), ("dualpipev", 4)]  # (schedule, micro-batches: DualPipeV needs 2 x ranks)
+
+
+@pytest.mark.parametrize("schedule,mbs", V_SHAPED)
+@pytest.mark.parametrize("slices", SLICES)
+def test_v_shaped_schedules_match_autograd(schedule, mbs, slices):
+    """4 stages on 2 ranks in a V (stage i and 3-i on rank i), 1, 3 and unequal slices."""
+    plan, _ = run_and_check(schedule=schedule, stages=4, ranks=2, slices=slices, microbatches=mbs, batch=4)
+    assert [plan.header.stages_of_rank(r) for r in range(2)] == [(0, 3), (1, 2)]
+
+
+@pytest.mark.parametrize("schedule,mbs", V_SHAPED)
+def test_v_shaped_schedules_data_parallel(schedule, mbs):
+    run_and_check(schedule=schedule, stages=4, ranks=2, slices="2,9,5", microbatches=mbs, batch=8, dp=2)
+
+
+def test_v_shaped_schedule_on_another_model():
+    run_and_check("llama", schedule="zbv", stages=4, ranks=2, slices="2,9,5", microbatches=3, batch=6)

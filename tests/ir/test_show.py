@@ -85,3 +85,21 @@ def test_cli_show_bad_plan_is_a_located_error(tmp_path, capsys):
     assert main(["show", str(path)]) == 1
     err = capsys.readouterr().err
     assert f"{path}:2:1: error:" in err and "did you mean 'model'?" in err
+
+
+def test_a_v_shaped_plan_marks_the_way_down_and_the_way_up():
+    from tests.compiler import make_header
+    from tpc.compiler.lower import lower
+    from tpc.compiler.schedules import build_schedule
+    from tpc.compiler.schedules.placement import looped, vshape
+    from tpc.ir.show import directions
+
+    h = make_header(6, mbs=6, schedule="dualpipev", stage_ranks=vshape(6, 3))
+    assert directions(h) == {0: "dn", 1: "dn", 2: "dn", 3: "up", 4: "up", 5: "up"}
+    text = render_grid(lower(h, build_schedule("dualpipev", h)))
+    assert text.splitlines()[0].split() == ["step", "rank", "0", "[0,5]", "rank", "1", "[1,4]", "rank", "2", "[2,3]"]
+    assert text.splitlines()[1].split() == ["0", "F0.0.0:dn", "F1.0.0:dn", "F2.0.0:dn"]
+    assert "F5.0.0:up" in text and ":c1" not in text and ":up one of the way back" in text
+    # one direction: a loop, or one stage per rank
+    assert directions(make_header(4, stage_ranks=looped(4, 2))) is None
+    assert directions(make_header(3)) is None

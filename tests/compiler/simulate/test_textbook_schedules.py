@@ -18,7 +18,7 @@ from tests.compiler.simulate.plans import make_header
 from tpc.compiler import recompute
 from tpc.compiler.lower import lower
 from tpc.compiler.schedules import build_schedule
-from tpc.compiler.schedules.placement import looped, place
+from tpc.compiler.schedules.placement import looped, place, vshape
 from tpc.compiler.costmodel.unit import UnitCosts
 from tpc.compiler.simulate import simulate
 from tpc.ir.nodes import COMPUTE_OPS, Op
@@ -183,3 +183,59 @@ def test_recompute_runs_in_the_wait_for_a_gradient(schedule):
     waits = [e for e in full.events if e.instr.op is Op.RECV and e.instr.payload.value == "grad" and e.wait > 0]
     assert waits and all(full.events_of(e.rank)[e.index - 1].instr.op is Op.RECOMPUTE for e in waits)
     assert full.iteration_time == plain.iteration_time + m * n
+
+
+# ------------------------------------------------------------------------ V-shaped schedules
+
+
+def run_v(schedule: str, p: int, m: int, slices: int = 1):
+    """2p chunks of half a 1F1B stage on p ranks in a V; unit costs per chunk (F 1, B 2, W 1)."""
+    header = place(make_header(2 * p, m, slices, schedule=schedule), vshape(2 * p, p))
+    return simulate(lower(header, build_schedule(schedule, header)), UnitCosts())
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (2, 4), (3, 5), (3, 6), (4, 7), (4, 8), (4, 12)])
+def test_zbv_has_no_bubble_at_1f1b_memory(p, m):
+    """ZB-V (Qi et al., section 6): with M >= 2p - 1 and F = B = W, no rank idles between its
+    first and last compute, while each holds 2p chunk micro-batches of half a stage: p stages'
+    worth, 1F1B's first rank's peak on the same p ranks."""
+    result = run_v("zbv", p, m)
+    assert all(r.busy == 2 * 3 * m for r in result.ranks)  # two chunks, F + B + W each
+    assert span_idle(result) == [0] * p
+    assert activations(result) == [2 * p] * p
+    assert Fraction(int(max(activations(result))), 2) == max(activations(run("1f1b", p, m)))
+    # the step still ends p - 1 chunk forwards after the busy time: the last rank waits that
+    # long for its first input (as ZB-H2's does, in chunks of half the size)
+    assert result.iteration_time == 6 * m + (p - 1)
+
+
+@pytest.mark.parametrize("p,m", [(2, 1), (3, 2), (4, 3)])
+def test_zbv_with_too_few_micro_batches_idles_but_stays_within_memory(p, m):
+    """torch's order on max(2p - 1, M) micro-batches with the missing ones dropped."""
+    result = run_v("zbv", p, m)
+    assert max(activations(result)) <= 2 * p
+    assert max(span_idle(result)) > 0
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 8), (4, 10), (3, 9)])
+def test_dualpipev_bubble_and_memory_of_the_dualpipe_table(p, m):
+    """DualPipe's table, DualPipeV row, PP = 2p chunks: activations PP + 1 per rank; bubble
+    (PP/2 - 1)(F&B + B - 3W). Under unit costs F = 1, B = 2 (a full backward), W = 1 and the
+    overlapped pair F&B = B = 2 (the forward hidden under the backward) that is p - 1. The
+    simulator prices the pair one after the other (CPU), and the schedule still idles p - 1 on
+    its first rank, the fill of its last rank's unpaired first F, B; every other rank less."""
+    F, B, W, FB = 1, 2, 1, 2
+    result = run_v("dualpipev", p, m)
+    assert activations(result) == [2 * p + 1] * p
+    assert span_idle(result) == [(p - 1 - r) * F for r in range(p)]
+    assert max(span_idle(result)) == (p - 1) * (FB + B - 3 * W)
+    assert all(r.busy == 2 * 3 * m for r in result.ranks)
+    assert result.iteration_time == 6 * m + (p - 1)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_shapes_with_token_slices_hold_proportionally_more_slices(schedule):
+    """n slices per micro-batch: the same order, each action n slice instructions; the peak
+    counts slice activations, n times the micro-batch figure."""
+    p, m, n = 2, 4, 4
+    assert max(activations(run_v(schedule, p, m, slices=n))) == n * max(activations(run_v(schedule, p, m)))

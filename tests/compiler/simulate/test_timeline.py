@@ -224,3 +224,23 @@ def test_an_output_that_cannot_be_written_is_a_clear_error(plan_file, tmp_path, 
     assert main(["simulate", str(plan_file), "--png", str(missing)]) == 1
     err = capsys.readouterr().err
     assert f"--png: error: cannot write {missing}" in err and "hint:" in err
+
+
+def test_gantt_draws_the_way_up_of_a_v_in_a_second_palette(tmp_path):
+    from tests.compiler import make_header
+    from tpc.compiler.lower import lower
+    from tpc.compiler.schedules import build_schedule
+    from tpc.compiler.schedules.placement import vshape
+    from tpc.compiler.timeline import COLOURS, UP_COLOURS, _chunk_of, box_colour
+    from tpc.ir.show import directions
+
+    h = make_header(4, mbs=4, schedule="zbv", stage_ranks=vshape(4, 2))
+    result = simulate(lower(h, build_schedule("zbv", h)), UnitCosts())
+    ways, chunk_of = directions(h), _chunk_of(h)
+    colours = {(e.instr.op, e.instr.stage): box_colour(e.instr, chunk_of, ways)
+               for e in result.events if e.instr.op in UP_COLOURS}
+    assert colours[(Op.FORWARD, 0)] == COLOURS[Op.FORWARD] != colours[(Op.FORWARD, 3)] == UP_COLOURS[Op.FORWARD]
+    assert colours[(Op.BACKWARD_WEIGHT, 2)] == UP_COLOURS[Op.BACKWARD_WEIGHT]
+    assert set(UP_COLOURS.values()).isdisjoint(COLOURS.values())
+    write_gantt(result, str(tmp_path / "v.png"))
+    assert (tmp_path / "v.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
