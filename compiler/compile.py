@@ -502,7 +502,7 @@ def compile_plan(model_path: str, options: CompileOptions, split=None) -> Plan:
     with progress.step("eval") as d:
         from tpc.compiler.evaluation import eval_program
 
-        plan = dataclasses.replace(plan, eval=eval_program(header, eval_mbs))
+        plan = dataclasses.replace(plan, eval=eval_program(header, eval_mbs, opts.comm))
         d.append(f"forward only, {sum(len(p.instrs) for p in plan.eval.ranks)} instructions")
     with progress.step("verify") as d:
         check(plan, opts.comm)

@@ -6,7 +6,7 @@ whole batch, counted over the micro-batches in order, reaches stage s at step g 
 several stages takes its forwards by that step, then by stage, which is one order for all ranks
 that every dependency respects, so the program cannot deadlock). Lowering is the training
 program's own passes, `insert_loads`, `insert_comm` and `insert_free_kv` (activations only: a
-forward sends nothing back), and, with more than one data-parallel replica, `reduce-loss` on the
+forward sends nothing back; for NCCL, `insert_exchanges` as in training), and, with more than one data-parallel replica, `reduce-loss` on the
 rank of the last stage after its last forward. Nothing is stashed: the executors run these
 forwards without an autograd graph, and each micro-batch's KV cache is freed after its last
 slice.
@@ -24,8 +24,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from tpc.compiler.lower import insert_comm, insert_free_kv, insert_loads
+from tpc.compiler.lower import insert_comm, insert_exchanges, insert_free_kv, insert_loads
 from tpc.ir.nodes import EvalProgram, Header, Instr, Microbatch, Op, RankProgram
+from tpc.ir.semantics import NCCL
 
 EVAL_PASSES = (insert_loads, insert_comm, insert_free_kv)
 
@@ -46,13 +47,17 @@ def forward_order(header: Header) -> dict[int, list[Instr]]:
     return order
 
 
-def eval_program(header: Header, microbatches: Sequence[Microbatch] | None = None) -> EvalProgram:
+def eval_program(header: Header, microbatches: Sequence[Microbatch] | None = None,
+                 comm: str = NCCL) -> EvalProgram:
     """The evaluation program of `header`'s mesh and stages, over `microbatches` (default: the
-    training program's)."""
+    training program's), for backend `comm`: under NCCL's rendezvous rules a rank holding
+    several stages can wait on a neighbour that waits on it (rank 0 sends stage 0's output
+    while rank 1 sends stage 1's back to rank 0), so, as in training, `insert_exchanges` pairs
+    those sends and receives."""
     mbs = tuple(microbatches) if microbatches is not None else header.microbatches
     eval_header = dataclasses.replace(header, microbatches=mbs)
     streams = {r: tuple(v) for r, v in forward_order(eval_header).items()}
-    for run in EVAL_PASSES:
+    for run in EVAL_PASSES + ((insert_exchanges,) if comm == NCCL else ()):
         streams = run(eval_header, streams)
     last = header.stage_rank(header.num_stages - 1)
     if header.mesh.data > 1:

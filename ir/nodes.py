@@ -346,7 +346,8 @@ class RankProgram(Line):
 # the format version that added the evaluation program (`eval`, `reduce-loss`)
 EVAL_VERSION = 2
 # the instructions an evaluation program may hold: forward only (rule E2)
-EVAL_OPS = frozenset({Op.LOAD, Op.FORWARD, Op.SEND, Op.RECV, Op.FREE_KV, Op.REDUCE_LOSS})
+# (`exchange`: where a rank holds several stages, NCCL's rules pair its sends and receives)
+EVAL_OPS = frozenset({Op.LOAD, Op.FORWARD, Op.SEND, Op.RECV, Op.EXCHANGE, Op.FREE_KV, Op.REDUCE_LOSS})
 
 
 @dataclass(frozen=True)

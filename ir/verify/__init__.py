@@ -99,7 +99,7 @@ these in place of the training-only ones (evaluation.py):
       summing to batch / data, slices tiling [0, seq)) and it has one `rank R` section per
       pipeline rank, in order (H6).
   E2  forward only: its instructions are `load`, `forward` (never `checkpoint`), `send act`,
-      `recv act`, `free-kv` and `reduce-loss`; `reduce-loss` only there, only when `mesh data`
+      `recv act`, `exchange` (X1), `free-kv` and `reduce-loss`; `reduce-loss` only there, only when `mesh data`
       > 1, and only on the rank of the last stage. O1-O4 hold as in training.
   E3  completeness: exactly one forward per (stage, mb, slice) (C1 without backward); loads
       (C3); for every activation crossing ranks one send and one receive (C4 without

@@ -75,7 +75,7 @@ def _eval_problem(ins: Instr, r: int, shape: Shape) -> tuple[str, str, bool] | N
                 f"{' grad' if ins.payload is GRAD else ''}` in it",
                 "remove this line: an evaluation has no backward, no gradient message, no "
                 "gradient reduction and no step; it may hold load, forward, send act, recv act, "
-                "free-kv and reduce-loss", comm)
+                "exchange, free-kv and reduce-loss", comm)
     if ins.checkpoint:
         return ("an evaluation forward keeps no graph: `checkpoint` means nothing there",
                 "drop `checkpoint`", False)

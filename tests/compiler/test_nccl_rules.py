@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tpc.compiler.lower import lower
-from tpc.compiler.schedules import SCHEDULES, build_schedule, placement_of
+from tpc.compiler.schedules import SCHEDULES, build_schedule, placement_of, stages_per_rank
 from tpc.compiler.schedules.placement import PLACEMENTS
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.nodes import Op
@@ -83,6 +83,9 @@ def test_a_deadlock_with_buffered_sends_too_is_reported_as_the_order_s_own():
 def _grid():
     for name in sorted(SCHEDULES):
         for pp, slices, dp in itertools.product((2, 4), (1, UNEQUAL), (1, 2)):
+            if stages_per_rank(name) == 2:  # a V: two stages on every rank, and no other way
+                yield name, pp, 2, slices, dp
+                continue
             yield name, pp, 1, slices, dp
             if name not in ONE_STAGE_PER_RANK:
                 yield name, pp, 2, slices, dp  # two stages per rank, the schedule's placement
@@ -96,13 +99,14 @@ def test_every_schedule_passes_nccl_rules(name):
     for _, pp, per_rank, slices, dp in (g for g in _grid() if g[0] == name):
         k = pp * per_rank
         ranks = PLACEMENTS[placement_of(name)](k, pp)
-        header = make_header(k, slices=slices, mbs=4, dp=dp, schedule=name, stage_ranks=ranks,
+        # dualpipev needs 2 x pp micro-batches
+        header = make_header(k, slices=slices, mbs=max(4, 2 * pp), dp=dp, schedule=name, stage_ranks=ranks,
                              ties=(("tied", (0, k - 1)),))
         plan = _printed(lower(header, build_schedule(name, header), verify=False))
         diags = verify(plan, "nccl")
         assert diags == [], f"{name} pp={pp} stages={k} slices={slices} dp={dp}: {diags[0]}"
         count += 1
-    assert count == (8 if name in ONE_STAGE_PER_RANK else 16)
+    assert count == (8 if name in ONE_STAGE_PER_RANK or stages_per_rank(name) == 2 else 16)
 
 
 def test_lowering_for_gloo_writes_no_exchange_and_nccl_plans_run_under_both():
