@@ -570,12 +570,7 @@ def run_plan(plan: Plan, world: World, options: RunOptions, *, model: torch.nn.M
                 on_eval(0, eval_losses[-1][1])
         for step in range(start, options.steps):
             started = time.perf_counter()
-            transport.start_step()
-            engine.run_step(step, batches.get(step))
-            total = torch.tensor([engine.step_loss], dtype=torch.float64, device=device)
-            with transport.waiting_for("the loss of the other ranks"):
-                dist.all_reduce(total)
-            losses.append(float(total))
+            losses.append(_train_step(engine, transport, step, batches.get(step), device))
             if step == start:
                 first_grads = dict(engine.grads)
             step_time = time.perf_counter() - started
@@ -748,12 +743,7 @@ def run_bundle(plans: dict[int, Plan], length_of, world: World, options: RunOpti
             seq = length_of(step)
             engine, transport = engines[seq]
             watchdog.engine, watchdog.transport = engine, transport
-            transport.start_step()
-            engine.run_step(step, batches.get(step))
-            total = torch.tensor([engine.step_loss], dtype=torch.float64, device=device)
-            with transport.waiting_for("the loss of the other ranks"):
-                dist.all_reduce(total)
-            losses.append(float(total))
+            losses.append(_train_step(engine, transport, step, batches.get(step), device))
             if step == start:
                 first_grads = dict(engine.grads)
             if on_step is not None:
@@ -810,3 +800,14 @@ def main_curriculum(path: str, options: RunOptions, world: World, spec: str, dat
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _train_step(engine, transport, step: int, tokens, device) -> float:
+    """One training step of this rank's stream on `tokens`; the step's loss, summed over all
+    ranks (a plan's run and a bundle's run take their steps alike)."""
+    transport.start_step()
+    engine.run_step(step, tokens)
+    total = torch.tensor([engine.step_loss], dtype=torch.float64, device=device)
+    with transport.waiting_for("the loss of the other ranks"):
+        dist.all_reduce(total)
+    return float(total)

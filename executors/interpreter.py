@@ -316,12 +316,7 @@ def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.
             on_eval(0, eval_losses[-1][1])
     for step in range(start, options.steps):
         started = time.perf_counter()
-        tokens = batches.get(step)
-        for e in engines:
-            e.transport.step = step
-            e.begin_step(step, tokens)
-        run_cooperatively(engines)
-        loss = sum(e.end_step() for e in engines)
+        loss = _train_step(engines, step, batches.get(step))
         losses.append(loss)
         if step == start:
             first_grads = canonical_names(model, _gather(engines, lambda e: e.grads.items()))
@@ -414,12 +409,7 @@ def interpret_bundle(plans: dict[int, Plan], length_of, options: RunOptions | No
         started = time.perf_counter()
         seq = length_of(step)
         engines = engines_of[seq]
-        tokens = batches.get(step)
-        for e in engines:
-            e.transport.step = step
-            e.begin_step(step, tokens)
-        run_cooperatively(engines)
-        loss = sum(e.end_step() for e in engines)
+        loss = _train_step(engines, step, batches.get(step))
         losses.append(loss)
         if step == start:
             first_grads = canonical_names(model, _gather(engines, lambda e: e.grads.items()))
@@ -479,3 +469,13 @@ def canonical_names(model: torch.nn.Module | None, tensors: dict[str, torch.Tens
     for name, p in model.named_parameters(remove_duplicate=False):
         canonical[name] = first.setdefault(id(p), name)
     return {canonical.get(n, n): t for n, t in tensors.items()}
+
+
+def _train_step(engines: list[RankEngine], step: int, tokens: torch.Tensor) -> float:
+    """One training step of every rank's stream on `tokens`, run cooperatively; the step's loss
+    (a plan's run and a bundle's run take their steps alike)."""
+    for e in engines:
+        e.transport.step = step
+        e.begin_step(step, tokens)
+    run_cooperatively(engines)
+    return sum(e.end_step() for e in engines)
