@@ -28,6 +28,7 @@ from tpc.compiler.frontend.stage import StageModule, build_stage_graph
 from tpc.compiler.frontend.state import carry_causal_state
 from tpc.compiler.frontend.static import prune_dead, static_nodes
 from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import Loc
 
 
 DEFAULT = object()  # from_model's default self-check slices
@@ -332,7 +333,7 @@ class SlicedModel:
         ids = torch.randint(0, self.vocab, (2 if self._full_range else 1, self.seq_len), generator=gen)
         full = self.stage_module(0, self.num_units, with_loss=False)
         with torch.no_grad():
-            ref = self.model(ids)
+            ref = _run_model_at_length(self.model, ids)
             got = torch.cat(_run_sliced(full, ids, lens), dim=1)
         err = (got - ref).abs()
         tol = 1e-4 * (1.0 + ref.abs().max().item())
@@ -382,3 +383,30 @@ def _run_sliced(stage: StageModule, ids, lens) -> list:
         outs.append(y)
         off += ln
     return outs
+
+
+
+def _run_model_at_length(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The unsliced model on `ids` at the plan's length. A model that cannot run at that length
+    (a position table shorter than --seq-len, say) is refused at the model's own line that
+    failed, instead of a traceback from inside torch."""
+    import traceback
+
+    try:
+        return model(ids)
+    except (IndexError, RuntimeError, ValueError) as e:
+        frames = [f for f in traceback.extract_tb(e.__traceback__)
+                  if "site-packages" not in f.filename and "/torch/" not in f.filename]
+        last = frames[-1] if frames else None
+        loc = None
+        if last is not None:
+            import linecache
+
+            text = linecache.getline(last.filename, last.lineno or 1)
+            loc = Loc(last.filename, last.lineno or 1, len(text) - len(text.lstrip()) + 1)
+        raise TpirError(Diagnostic(
+            f"the model does not run at the plan's length of {ids.shape[1]} tokens: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            loc, hint="a table sized for a shorter context (positions, a causal mask buffer) ends "
+                      "before --seq-len: give a --seq-len the model supports, or build the model "
+                      "for a longer context", where="--seq-len")) from None

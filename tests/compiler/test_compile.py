@@ -246,3 +246,21 @@ def test_compile_lowers_and_verifies_for_the_backend_it_targets(tmp_path, capsys
     assert main(["run", "--interpret", "--comm", "nccl", str(gloo)]) == 1
     assert located.findall(capsys.readouterr().err) == said  # refused before any rank runs
     assert main(["run", "--interpret", "--comm", "nccl", str(nccl), "--verify-grads", "-q"]) == 0
+
+
+def test_a_length_the_model_cannot_run_is_refused_at_the_models_line(tmp_path, capsys):
+    """examples/gpt.py has a position table of block_size 256: at --seq-len 512 its embedding
+    lookup fails. The compile is refused at the model's own line (file:line:col, the line shown),
+    saying the length, not with a traceback from inside torch."""
+    from tpc.cli.main import main
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "gpt.py"
+    out = tmp_path / "long.tpir"
+    assert main(["compile", str(example), "-o", str(out), "--stages", "2", "--seq-len", "512",
+                 "--batch", "2", "--slices", "2", "-q"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "the model does not run at the plan's length of 512 tokens: IndexError" in err
+    line = next(i for i, text in enumerate(example.read_text().splitlines(), 1) if "self.transformer.wpe(pos)" in text)
+    assert f"{example}:{line}:9: error:" in err, err
+    assert "--seq-len" in err and not out.exists()
