@@ -214,3 +214,17 @@ def tpc_step_times(plan, model, sliced, rank: int, world: int, steps: int) -> li
 def load_note() -> str:
     """The machine's 1-minute load average now: what else was competing for the 2 cores."""
     return f"load average {os.getloadavg()[0]:.1f}"
+
+
+def rank_alternate(rank: int, world: int, pairs: list, repeats: int, block: int):
+    """For each (unsliced, sliced) plan pair: `repeats` x (a block of unsliced steps, a block of
+    sliced steps); the step times of each, first step of every block left out."""
+    out = []
+    for plans in pairs:
+        setups = [tpc_setup(p) for p in plans]
+        times = [[], []]
+        for _ in range(repeats):
+            for which, (plan, model, sliced) in enumerate(setups):
+                times[which] += tpc_step_times(plan, model, sliced, rank, world, block + 1)[1:]
+        out.append(times)
+    return out

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import MACHINE, ROOT, at_root, compile_plan, cpu_profile, launch, load_note, median, table, tpc_setup, tpc_step_times  # noqa: E402
+from common import MACHINE, ROOT, at_root, compile_plan, cpu_profile, launch, load_note, median, rank_alternate, table  # noqa: E402
 
 MODEL = "examples/gpt.py"
 LENGTHS = (32, 64, 128)
@@ -93,19 +93,6 @@ def time_to(losses: dict[int, float], elapsed: dict[int, float], target: float):
         if losses[step] <= target:
             return step, elapsed[step]
     return None
-
-
-def rank_lengths(rank: int, world: int, pairs: list, repeats: int, block: int):
-    """Per length: `repeats` x (a block of unsliced steps, a block of sliced steps)."""
-    out = []
-    for plans in pairs:
-        setups = [tpc_setup(p) for p in plans]
-        times = [[], []]
-        for _ in range(repeats):
-            for which, (plan, model, sliced) in enumerate(setups):
-                times[which] += tpc_step_times(plan, model, sliced, rank, world, block + 1)[1:]
-        out.append(times)
-    return out
 
 
 def slices_text(plan_path: str) -> str:
@@ -174,7 +161,7 @@ def main(argv=None) -> int:
 
         # 2. per-length step times, sliced vs unsliced, side by side in the same processes
         pairs = [(str(work / "unsliced" / f"seq{L}.tpir"), str(work / "bundle" / f"seq{L}.tpir")) for L in LENGTHS]
-        measured = launch(2, rank_lengths, pairs, args.repeats, args.block)[0]
+        measured = launch(2, rank_alternate, pairs, args.repeats, args.block)[0]
         slicing = [slices_text(sliced) for _, sliced in pairs]
 
     print(f"sequence-length curriculum on {MACHINE}: {MODEL} (4 layers, width 256), corpus of "

@@ -28,26 +28,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (MACHINE, at_root, compile_plan, cpu_profile, launch, load_note, median, ok, table,  # noqa: E402
-                    tpc_setup, tpc_step_times)
+from common import (MACHINE, at_root, compile_plan, cpu_profile, launch, load_note, median, ok,  # noqa: E402
+                    rank_alternate, table)
 
 MODEL, FACTORY = "bench/models/gpt_untied.py", "long"
 SCHEDULES = ("terapipe", "seq1f1b", "seq-zb")
 BEST_TARGET = 1.6  # the best sliced plan over the unsliced at L=1024
-
-
-def rank_alternate(rank: int, world: int, pairs: list, repeats: int, block: int):
-    """For each (unsliced, sliced) plan pair: `repeats` x (a block of unsliced steps, a block of
-    sliced steps); the step times of each, first step of every block left out."""
-    out = []
-    for plans in pairs:
-        setups = [tpc_setup(p) for p in plans]
-        times = [[], []]
-        for _ in range(repeats):
-            for which, (plan, model, sliced) in enumerate(setups):
-                times[which] += tpc_step_times(plan, model, sliced, rank, world, block + 1)[1:]
-        out.append(times)
-    return out
 
 
 def predicted(plan_path: str, profile: str) -> float:
