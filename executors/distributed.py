@@ -260,8 +260,22 @@ class DistTransport:
         src = self._global(ins.peer)
         tag = self.received.get(src, 0)
         self.received[src] = tag + 1
-        work = dist.irecv(buf, src=src, tag=tag if self.tags else 0)
+        work = self._p2p(dist.irecv, buf, src, tag)
         self.posted[index] = (work, buf)
+
+    def _p2p(self, op, tensor: torch.Tensor, peer: int, tag: int):
+        """One send or receive. Under gloo's rules a tagged `isend`/`irecv`. Under NCCL's, a
+        `batch_isend_irecv` of one: PyTorch's NCCL process group runs batched operations on the
+        group's communicator (made by the barrier before the first step) but gives unbatched
+        ones a communicator of their own per pair of ranks, created lazily, so mixing them with
+        the exchanges (always batched) would put one pair's messages on two communicators and
+        two streams, out of the issue order that the plan was verified under
+        (tpc.ir.semantics), and each lazy creation blocks the host until the peer creates it
+        too. Batches only, every send and receive of a rank runs in issue order on one stream,
+        as the rules say."""
+        if self.tags:
+            return op(tensor, peer, tag=tag)
+        return dist.batch_isend_irecv([dist.P2POp(op, tensor, peer)])[0]
 
     def recv(self, key: Message, src: int, shape, dtype, index: int) -> torch.Tensor:
         if index in self.exchange_span and index not in self.posted:
@@ -298,7 +312,7 @@ class DistTransport:
             return
         tag = self.sent.get(dst_g, 0)
         self.sent[dst_g] = tag + 1
-        work = dist.isend(tensor, dst=dst_g, tag=tag if self.tags else 0)
+        work = self._p2p(dist.isend, tensor, dst_g, tag)
         if self.rendezvous:  # NCCL's rules on gloo: the send completes before the rank goes on
             self._wait(work, what)
             return
@@ -512,6 +526,17 @@ class RankOutcome:
     eval_losses: list = field(default_factory=list)
 
 
+def make_transport(plan: Plan, world: World, groups: Groups, *, device: torch.device, hidden_size: int,
+                   dtype: torch.dtype, options: RunOptions) -> DistTransport:
+    """The transport of a plan (training, evaluation, each plan of a bundle) for the backend this
+    process runs and the rules the run is under (`--comm`, default the backend's own): gloo's
+    buffered rules with tags; NCCL itself; or NCCL's rules emulated on gloo (rendezvous)."""
+    backend, rules = dist.get_backend(), options.comm_rules(device)
+    return DistTransport(plan, world, groups, device=device, hidden_size=hidden_size, dtype=dtype,
+                         timeout=options.timeout, tags=backend == "gloo" and rules == GLOO,
+                         nccl=backend == "nccl", rendezvous=backend != "nccl" and rules == NCCL)
+
+
 def init(world: World, device: torch.device, timeout: float) -> None:
     """Join the process group (gloo on CPU, NCCL on CUDA)."""
     if dist.is_initialized():
@@ -539,12 +564,8 @@ def run_plan(plan: Plan, world: World, options: RunOptions, *, model: torch.nn.M
         hidden_size = sliced.hidden_size
     groups = make_groups(plan, world, options.timeout, pipeline=options.needs_grad_norm)
     dtype = DTYPES[plan.header.shape.dtype]  # the plan was verified: a known name
-    backend = dist.get_backend()
-    rules = options.comm_rules(device)
-    transport = DistTransport(plan, world, groups, device=device, hidden_size=hidden_size,
-                              dtype=dtype, timeout=options.timeout,
-                              tags=backend == "gloo" and rules == GLOO, nccl=backend == "nccl",
-                              rendezvous=backend != "nccl" and rules == NCCL)
+    transport = make_transport(plan, world, groups, device=device, hidden_size=hidden_size, dtype=dtype,
+                               options=options)
     engine = RankEngine(plan, pipe_rank, data_rank, transport, stage_factory, hidden_size=hidden_size,
                         options=options, device=device, before_instr=before_instr)
     evaluation = None
@@ -605,8 +626,8 @@ def _evaluation(plan: Plan, world: World, options: RunOptions, batches, groups: 
                                    hint="run with the plan's model, not a stand-in stage factory"))
     view = plan.evaluation()
     pipe = view.header.mesh.pipe
-    transport = DistTransport(view, world, groups, device=device, hidden_size=hidden_size, dtype=dtype,
-                              timeout=options.timeout, tags=dist.get_backend() == "gloo")
+    transport = make_transport(view, world, groups, device=device, hidden_size=hidden_size, dtype=dtype,
+                               options=options)
     engine = RankEngine(view, world.rank % pipe, world.rank // pipe, transport,
                         stage_factory_from_model(sliced, model, evaluation=True), hidden_size=hidden_size,
                         options=options, device=device)
@@ -711,13 +732,12 @@ def run_bundle(plans: dict[int, Plan], length_of, world: World, options: RunOpti
     pipe_rank, data_rank = world.rank % pipe, world.rank // pipe
     groups = make_groups(first, world, options.timeout, pipeline=options.needs_grad_norm)
     dtype = DTYPES[first.header.shape.dtype]
-    tags = dist.get_backend() == "gloo"
     engines: dict[int, tuple[RankEngine, DistTransport]] = {}
     shared = None
     for seq, plan in sorted(plans.items()):
         traced = sliced[seq] if sliced is not None else slice_model(model, plan)
-        transport = DistTransport(plan, world, groups, device=device, hidden_size=traced.hidden_size,
-                                  dtype=dtype, timeout=options.timeout, tags=tags)
+        transport = make_transport(plan, world, groups, device=device, hidden_size=traced.hidden_size,
+                                   dtype=dtype, options=options)
         if shared is not None:  # the n-th message of a channel, whichever plan sends it
             transport.sent, transport.received = shared[1].sent, shared[1].received
         engine = RankEngine(plan, pipe_rank, data_rank, transport, stage_factory_from_model(traced, model),

@@ -164,3 +164,47 @@ def test_an_exchange_is_one_batch_and_its_receive_is_waited_where_it_is_used(mon
     assert work.calls == []  # not at its line
     t.claim(message(recv))  # the engine uses the value
     assert work.calls == [((), {})] and not t.deferred
+
+
+@pytest.mark.parametrize("rendezvous", [False, True], ids=["nccl", "nccl-rules-on-gloo"])
+def test_under_nccl_rules_every_send_and_receive_is_a_batch(monkeypatch, rendezvous):
+    """PyTorch's NCCL process group gives unbatched isend/irecv a lazily created communicator
+    per pair of ranks, and batched ones the group's: mixing them put one pair's messages on two
+    streams and hung 1F1B on the first GPU run (docs/benchmarks.md, 'First GPU run'). Under
+    NCCL's rules each plain send and receive is a batch of one, and nothing else is issued."""
+    from tpc.executors import distributed
+    from tpc.ir.nodes import Op
+    from tpc.ir.semantics import message
+
+    batches, plain = [], []
+
+    def batch_isend_irecv(ops):
+        batches.append([op[0] for op in ops])
+        return [FakeWork() for _ in ops]
+
+    monkeypatch.setattr(distributed.dist, "batch_isend_irecv", batch_isend_irecv)
+    monkeypatch.setattr(distributed.dist, "P2POp", lambda op, tensor, peer: (op, tensor, peer))
+    monkeypatch.setattr(distributed.dist, "isend", lambda *a, **k: plain.append("isend") or FakeWork())
+    monkeypatch.setattr(distributed.dist, "irecv", lambda *a, **k: plain.append("irecv") or FakeWork())
+    for rank in (0, 1):
+        plan = fake_plan(schedule="1f1b", stages=2, slices="3", microbatches=2)
+        t = DistTransport(plan, World(rank=rank, size=2, local_rank=0), Groups(dp=None),
+                          device=torch.device("cpu"), hidden_size=8, dtype=torch.float32, timeout=5.0,
+                          tags=False, nccl=not rendezvous, rendezvous=rendezvous)
+        ops = {Op.SEND: 0, Op.RECV: 0}
+        for p, ins in enumerate(t.instrs):
+            t.before_instruction(p)
+            if ins.op is Op.EXCHANGE:
+                t.exchange(p, ins.count)
+            elif ins.op is Op.SEND:
+                t.send(message(ins), torch.zeros(2, 4, 8), ins.peer, p)
+                ops[Op.SEND] += 1
+            elif ins.op is Op.RECV:
+                t.recv(message(ins), ins.peer, None, torch.float32, p)
+                ops[Op.RECV] += 1
+        assert ops[Op.SEND] and ops[Op.RECV]
+        issued = [op for batch in batches for op in batch]
+        assert issued.count(distributed.dist.isend) == ops[Op.SEND]
+        assert issued.count(distributed.dist.irecv) == ops[Op.RECV]
+        batches.clear()
+    assert plain == []
