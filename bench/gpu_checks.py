@@ -1,0 +1,199 @@
+"""The first-GPU checklist of docs/training.md in one run: plans through NCCL with the gradient
+check (fp32 and bf16), the reference interpreter on CUDA, and (unless --no-slicing)
+bench/gpu_slicing.py. Prints one line per check and a Markdown table for docs/benchmarks.md.
+
+On a machine with fewer GPUs than a plan has ranks (one GPU, say), each rank runs as its own
+torchrun "node" of one process, and each node gets its own `NCCL_HOSTID`. NCCL then takes the
+ranks for separate hosts: it lets them share the one GPU (it refuses two ranks of one host on
+one device) and carries their messages over its socket transport instead of NVLink. Same
+send/receive rendezvous, same collectives, slower links. With enough GPUs the ranks are the
+processes of one node, one GPU each (`--nproc-per-node`).
+
+    python bench/gpu_checks.py [--out DIR] [--no-slicing]
+
+A smoke run on a CPU (gloo, the same launches; the bf16 checks are skipped there):
+
+    OMP_NUM_THREADS=1 python bench/gpu_checks.py --device cpu --no-slicing --only 1f1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import at_root, table  # noqa: E402
+
+MODEL = "examples/gpt.py"
+BASE = dict(seq_len=128, batch=8, microbatches=4, slices=2)
+# name: compile options beyond BASE. Each plan runs fp32 with --verify-grads; BF16 ones also bf16.
+PLANS = {
+    "seq1f1b": dict(stages=2),
+    "1f1b": dict(stages=2, schedule="1f1b"),
+    "terapipe": dict(stages=2, schedule="terapipe", slices=4),
+    "zb-h1": dict(stages=2, schedule="zb-h1"),
+    "interleaved": dict(stages=4, ranks=2, schedule="interleaved"),
+    "zbv": dict(stages=4, ranks=2, schedule="zbv"),
+    "dualpipev": dict(stages=4, ranks=2, schedule="dualpipev"),
+    "1f1b-dp2": dict(stages=2, dp=2, schedule="1f1b"),
+}
+BF16 = ("seq1f1b", "interleaved")
+BF16_TOLERANCE = "5e-2"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ranks_of(plan: Path) -> int:
+    """pipe x data processes the plan needs (its `mesh` line)."""
+    m = re.search(r"^mesh pipe (\d+) data (\d+)", plan.read_text(), re.M)
+    if not m:
+        raise SystemExit(f"{plan}: no `mesh pipe P data D` line")
+    return int(m.group(1)) * int(m.group(2))
+
+
+def compile_all(out: Path, names) -> dict[str, Path]:
+    from tpc.cli.main import main
+
+    plans = {}
+    for name in names:
+        path = out / f"{name}.tpir"
+        argv = ["compile", MODEL, "-o", str(path), "-q"]
+        for key, value in {**BASE, **PLANS[name]}.items():
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+        if main(argv) != 0:
+            raise SystemExit(f"tpc {' '.join(argv)} failed")
+        plans[name] = path
+    return plans
+
+
+def launch(plan: Path, extra: list[str], device: str, gpus: int, log: Path, limit: float, nodes: bool,
+           wait: float) -> tuple[int | None, str]:
+    """Run the plan on its ranks; returns (exit status or None for a hang, combined output)."""
+    world = ranks_of(plan)
+    port = free_port()
+    run = ["-m", "tpc.cli.main", "run", str(plan), "--device", device, "--timeout", f"{wait:g}", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    if not nodes and (device == "cpu" or gpus >= world):
+        cmds = [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+                  "--max-restarts", "0", *run], env)]
+    else:  # one node of one process per rank, each its own NCCL host
+        cmds = [([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(world), "--nproc-per-node", "1",
+                  "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"gpu-{port}",
+                  "--max-restarts", "0", *run],
+                 dict(env, NCCL_HOSTID=f"tpc-host-{i}", NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1"))
+                for i in range(world)]
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e) for c, e in cmds]
+    outs, codes, start = [], [], time.monotonic()
+    for p in procs:
+        try:
+            o, _ = p.communicate(timeout=max(1.0, limit - (time.monotonic() - start)))
+            codes.append(p.returncode)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            o, _ = p.communicate()
+            codes.append(None)
+        outs.append(o)
+    text = "\n".join(f"===== agent {i}\n{o}" for i, o in enumerate(outs))
+    log.write_text(text)
+    code = None if None in codes else max(codes)
+    return code, text
+
+
+def summary(text: str) -> str:
+    """The verify-grads verdict and the last loss line of a run's output."""
+    parts = []
+    m = re.search(r"verify-grads: loss (\S+) vs autograd (\S+) .*?largest relative gradient error (\S+)", text)
+    if m:
+        parts.append(f"loss {m.group(1)} vs {m.group(2)}, grad error {m.group(3)}")
+    steps = re.findall(r"(step \d+/\d+\s+loss\s+\S+)", text)
+    return "; ".join(parts + steps[-1:])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", help="cuda | cpu (default: cuda)")
+    ap.add_argument("--out", default="gpu_checks", help="folder for plans and logs (default: gpu_checks)")
+    ap.add_argument("--only", default="", help="comma-separated plan names (default: all of them)")
+    ap.add_argument("--limit", type=float, default=240.0, help="seconds one run may take (default: 240)")
+    ap.add_argument("--nodes", action="store_true",
+                    help="one torchrun node per rank even where the GPUs (or the CPU) would do with one node")
+    ap.add_argument("--timeout", type=float, default=60.0,
+                    help="tpc run --timeout: seconds a rank waits for a peer (default: 60)")
+    ap.add_argument("--tolerance", default="1e-5", help="--verify-grads tolerance in fp32 (default: 1e-5)")
+    ap.add_argument("--parallel", type=int, default=4, help="runs at a time (default: 4)")
+    ap.add_argument("--no-slicing", action="store_true", help="skip bench/gpu_slicing.py")
+    ap.add_argument("--slicing-args", default="--repeats 3", help="arguments of bench/gpu_slicing.py")
+    args = ap.parse_args(argv)
+    at_root()
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.device == "cuda":
+        print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {torch.cuda.nccl.version()}, "
+              f"{gpus} x {torch.cuda.get_device_name(0)}", flush=True)
+    names = [n for n in args.only.split(",") if n] or list(PLANS)
+    t0 = time.monotonic()
+    plans = compile_all(out, names)
+    print(f"compiled {len(plans)} plans in {time.monotonic() - t0:.0f} s", flush=True)
+
+    fp32 = ["--verify-grads", "--steps", "2", "--tolerance", args.tolerance]
+    jobs = [(n, "fp32", fp32) for n in names]
+    if args.device == "cuda":
+        jobs += [(n, "bf16", ["--verify-grads", "--steps", "2", "--bf16", "--tolerance", BF16_TOLERANCE])
+                 for n in names if n in BF16]
+    # the reference interpreter, every rank in one process, on the one device: the first plan
+    first = names[0]
+    interp = [(first, "fp32", ["--tolerance", args.tolerance])]
+    if args.device == "cuda":
+        interp.append((first, "bf16", ["--bf16", "--tolerance", BF16_TOLERANCE]))
+
+    def interpret(n: str, kind: str, extra: list[str]):
+        cmd = [sys.executable, "-m", "tpc.cli.main", "run", "--interpret", str(plans[n]), "--device", args.device,
+               "--verify-grads", "--steps", "2", *extra]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit)
+        except subprocess.TimeoutExpired as e:
+            (out / f"{n}-{kind}-interpret.log").write_text(str(e.stdout or "") + str(e.stderr or ""))
+            return None, ""
+        (out / f"{n}-{kind}-interpret.log").write_text(p.stdout + p.stderr)
+        return p.returncode, p.stdout
+
+    rows = []
+    with cf.ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        futs = {pool.submit(interpret, n, kind, extra): (n + " --interpret", kind, "1 process")
+                for n, kind, extra in interp}
+        futs.update({pool.submit(launch, plans[n], extra, args.device, gpus, out / f"{n}-{kind}.log", args.limit,
+                                 args.nodes, args.timeout): (n, kind, str(ranks_of(plans[n])))
+                     for n, kind, extra in jobs})
+        for f in cf.as_completed(futs):
+            n, kind, ranks = futs[f]
+            code, text = f.result()
+            verdict = "ok" if code == 0 else ("HANG" if code is None else f"exit {code}")
+            print(f"{n:22s} {kind}  {verdict:8s} {summary(text)}", flush=True)
+            rows.append([n, kind, ranks, verdict, summary(text)])
+    print()
+    print(table(["plan", "dtype", "ranks", "result", "verify-grads; last step"], sorted(rows)))
+    failed = [r for r in rows if r[3] != "ok"]
+    if not args.no_slicing:
+        print("\n# bench/gpu_slicing.py " + args.slicing_args, flush=True)
+        p = subprocess.run([sys.executable, "bench/gpu_slicing.py", *args.slicing_args.split()], text=True)
+        failed += [["gpu_slicing"]] if p.returncode else []
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""bench/gpu_checks.py on the CPU (gloo): the launches it makes on a GPU machine, both ways (one
+node of several processes, and one node per rank as on a machine with fewer GPUs than ranks),
+train the plan and pass the gradient check, and its table says so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def run_checks(tmp_path, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_checks.py"), "--device", "cpu", "--no-slicing",
+           "--out", str(tmp_path), "--timeout", "60", "--limit", "200", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=400,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+
+
+def rows(text: str) -> dict[tuple[str, str], list[str]]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("| ") and not line.startswith("| plan"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            out[(cells[0], cells[1])] = cells
+    return out
+
+
+def test_one_node_and_a_node_per_rank_both_pass_the_gradient_check(tmp_path):
+    for mode, extra in (("node", []), ("nodes", ["--nodes"])):
+        p = run_checks(tmp_path / mode, "--only", "1f1b", *extra)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        table = rows(p.stdout)
+        assert set(table) == {("1f1b", "fp32"), ("1f1b --interpret", "fp32")}, p.stdout
+        for cells in table.values():
+            assert cells[3] == "ok" and "grad error" in cells[4] and "step 2/2" in cells[4], cells
+        assert (tmp_path / mode / "1f1b-fp32.log").read_text().count("verify-grads:") == 1
+
+
+def test_a_failing_run_fails_the_script(tmp_path):
+    """A tolerance no run can meet: every check fails and the script's status says so."""
+    p = run_checks(tmp_path, "--only", "1f1b", "--tolerance", "1e-12")
+    assert p.returncode == 1
+    assert all(cells[3] == "exit 1" for cells in rows(p.stdout).values()), p.stdout
