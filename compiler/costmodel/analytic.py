@@ -10,6 +10,12 @@ so a short slice, whose matmuls are too thin to amortise the weight reads and wh
 kernels each pay the launch cost, does less work per second than a long one: that loss of
 efficiency is what stops the optimiser from cutting sequences into ever finer slices.
 
+A device's `host_op_time` (the host's time to issue one kernel) is not applied here: it is
+measured per kernel of the traced graph (graph.py), and this hand-written block lists about
+1.6 times as many kernels per layer (54 against 33 for GPT-2 medium), so it would charge the
+host 1.6 times too long. This model prices models too large to trace; for those, long slices
+of wide layers keep the GPU, not the host, the bottleneck.
+
 Backward: each matmul has two (input-gradient and weight-gradient) kernels of the forward's
 size, each elementwise kernel reads and writes twice the bytes, each all-reduce repeats.
 Operator (tensor) parallelism of degree `op` splits every matmul and the heads `op` ways and

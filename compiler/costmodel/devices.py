@@ -31,8 +31,15 @@ class DeviceSpec:
     flops_efficiency: float = 0.6
     # fraction of HBM bandwidth a streaming (elementwise, weight-read) kernel reaches
     mem_efficiency: float = 0.8
-    # fixed cost of one kernel: host dispatch in eager PyTorch plus launch (s)
+    # fixed cost of one kernel on the GPU: the launch and the gap to the next kernel (s)
     launch_overhead: float = 10e-6
+    # host time to issue one kernel of a training step in eager PyTorch through tpc's stage
+    # runtime (s), per kernel the traced graph counts: autograd, autocast and the dispatcher.
+    # The host runs ahead of the GPU, so a stage's slice takes the longer of its kernels' GPU
+    # time and kernels * host_op_time (graph.py; the hand-written GPT block of analytic.py does
+    # not apply it). 0: the host never holds the GPU back (the published systems the V100/A100
+    # presets reproduce).
+    host_op_time: float = 0.0
     # GPUs in one node, joined by NVLink/NVSwitch
     gpus_per_node: int = 8
     # NCCL all-reduce bus bandwidth inside a node (bytes/s)
@@ -62,7 +69,7 @@ class DeviceSpec:
             raise ValueError("device spec: efficiencies must be in (0, 1]")
         if self.gpus_per_node < 1:
             raise ValueError("device spec: gpus_per_node must be >= 1")
-        if min(self.launch_overhead, self.intra_node_latency, self.inter_node_latency) < 0:
+        if min(self.launch_overhead, self.host_op_time, self.intra_node_latency, self.inter_node_latency) < 0:
             raise ValueError("device spec: latencies must be >= 0")
 
     def internode_allreduce_time(self, nbytes: float, data: int) -> float:
@@ -84,12 +91,19 @@ V100 = DeviceSpec(name="v100", peak_flops=125e12, mem_bandwidth=900 * GB, memory
 # p4d.24xlarge: 8 A100-SXM4 40GB (NVSwitch), 4 x 100 Gbit/s EFA.
 A100 = DeviceSpec(name="a100", peak_flops=312e12, mem_bandwidth=1555 * GB, memory=40 * GB,
                   intra_node_bandwidth=230 * GB, inter_node_bandwidth=400e9 / 8)
+# Host time per kernel (per kernel the traced graph counts, compiler/frontend/flops.py) measured
+# on an H200 machine, 2026-11-27: bench/gpu_slicing.py's gpt350m (bf16 autocast, torch 2.11)
+# took 58-68 us per counted kernel in each of its 4 stages, with 1 slice of 2048 tokens and with
+# 8 of 256 (docs/benchmarks.md, "GPU: the first run"). The H100 machines run the same software.
+HOPPER_HOST_OP_TIME = 60e-6
 # p5.48xlarge: 8 H100-SXM (NVSwitch), 32 x 100 Gbit/s EFA.
 H100 = DeviceSpec(name="h100", peak_flops=989e12, mem_bandwidth=3350 * GB, memory=80 * GB,
-                  intra_node_bandwidth=450 * GB, inter_node_bandwidth=3200e9 / 8)
+                  intra_node_bandwidth=450 * GB, inter_node_bandwidth=3200e9 / 8,
+                  host_op_time=HOPPER_HOST_OP_TIME)
 # p5e.48xlarge: 8 H200 (NVSwitch), 32 x 100 Gbit/s EFA.
 H200 = DeviceSpec(name="h200", peak_flops=989e12, mem_bandwidth=4800 * GB, memory=141 * GB,
-                  intra_node_bandwidth=450 * GB, inter_node_bandwidth=3200e9 / 8)
+                  intra_node_bandwidth=450 * GB, inter_node_bandwidth=3200e9 / 8,
+                  host_op_time=HOPPER_HOST_OP_TIME)
 
 PRESETS: dict[str, DeviceSpec] = {d.name: d for d in (V100, A100, H100, H200)}
 

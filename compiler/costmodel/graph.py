@@ -7,7 +7,9 @@ kernel launches per partition unit as functions of the slice length `l`, the cac
     kernels * launch_overhead + sum over op classes (matmul, attention, memory) of
         max(FLOPs / (peak * flops_efficiency), bytes / (bandwidth * mem_efficiency))
 
-and a stage's time is the sum of its units'. The roofline is taken per op class rather than
+and a stage's time is the longer of the sum of its units' and of the host's time to issue
+their kernels (kernels * host_op_time: eager PyTorch dispatches every kernel from Python, ahead
+of the GPU; a short slice of a small model waits on the host, docs/costmodel.md). The roofline is taken per op class rather than
 per kernel: the kernels of one class in one unit see the same token count and so about the
 same arithmetic intensity, and three sums per unit evaluate much faster than one maximum per
 node over the optimiser's hundreds of thousands of slices. Memory sizes (activations, KV
@@ -76,27 +78,32 @@ class GraphCostModel(DeviceCostModel):
     # ------------------------------------------------------------------------ roofline
 
     def _unit_times(self, fn: UnitCostFn, l, c, b):
+        """(forward GPU s, backward GPU s, forward kernels, backward kernels) of one unit."""
         d = self.device
         peak = d.peak_flops * d.flops_efficiency
         bw = d.mem_bandwidth * d.mem_efficiency
         cost = fn(l, c, b)
-        times = []
+        out = []
         for work in (cost.fwd, cost.bwd):
             t = sum(np.maximum(work[k].flops / peak, work[k].bytes / bw) for k in CLASSES)
-            times.append(t + sum(work[k].kernels for k in CLASSES) * d.launch_overhead)
-        return times[0], times[1]
+            kernels = sum(work[k].kernels for k in CLASSES)
+            out.append((t + kernels * d.launch_overhead, kernels))
+        return out[0][0], out[1][0], out[0][1], out[1][1]
 
     def slice_times(self, stage, l, c, mb):
-        """(forward, backward) seconds of slices on `stage` (numpy arrays broadcast)."""
+        """(forward, backward) seconds of slices on `stage` (numpy arrays broadcast): each the
+        longer of the GPU's time and the host's (`DeviceSpec.host_op_time` per kernel), which
+        dispatches ahead of the GPU through the whole stage."""
         lo, hi = self.stage_units[stage]
         memo: dict[tuple, tuple] = {}  # identical blocks are priced once
-        f = b = 0.0
+        f = b = kf = kb = 0.0
         for fn in self.costs.unit_fns[lo:hi]:
             if fn.signature not in memo:
                 memo[fn.signature] = self._unit_times(fn, l, c, mb)
-            uf, ub = memo[fn.signature]
-            f, b = f + uf, b + ub
-        return f, b
+            uf, ub, ukf, ukb = memo[fn.signature]
+            f, b, kf, kb = f + uf, b + ub, kf + ukf, kb + ukb
+        host = self.device.host_op_time
+        return np.maximum(f, kf * host), np.maximum(b, kb * host)
 
     def slice_time(self, stage: int, l: int, c: int, mb_size: int) -> tuple[float, float]:
         f, b = self.slice_times(stage, l, c, mb_size)
