@@ -1,6 +1,8 @@
 """`tpc compile path/to/config.json` (a Hugging Face configuration, no wrapper) and
 `tpc run --interpret --verify-grads` of the plan, under gpipe, 1f1b, terapipe, seq1f1b and
-zb-h1: the plan's gradients match plain autograd, the header records the file and its hash like a model file.
+zb-h1, and under the schedules that put several chunks on a rank (interleaved, looped-bfs,
+seq-interleaved, zbv, dualpipev): the plan's gradients match plain autograd, the header records
+the file and its hash like a model file.
 A file without `attn_implementation` gets transformers' default (eager for BLOOM's ALiBi)."""
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ CASES = [
 ]
 
 
+# several chunks per rank: family, attention, extra settings, schedule, stages, ranks, micro-batches, slices
+CHUNKED = [
+    ("llama", "sdpa", {"num_hidden_layers": 4}, "interleaved", 4, 2, 2, "5,3,8"),
+    ("qwen2", "eager", {"num_hidden_layers": 4}, "looped-bfs", 4, 2, 2, "4"),
+    ("mistral", "sdpa", {"num_hidden_layers": 4, "sliding_window": 5}, "seq-interleaved", 4, 2, 2, "3,5,8"),
+    ("gpt2", "sdpa", {"n_layer": 4}, "zbv", 4, 2, 2, "1,7,8"),
+    ("gemma", "eager", {"num_hidden_layers": 4}, "dualpipev", 4, 2, 4, "8"),
+]
+
+
 @pytest.fixture
 def no_torchrun(monkeypatch):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
@@ -54,6 +66,24 @@ def test_config_json_compiles_and_runs_exactly(tmp_path, capsys, no_torchrun, fa
     header = parse(plan.read_text(), file=str(plan)).header
     assert header.model.path == str(config)
     assert header.model.sha256 == hashlib.sha256(config.read_bytes()).hexdigest()
+    capsys.readouterr()
+    assert main(["run", "--interpret", str(plan), "--verify-grads"]) == 0
+    out = capsys.readouterr().out
+    assert "verify-grads:" in out and ": ok" in out
+
+
+@pytest.mark.parametrize("family,impl,extra,schedule,stages,ranks,mbs,slices", CHUNKED,
+                         ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in CHUNKED])
+def test_config_json_runs_exactly_with_several_chunks_per_rank(tmp_path, capsys, no_torchrun, family, impl, extra,
+                                                               schedule, stages, ranks, mbs, slices):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(config_dict(family, attn_implementation=impl, **extra), indent=2))
+    plan = tmp_path / "plan.tpir"
+    assert main(["compile", str(config), "-o", str(plan), "--stages", str(stages), "--ranks", str(ranks),
+                 "--microbatches", str(mbs), "--seq-len", "16", "--batch", "4", "--slices", slices,
+                 "--schedule", schedule]) == 0
+    header = parse(plan.read_text(), file=str(plan)).header
+    assert header.mesh.pipe == ranks and len(header.stages) == stages
     capsys.readouterr()
     assert main(["run", "--interpret", str(plan), "--verify-grads"]) == 0
     out = capsys.readouterr().out
