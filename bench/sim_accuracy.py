@@ -32,10 +32,11 @@ PLANS = (("seq1f1b", "auto"), ("terapipe", "auto"), ("seq1f1b", "1"))
 
 
 def measure(plan: str, trace: str, steps: int) -> None:
-    """`torchrun --nproc-per-node 2 --no-python tpc run PLAN --trace TRACE --steps N`."""
+    """`torchrun --nproc-per-node 2 -m tpc.cli.main run PLAN --trace TRACE --steps N`: this
+    interpreter's tpc, whatever `tpc` is on PATH."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(free_port()), "--no-python", "tpc", "run", plan, "--trace", trace, "--steps", str(steps),
+           str(free_port()), "-m", "tpc.cli.main", "run", plan, "--trace", trace, "--steps", str(steps),
            "--optimizer", "sgd", "--lr", "1e-4", "--quiet", "--device", "cpu"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0:
