@@ -65,7 +65,7 @@ def predicted(plan_path: str, profile: str):
     adds = []
     for r in result.ranks:
         m = r.peak_memory
-        adds.append(m.grads + m.activations + m.kv + m.kv_grads)
+        adds.append(m.grads + m.activations + m.kv + m.kv_grads + m.held_grads)
     return result.iteration_time, adds
 
 
@@ -76,6 +76,9 @@ def main(argv=None) -> int:
     ap.add_argument("--schedules", default=",".join(SCHEDULES), help=f"default: {','.join(SCHEDULES)}")
     ap.add_argument("--profile", help="use this CPU profile instead of running `tpc profile` first")
     args = ap.parse_args(argv)
+    unknown = [s for s in args.schedules.split(",") if s not in SCHEDULES]
+    if unknown:
+        ap.error(f"--schedules: {', '.join(unknown)} not in this table's schedules ({', '.join(SCHEDULES)})")
     at_root()
     rows, ok_all = [], True
     with tempfile.TemporaryDirectory(prefix="tpc-bench-") as tmp:

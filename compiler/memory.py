@@ -22,7 +22,10 @@ instruction and the peak. What is counted, from the cost model's byte functions:
   caches, with window k;
 * KV gradients: a slice's backward sends gradients into the keys and values of every earlier
   slice of its (stage, micro-batch); the accumulator of slice j exists from the start of the
-  first backward of a later slice until `free-kv`.
+  first backward of a later slice until `free-kv`;
+* held gradients: a split backward keeps, from the start of its `backward-input` to the end of
+  its `backward-weight`, the output gradients its weight half needs (dY of dW = dY^T X),
+  `held_grad_bytes(stage, l, c, mb_size)` (0 for a cost model that does not know them).
 
 Allocation happens when an instruction starts and release when it ends, so a backward still
 holds the activations it consumes. Under unit costs (`activation_bytes` 1 per slice, no
@@ -48,6 +51,7 @@ class Memory:
     activations: float = 0.0
     kv: float = 0.0
     kv_grads: float = 0.0
+    held_grads: float = 0.0
 
     @property
     def total(self) -> float:
@@ -115,7 +119,7 @@ def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: Cos
     (parameters, gradients and optimizer state stay allocated through a run's evaluation)."""
     params = sum(costs.param_bytes(s) for s in header.stages_of_rank(rank))
     static = dict(params=params, grads=params, optimizer=2 * params)
-    acts, kv, kv_grads = _Held(), _Held(), _Held()  # keyed (stage, mb, slice)
+    acts, kv, kv_grads, held = _Held(), _Held(), _Held(), _Held()  # keyed (stage, mb, slice)
     kv_slices: dict[tuple[int, int], list[int]] = {}  # (stage, mb) -> slices with a KV cache
 
     during: list[Memory] = []
@@ -131,14 +135,17 @@ def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: Cos
             if not instr.checkpoint and not forward_only:
                 acts.add(instr.key, costs.stash_bytes(instr.stage, l, c, size))
         elif instr.op in (Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
-            slice_extent(header, instr)  # a located error for a slice the header lacks
+            l, c, size = slice_extent(header, instr)  # a located error for a slice the header lacks
+            if instr.op is Op.BACKWARD_INPUT:
+                held.add(instr.key, costs.held_grad_bytes(instr.stage, l, c, size))
             for j in kv_slices.get(owner, ()):
                 if j < instr.slice:
                     kv_grads.add((*owner, j), kv.items[(*owner, j)])
         during.append(Memory(**static, activations=acts.total, kv=kv.total,
-                             kv_grads=kv_grads.total))
+                             kv_grads=kv_grads.total, held_grads=held.total))
         if instr.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
             acts.drop(instr.key)
+            held.drop(instr.key)
         elif instr.op is Op.FREE_KV:
             for j in kv_slices.pop(owner, ()):
                 kv.drop((*owner, j))

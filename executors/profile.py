@@ -12,7 +12,10 @@ small on purpose (a handful of lengths, contexts 0 / half / all of what precedes
 
 At every point one more, untimed forward measures the stash: the bytes of the tensors autograd
 saves for the slice's backward (parameters and KV caches excluded: they are counted apart), fitted
-per unit and micro-batch size by `fit.fit_stash` (the form is `fit.StashFit`'s).
+per unit and micro-batch size by `fit.fit_stash` (the form is `fit.StashFit`'s). The split
+pass also measures what `backward_input` keeps for `backward_weight` (the output gradients of
+the ops that multiply a weight with an activation: `DeferredWeightGrads.held_bytes`), fitted the
+same way: a plan that splits its backward holds it from one half to the other.
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ def _slice_inputs(stage, dev, vocab, hidden, b):
 
 def _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats):
     """Median (forward, backward, backward-input, backward-weight) seconds of one slice of
-    length l after a c-token prefix: a plain backward, and in a second pass the split one."""
+    length l after a c-token prefix: a plain backward, and in a second pass the split one; and
+    the bytes the split backward kept between its halves (`DeferredWeightGrads.held_bytes`)."""
     make_input, targets = _slice_inputs(stage, dev, vocab, hidden, b)
 
     def grad_out(y):
@@ -128,6 +132,7 @@ def _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats):
         rt.backward_input(0, sl, g)
         _sync(dev)
         t4 = time.perf_counter()
+        held = rt._slices[(0, sl)].weights.held_bytes()
         rt.backward_weight(0, sl)
         _sync(dev)
         t5 = time.perf_counter()
@@ -139,7 +144,7 @@ def _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats):
             bis.append(t4 - t3)
             bws.append(t5 - t4)
     return (statistics.median(fs), statistics.median(bs), statistics.median(bis),
-            statistics.median(bws))
+            statistics.median(bws), held)
 
 
 def _storage_key(t: torch.Tensor):
@@ -219,23 +224,25 @@ def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu
         stage = sliced.stage_module(u, u + 1).to(dev)
         rt = StageRuntime(stage, 1.0)
         fwd_fits, bwd_fits, stash_fits, samples, stash_samples = [], [], [], [], []
-        input_fits, weight_fits = [], []
+        input_fits, weight_fits, held_fits, held_samples = [], [], [], []
         for b in sizes:
             pts = []
             for l in lengths:
                 for c in grid_contexts(seq_len, l):
-                    tf, tb, ti, tw = _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup,
-                                                 repeats)
+                    tf, tb, ti, tw, held = _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup,
+                                                       repeats)
                     nbytes = stash_point(rt, stage, dev, vocab, hidden, l, c, b)
-                    pts.append((l, c, tf, tb, nbytes, ti, tw))
+                    pts.append((l, c, tf, tb, nbytes, ti, tw, held))
                     samples.append((b, l, c, tf, tb, ti, tw))
                     stash_samples.append((b, l, c, nbytes))
+                    held_samples.append((b, l, c, held))
             arr = np.array(pts, dtype=np.float64)
             fwd_fits.append(fit_curve(arr[:, 0], arr[:, 1], arr[:, 2]))
             bwd_fits.append(fit_curve(arr[:, 0], arr[:, 1], arr[:, 3]))
             stash_fits.append(fit_stash(arr[:, 0], arr[:, 1], arr[:, 4]))
             input_fits.append(fit_curve(arr[:, 0], arr[:, 1], arr[:, 5]))
             weight_fits.append(fit_curve(arr[:, 0], arr[:, 1], arr[:, 6]))
+            held_fits.append(fit_stash(arr[:, 0], arr[:, 1], arr[:, 7]))
         kv_per_token = sum(_kv_row_bytes(shape, d, dt)
                            for shape, d, dt in zip(stage._kv_shapes, stage.kv_dims, stage._kv_dtypes))
         params = sum(p.numel() * p.element_size() for p in stage.parameters())
@@ -243,7 +250,8 @@ def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu
                                  kv_bytes_per_token=int(kv_per_token), param_bytes=int(params),
                                  samples=tuple(samples), stash=tuple(stash_fits),
                                  stash_samples=tuple(stash_samples), bwd_input=tuple(input_fits),
-                                 bwd_weight=tuple(weight_fits)))
+                                 bwd_weight=tuple(weight_fits), held=tuple(held_fits),
+                                 held_samples=tuple(held_samples)))
         if log:
             step = max(tf + tb for _, _, _, tf, tb, _, _ in samples)
             log(f"unit {u} {stage.label}: {len(samples)} points, up to {step * 1e3:.3g} ms "

@@ -84,6 +84,17 @@ class DeferredWeightGrads:
     independent: dict  # (output node, nr) -> upstream gradient, outputs not depending on inputs
     params: dict  # accumulator node -> parameter
 
+    def held_bytes(self) -> int:
+        """Bytes of the gradients kept for the weight half (each storage once): what a split
+        backward holds between its halves beyond the forward's stash."""
+        seen: dict = {}
+        grads = [g for gs in self.kept.values() for g in gs] + list(self.independent.values())
+        for g in grads:
+            if g is not None:
+                st = g.untyped_storage()
+                seen[(st.data_ptr(), g.device)] = st.nbytes()
+        return int(sum(seen.values()))
+
     def apply(self) -> None:
         """Add the slice's parameter gradients into `.grad`; the state is dropped."""
         below: dict = dict(self.independent)  # (node, nr) -> gradient entering it

@@ -20,6 +20,9 @@ model overrides where it knows better:
     split_backward_time(stage, l, c, mb_size)
                                          (backward-input, backward-weight): half the backward each
     stash_bytes(stage, l, c, mb_size)    what a forward keeps for its backward: activation_bytes
+    held_grad_bytes(stage, l, c, mb_size)
+                                         what a split backward keeps from its input half to its
+                                         weight half, beyond the stash: 0
     kv_slice_bytes(stage, lengths, mb)   the KV cache charged to each slice: kv_bytes of each
     allreduce_time(nbytes, n)            a ring all-reduce: 2(n-1) steps of nbytes/n
     grad_sync_time(stage, data)          allreduce_time(param_bytes(stage), data)
@@ -83,6 +86,13 @@ class CostModel(ABC):
     def stash_bytes(self, stage: int, l: int, c: int, mb_size: int) -> float:
         """Bytes a slice's forward keeps for its backward."""
         return self.activation_bytes(l, mb_size)
+
+    def held_grad_bytes(self, stage: int, l: int, c: int, mb_size: int) -> float:
+        """Bytes a split backward of one slice keeps from `backward-input` to `backward-weight`
+        beyond the stash: the output gradients of the ops that multiply a weight with an
+        activation (dY of dW = dY^T X; executors/weight_grads.py). 0 where the model does not
+        know them."""
+        return 0.0
 
     def kv_slice_bytes(self, stage: int, lengths: tuple[int, ...], mb_size: int) -> list[float]:
         """KV-cache bytes charged to each slice of a micro-batch cut into slices of `lengths`

@@ -157,6 +157,11 @@ class GraphCostModel(DeviceCostModel):
         lo, hi = self.stage_units[stage]
         return int(sum(float(fn(l, c, mb_size).stash) for fn in self.costs.unit_fns[lo:hi]))
 
+    def held_grad_bytes(self, stage: int, l: int, c: int, mb_size: int) -> int:
+        """The output gradients of the stage's weight-times-activation matmuls (flops.py)."""
+        lo, hi = self.stage_units[stage]
+        return int(sum(float(fn(l, c, mb_size).held) for fn in self.costs.unit_fns[lo:hi]))
+
     def param_bytes(self, stage: int) -> int:
         return int(self._params[stage] * self.costs.float_bytes)
 

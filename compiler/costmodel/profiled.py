@@ -121,6 +121,16 @@ class ProfiledCostModel(CostModel):
                 self._stash[key] = int(sum(float(self._unit_time(u.stash, *args)) for u in units))
         return self._stash[key]
 
+    def held_grad_bytes(self, stage: int, l: int, c: int, mb_size: int) -> int:
+        """What a split backward keeps between its halves: the stage's units' measured fits
+        (`tpc profile`); 0 for a profile without them (built in memory)."""
+        lo, hi = self.stage_units[stage]
+        units = self.profile.units[lo:hi]
+        if any(len(u.held) != len(self._sizes) for u in units):
+            return 0
+        args = np.float64(l), np.float64(c), np.float64(mb_size)
+        return int(sum(float(self._unit_time(u.held, *args)) for u in units))
+
     def param_bytes(self, stage: int) -> int:
         lo, hi = self.stage_units[stage]
         return int(sum(u.param_bytes for u in self.profile.units[lo:hi]))

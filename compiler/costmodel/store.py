@@ -4,7 +4,8 @@ A profile is only valid for the model file it measured (its SHA-256) and the dev
 loading it for another model or device raises a TpirError that says which and how to refresh
 it, rather than letting the optimiser plan with someone else's timings. A profile of an older
 format version (version 1 had no activation stash, version 2 no split backward, version 3 fitted
-context terms that moved context-free slices off their measured times) is refused as
+context terms that moved context-free slices off their measured times, version 4 did not measure
+what a split backward keeps between its halves) is refused as
 stale the same way, saying what the newer version measures and how to write it again.
 """
 
@@ -19,12 +20,13 @@ from tpc.compiler.costmodel.fit import CurveFit, StashFit
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 PROFILE_FORMAT = "tpc-profile"
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
 # what each version added, for the message that refuses an older file
 VERSION_ADDED = {
     2: "what each slice keeps for its backward",
     3: "the two halves of a split backward (backward-input and backward-weight)",
     4: "slices down to L/64, and fits context terms that leave context-free slices at their measured times",
+    5: "the output gradients a split backward keeps from its input half to its weight half",
 }
 
 
@@ -49,6 +51,12 @@ class UnitProfile:
     # built in memory), the cost model then prices each half as half the backward
     bwd_input: tuple[CurveFit, ...] = ()
     bwd_weight: tuple[CurveFit, ...] = ()
+    # per measured micro-batch size, like stash: the bytes `backward_input` leaves for
+    # `backward_weight` (the kept output gradients, executors/weight_grads.py); empty: not
+    # measured, the cost model then counts none
+    held: tuple[StashFit, ...] = ()
+    # measured: (mb, l, c, bytes) per point
+    held_samples: tuple[tuple[int, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -125,7 +133,9 @@ def _to_obj(p: Profile) -> dict:
                    "stash": [f.to_dict() for f in u.stash],
                    "stash_samples": [list(s) for s in u.stash_samples],
                    "bwd_input": [f.to_dict() for f in u.bwd_input],
-                   "bwd_weight": [f.to_dict() for f in u.bwd_weight]}
+                   "bwd_weight": [f.to_dict() for f in u.bwd_weight],
+                   "held": [f.to_dict() for f in u.held],
+                   "held_samples": [list(s) for s in u.held_samples]}
                   for u in p.units],
     }
 
@@ -147,7 +157,10 @@ def _from_obj(d: dict) -> Profile:
                               stash_samples=tuple((int(s[0]), int(s[1]), int(s[2]), int(s[3]))
                                                   for s in u["stash_samples"]),
                               bwd_input=tuple(CurveFit.from_dict(f) for f in u["bwd_input"]),
-                              bwd_weight=tuple(CurveFit.from_dict(f) for f in u["bwd_weight"]))
+                              bwd_weight=tuple(CurveFit.from_dict(f) for f in u["bwd_weight"]),
+                              held=tuple(StashFit.from_dict(f) for f in u["held"]),
+                              held_samples=tuple((int(s[0]), int(s[1]), int(s[2]), int(s[3]))
+                                                 for s in u["held_samples"]))
                   for u in d["units"])
     return Profile(model_path=d["model_path"], model_sha256=d["model_sha256"], factory=d["factory"],
                    device=d["device"], seq_len=int(d["seq_len"]), hidden=int(d["hidden"]),

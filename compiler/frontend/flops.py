@@ -44,6 +44,7 @@ backward (every saved tensor is some op's output).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
 
@@ -76,6 +77,9 @@ class OpCost:
     bwd_bytes: sympy.Expr
     bwd_kernels: sympy.Expr
     out_bytes: sympy.Expr
+    # the gradient of the output a split backward keeps from backward-input to backward-weight:
+    # an op that mixes an input-dependent operand with a parameter (executors/weight_grads.py)
+    held: sympy.Expr = sympy.Integer(0)
 
 
 _ZERO = sympy.Integer(0)
@@ -270,12 +274,41 @@ def loss_cost(logits) -> OpCost:
     return _memory(5 * n, cast + log_softmax + nll, n * 4, kernels=2 + cast_kernel)
 
 
-def annotate_costs(graph: fx.Graph, static: set) -> None:
+def _held(n: fx.Node, cost: OpCost, static: set, weighted: set) -> OpCost:
+    """`cost` with what a split backward keeps of this op until its weight half: the gradient
+    of its output, where the op joins a parameter (or a value computed from one) with an
+    activation. Its backward-input then stops at the parameter's edge and keeps that gradient
+    for backward-weight (executors/weight_grads.py: linear layers, layer norms, a bias or a
+    scale added or multiplied in). A stage with no input (the first) defers its whole
+    backward, keeping only its output gradient there; the count per op is above that."""
+    if cost.kind == "free":
+        return cost
+    operands = [a for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+    if not (any(a in weighted for a in operands) and any(a not in static for a in operands)):
+        return cost
+    out = _val(n)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return dataclasses.replace(cost, held=tensor_bytes(out))
+
+
+def weighted_nodes(graph: fx.Graph, static: set, params: set[str]) -> set:
+    """The static nodes computed from a parameter (`params`: the names of the parameters)."""
+    out: set = set()
+    for n in graph.nodes:
+        if n.op == "get_attr" and n.target in params:
+            out.add(n)
+        elif n in static and any(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def annotate_costs(graph: fx.Graph, static: set, weighted: set = frozenset()) -> None:
     """Store `OpCost` records in `node.meta["tpc_cost"]` for every node of `graph`; `static` are
     the nodes computed from parameters, buffers and sizes only (a matmul with a static operand
     accumulates a weight gradient)."""
     for n in graph.nodes:
-        n.meta["tpc_cost"] = op_cost(n, static)
+        n.meta["tpc_cost"] = _held(n, op_cost(n, static), static, weighted)
 
 
 # ------------------------------------------------------------------------ per-unit sums
@@ -299,6 +332,7 @@ class UnitCost:
     fwd: dict  # class -> Work
     bwd: dict
     stash: object
+    held: object = 0.0  # bytes a split backward keeps from its input half to its weight half
 
     def total(self, direction: str = "fwd") -> Work:
         parts = (self.fwd if direction == "fwd" else self.bwd).values()
@@ -309,15 +343,18 @@ _FIELDS = ("flops", "bytes", "kernels", "bwd_flops", "bwd_bytes", "bwd_kernels")
 
 
 def sum_costs(records) -> dict:
-    """{(class, field): expression} summed over cost records, and ("stash", "out_bytes")."""
+    """{(class, field): expression} summed over cost records, ("stash", "out_bytes") and
+    ("held", "out_bytes")."""
     sums = {(k, f): _ZERO for k in CLASSES for f in _FIELDS}
     sums[("stash", "out_bytes")] = _ZERO
+    sums[("held", "out_bytes")] = _ZERO
     for r in records:
         if r.kind == "free":
             continue
         for f in _FIELDS:
             sums[(r.kind, f)] += getattr(r, f)
         sums[("stash", "out_bytes")] += r.out_bytes
+        sums[("held", "out_bytes")] += r.held
     return sums
 
 
@@ -349,7 +386,7 @@ class UnitCostFn:
         v = self.values(l, c, b)
         fwd = {k: Work(v[(k, "flops")], v[(k, "bytes")], v[(k, "kernels")]) for k in CLASSES}
         bwd = {k: Work(v[(k, "bwd_flops")], v[(k, "bwd_bytes")], v[(k, "bwd_kernels")]) for k in CLASSES}
-        return UnitCost(self.label, fwd, bwd, v[("stash", "out_bytes")])
+        return UnitCost(self.label, fwd, bwd, v[("stash", "out_bytes")], v.get(("held", "out_bytes"), 0.0))
 
     def relabel(self, label: str) -> "UnitCostFn":
         """The same function under another unit's label (identical blocks share the lambdified

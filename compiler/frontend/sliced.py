@@ -20,7 +20,8 @@ from tpc.compiler.frontend.analyse import check_token_independence
 from tpc.compiler.frontend.attention import rewrite_attention
 from tpc.compiler.frontend.axes import size_expr
 from tpc.compiler.frontend.capture import capture
-from tpc.compiler.frontend.flops import UnitCost, UnitCostFn, annotate_costs, loss_cost, numel as numel_of, sum_costs
+from tpc.compiler.frontend.flops import (UnitCost, UnitCostFn, annotate_costs, loss_cost, numel as numel_of,
+                                         sum_costs, weighted_nodes)
 from tpc.compiler.frontend.locate import refuse
 from tpc.compiler.frontend.partition import _is_residual, make_units, partition_balanced
 from tpc.compiler.frontend.positions import rewrite_positions
@@ -116,7 +117,7 @@ class SlicedModel:
         self._unit_attrs = [self._attrs_used(u.nodes) for u in self._units]
         self.hidden_size = self._hidden(data)
         # cost records in node.meta["tpc_cost"] (stage graphs copy them with the nodes)
-        annotate_costs(graph, self._static)
+        annotate_costs(graph, self._static, weighted_nodes(graph, self._static, set(named)))
         self._cost_fns: dict[int, list[UnitCostFn]] = {}
         if check_slices is DEFAULT:
             check_slices = default_check_slices(seq_len)
