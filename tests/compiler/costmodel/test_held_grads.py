@@ -129,3 +129,19 @@ def test_a_hugging_face_block_keeps_what_the_graph_counts(family):
     kept = rt._slices[(0, 0)].weights.held_bytes()
     rt.backward_weight(0, 0)
     assert kept > 0 and kept == cm.held_grad_bytes(1, l, 0, b)
+
+
+def test_a_version_4_profile_is_refused_as_stale(tiny_profile, tmp_path):
+    """Version 4 did not measure the held gradients: a plan's memory would silently miss them."""
+    import msgpack
+
+    from tests.compiler.costmodel.tiny_model import refusals
+
+    obj = msgpack.unpackb(tiny_profile["path"].read_bytes(), raw=False)
+    obj["version"] = 4
+    for u in obj["units"]:
+        del u["held"], u["held_samples"]
+    old = tmp_path / "v4.msgpack"
+    old.write_bytes(msgpack.packb(obj, use_bin_type=True))
+    for text in refusals(old):
+        assert "stale" in text and "version 4" in text and "split backward keeps" in text
