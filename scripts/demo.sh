@@ -29,7 +29,16 @@ if [ -f "$OUT/data/train.bin" ]; then echo "reusing $OUT/data/"
 else python3 examples/prepare_corpus.py -o "$OUT/data" --max-bytes 4000000; fi
 
 section "profile: forward and backward times of the model's units on this machine"
-if [ -f "$OUT/profile.msgpack" ]; then echo "reusing $OUT/profile.msgpack"
+# an earlier run's profile is reused only while it is valid for this model file, this machine
+# and this tpc's profile format (a newer tpc measures more and refuses an older file)
+if [ -f "$OUT/profile.msgpack" ] && python3 - "$OUT/profile.msgpack" <<'PY' 2>/dev/null
+import sys
+from tpc.compiler.costmodel.store import load_profile
+from tpc.compiler.frontend import file_sha256
+from tpc.executors.profile import device_name
+load_profile(sys.argv[1], model_sha256=file_sha256("examples/gpt.py"), device=device_name("cpu"))
+PY
+then echo "reusing $OUT/profile.msgpack"
 else tpc profile examples/gpt.py -o "$OUT/profile.msgpack" --seq-len "$SEQ" --device cpu --batch-sizes "$((BATCH / 2))"; fi
 
 section "compile: 2 pipeline stages, 2 micro-batches, token slices chosen by the optimiser"
