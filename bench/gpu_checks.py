@@ -1,6 +1,9 @@
 """The first-GPU checklist of docs/training.md in one run: plans through NCCL with the gradient
 check (fp32 and bf16), the reference interpreter on CUDA, and (unless --no-slicing)
 bench/gpu_slicing.py. Prints one line per check and a Markdown table for docs/benchmarks.md.
+First, bench/nccl_probe.py runs the plans' communication patterns in plain torch.distributed on
+2 ranks, so that a plan that hangs can be told from a backend or set-up that cannot run the
+pattern at all.
 
 On a machine with fewer GPUs than a plan has ranks (one GPU, say), each rank runs as its own
 torchrun "node" of one process, and each node gets its own `NCCL_HOSTID`. NCCL then takes the
@@ -81,9 +84,15 @@ def compile_all(out: Path, names) -> dict[str, Path]:
 def launch(plan: Path, extra: list[str], device: str, gpus: int, log: Path, limit: float, nodes: bool,
            wait: float) -> tuple[int | None, str]:
     """Run the plan on its ranks; returns (exit status or None for a hang, combined output)."""
-    world = ranks_of(plan)
-    port = free_port()
     run = ["-m", "tpc.cli.main", "run", str(plan), "--device", device, "--timeout", f"{wait:g}", *extra]
+    return launch_ranks(ranks_of(plan), run, device, gpus, log, limit, nodes)
+
+
+def launch_ranks(world: int, run: list[str], device: str, gpus: int, log: Path, limit: float,
+                 nodes: bool) -> tuple[int | None, str]:
+    """`torchrun ... RUN` on `world` ranks: one node of `world` processes, or where the GPUs are
+    fewer than the ranks (or with `nodes`) one node per rank, each its own NCCL host."""
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if not nodes and (device == "cpu" or gpus >= world):
         cmds = [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
@@ -146,6 +155,12 @@ def main(argv=None) -> int:
         print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {torch.cuda.nccl.version()}, "
               f"{gpus} x {torch.cuda.get_device_name(0)}", flush=True)
     names = [n for n in args.only.split(",") if n] or list(PLANS)
+    # plain torch first: can this backend and set-up run the patterns at all (bench/nccl_probe.py)
+    code, text = launch_ranks(2, ["bench/nccl_probe.py", "--device", args.device, "--deadline", f"{args.timeout:g}"],
+                              args.device, gpus, out / "nccl_probe.log", args.limit, args.nodes)
+    probes = [ln.split(None, 1)[1] for ln in text.splitlines() if ln.startswith("nccl_probe ")]
+    print("plain torch: " + ("; ".join(" ".join(p.split()) for p in probes) or f"no result (exit {code})"),
+          flush=True)
     t0 = time.monotonic()
     plans = compile_all(out, names)
     print(f"compiled {len(plans)} plans in {time.monotonic() - t0:.0f} s", flush=True)

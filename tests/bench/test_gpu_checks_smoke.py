@@ -1,6 +1,7 @@
 """bench/gpu_checks.py on the CPU (gloo): the launches it makes on a GPU machine, both ways (one
 node of several processes, and one node per rank as on a machine with fewer GPUs than ranks),
-train the plan and pass the gradient check, and its table says so."""
+run plain torch's communication probes (bench/nccl_probe.py), train the plan and pass the
+gradient check, and its table says so."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def test_one_node_and_a_node_per_rank_both_pass_the_gradient_check(tmp_path):
     for mode, extra in (("node", []), ("nodes", ["--nodes"])):
         p = run_checks(tmp_path / mode, "--only", "1f1b", *extra)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        # plain torch ran the plans' communication patterns first (bench/nccl_probe.py)
+        assert "plain torch: one-way ok; exchange ok; exchange-after-one-way ok" in p.stdout, p.stdout
         table = rows(p.stdout)
         assert set(table) == {("1f1b", "fp32"), ("1f1b --interpret", "fp32")}, p.stdout
         for cells in table.values():
