@@ -9,10 +9,10 @@ kernel launches per partition unit as functions of the slice length `l`, the cac
 
 and a stage's time is the longer of the sum of its units' and of the host's time to issue
 their kernels (kernels * host_op_time: eager PyTorch dispatches every kernel from Python, ahead
-of the GPU; a short slice of a small model waits on the host, docs/costmodel.md). The roofline is taken per op class rather than
-per kernel: the kernels of one class in one unit see the same token count and so about the
-same arithmetic intensity, and three sums per unit evaluate much faster than one maximum per
-node over the optimiser's hundreds of thousands of slices. Memory sizes (activations, KV
+of the GPU; a short slice of a small model waits on the host, docs/costmodel.md). The roofline
+is taken per op class rather than per kernel: the kernels of one class in one unit see the same
+token count and so about the same arithmetic intensity, and three sums per unit evaluate much
+faster than one maximum per node over the optimiser's hundreds of thousands of slices. Memory sizes (activations, KV
 cache, parameters, what a forward keeps for its backward) come from the graph's shapes too.
 
 Floating-point values count `float_bytes` each (2: the device presets quote bf16/fp16
@@ -158,7 +158,8 @@ class GraphCostModel(DeviceCostModel):
         return int(sum(float(fn(l, c, mb_size).stash) for fn in self.costs.unit_fns[lo:hi]))
 
     def held_grad_bytes(self, stage: int, l: int, c: int, mb_size: int) -> int:
-        """The output gradients of the stage's weight-times-activation matmuls (flops.py)."""
+        """What a split backward keeps between its halves: the output gradients of the stage's
+        ops that join a parameter with an activation (flops.py, `_held`)."""
         lo, hi = self.stage_units[stage]
         return int(sum(float(fn(l, c, mb_size).held) for fn in self.costs.unit_fns[lo:hi]))
 

@@ -386,7 +386,7 @@ class UnitCostFn:
         v = self.values(l, c, b)
         fwd = {k: Work(v[(k, "flops")], v[(k, "bytes")], v[(k, "kernels")]) for k in CLASSES}
         bwd = {k: Work(v[(k, "bwd_flops")], v[(k, "bwd_bytes")], v[(k, "bwd_kernels")]) for k in CLASSES}
-        return UnitCost(self.label, fwd, bwd, v[("stash", "out_bytes")], v.get(("held", "out_bytes"), 0.0))
+        return UnitCost(self.label, fwd, bwd, v[("stash", "out_bytes")], v[("held", "out_bytes")])
 
     def relabel(self, label: str) -> "UnitCostFn":
         """The same function under another unit's label (identical blocks share the lambdified
