@@ -195,6 +195,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", help="write a Chrome-trace JSON (opens in Perfetto)")
     sim.add_argument("--png", help="write a Gantt chart picture")
     sim.add_argument("--compare", help="a measured trace from `tpc run --trace`: print predicted vs measured")
+    sim.add_argument("--comm", choices=("gloo", "nccl"), default="gloo",
+                     help="the rules messages move under: gloo (buffered sends: a send never waits, "
+                     "its transfer overlaps the receiver's work; the default) or nccl (each rank's "
+                     "sends and receives run in issue order, and a message moves only once both its "
+                     "ends have started; what a run on GPUs does)")
     sim.set_defaults(func=cmd_simulate)
 
     r = sub.add_parser("run", help="execute a plan (under torchrun, or --interpret in one process)",

@@ -31,11 +31,11 @@ def cmd_simulate(args) -> int:
     plan = load_checked_plan(args.plan, needs_model=bool(args.cost or args.device_model))
     costs = plan_cost_model(plan.header, cost=args.cost, device_model=args.device_model,
                             source=args.plan)
-    result = simulate(plan, costs)
+    result = simulate(plan, costs, args.comm)
     print(format_report(result, args.plan, costs.describe()))
     if plan.eval is not None:
         print()
-        print(format_eval_report(simulate(plan.evaluation(), costs)))
+        print(format_eval_report(simulate(plan.evaluation(), costs, args.comm)))
     if args.trace:
         _writing("--trace", args.trace, lambda: timeline.write_trace(result, args.trace, args.plan))
         print(f"trace: {args.trace} (open it in https://ui.perfetto.dev)")
@@ -66,7 +66,7 @@ def simulate_bundle(args) -> int:
     for member, plan in zip(bundle.index.members, bundle.plans):
         costs = plan_cost_model(plan.header, cost=args.cost, device_model=args.device_model,
                                 source=plan.source)
-        result = simulate(plan, costs)
+        result = simulate(plan, costs, args.comm)
         print(format_report(result, plan.source, costs.describe()))
         print()
         t = result.time_unit

@@ -13,6 +13,15 @@ rule of docs/ir.md:
   rank: the executor waits for it where its value is used, so the compute that consumes it
   starts at max(its own turn, the message's arrival) and carries the wait. (The simulation
   predicts time, not deadlock freedom: the verifier checks that under the backend's rules.)
+* with `comm="nccl"` (`tpc simulate --comm nccl`), NCCL's rules instead: each rank's sends and
+  receives run in issue order on one stream (every one a `batch_isend_irecv`, an exchange one
+  batch), and a message moves only once both its send and its receive have started. So an
+  operation starts at max(when its rank issues it, when that rank's previous operation ended),
+  a message ends at max(its send's start, its receive's start) + the transfer time, and a
+  batch ends with its last message. The host never waits for a send: a receive outside an
+  exchange holds its rank until its message ends, an exchange's receive holds the compute that
+  uses it, and `step` waits for every send of the rank (the executor's flush). Every time is
+  then at least its buffered value: the rules only add waits;
 * `reduce-tied NAME` starts when every rank holding a stage of the tie has reached it (the
   k-th `reduce-tied NAME` of each rank together), then costs an all-reduce of the tied bytes
   over those ranks;
@@ -50,7 +59,7 @@ from tpc.compiler.costmodel.base import CostModel
 from tpc.compiler.memory import Memory, rank_memory, slice_extent
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Header, Instr, Op, Plan
-from tpc.ir.semantics import compute_messages, message_key, tie_ranks
+from tpc.ir.semantics import GLOO, NCCL, compute_messages, exchange_span, message_key, tie_ranks
 
 # ---------------------------------------------------------------------------------- results
 
@@ -134,11 +143,24 @@ def _tie_ranks(header: Header, rank: int, instr: Instr) -> tuple[int, ...]:
     )
 
 
+class _Comm:
+    """One point-to-point operation of a rank under NCCL's rules: a send, a receive, or an
+    exchange's batch; `members` are (message key, is a send, transfer time, position)."""
+
+    def __init__(self, rank: int, index: int, issued: float, prev: "_Comm | None"):
+        self.rank, self.index, self.issued, self.prev = rank, index, issued, prev
+        self.members: list[tuple] = []
+        self.end: tuple | None = None
+
+
 class _Sim:
     """The state of one simulation; `run` advances every rank as far as its dependencies let
     it, round after round, until all are done or none can move (a deadlock)."""
 
-    def __init__(self, plan: Plan, costs: CostModel):
+    def __init__(self, plan: Plan, costs: CostModel, comm: str = GLOO):
+        if comm not in (GLOO, NCCL):
+            raise ValueError(f"comm must be {GLOO!r} or {NCCL!r}, not {comm!r}")
+        self.nccl = comm == NCCL
         self.plan = plan
         self.header = plan.header
         self.costs = costs
@@ -152,7 +174,13 @@ class _Sim:
         self.tie_arrivals: dict[tuple[str, int], dict[int, tuple[float, int]]] = {}
         self.exchange_end = [0] * len(self.streams)  # the position after a rank's current exchange
         # (rank, message key) -> (arrival, sender's event) of an exchange's receive not yet used
-        self.arriving: dict[tuple, tuple[float, tuple[int, int]]] = {}
+        # (under NCCL's rules the arrival is the exchange's operation, `_Comm`, until it is known)
+        self.arriving: dict[tuple, tuple] = {}
+        # NCCL's rules: each rank's operations in issue order, the operation of each position
+        self.ops: list[list[_Comm]] = [[] for _ in self.streams]
+        self.op_at: dict[tuple[int, int], _Comm] = {}
+        self.ends: dict[tuple, tuple[int, _Comm]] = {}  # message key -> (its send side's rank, op)
+        self.recv_side: dict[tuple, _Comm] = {}  # message key -> its receive's operation
 
     def run(self) -> None:
         moved = True
@@ -180,13 +208,21 @@ class _Sim:
         instr = self.streams[r][self.pos[r]]
         t = self.clock[r]
         prev = self._previous(r)
+        if self.nccl and instr.op in (Op.SEND, Op.RECV, Op.EXCHANGE, Op.STEP):
+            return self._nccl_step(r, instr, t, prev)
         if instr.op in COMPUTE_OPS:
             start, pred = t, prev
             if self.arriving:
-                for _, peer, msg in compute_messages(self.header, r, instr)[0]:
-                    got = self.arriving.pop((r, (peer, r, msg)), None)
-                    if got is not None and got[0] > start:
-                        start, pred = got
+                used = [(r, (peer, r, msg)) for _, peer, msg in compute_messages(self.header, r, instr)[0]]
+                got = [self.arriving.get(k) for k in used]
+                if self.nccl:  # an exchange's operation: its end, once both sides have started
+                    got = [None if g is None else self._arrival(g) for g in got]
+                    if any(g is False for g in got):
+                        return False
+                for k, g in zip(used, got):
+                    self.arriving.pop(k, None)
+                    if g is not None and g[0] > start:
+                        start, pred = g
             self._finish(r, t, start + _compute_time(self.header, instr, self.costs), start - t, pred)
         elif instr.op is Op.EXCHANGE:
             self.exchange_end[r] = self.pos[r] + 1 + instr.count
@@ -220,6 +256,101 @@ class _Sim:
             self._finish(r, t, t, 0.0, prev)
         return True
 
+    # ------------------------------------------------------------------ NCCL's rules
+
+    def _transfer(self, r: int, instr: Instr) -> float:
+        l, _, size = slice_extent(self.header, instr)
+        return self.costs.p2p_time(self.costs.activation_bytes(l, size))
+
+    def _issue(self, r: int, positions, t: float) -> "_Comm":
+        """Rank r issues one operation at time t: the sends and receives at `positions`."""
+        op = _Comm(r, len(self.ops[r]), t, self.ops[r][-1] if self.ops[r] else None)
+        for p in positions:
+            instr = self.streams[r][p]
+            key = message_key(r, instr)
+            op.members.append((key, instr.op is Op.SEND, self._transfer(r, instr), p))
+            (self.ends if instr.op is Op.SEND else self.recv_side)[key] = op
+            self.op_at[(r, p)] = op
+        self.ops[r].append(op)
+        return op
+
+    def _start(self, op: "_Comm", busy: set) -> float | None:
+        if op.prev is None:
+            return op.issued
+        end = self._end(op.prev, busy)
+        return None if end is None else max(op.issued, end[0])
+
+    def _end(self, op: "_Comm", busy: set | None = None):
+        """(end, (rank, position) of the send that ended last) of an operation, or None while a
+        partner has not issued its side (or waits, through its stream, on this one)."""
+        if op.end is not None:
+            return op.end
+        busy = set() if busy is None else busy
+        if id(op) in busy:
+            return None
+        busy.add(id(op))
+        try:
+            start = self._start(op, busy)
+            if start is None:
+                return None
+            end, last = start, None
+            for key, is_send, transfer, p in op.members:
+                other = (self.recv_side if is_send else self.ends).get(key)
+                if other is None:
+                    return None
+                other_start = self._start(other, busy)
+                if other_start is None:
+                    return None
+                done = max(start, other_start) + transfer
+                if done >= end:
+                    send_pos = p if is_send else next(q for k, s_, _, q in other.members if k == key)
+                    end, last = done, ((op.rank if is_send else other.rank), send_pos)
+            op.end = (end, last)
+            return op.end
+        finally:
+            busy.discard(id(op))
+
+    def _arrival(self, got):
+        """An exchange receive's arrival: (time, the send's event), False while unknown."""
+        if not isinstance(got, _Comm):
+            return got
+        end = self._end(got)
+        return False if end is None else end
+
+    def _nccl_step(self, r: int, instr: Instr, t: float, prev) -> bool:
+        pos = self.pos[r]
+        if instr.op is Op.EXCHANGE:
+            span = exchange_span(self.streams[r], pos)
+            self.exchange_end[r] = span.stop
+            self._issue(r, [p for p in span if self.streams[r][p].op in (Op.SEND, Op.RECV)], t)
+            self._finish(r, t, t, 0.0, prev)
+            return True
+        if instr.op is Op.STEP:  # the executor's flush: every send of the rank has ended
+            ends = [self._end(op) for op in self.ops[r]]
+            if any(e is None for e in ends):
+                return False
+            ready = max([t] + [e[0] for e in ends])
+            self._finish(r, t, ready, ready - t, prev)
+            return True
+        op = self.op_at.get((r, pos)) or self._issue(r, [pos], t)
+        if instr.op is Op.SEND:
+            self._finish(r, t, t, 0.0, prev)
+            return True
+        key = message_key(r, instr)
+        if pos < self.exchange_end[r]:  # an exchange's receive: waited for where it is used
+            self.arriving[(r, key)] = op
+            self._finish(r, t, t, 0.0, prev)
+            return True
+        end = self._end(op)
+        if end is None:
+            return False
+        arrival, sender = end
+        if arrival > t:
+            self._finish(r, t, arrival, arrival - t, sender, arrival)
+        else:
+            self._finish(r, t, t, 0.0, prev, arrival)
+        return True
+
     def _reduce_tied(self, r: int, instr: Instr) -> bool:
         ranks = _tie_ranks(self.header, r, instr)
         k = self.tie_seen.get((r, instr.tie), 0)
@@ -240,7 +371,11 @@ class _Sim:
 
     def _stuck(self, r: int) -> Diagnostic:
         instr = self.streams[r][self.pos[r]]
-        if instr.op is Op.RECV:
+        if self.nccl and instr.op is not Op.REDUCE_TIED:
+            why = ("under NCCL's rules its sends and receives wait, in issue order, on operations "
+                   "that wait on it")
+            hint = "run `tpc verify --comm nccl` on the plan: it says where the ranks wait on each other"
+        elif instr.op is Op.RECV:
             why = f"no rank sends what it receives (rank {instr.peer} never runs the matching send)"
             hint = (f"rank {instr.peer} must run `send {instr.payload.value} ...` of this message "
                     "before it waits on anything that depends on this rank")
@@ -268,9 +403,10 @@ class _Sim:
         return tuple(reversed(path))
 
 
-def simulate(plan: Plan, costs: CostModel) -> SimResult:
-    """Predict the plan's timeline under `costs` (see the module docstring)."""
-    sim = _Sim(plan, costs)
+def simulate(plan: Plan, costs: CostModel, comm: str = GLOO) -> SimResult:
+    """Predict the plan's timeline under `costs` and the rules of `comm` (gloo's buffered
+    sends, or NCCL's rendezvous; see the module docstring)."""
+    sim = _Sim(plan, costs, comm)
     sim.run()
     events = tuple(sim.events[k] for k in sorted(sim.events))
     total = max((e.end for e in events), default=0.0)

@@ -32,9 +32,10 @@ A plan runs under the rules of the backend that carries its messages, named by `
 - `gloo` (buffered sends): a `send` never blocks (the message is buffered); a `recv` blocks
   until its matching send has run. The format's own semantics: the interpreter runs it, and
   every valid plan satisfies it (verifier rule D1).
-- `nccl` (rendezvous sends): a send completes only when its receive is posted, and the sends
-  and receives between two ranks, in both directions, run in issue order on one communicator
-  and stream, one FIFO per rank pair (PyTorch's NCCL process group). A plan satisfies these
+- `nccl` (rendezvous sends): a send completes only when its receive is posted, and a rank's
+  sends and receives, to every peer and in both directions, run in issue order on one
+  communicator and stream (PyTorch's NCCL process group, to which the executor gives every one
+  as a `batch_isend_irecv`). A plan satisfies these
   rules when every rank can run with each point-to-point operation blocking the rank until its
   partner operation is posted: an `exchange N` (format version 2) makes its N sends and
   receives one operation, issued together (`batch_isend_irecv`) and complete together, so two
