@@ -386,6 +386,7 @@ def search_space(opts: CompileOptions, num_units: int, split=None):
         budget=None if opts.recompute == "auto" else opts.memory_per_rank,
         skipped=tuple(skipped),
         ranges=None if split is None else tuple(split[2]),
+        comm=opts.comm,
     )  # fmt: skip
 
 

@@ -22,8 +22,9 @@ What is searched depends on the options; everything else is held fixed:
   model has fewer units, and dualpipev of a slicing with fewer than 2 x pipe micro-batches. A
   rank's memory is the simulator's, which counts every stage the rank holds (both chunks of a V).
 
-Every (mesh, slicing, schedule), in that order, is built (header, schedule, lowering) and
-simulated under the partition's cost model; its peak memory per rank is the simulator's
+Every (mesh, slicing, schedule), in that order, is built (header, schedule, lowering for the
+backend `--comm` names) and simulated under the partition's cost model and that backend's rules
+(NCCL's by default, as `tpc compile` lowers for NCCL); its peak memory per rank is the simulator's
 (compiler/memory.py). The fastest candidate whose peak fits `--memory-per-rank` wins; among
 equally fast ones (within a relative 1e-9) the one with the lowest peak memory, then the first
 in that order (pipe ascending, the DP's slicing first, schedules in the order listed).
@@ -113,6 +114,9 @@ class Space:
     skipped: tuple[str, ...] = ()  # meshes left out, and why (for --explain)
     # a fixed stage partition (the other plans of a bundle share the first one's); None: searched
     ranges: Ranges | None = None
+    # the backend the plan is for (`--comm`): candidates are lowered for it and simulated under
+    # its rules (NCCL's: in-order streams and rendezvous transfers, compiler/simulate.py)
+    comm: str = "nccl"
 
 
 @dataclass(frozen=True)
@@ -189,8 +193,8 @@ def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> Se
                     if len(space.schedules) == 1:
                         raise  # the schedule the user named refuses this plan: say why
                     continue  # e.g. dualpipev with fewer than 2 x pipe micro-batches
-                plan = lower(header, compute, verify=False)
-                sim = simulate(plan, cost)
+                plan = lower(header, compute, verify=False, comm=space.comm)
+                sim = simulate(plan, cost, space.comm)
                 peak = max(r.peak_memory.total for r in sim.ranks)
                 fits = space.budget is None or peak <= space.budget
                 candidates.append(Candidate(pipe, data, ranges, schedule, slicing,

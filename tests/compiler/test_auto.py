@@ -81,10 +81,11 @@ def search(tiny, source, budget=None, **change):
     return search_plan(source, search_space(opts, tiny.sliced.num_units), make)
 
 
-def simulated(header, source):
-    """(step time, largest peak memory per rank) of a header, built and simulated here."""
-    plan = lower(header, build_schedule(header.schedule.name, header), verify=False)
-    result = simulate(plan, source.for_stages([s.units for s in header.stages]))
+def simulated(header, source, comm="nccl"):
+    """(step time, largest peak memory per rank) of a header, built and simulated here under the
+    rules the search prices (the compile's --comm: NCCL's by default)."""
+    plan = lower(header, build_schedule(header.schedule.name, header), verify=False, comm=comm)
+    result = simulate(plan, source.for_stages([s.units for s in header.stages]), comm)
     return result.iteration_time, max(r.peak_memory.total for r in result.ranks)
 
 
@@ -144,9 +145,9 @@ def test_cost_partition_follows_the_unit_times(tiny, tmp_path):
 # -------------------------------------------------------------------------- schedules
 
 
-def _fixed_slices_search(tiny, source, budget=None):
+def _fixed_slices_search(tiny, source, budget=None, comm="nccl"):
     """Four micro-batches of eight given slices: the schedules differ most in memory here."""
-    return search(tiny, source, budget, schedule="auto", microbatches=4, slices="8")
+    return search(tiny, source, budget, schedule="auto", microbatches=4, slices="8", comm=comm)
 
 
 @pytest.mark.parametrize("which_budget", ["none", "between"])
@@ -191,13 +192,14 @@ def test_schedule_auto_with_slices_auto_matches_each_schedule_searched_alone(tin
 
 
 def test_equally_fast_schedules_go_to_the_smaller_one(tiny, synthetic_path):
-    """With these costs 1f1b, terapipe and gpipe take the same simulated time; 1f1b holds
-    fewer slice activations, so it wins among them. The zero-bubble schedules are faster (their
-    deferred weight gradients fill the bubble), zb-h1 and zb-h2 equally so here; zb-h1 holds
-    less, so it wins the search."""
+    """With these costs and gloo's buffered sends 1f1b, terapipe and gpipe take the same
+    simulated time; 1f1b holds fewer slice activations, so it wins among them. The zero-bubble
+    schedules are faster (their deferred weight gradients fill the bubble), zb-h1 and zb-h2
+    equally so here; zb-h1 holds less, so it wins the search. (Under NCCL's rules, the default,
+    terapipe's and gpipe's late receives expose their transfers: see the next test.)"""
     from tpc.compiler.search import _fastest
 
-    free = _fixed_slices_search(tiny, _source(synthetic_path, tiny))
+    free = _fixed_slices_search(tiny, _source(synthetic_path, tiny), comm="gloo")
     by_name = {c.schedule: c for c in free.candidates}
     assert by_name["terapipe"].time == pytest.approx(by_name["1f1b"].time, rel=1e-9)
     assert by_name["1f1b"].peak < by_name["terapipe"].peak
@@ -206,6 +208,21 @@ def test_equally_fast_schedules_go_to_the_smaller_one(tiny, synthetic_path):
     assert by_name["zb-h1"].time < by_name["1f1b"].time
     assert by_name["zb-h1"].peak < by_name["zb-h2"].peak
     assert free.best.schedule == "zb-h1"
+
+
+def test_under_nccl_rules_the_search_prices_exposed_transfers(tiny, synthetic_path):
+    """The search prices the backend the plan is for (`--comm`, NCCL by default): there a
+    message moves only once its receive has started, so a schedule whose receives come late
+    (terapipe: every forward, then every backward) pays transfers that 1F1B's exchanges hide,
+    and nothing is faster than under gloo's buffered sends."""
+    source = _source(synthetic_path, tiny)
+    nccl = {c.schedule: c for c in _fixed_slices_search(tiny, source).candidates if c.simulated}
+    gloo = {c.schedule: c for c in _fixed_slices_search(tiny, source, comm="gloo").candidates if c.simulated}
+    assert set(nccl) == set(gloo)
+    for name in nccl:
+        assert nccl[name].time >= gloo[name].time * (1 - 1e-12), name
+    assert nccl["terapipe"].time > nccl["1f1b"].time
+    assert gloo["terapipe"].time == pytest.approx(gloo["1f1b"].time, rel=1e-9)
 
 
 def test_tight_memory_forces_seq1f1b(tiny, synthetic_path):
