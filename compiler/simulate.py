@@ -275,6 +275,7 @@ class _Sim:
         return op
 
     def _start(self, op: "_Comm", busy: set) -> float | None:
+        """When the operation starts: when issued, and not before its rank's previous one ended."""
         if op.prev is None:
             return op.issued
         end = self._end(op.prev, busy)
@@ -282,10 +283,24 @@ class _Sim:
 
     def _end(self, op: "_Comm", busy: set | None = None):
         """(end, (rank, position) of the send that ended last) of an operation, or None while a
-        partner has not issued its side (or waits, through its stream, on this one)."""
+        partner has not issued its side (or waits, through its stream, on this one). The
+        operations of a rank before it are resolved first, in order, without recursion (a rank
+        may issue hundreds of sends nobody has asked the end of yet)."""
         if op.end is not None:
             return op.end
         busy = set() if busy is None else busy
+        chain = []
+        o = op
+        while o is not None and o.end is None:
+            chain.append(o)
+            o = o.prev
+        for o in reversed(chain):
+            if self._resolve(o, busy) is None:
+                return None
+        return op.end
+
+    def _resolve(self, op: "_Comm", busy: set):
+        """The end of `op`, whose previous operation has ended (see `_end`)."""
         if id(op) in busy:
             return None
         busy.add(id(op))
@@ -303,7 +318,7 @@ class _Sim:
                     return None
                 done = max(start, other_start) + transfer
                 if done >= end:
-                    send_pos = p if is_send else next(q for k, s_, _, q in other.members if k == key)
+                    send_pos = p if is_send else next(q for k, _, _, q in other.members if k == key)
                     end, last = done, ((op.rank if is_send else other.rank), send_pos)
             op.end = (end, last)
             return op.end
