@@ -170,7 +170,7 @@ def test_an_exchange_is_one_batch_and_its_receive_is_waited_where_it_is_used(mon
 def test_under_nccl_rules_every_send_and_receive_is_a_batch(monkeypatch, rendezvous):
     """PyTorch's NCCL process group gives unbatched isend/irecv a lazily created communicator
     per pair of ranks, and batched ones the group's: mixing them put one pair's messages on two
-    streams and hung 1F1B on the first GPU run (docs/benchmarks.md, 'First GPU run'). Under
+    streams and hung 1F1B on the first GPU run (docs/benchmarks.md, 'GPU: the first run'). Under
     NCCL's rules each plain send and receive is a batch of one, and nothing else is issued."""
     from tpc.executors import distributed
     from tpc.ir.nodes import Op
