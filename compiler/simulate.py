@@ -147,8 +147,8 @@ class _Comm:
     """One point-to-point operation of a rank under NCCL's rules: a send, a receive, or an
     exchange's batch; `members` are (message key, is a send, transfer time, position)."""
 
-    def __init__(self, rank: int, index: int, issued: float, prev: "_Comm | None"):
-        self.rank, self.index, self.issued, self.prev = rank, index, issued, prev
+    def __init__(self, rank: int, issued: float, prev: "_Comm | None"):
+        self.rank, self.issued, self.prev = rank, issued, prev
         self.members: list[tuple] = []
         self.end: tuple | None = None
 
@@ -179,7 +179,7 @@ class _Sim:
         # NCCL's rules: each rank's operations in issue order, the operation of each position
         self.ops: list[list[_Comm]] = [[] for _ in self.streams]
         self.op_at: dict[tuple[int, int], _Comm] = {}
-        self.ends: dict[tuple, tuple[int, _Comm]] = {}  # message key -> (its send side's rank, op)
+        self.send_side: dict[tuple, _Comm] = {}  # message key -> its send's operation
         self.recv_side: dict[tuple, _Comm] = {}  # message key -> its receive's operation
 
     def run(self) -> None:
@@ -264,12 +264,12 @@ class _Sim:
 
     def _issue(self, r: int, positions, t: float) -> "_Comm":
         """Rank r issues one operation at time t: the sends and receives at `positions`."""
-        op = _Comm(r, len(self.ops[r]), t, self.ops[r][-1] if self.ops[r] else None)
+        op = _Comm(r, t, self.ops[r][-1] if self.ops[r] else None)
         for p in positions:
             instr = self.streams[r][p]
             key = message_key(r, instr)
             op.members.append((key, instr.op is Op.SEND, self._transfer(r, instr), p))
-            (self.ends if instr.op is Op.SEND else self.recv_side)[key] = op
+            (self.send_side if instr.op is Op.SEND else self.recv_side)[key] = op
             self.op_at[(r, p)] = op
         self.ops[r].append(op)
         return op
@@ -310,7 +310,7 @@ class _Sim:
                 return None
             end, last = start, None
             for key, is_send, transfer, p in op.members:
-                other = (self.recv_side if is_send else self.ends).get(key)
+                other = (self.recv_side if is_send else self.send_side).get(key)
                 if other is None:
                     return None
                 other_start = self._start(other, busy)

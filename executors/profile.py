@@ -14,7 +14,7 @@ At every point one more, untimed forward measures the stash: the bytes of the te
 saves for the slice's backward (parameters and KV caches excluded: they are counted apart), fitted
 per unit and micro-batch size by `fit.fit_stash` (the form is `fit.StashFit`'s). The split
 pass also measures what `backward_input` keeps for `backward_weight` (the output gradients of
-the ops that multiply a weight with an activation: `DeferredWeightGrads.held_bytes`), fitted the
+the ops that join a parameter with an activation: `DeferredWeightGrads.held_bytes`), fitted the
 same way: a plan that splits its backward holds it from one half to the other.
 """
 
@@ -31,6 +31,7 @@ from tpc.compiler.costmodel.fit import fit_curve, fit_stash
 from tpc.compiler.costmodel.store import Profile, UnitProfile
 from tpc.compiler.frontend import SlicedModel, file_sha256, load_model, read_vocab
 from tpc.executors.stage_runtime import StageRuntime
+from tpc.executors.weight_grads import storage_key
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 # a loopback gloo transfer on one host: latency and bandwidth of a memcpy through a socket
@@ -132,7 +133,7 @@ def _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats):
         rt.backward_input(0, sl, g)
         _sync(dev)
         t4 = time.perf_counter()
-        held = rt._slices[(0, sl)].weights.held_bytes()
+        held = rt.held_bytes(0, sl)
         rt.backward_weight(0, sl)
         _sync(dev)
         t5 = time.perf_counter()
@@ -145,11 +146,6 @@ def _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats):
             bws.append(t5 - t4)
     return (statistics.median(fs), statistics.median(bs), statistics.median(bis),
             statistics.median(bws), held)
-
-
-def _storage_key(t: torch.Tensor):
-    st = t.untyped_storage()
-    return st.device.type, st.data_ptr()
 
 
 def stash_point(rt, stage, dev, vocab, hidden, l, c, b) -> int:
@@ -180,14 +176,14 @@ def stash_point(rt, stage, dev, vocab, hidden, l, c, b) -> int:
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             rt.forward(0, sl, x, c, tg)
-        held = {_storage_key(t) for t in (*stage.parameters(), *stage.buffers())}
+        held = {storage_key(t) for t in (*stage.parameters(), *stage.buffers())}
         cache_bytes: dict[tuple, dict] = {}  # storage -> {(offset, numel): bytes} of cache views
         for k in before + list(rt.kv_buffers(0)):
-            cache_bytes.setdefault(_storage_key(k), {})[(k.storage_offset(), k.numel())] = (
+            cache_bytes.setdefault(storage_key(k), {})[(k.storage_offset(), k.numel())] = (
                 k.numel() * k.element_size())
         counted: dict[tuple, int] = {}
         for t in saved:
-            key = _storage_key(t)
+            key = storage_key(t)
             if key in held or key in counted:
                 continue
             kv = sum(cache_bytes.get(key, {}).values())

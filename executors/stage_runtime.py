@@ -326,6 +326,11 @@ class StageRuntime:
         self._send_prefix_grads(rec)
         return None if self.module.is_first else rec.x.grad
 
+    def held_bytes(self, mb: int, sl: int) -> int:
+        """What the slice's backward_input keeps for its backward_weight (0 before or after)."""
+        rec = self._slices.get((mb, sl))
+        return 0 if rec is None or rec.weights is None else rec.weights.held_bytes()
+
     def backward_weight(self, mb: int, sl: int) -> None:
         """Split backward, second half: parameter gradients, accumulated into .grad."""
         rec = self._slices.get((mb, sl))

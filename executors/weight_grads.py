@@ -36,6 +36,12 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 
+def storage_key(t: torch.Tensor) -> tuple:
+    """What tells one tensor's storage from another's (views of one storage share it)."""
+    st = t.untyped_storage()
+    return st.device.type, st.data_ptr()
+
+
 def _node(t: torch.Tensor) -> Node:
     """The autograd node gradients of `t` flow into: its grad_fn, or a leaf's accumulator."""
     if t.grad_fn is not None:
@@ -87,12 +93,8 @@ class DeferredWeightGrads:
     def held_bytes(self) -> int:
         """Bytes of the gradients kept for the weight half (each storage once): what a split
         backward holds between its halves beyond the forward's stash."""
-        seen: dict = {}
         grads = [g for gs in self.kept.values() for g in gs] + list(self.independent.values())
-        for g in grads:
-            if g is not None:
-                st = g.untyped_storage()
-                seen[(st.data_ptr(), g.device)] = st.nbytes()
+        seen = {storage_key(g): g.untyped_storage().nbytes() for g in grads if g is not None}
         return int(sum(seen.values()))
 
     def apply(self) -> None:
