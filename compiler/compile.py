@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from tpc.compiler.recompute import OPTION as RECOMPUTE
-from tpc.compiler.schedules import SCHEDULES, build_schedule, stages_per_rank
+from tpc.compiler.schedules import SCHEDULES, build_schedule, replicas, stages_per_rank, with_replicas
 from tpc.compiler.schedules.placement import vshape
 from tpc.compiler.slicing import AUTO, check_slices, equal_slices, ranges_of
 from tpc.ir.diagnostics import Diagnostic, TpirError
@@ -207,6 +207,14 @@ def _check_options(o: CompileOptions) -> None:
         raise _error("--ranks", f"--ranks {R} does not match --stages {o.stages} / 2 (two stages per "
                      f"rank) x --dp {D} = {(o.stages // 2) * D}",
                      "leave out --ranks, or make it pipeline ranks x dp")
+    if replicas(o.schedule) > 1 and V != 1:
+        raise _error("--virtual-stages", f"schedule {o.schedule!r} puts one stage of each of its two "
+                     "pipelines on every rank by itself", "leave out --virtual-stages")
+    if replicas(o.schedule) > 1 and R is not None and not o.stages_auto and R != o.stages * D:
+        raise _error("--ranks", f"--ranks {R} does not match --stages {o.stages} x --dp {D} = "
+                     f"{o.stages * D}: schedule {o.schedule!r} runs each stage on two ranks, one per "
+                     "pipeline direction, and every rank holds one stage of each",
+                     "leave out --ranks, or make it stages x dp")
     if R is not None and not o.stages_auto:
         K = o.stages
         if V != 1 and R != K * D:
@@ -303,7 +311,7 @@ def build_header(
     )
     # with --microbatches auto the search replaces this placeholder of one micro-batch
     sizes = microbatch_sizes(opts.batch // data, opts.microbatch_count or 1)
-    return Header(
+    return with_replicas(Header(
         model=ModelLine(path=model_path, sha256=sha256, factory=factory),
         shape=ShapeLine(batch=opts.batch, seq=opts.seq_len, vocab=vocab, dtype="float32"),
         mesh=MeshLine(pipe=pipe, data=data),
@@ -312,7 +320,7 @@ def build_header(
         stages=stages,
         ties=tie_lines,
         microbatches=tuple(Microbatch(index=m, size=n, slices=opts.cuts) for m, n in enumerate(sizes)),
-    )
+    ))
 
 
 def header_maker(*, model_path: str, sha256: str, factory: str, opts: CompileOptions, vocab: int, sliced):
@@ -327,7 +335,7 @@ def header_maker(*, model_path: str, sha256: str, factory: str, opts: CompileOpt
             unit_labels=sliced.unit_labels, ranges=ranges, ties=sliced.ties(ranges),
             pipe=pipe, data=data, schedule=schedule,
         )  # fmt: skip
-        return h if microbatches is None else dataclasses.replace(h, microbatches=tuple(microbatches))
+        return h if microbatches is None else with_replicas(dataclasses.replace(h, microbatches=tuple(microbatches)))
 
     return make
 
@@ -609,8 +617,9 @@ def write_plan(plan: Plan, output: str, *, quiet: bool = False, comm: str = "ncc
         h = plan.header
         n = sum(len(p.instrs) for p in plan.ranks)
         print(
-            f"wrote {output}: {h.num_stages} stage{'s' * (h.num_stages != 1)} x "
-            f"{h.mesh.data} replica{'s' * (h.mesh.data != 1)}, "
+            f"wrote {output}: {h.num_stages} stage{'s' * (h.num_stages != 1)}"
+            f"{f' ({h.replicas} weight replicas each)' if h.replicas > 1 else ''} x "
+            f"{h.mesh.data} data replica{'s' * (h.mesh.data != 1)}, "
             f"{slicing_summary(h)}, "
             f"schedule {h.schedule.name}, {n} instructions"
         )

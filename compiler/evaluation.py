@@ -43,23 +43,25 @@ def forward_order(header: Header) -> dict[int, list[Instr]]:
             g += 1
     order: dict[int, list[Instr]] = {r: [] for r in range(header.mesh.pipe)}
     for _, s, m, i in sorted(work):
-        order[header.stage_rank(s)].append(Instr(Op.FORWARD, stage=s, mb=m, slice=i))
+        order[header.stage_rank(s, m)].append(Instr(Op.FORWARD, stage=s, mb=m, slice=i))
     return order
 
 
 def eval_program(header: Header, microbatches: Sequence[Microbatch] | None = None,
                  comm: str = NCCL) -> EvalProgram:
     """The evaluation program of `header`'s mesh and stages, over `microbatches` (default: the
-    training program's), for backend `comm`: under NCCL's rendezvous rules a rank holding
+    training program's), on replica 0 of stages with weight replicas, for backend `comm`: under NCCL's rendezvous rules a rank holding
     several stages can wait on a neighbour that waits on it (rank 0 sends stage 0's output
     while rank 1 sends stage 1's back to rank 0), so, as in training, `insert_exchanges` pairs
     those sends and receives."""
     mbs = tuple(microbatches) if microbatches is not None else header.microbatches
+    # the evaluation runs on replica 0's pipeline (rule E1), where its loss is summed
+    mbs = tuple(dataclasses.replace(m, replica=0) if m.replica else m for m in mbs)
     eval_header = dataclasses.replace(header, microbatches=mbs)
     streams = {r: tuple(v) for r, v in forward_order(eval_header).items()}
     for run in EVAL_PASSES + ((insert_exchanges,) if comm == NCCL else ()):
         streams = run(eval_header, streams)
-    last = header.stage_rank(header.num_stages - 1)
+    last = header.stage_ranks(header.num_stages - 1)[0]
     if header.mesh.data > 1:
         streams[last] = streams[last] + (Instr(Op.REDUCE_LOSS),)
     ranks = tuple(RankProgram(rank=r, instrs=streams[r]) for r in range(header.mesh.pipe))

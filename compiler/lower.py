@@ -19,7 +19,11 @@ else an executor needs, one small named pass at a time, each a pure function
 6. `insert_reduce_tied` `reduce-tied "NAME"` for each tie spanning several ranks, after every
                        backward and allreduce of the rank, in header order on every rank, so
                        the collectives of different ties can never wait on each other;
-7. `append_step`       `step` at the end.
+7. `insert_reduce_replicas` `reduce-replicas stage S` (format version 3) for each stage with
+                       weight replicas, on each rank holding one, after everything else, in
+                       stage order: the two ranks of a pair of replicas reach their reductions
+                       in one order, with no message left to wait for;
+8. `append_step`       `step` at the end.
 
 `lower(header, compute, comm=...)` runs them in that order and checks the result with the
 verifier under the rules of `comm` ("nccl" unless told "gloo": then `insert_exchanges` is left
@@ -52,6 +56,7 @@ from tpc.ir.semantics import (
     Blocked,
     Entry,
     allreduce_covers,
+    collective_groups,
     comm_entries,
     compute_messages,
     run_comm,
@@ -217,7 +222,7 @@ def insert_exchanges(header: Header, streams: Streams) -> Streams:
         for k, e in enumerate(entries[r]):
             for _, key, _, _ in e.p2p:
                 where[(r, key)] = k
-    tie_ranks = {t.name: frozenset(header.stage_rank(s) for s in t.stages) for t in header.ties}
+    groups = collective_groups(header)
 
     def repair(stuck: dict[int, Blocked]) -> dict[int, list[tuple]]:
         """Join, along one wait-for cycle, the operation each rank waits for to the entry its
@@ -247,7 +252,7 @@ def insert_exchanges(header: Header, streams: Streams) -> Streams:
                 return added
         return {}
 
-    run_comm(entries, tie_ranks, NCCL, repair=repair)
+    run_comm(entries, groups, NCCL, repair=repair)
     out: Streams = {}
     for r in ranks:
         stream = streams[r]
@@ -289,10 +294,23 @@ def insert_reduce_tied(header: Header, streams: Streams) -> Streams:
     for rank, stream in streams.items():
         extra = []
         for tie in header.ties:
-            ranks = {header.stage_rank(s) for s in tie.stages}
+            ranks = {header.stage_ranks(s)[0] for s in tie.stages}
             if len(ranks) > 1 and rank in ranks:
                 extra.append(Instr(Op.REDUCE_TIED, tie=tie.name))
         out[rank] = tuple(stream) + tuple(extra)
+    return out
+
+
+def insert_reduce_replicas(header: Header, streams: Streams) -> Streams:
+    """`reduce-replicas stage S` at the end of each rank holding a weight replica of S, in stage
+    order (see the module docstring): the replicas' gradients are summed before the step. It
+    does not overlap the backward: every rank of a replica pair must have no message left to
+    wait for when it blocks in the reduction."""
+    out: Streams = {}
+    for rank, stream in streams.items():
+        extra = tuple(Instr(Op.REDUCE_REPLICAS, stage=st.index) for st in header.stages
+                      if st.replicas and rank in st.ranks)
+        out[rank] = tuple(stream) + extra
     return out
 
 
@@ -308,6 +326,7 @@ PASSES: tuple[tuple[str, Pass], ...] = (
     ("insert_allreduce", insert_allreduce),
     ("insert_exchanges", insert_exchanges),
     ("insert_reduce_tied", insert_reduce_tied),
+    ("insert_reduce_replicas", insert_reduce_replicas),
     ("append_step", append_step),
 )
 

@@ -131,6 +131,8 @@ class Groups:
 
     dp: object | None
     ties: dict[str, object | None] = field(default_factory=dict)
+    # stage -> the group of the ranks holding its weight replicas (this data replica's)
+    replicas: dict[int, object | None] = field(default_factory=dict)
     pipeline: object | None = None  # this replica's pipeline ranks (the global gradient norm)
 
 
@@ -148,12 +150,19 @@ def make_groups(plan: Plan, world: World, timeout: float, *, pipeline: bool = Fa
             if p == me_p:
                 groups.dp = g
     for tie in h.ties:
-        ranks = sorted({h.stage_rank(s) for s in tie.stages})
+        ranks = sorted({h.stage_ranks(s)[0] for s in tie.stages})
         for d in range(data):
             members = [d * pipe + r for r in ranks]
             g = dist.new_group(members, timeout=t) if len(members) > 1 else None
             if d == me_d and me_p in ranks:
                 groups.ties[tie.name] = g
+    for st in h.stages:
+        if not st.replicas:
+            continue
+        for d in range(data):
+            g = dist.new_group([d * pipe + r for r in sorted(st.ranks)], timeout=t)
+            if d == me_d and me_p in st.ranks:
+                groups.replicas[st.index] = g
     if pipeline and pipe > 1:
         for d in range(data):
             g = dist.new_group([d * pipe + p for p in range(pipe)], timeout=t)
@@ -246,7 +255,7 @@ class DistTransport:
                 self._post(j)
             elif ins.op in COMPUTE_OPS:
                 computes += 1
-            elif ins.op in (Op.ALLREDUCE, Op.REDUCE_TIED, Op.STEP, Op.REDUCE_LOSS):
+            elif ins.op in (Op.ALLREDUCE, Op.REDUCE_TIED, Op.REDUCE_REPLICAS, Op.STEP, Op.REDUCE_LOSS):
                 break  # nothing is received past a collective until it is reached
             j += 1
         self.next_post = max(self.next_post, j)
@@ -401,6 +410,15 @@ class DistTransport:
             return
         work = dist.all_reduce(tensor, group=group, async_op=True)
         self._wait(work, f"the gradient of tie {name!r} from the other ranks holding it")
+
+    def reduce_replicas(self, stage: int, tensors: list[torch.Tensor]) -> None:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        work = dist.all_reduce(flat, group=self.groups.replicas[stage], async_op=True)
+        self._wait(work, f"the gradients of stage {stage} from the ranks of its other replicas")
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset: offset + t.numel()].view_as(t))
+            offset += t.numel()
 
     def sum_over_pipeline(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.groups.pipeline is None:

@@ -73,6 +73,11 @@ class Transport(Protocol):
 
     def reduce_tied(self, name: str, tensor: torch.Tensor) -> None: ...
 
+    def reduce_replicas(self, stage: int, tensors: list[torch.Tensor]) -> None:
+        """Sum `tensors` (stage `stage`'s gradients) in place over the pipeline ranks holding
+        the stage's weight replicas, within this data-parallel replica."""
+        ...
+
     def reduce_loss(self, tensor: torch.Tensor) -> None:
         """Sum the evaluation loss (one float64) over the data-parallel group, in place."""
         ...
@@ -212,6 +217,7 @@ class RankEngine:
             Op.STEP: self._step,
             Op.EXCHANGE: self._exchange,
             Op.REDUCE_LOSS: self._reduce_loss,
+            Op.REDUCE_REPLICAS: self._reduce_replicas,
         }
 
     # ------------------------------------------------------------------------- driving
@@ -466,6 +472,10 @@ class RankEngine:
                                        hint="reduce-tied belongs on the ranks whose stages hold the tie"))
         self.transport.reduce_tied(instr.tie, _grad_of(param))
 
+    def _reduce_replicas(self, instr: Instr) -> None:
+        grads = [_grad_of(p) for _, p in unique_parameters(self._stage(instr.stage).named_parameters)]
+        self.transport.reduce_replicas(instr.stage, grads)
+
     def _reduce_loss(self, instr: Instr) -> None:
         total = torch.as_tensor(self.step_loss, dtype=torch.float64, device=self.device).reshape(1).clone()
         self.transport.reduce_loss(total)
@@ -482,7 +492,8 @@ class RankEngine:
                 _grad_of(p)
             self.grad_norm = clip_global(
                 self.named_parameters, self.options.grad_clip,
-                skip=tied_copies_not_owned(self.header, self.pipe_rank),
+                skip=tied_copies_not_owned(self.header, self.pipe_rank, {
+                    s: [n for n, _ in st.named_parameters] for s, st in self.stages.items()}),
                 sum_over_pipeline=self.transport.sum_over_pipeline)
         self.optimizer.set_lr(self.options.lr_at(self.step))
         self.optimizer.step()

@@ -174,10 +174,15 @@ class LocalTransport:
 
     def reduce_tied(self, name: str, tensor: torch.Tensor) -> None:
         tie = next(t for t in self.header.ties if t.name == name)
-        ranks = sorted({self.header.stage_rank(s) for s in tie.stages})
+        ranks = sorted({self.header.stage_ranks(s)[0] for s in tie.stages})
         members = [self._global(r) for r in ranks]
         self.hub.collective(self._occurrence(("tie", name, self.data_rank)), members, self.me,
                             [tensor], f"reduce-tied {name!r}")
+
+    def reduce_replicas(self, stage: int, tensors: list[torch.Tensor]) -> None:
+        members = [self._global(r) for r in sorted(self.header.stage_ranks(stage))]
+        self.hub.collective(self._occurrence(("replicas", stage, self.data_rank)), members, self.me,
+                            tensors, f"reduce-replicas stage {stage}")
 
     def reduce_loss(self, tensor: torch.Tensor) -> None:
         members = [d * self.pipe + self.pipe_rank for d in range(self.data)]

@@ -194,10 +194,11 @@ class PlanBuilder(Transformer):
 
     @_line
     def stage_line(self, children):
-        first, index, _, rank, _, units, label = children
+        first, index, _, *ranks, units, label = children
+        ranks = [self._nat(r, "rank") for r in ranks[:-1]]  # the last is the `units` keyword
         trivia = self._trivia(first)
         return self._make(Stage, "stage", trivia, index=self._nat(index, "stage"),
-                          rank=self._nat(rank, "rank"), units=units,
+                          rank=ranks[0], replicas=tuple(ranks[1:]), units=units,
                           label="" if label is None else self._str(label))
 
     @_line
@@ -210,10 +211,14 @@ class PlanBuilder(Transformer):
     @_line
     def microbatch_line(self, children):
         first, index, _, size, _, *slices = children
+        replica = 0
+        if slices and isinstance(slices[-1], Token):  # `replica K` (format version 3)
+            replica = self._nat(slices[-1], "replica")
+            slices = slices[:-2]
         trivia = self._trivia(first)
         return self._make(Microbatch, "microbatch", trivia,
                           index=self._nat(index, "microbatch"), size=self._nat(size, "size"),
-                          slices=tuple(slices))
+                          slices=tuple(slices), replica=replica)
 
     @_line
     def bundle_line(self, children):
@@ -314,9 +319,16 @@ class PlanBuilder(Transformer):
     def exchange(self, children):
         first, count, _ = children
         return self._instr(Op.EXCHANGE, first, {"count": count})
+
+    @_line
     def reduce_loss(self, children):
         first, _ = children
         return self._instr(Op.REDUCE_LOSS, first, {})
+
+    @_line
+    def reduce_replicas(self, children):
+        first, _, stage, _ = children
+        return self._instr(Op.REDUCE_REPLICAS, first, {"stage": stage})
 
     # -- the evaluation program
 

@@ -36,6 +36,8 @@ header's stages, micro-batches and that micro-batch's slices:
                                       together (`batch_isend_irecv` on NCCL)
     reduce-loss                       sum the evaluation loss over the data-parallel group
                                       (evaluation program only, format version 2)
+    reduce-replicas stage S           (version 3) sum stage S's gradients over the ranks holding
+                                      its weight replicas (`stage S ranks R0 R1`)
 
 A plan may hold, after the training program, an evaluation program (format version 2): an
 `eval` line, its own micro-batches and one rank section per pipeline rank of the same mesh and
@@ -55,12 +57,15 @@ from enum import Enum
 # The format version `tpc compile` writes. A plan keeps the version it was written in (printing a
 # version-1 plan writes `tpir 1` again), every version in FORMAT_VERSIONS is read, and the
 # verifier (rule H1) refuses a line or instruction that is newer than its plan's version line.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # each version this tpc reads, with what it added over the one before (docs/ir.md, "Versions")
 FORMAT_VERSIONS: dict[int, str] = {
     1: "the first format",
     2: "the additions listed under version 2 in docs/ir.md",
+    3: "weight replicas: `stage S ranks R0 R1`, `microbatch ... replica K`, `reduce-replicas`",
 }
+# the format version that added weight replicas (two pipelines over the same stages)
+REPLICA_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -155,12 +160,23 @@ class UnitsLine(Line):
 
 @dataclass(frozen=True)
 class Stage(Line):
-    """`stage S rank R units LO:HI "LABEL"`: stage S runs units [LO, HI) on pipeline rank R."""
+    """`stage S rank R units LO:HI "LABEL"`: stage S runs units [LO, HI) on pipeline rank R.
+
+    `stage S ranks R0 R1 ... units LO:HI` (format version 3): stage S has a weight replica on
+    each of those pipeline ranks, replica k on rank Rk (Chimera's pipelines in opposite
+    directions). A micro-batch runs on the replica its `microbatch` line names; `rank` is
+    replica 0's rank and `replicas` the ranks of replicas 1, 2, ..."""
 
     index: int
     rank: int
     units: tuple[int, int]
     label: str = ""
+    replicas: tuple[int, ...] = ()
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The pipeline rank of each weight replica, replica 0 first."""
+        return (self.rank, *self.replicas)
 
 
 @dataclass(frozen=True)
@@ -173,11 +189,13 @@ class Tie(Line):
 
 @dataclass(frozen=True)
 class Microbatch(Line):
-    """`microbatch M size N slices 0:A A:B ...`: N rows of this replica's batch, cut in slices."""
+    """`microbatch M size N slices 0:A A:B ... [replica K]`: N rows of this replica's batch, cut
+    in slices, run on weight replica K of every stage (format version 3; 0 when absent)."""
 
     index: int
     size: int
     slices: tuple[tuple[int, int], ...]
+    replica: int = 0
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -204,11 +222,29 @@ class Header:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    def stage_rank(self, stage: int) -> int:
-        return self.stages[stage].rank
+    def stage_rank(self, stage: int, mb: int | None = None) -> int:
+        """The pipeline rank that runs stage `stage` for micro-batch `mb`. Without `mb` only for
+        a stage without weight replicas (a ValueError otherwise: which replica would it be?)."""
+        st = self.stages[stage]
+        if not st.replicas:
+            return st.rank
+        if mb is None:
+            raise ValueError(f"stage {stage} has weight replicas on ranks {list(st.ranks)}: "
+                             "its rank depends on the micro-batch")
+        return st.ranks[self.microbatches[mb].replica]
+
+    def stage_ranks(self, stage: int) -> tuple[int, ...]:
+        """Every pipeline rank holding a weight replica of `stage`, replica 0's first."""
+        return self.stages[stage].ranks
 
     def stages_of_rank(self, rank: int) -> tuple[int, ...]:
-        return tuple(s.index for s in self.stages if s.rank == rank)
+        """The stages whose weights (any replica) live on pipeline rank `rank`."""
+        return tuple(s.index for s in self.stages if rank in s.ranks)
+
+    @property
+    def replicas(self) -> int:
+        """How many weight replicas each stage has: 2 for a bidirectional pipeline, else 1."""
+        return max((len(s.ranks) for s in self.stages), default=1)
 
     @property
     def replica_batch(self) -> int:
@@ -246,6 +282,7 @@ class Op(str, Enum):
     STEP = "step"
     EXCHANGE = "exchange"
     REDUCE_LOSS = "reduce-loss"  # format version 2: the evaluation program's loss
+    REDUCE_REPLICAS = "reduce-replicas"  # format version 3: sum a stage's replicas' gradients
 
 
 class Payload(str, Enum):
@@ -270,10 +307,11 @@ OPERANDS: dict[Op, tuple[str, ...]] = {
     Op.STEP: (),
     Op.EXCHANGE: ("count",),
     Op.REDUCE_LOSS: (),
+    Op.REDUCE_REPLICAS: ("stage",),
 }
 
 # instructions added after format version 1, with the version that added them (rule H1)
-SINCE_VERSION: dict[Op, int] = {Op.EXCHANGE: 2}
+SINCE_VERSION: dict[Op, int] = {Op.EXCHANGE: 2, Op.REDUCE_REPLICAS: REPLICA_VERSION}
 
 COMPUTE_OPS = frozenset(
     {Op.FORWARD, Op.RECOMPUTE, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT}

@@ -95,14 +95,17 @@ def line_text(line: Line) -> str:
         return f"units {line.count}"
     if isinstance(line, Stage):
         lo, hi = line.units
-        text = f"stage {line.index} rank {line.rank} units {lo}:{hi}"
+        where = (f"rank {line.rank}" if not line.replicas
+                 else "ranks " + " ".join(str(r) for r in line.ranks))
+        text = f"stage {line.index} {where} units {lo}:{hi}"
         # an empty label is left out rather than written as ""
         return f"{text} {quote(line.label)}" if line.label else text
     if isinstance(line, Tie):
         return f"tie {quote(line.name)} stages " + " ".join(str(s) for s in line.stages)
     if isinstance(line, Microbatch):
         slices = " ".join(f"{lo}:{hi}" for lo, hi in line.slices)
-        return f"microbatch {line.index} size {line.size} slices {slices}"
+        replica = f" replica {line.replica}" if line.replica else ""
+        return f"microbatch {line.index} size {line.size} slices {slices}{replica}"
     if isinstance(line, BundleLine):
         return "bundle"
     if isinstance(line, BundleMember):

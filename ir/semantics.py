@@ -45,6 +45,8 @@ A plan runs under the rules of the backend that carries its messages, named by `
 
 Under both rules:
 - `reduce-tied NAME` blocks until every rank holding a stage of the tie has reached it;
+- `reduce-replicas stage S` (format version 3) blocks until every rank holding a weight replica
+  of stage S has reached it;
 - `allreduce stage S` is among the data-parallel replicas of this pipeline rank, which run the
   same stream: it never waits on another pipeline rank; so is `reduce-loss`, the evaluation
   program's sum of its loss over those replicas;
@@ -147,16 +149,32 @@ def compute_messages(header: Header, rank: int, instr: Instr) -> tuple[list, lis
     last = header.num_stages - 1
     recvs, sends = [], []
     if instr.op is Op.FORWARD:
-        if s > 0 and header.stage_rank(s - 1) != rank:
-            recvs.append((ACT, header.stage_rank(s - 1), input_message(ACT, s, m, i)))
-        if s < last and header.stage_rank(s + 1) != rank:
-            sends.append((ACT, header.stage_rank(s + 1), output_message(ACT, s, m, i)))
+        if s > 0 and header.stage_rank(s - 1, m) != rank:
+            recvs.append((ACT, header.stage_rank(s - 1, m), input_message(ACT, s, m, i)))
+        if s < last and header.stage_rank(s + 1, m) != rank:
+            sends.append((ACT, header.stage_rank(s + 1, m), output_message(ACT, s, m, i)))
     elif instr.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
-        if s < last and header.stage_rank(s + 1) != rank:
-            recvs.append((GRAD, header.stage_rank(s + 1), input_message(GRAD, s, m, i)))
-        if s > 0 and header.stage_rank(s - 1) != rank:
-            sends.append((GRAD, header.stage_rank(s - 1), output_message(GRAD, s, m, i)))
+        if s < last and header.stage_rank(s + 1, m) != rank:
+            recvs.append((GRAD, header.stage_rank(s + 1, m), input_message(GRAD, s, m, i)))
+        if s > 0 and header.stage_rank(s - 1, m) != rank:
+            sends.append((GRAD, header.stage_rank(s - 1, m), output_message(GRAD, s, m, i)))
     return recvs, sends
+
+
+def replica_group(stage: int) -> tuple:
+    """The key of `reduce-replicas stage S` among the collectives `run_comm` waits on (a tie's
+    key is its name)."""
+    return ("replicas", stage)
+
+
+def collective_groups(header: Header) -> dict:
+    """The members of every collective between pipeline ranks, by key: each tie's ranks (its
+    name) and each replicated stage's ranks (`replica_group(S)`), for `run_comm`."""
+    groups: dict = {t.name: frozenset(header.stage_ranks(s)[0] for s in t.stages) for t in header.ties}
+    for st in header.stages:
+        if st.replicas:
+            groups[replica_group(st.index)] = frozenset(st.ranks)
+    return groups
 
 
 def tie_ranks(header: Header, name: str) -> tuple[int, ...]:
@@ -190,7 +208,7 @@ def blocks(op: Op, comm: str = "gloo") -> bool:
     receive (for its send), a reduce-tied (for the tie's other ranks), and under `nccl` a send
     (for its receive) and an exchange. Allreduce waits only on replicas running the same
     stream."""
-    if op is Op.RECV or op is Op.REDUCE_TIED:
+    if op is Op.RECV or op is Op.REDUCE_TIED or op is Op.REDUCE_REPLICAS:
         return True
     return comm == NCCL and op in (Op.SEND, Op.EXCHANGE)
 
@@ -215,12 +233,13 @@ def exchange_span(instrs: Sequence[Instr], p: int) -> range:
 @dataclass(frozen=True)
 class Entry:
     """What can block on a rank: one send or receive, one exchange (at its `exchange` line, with
-    its members), or one reduce-tied. `p2p` are (position, message key, is a send, peer) for
-    each send and receive, in stream order."""
+    its members), or one collective between pipeline ranks (a reduce-tied, a reduce-replicas).
+    `p2p` are (position, message key, is a send, peer) for each send and receive, in stream
+    order; `tie` the collective's key (`collective_groups`)."""
 
     at: int
     p2p: tuple[tuple[int, tuple, bool, int], ...] = ()
-    tie: str | None = None
+    tie: str | tuple | None = None
 
 
 def comm_entries(rank: int, instrs: Sequence[Instr], keep=None) -> list[Entry]:
@@ -245,6 +264,8 @@ def comm_entries(rank: int, instrs: Sequence[Instr], keep=None) -> list[Entry]:
             out.append(Entry(p, ((p, message_key(rank, ins), ins.op is Op.SEND, ins.peer),)))
         elif ins.op is Op.REDUCE_TIED:
             out.append(Entry(p, tie=ins.tie))
+        elif ins.op is Op.REDUCE_REPLICAS:
+            out.append(Entry(p, tie=replica_group(ins.stage)))
         p += 1
     return out
 

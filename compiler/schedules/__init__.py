@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Callable
 
 from tpc.compiler.schedules import (
+    chimera,
     gpipe,
     interleaved,
     looped_bfs,
@@ -35,7 +36,7 @@ from tpc.ir.nodes import Header
 MODULES: dict[str, ModuleType] = {
     mod.NAME: mod
     for mod in (gpipe, one_f_one_b, terapipe, seq1f1b, interleaved, looped_bfs, zb_h1, zb_h2,
-                seq_zb, seq_interleaved, zbv, dualpipev)
+                seq_zb, seq_interleaved, zbv, dualpipev, chimera)
 }
 SCHEDULES: dict[str, Callable[..., Compute]] = {name: mod.build for name, mod in MODULES.items()}
 
@@ -59,6 +60,23 @@ def placement_of(name: str) -> str:
     if name not in MODULES:
         raise _unknown(name)
     return getattr(MODULES[name], "PLACEMENT", "linear")
+
+
+def replicas(name: str) -> int:
+    """How many weight replicas of each stage schedule `name` runs (2 for the bidirectional
+    `chimera`, else 1); an unknown name counts 1."""
+    return getattr(MODULES[name], "REPLICAS", 1) if name in MODULES else 1
+
+
+def with_replicas(header: Header) -> Header:
+    """`header` as its schedule needs it: for a bidirectional schedule each stage gets its
+    second weight replica and each micro-batch its pipeline (`placement.bidirectional`);
+    any other header is returned as it is."""
+    if replicas(header.schedule.name) == 1:
+        return header
+    from tpc.compiler.schedules.placement import bidirectional
+
+    return bidirectional(header)
 
 
 def stages_per_rank(name: str) -> int:

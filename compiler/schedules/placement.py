@@ -9,6 +9,9 @@ R`); a schedule reads it from there, so the same builder serves any placement it
 * `vshape(K, p)`  K == 2p, stage i and stage 2p-1-i on rank i: the V of ZB-V and DualPipeV, where
                   the first and the last stage share rank 0 and the turn of the V is on rank p-1.
 
+* `bidirectional(header)` K == p, stage s on ranks s and p-1-s, two weight replicas (Chimera):
+                  micro-batch m runs on replica m mod 2 (format version 3).
+
 `place(header, ranks)` gives a header with that placement (the mesh's pipeline size follows);
 `chunks(header, rank)` the stages of a rank in pipeline order, its chunk 0, 1, ...
 """
@@ -57,6 +60,23 @@ def place(header: Header, ranks: Sequence[int]) -> Header:
     stages = tuple(dataclasses.replace(st, rank=int(r)) for st, r in zip(header.stages, ranks))
     mesh = dataclasses.replace(header.mesh, pipe=max(ranks) + 1)
     return dataclasses.replace(header, stages=stages, mesh=mesh)
+
+
+def bidirectional(header: Header) -> Header:
+    """`header` with two weight replicas of every stage, stage s on ranks s (the down pipeline,
+    replica 0) and K-1-s (the up pipeline, replica 1), and micro-batch m on replica m mod 2;
+    the mesh keeps K pipeline ranks. The schedule (`chimera.check_header`) refuses what this
+    cannot make a valid pipeline of (an odd K, ties)."""
+    from tpc.compiler.schedules import chimera
+
+    K = header.num_stages
+    ranks = chimera.stage_ranks(K)
+    stages = tuple(dataclasses.replace(st, rank=ranks[st.index][0], replicas=ranks[st.index][1:])
+                   for st in header.stages)
+    mbs = tuple(dataclasses.replace(m, replica=chimera.microbatch_replica(m.index))
+                for m in header.microbatches)
+    mesh = dataclasses.replace(header.mesh, pipe=K)
+    return dataclasses.replace(header, stages=stages, microbatches=mbs, mesh=mesh)
 
 
 def chunks(header: Header, rank: int) -> tuple[int, ...]:

@@ -74,13 +74,18 @@ def apply_clip(params: Iterable[torch.nn.Parameter], coef: float) -> None:
         p.grad.detach().mul_(coef)
 
 
-def tied_copies_not_owned(header, pipe_rank: int) -> frozenset[str]:
+def tied_copies_not_owned(header, pipe_rank: int, stage_names=None) -> frozenset[str]:
     """The `skip` set of pipeline rank `pipe_rank` for a plan header (`tpc.ir.nodes.Header`):
     each tie is counted by the rank of its first stage; every other rank holding it skips it.
-    Stages name a tied parameter by the tie's name (its canonical name) on every rank."""
-    return frozenset(t.name for t in header.ties
-                     if header.stage_rank(min(t.stages)) != pipe_rank
-                     and any(header.stage_rank(s) == pipe_rank for s in t.stages))
+    Stages name a tied parameter by the tie's name (its canonical name) on every rank. A stage
+    with weight replicas is counted by its replica 0's rank: the others skip its parameters
+    (`stage_names[s]`, the names of stage s's parameters on this rank)."""
+    ties = {t.name for t in header.ties
+            if header.stage_ranks(min(t.stages))[0] != pipe_rank
+            and any(pipe_rank in header.stage_ranks(s) for s in t.stages)}
+    replicas = {n for s, names in (stage_names or {}).items()
+                if header.stage_ranks(s)[0] != pipe_rank for n in names}
+    return frozenset(ties | replicas)
 
 
 def clip_global(named_params: list[tuple[str, torch.nn.Parameter]], max_norm: float, *,

@@ -106,7 +106,7 @@ def check_deadlock(plan: Plan, shape: Shape, idx: Index, rep: Report, comm: str 
     reduce-tied for its tie's ranks, and under NCCL a send or an exchange for its partners."""
     entries = [comm_entries(r, rp.instrs, keep=idx.valid[r].__getitem__)
                for r, rp in enumerate(plan.ranks)]
-    ties = {t: ranks for t, ranks in shape.tie_ranks.items() if t in shape.ties}
+    ties = {t: ranks for t, ranks in shape.groups.items() if t in shape.ties or not isinstance(t, str)}
     # a plan that deadlocks even with buffered sends is reported as such: the order itself is
     # wrong, whatever the backend
     for rules in (GLOO,) if comm == GLOO else (GLOO, comm):
@@ -148,8 +148,8 @@ def _report_deadlock(plan, idx, rep, stuck, comm) -> None:
         else:
             others = ", ".join(str(q) for q in b.waits_for)
             message = (f"deadlock{rules}: rank {r} waits here forever for rank(s) {others} to "
-                       f"reach reduce-tied \"{ins.tie}\"")
-            fix = "; reorder so that every rank of the tie reaches it without waiting on another"
+                       f"reach {ins}")
+            fix = "; reorder so that every rank of it reaches it without waiting on another"
         rep.instr(r, b.at, message, chain + fix)
 
 

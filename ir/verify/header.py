@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tpc.ir.nodes import FORMAT_VERSION, FORMAT_VERSIONS, Loc, Plan
+from tpc.ir.nodes import FORMAT_VERSION, FORMAT_VERSIONS, REPLICA_VERSION, Loc, Plan
 from tpc.ir.verify.report import Report
 
 # parameter dtypes a plan may name (`shape ... dtype D`); the executors map them to torch dtypes
@@ -52,6 +52,12 @@ def check_evaluation_header(view: Plan, loc: Loc | None, rep: Report) -> bool:
                 "add `microbatch 0 size N slices 0:L` lines below `eval`")
         return False
     ok = _check_microbatches(view, rep)
+    for k, mb in enumerate(view.header.microbatches):
+        if mb.replica:
+            rep.add(mb.loc, f"eval, microbatch line {k}", (2, 0, -1),
+                    f"evaluation microbatch {mb.index} runs on replica {mb.replica}: an evaluation "
+                    "runs on replica 0's pipeline, where its loss is summed",
+                    "drop `replica` from the evaluation's micro-batches")
     if len(view.ranks) != view.header.mesh.pipe:
         rep.add(loc, "eval", (2, 0, -1),
                 f"the evaluation program has {len(view.ranks)} rank sections, the mesh "
@@ -88,19 +94,50 @@ def _check_stages(plan: Plan, rep: Report) -> bool:
             ok = False
             rep.add(st.loc, where, order, f"stage {st.index} is listed where stage {k} belongs",
                     f"number stage lines 0, 1, 2, ... in order: write `stage {k}` here")
-        if not 0 <= st.rank < pipe:
+        bad = [r for r in st.ranks if not 0 <= r < pipe]
+        if bad:
             ok = False
             rep.add(st.loc, where, order,
-                    f"stage {st.index} is placed on rank {st.rank}, but the mesh has pipeline "
+                    f"stage {st.index} is placed on rank {bad[0]}, but the mesh has pipeline "
                     f"ranks 0..{pipe - 1}",
                     f"use a rank in 0..{pipe - 1}, or raise `mesh pipe`")
+        if st.replicas:
+            ok &= _check_replicas(plan, rep, st, where, order)
     if ok:
-        held = {st.rank for st in h.stages}
+        held = {r for st in h.stages for r in st.ranks}
         for r in range(pipe):
             if r not in held:
                 rep.add(h.mesh.loc, "header (mesh)", (0, 3), f"pipeline rank {r} holds no stage",
                         f"place a stage on rank {r}, or lower `mesh pipe` to the ranks in use")
     return ok
+
+
+def _check_replicas(plan: Plan, rep: Report, st, where: str, order: tuple) -> bool:
+    """H2 for `stage S ranks R0 R1 ...` (format version 3): distinct ranks, as many replicas as
+    every other stage has, and no tied parameter (a tie would be summed over the ties' ranks
+    and over the replicas by two instructions that do not know of each other)."""
+    h = plan.header
+    if not require_version(plan, rep, REPLICA_VERSION, st.loc, where, order,
+                           "`ranks` (weight replicas of a stage)"):
+        return False
+    if len(set(st.ranks)) != len(st.ranks):
+        rep.add(st.loc, where, order, f"stage {st.index} names rank "
+                f"{next(r for r in st.ranks if st.ranks.count(r) > 1)} for two of its replicas",
+                "give each weight replica of a stage its own pipeline rank")
+        return False
+    if any(len(o.ranks) != len(st.ranks) for o in h.stages):
+        other = next(o for o in h.stages if len(o.ranks) != len(st.ranks))
+        rep.add(st.loc, where, order, f"stage {st.index} has {len(st.ranks)} weight replicas and "
+                f"stage {other.index} {len(other.ranks)}",
+                "give every stage the same number of replicas: each pipeline runs through all "
+                "the stages")
+        return False
+    if h.ties and st.index == 0:
+        rep.add(h.ties[0].loc, "header, tie line 0", (0, 5000),
+                f"tie \"{h.ties[0].name}\" in a plan whose stages have weight replicas",
+                "untie the parameter in the model (e.g. give the output head its own weight): "
+                "a tied parameter of replicated stages is not supported")
+    return True
 
 
 def tiling_problems(ranges, end: int):
@@ -193,6 +230,14 @@ def _check_microbatches(plan: Plan, rep: Report) -> bool:
         if mb.size < 1:
             rep.add(mb.loc, where, order, f"microbatch {mb.index} has size {mb.size}",
                     "every micro-batch takes at least one row")
+        if mb.replica and require_version(plan, rep, REPLICA_VERSION, mb.loc, where, order,
+                                          "`replica` (a micro-batch's weight replica)"):
+            if mb.replica >= h.replicas:
+                rep.add(mb.loc, where, order, f"microbatch {mb.index} runs on replica {mb.replica}, "
+                        f"but the stages have {h.replicas} weight replica{'s' * (h.replicas > 1)}",
+                        f"use a replica in 0..{h.replicas - 1}, or give the stages more ranks "
+                        "(`stage S ranks R0 R1`)")
+                ok = False
         _check_slices(mb, seq, rep, where, order)
     total = sum(mb.size for mb in h.microbatches)
     if batch % data == 0 and total != batch // data:

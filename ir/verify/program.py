@@ -3,8 +3,9 @@ order on a rank R1-R11."""
 
 from __future__ import annotations
 
-from tpc.ir.nodes import EVAL_OPS, Instr, Payload, Plan
+from tpc.ir.nodes import EVAL_OPS, REPLICA_VERSION, Instr, Payload, Plan
 from tpc.ir.semantics import neighbour_stage
+from tpc.ir.verify.header import require_version
 from tpc.ir.verify.report import ACT, GRAD, O, Index, Report, Shape, text
 
 
@@ -17,6 +18,12 @@ def check_operands(plan: Plan, shape: Shape, rep: Report) -> list[list[bool]]:
     for r, rp in enumerate(plan.ranks):
         ok = []
         for p, ins in enumerate(rp.instrs):
+            if ins.op is O.REDUCE_REPLICAS and not require_version(
+                    plan, rep, REPLICA_VERSION, ins.loc, f"rank {r}, instruction {p} ({ins})",
+                    (1, r, p), "`reduce-replicas`"):
+                ok.append(False)
+                rep.comm_errors += 1
+                continue
             problem = _operand_problem(ins, r, shape)
             if problem is not None:
                 message, hint, comm = problem
@@ -28,7 +35,7 @@ def check_operands(plan: Plan, shape: Shape, rep: Report) -> list[list[bool]]:
 
 def _operand_problem(ins: Instr, r: int, shape: Shape) -> tuple[str, str, bool] | None:
     """(message, hint, breaks pairing) for the first operand rule `ins` breaks, or None."""
-    comm = ins.op in (O.SEND, O.RECV, O.REDUCE_TIED)
+    comm = ins.op in (O.SEND, O.RECV, O.REDUCE_TIED, O.REDUCE_REPLICAS)
     k, m_count = shape.k, len(shape.nslices)
     if shape.forward_only:
         problem = _eval_problem(ins, r, shape)
@@ -49,14 +56,25 @@ def _operand_problem(ins: Instr, r: int, shape: Shape) -> tuple[str, str, bool] 
     if ins.peer is not None and ins.peer >= shape.pipe:
         return (f"rank {ins.peer} does not exist",
                 f"the mesh has pipeline ranks 0..{shape.pipe - 1}", comm)
-    if ins.stage is not None and shape.stage_rank[ins.stage] != r:
-        owner = shape.stage_rank[ins.stage]
-        return (f"stage {ins.stage} is held by rank {owner}, not by rank {r}",
+    if ins.stage is not None and ins.mb is not None and shape.rank(ins.stage, ins.mb) != r:
+        owner = shape.rank(ins.stage, ins.mb)
+        which = (f" for micro-batch {ins.mb} (replica {shape.replica[ins.mb]})"
+                 if len(shape.ranks_of[ins.stage]) > 1 else "")
+        return (f"stage {ins.stage} is held by rank {owner}{which}, not by rank {r}",
                 f"move this line to the section of rank {owner}", comm)
-    if ins.op is O.LOAD and r not in shape.ends:
-        return (f"rank {r} holds neither the first nor the last stage: it loads nothing",
-                "remove this line; only the ranks of the first stage (token ids) and of the "
-                "last stage (targets) load micro-batches", False)
+    if ins.stage is not None and ins.mb is None and r not in shape.ranks_of[ins.stage]:
+        owners = " and ".join(str(q) for q in shape.ranks_of[ins.stage])
+        return (f"stage {ins.stage} is held by rank {owners}, not by rank {r}",
+                f"move this line to the section of rank {owners}", comm)
+    if ins.op is O.LOAD and r not in shape.load_ranks(ins.mb):
+        if r not in shape.ends:
+            return (f"rank {r} holds neither the first nor the last stage: it loads nothing",
+                    "remove this line; only the ranks of the first stage (token ids) and of the "
+                    "last stage (targets) load micro-batches", False)
+        ranks = " and ".join(str(q) for q in sorted(shape.load_ranks(ins.mb)))
+        return (f"micro-batch {ins.mb} runs on replica {shape.replica[ins.mb]}, whose first and "
+                f"last stages are on rank {ranks}: rank {r} does not load it",
+                f"move this line to rank {ranks}", False)
     if ins.op in (O.SEND, O.RECV):
         return _peer_problem(ins, r, shape)
     if ins.op is O.ALLREDUCE and shape.data == 1:
@@ -64,12 +82,16 @@ def _operand_problem(ins: Instr, r: int, shape: Shape) -> tuple[str, str, bool] 
                 "remove this line, or raise `mesh data`", False)
     if ins.op is O.REDUCE_TIED:
         return _tie_problem(ins, r, shape)
+    if ins.op is O.REDUCE_REPLICAS and len(shape.ranks_of[ins.stage]) == 1:
+        return (f"stage {ins.stage} has one weight replica: there is nothing to reduce across "
+                "ranks", "remove this line, or give the stage more ranks (`stage S ranks R0 R1`)",
+                True)
     return None
 
 
 def _eval_problem(ins: Instr, r: int, shape: Shape) -> tuple[str, str, bool] | None:
     """E2: the evaluation program runs forward only, and its loss is reduced where it is."""
-    comm = ins.op in (O.SEND, O.RECV, O.REDUCE_TIED)
+    comm = ins.op in (O.SEND, O.RECV, O.REDUCE_TIED, O.REDUCE_REPLICAS)
     if ins.op not in EVAL_OPS or ins.payload is GRAD:
         return (f"the evaluation program runs forward only: no `{ins.op.value}"
                 f"{' grad' if ins.payload is GRAD else ''}` in it",
@@ -80,7 +102,7 @@ def _eval_problem(ins: Instr, r: int, shape: Shape) -> tuple[str, str, bool] | N
         return ("an evaluation forward keeps no graph: `checkpoint` means nothing there",
                 "drop `checkpoint`", False)
     if ins.op is O.REDUCE_LOSS:
-        last = shape.stage_rank[-1]
+        last = shape.ranks_of[-1][0]  # the evaluation runs on replica 0 (rule E1)
         if shape.data == 1:
             return ("reduce-loss with `mesh data 1`: there is no data-parallel group to sum over",
                     "remove this line, or raise `mesh data`", False)
@@ -102,7 +124,7 @@ def _peer_problem(ins: Instr, r: int, shape: Shape) -> tuple[str, str, bool] | N
             (False, GRAD): "the last stage receives no gradient: it starts from its loss",
         }[(sends, ins.payload)]
         return why, "remove this line", True
-    owner = shape.stage_rank[nb]
+    owner = shape.rank(nb, ins.mb)
     if owner == r:
         return (f"stages {min(s, nb)} and {max(s, nb)} are both on rank {r}: no {ins.op.value} "
                 "between them",
@@ -141,7 +163,7 @@ def check_duplicates(idx: Index, rep: Report) -> None:
         if len(at) < 2:
             continue
         r0, p0 = at[0]
-        comm = key[0] in (O.SEND, O.RECV, O.REDUCE_TIED)
+        comm = key[0] in (O.SEND, O.RECV, O.REDUCE_TIED, O.REDUCE_REPLICAS)
         for r, p in at[1:]:
             rep.instr(r, p, f"duplicate instruction: the same one is at {rep.ref(r0, p0)}",
                       "remove one of the two", comm=comm)
@@ -151,8 +173,8 @@ def check_compute_complete(plan: Plan, shape: Shape, idx: Index, rep: Report) ->
     """C1, C2: one forward and one backward (or split pair) per slice; recompute iff checkpoint."""
     occ, first = idx.occ, idx.first
     for s in range(shape.k):
-        r = shape.stage_rank[s]
         for m, n in enumerate(shape.nslices):
+            r = shape.rank(s, m)
             for i in range(n):
                 what = f"stage {s} mb {m} slice {i}"
                 fwd = occ.get((O.FORWARD, None, s, m, i))
@@ -171,7 +193,7 @@ def check_compute_complete(plan: Plan, shape: Shape, idx: Index, rep: Report) ->
 def _check_backward_complete(shape: Shape, idx: Index, rep: Report, s: int, m: int,
                              i: int) -> None:
     occ = idx.occ
-    r = shape.stage_rank[s]
+    r = shape.rank(s, m)
     full = occ.get((O.BACKWARD, None, s, m, i), ())
     bin_ = occ.get((O.BACKWARD_INPUT, None, s, m, i), ())
     bw = occ.get((O.BACKWARD_WEIGHT, None, s, m, i), ())
@@ -218,10 +240,10 @@ def _check_recompute(rep: Report, idx: Index, fwd_at: tuple[int, int], s: int, m
 def check_comm_complete(shape: Shape, idx: Index, rep: Report) -> None:
     """C4: every activation and gradient crossing ranks has one send and one receive."""
     for s in range(shape.k - 1):
-        src, dst = shape.stage_rank[s], shape.stage_rank[s + 1]
-        if src == dst:
-            continue
         for m, n in enumerate(shape.nslices):
+            src, dst = shape.rank(s, m), shape.rank(s + 1, m)
+            if src == dst:
+                continue
             for i in range(n):
                 _check_pair(idx, rep, ACT, s, s + 1, m, i, src, dst)
                 if not shape.forward_only:
@@ -266,13 +288,13 @@ def check_once_per_rank(plan: Plan, shape: Shape, idx: Index, rep: Report) -> No
     """C3, C6, C7, C8: loads, allreduce, reduce-tied and step that must be there."""
     occ = idx.occ
     for r in range(len(plan.ranks)):
-        held = [s for s in range(shape.k) if shape.stage_rank[s] == r]
+        held = [s for s in range(shape.k) if r in shape.ranks_of[s]]
         if not held:
             continue
         if r in shape.ends:
             for m in range(len(shape.nslices)):
-                if not occ.get((O.LOAD, r, m)):
-                    end_stage = 0 if shape.stage_rank[0] == r else shape.k - 1
+                if r in shape.load_ranks(m) and not occ.get((O.LOAD, r, m)):
+                    end_stage = 0 if shape.rank(0, m) == r else shape.k - 1
                     use = idx.first((O.FORWARD, None, end_stage, m, 0))
                     place = f" above {rep.ref(r, use)}" if use is not None else ""
                     rep.section(r, f"rank {r} never loads micro-batch {m}",
@@ -282,11 +304,18 @@ def check_once_per_rank(plan: Plan, shape: Shape, idx: Index, rep: Report) -> No
             continue
         if shape.data > 1:
             for s in held:
-                if not occ.get((O.ALLREDUCE, s)):
+                if not occ.get((O.ALLREDUCE, s, r)):
                     rep.section(r, f"stage {s} is never all-reduced over the {shape.data} "
                                 "data-parallel replicas",
                                 f"add {text(O.ALLREDUCE, s)} to rank {r} after the last "
                                 f"backward of stage {s}, before `step`")
+        for s in held:
+            if len(shape.ranks_of[s]) > 1 and not occ.get((O.REDUCE_REPLICAS, s, r)):
+                others = ", ".join(str(q) for q in shape.ranks_of[s] if q != r)
+                rep.section(r, f"rank {r} never sums the gradients of stage {s} with its "
+                            f"replica{'s' * (len(shape.ranks_of[s]) > 2)} on rank {others}",
+                            f"add {text(O.REDUCE_REPLICAS, s)} to rank {r} after the last "
+                            f"backward of stage {s}, before `step`", comm=True)
         for name in sorted(shape.ties):
             ranks = shape.tie_ranks[name]
             if len(ranks) > 1 and r in ranks and not occ.get((O.REDUCE_TIED, r, name)):
@@ -303,13 +332,15 @@ def _check_eval_once(shape: Shape, idx: Index, rep: Report, r: int, held: list[i
     data-parallel group on the rank of the last stage."""
     for s in held:
         for m, n in enumerate(shape.nslices):
+            if shape.rank(s, m) != r:
+                continue  # another replica's micro-batch
             if not idx.occ.get((O.FREE_KV, s, m)):
                 after = idx.first((O.FORWARD, None, s, m, n - 1))
                 place = f" below {rep.ref(r, after)}" if after is not None else ""
                 rep.section(r, f"the KV cache of stage {s} mb {m} is never freed",
                             f"add {text(O.FREE_KV, s, m)}{place}: an evaluation keeps nothing "
                             "past its last slice")
-    if shape.data > 1 and r == shape.stage_rank[-1] and not idx.occ.get((O.REDUCE_LOSS, r)):
+    if shape.data > 1 and r == shape.ranks_of[-1][0] and not idx.occ.get((O.REDUCE_LOSS, r)):
         rep.section(r, f"the evaluation loss is never summed over the {shape.data} "
                     "data-parallel replicas", "add `reduce-loss` after the last forward of the "
                     "last stage")
@@ -347,7 +378,7 @@ def _needs(ins: Instr, r: int, shape: Shape, idx: Index, plan: Plan):
             out.append((first((O.FORWARD, None, s, m, i - 1)),
                         ("slice {} attends to the KV cache of slice {}", i, i - 1)))
         if s > 0:
-            if shape.stage_rank[s - 1] == r:
+            if shape.rank(s - 1, m) == r:
                 out.append((first((O.FORWARD, None, s - 1, m, i)),
                             ("its input is the output of stage {}", s - 1)))
             else:
@@ -372,7 +403,7 @@ def _needs(ins: Instr, r: int, shape: Shape, idx: Index, plan: Plan):
                         ("slices are back-propagated in reverse token order: slice {} sends "
                          "gradients into the keys and values of slice {}", i + 1, i)))
         if s < shape.k - 1:
-            if shape.stage_rank[s + 1] == r:
+            if shape.rank(s + 1, m) == r:
                 out.append((idx.backward(s + 1, m, i),
                             ("the gradient of its output comes from stage {}", s + 1)))
             else:
@@ -398,7 +429,7 @@ def _check_after_all(ins: Instr, r: int, p: int, shape: Shape, idx: Index,
         what = f"the KV cache of stage {ins.stage} mb {ins.mb}, which {{}} still uses"
     elif op is O.ALLREDUCE:
         covered = shape.allreduce_covers[ins.stage]
-        lasts = [idx.last_wgrad[s] for s in covered if s in idx.last_wgrad]
+        lasts = [idx.last_wgrad[(r, s)] for s in covered if (r, s) in idx.last_wgrad]
         last = max(lasts) if lasts else None
         tied = (f" (and of stage{'s' * (len(covered) > 2)} "
                 f"{', '.join(str(s) for s in sorted(covered - {ins.stage}))}, tied to it on this rank)"
@@ -406,9 +437,12 @@ def _check_after_all(ins: Instr, r: int, p: int, shape: Shape, idx: Index,
         what = f"the gradients of stage {ins.stage}{tied}, to which {{}} still adds"
     elif op is O.REDUCE_TIED:
         tied = [s for s in shape.ties.get(ins.tie, ()) if shape.stage_rank[s] == r]
-        lasts = [idx.last_wgrad[s] for s in tied if s in idx.last_wgrad]
+        lasts = [idx.last_wgrad[(r, s)] for s in tied if (r, s) in idx.last_wgrad]
         last = max(lasts) if lasts else None
         what = f"the gradient of tie \"{ins.tie}\", to which {{}} still adds"
+    elif op is O.REDUCE_REPLICAS:
+        last = idx.last_wgrad.get((r, ins.stage))
+        what = f"the gradients of stage {ins.stage} on this rank, to which {{}} still adds"
     elif op is O.STEP:
         last = idx.last_param.get(r)
         what = f"the parameters of rank {r}, which {{}} still uses"

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from tpc.ir.diagnostics import Diagnostic
 from tpc.ir.nodes import Instr, Loc, Op, Payload, Plan
-from tpc.ir.semantics import allreduce_covers
+from tpc.ir.semantics import allreduce_covers, replica_group
 
 ACT, GRAD = Payload.ACT, Payload.GRAD
 
@@ -21,12 +21,13 @@ class O:
     BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
     SEND, RECV, FREE_KV = Op.SEND, Op.RECV, Op.FREE_KV
     ALLREDUCE, REDUCE_TIED, EXCHANGE, REDUCE_LOSS = Op.ALLREDUCE, Op.REDUCE_TIED, Op.EXCHANGE, Op.REDUCE_LOSS
+    REDUCE_REPLICAS = Op.REDUCE_REPLICAS
 
 
 # ops whose instructions are about one (stage, mb, slice)
 SLICE_OPS = (O.FORWARD, O.RECOMPUTE, O.BACKWARD, O.BACKWARD_INPUT, O.BACKWARD_WEIGHT)
 # ops that read or write parameters or their gradients: `step` must come after all of them
-PARAM_OPS = frozenset(SLICE_OPS) | {O.ALLREDUCE, O.REDUCE_TIED}
+PARAM_OPS = frozenset(SLICE_OPS) | {O.ALLREDUCE, O.REDUCE_TIED, O.REDUCE_REPLICAS}
 # ops that add to a stage's weight gradients: allreduce and reduce-tied come after them
 WEIGHT_GRAD_OPS = frozenset({O.BACKWARD, O.BACKWARD_WEIGHT})
 
@@ -103,8 +104,9 @@ class Index:
     keys: list[list[tuple | None]] = field(default_factory=list)
     # (stage, mb) -> last position of an instruction about them other than free-kv
     last_about: dict[tuple[int, int], int] = field(default_factory=dict)
-    # stage -> last position of a backward or backward-weight of it
-    last_wgrad: dict[int, int] = field(default_factory=dict)
+    # (rank, stage) -> last position of a backward or backward-weight of it on that rank (a
+    # stage with weight replicas has backwards on each replica's rank)
+    last_wgrad: dict[tuple[int, int], int] = field(default_factory=dict)
     # rank -> last position of an instruction that touches parameters
     last_param: dict[int, int] = field(default_factory=dict)
 
@@ -129,8 +131,8 @@ def index_key(ins: Instr, r: int) -> tuple:
         return (op, r)
     if op is O.FREE_KV:
         return (op, ins.stage, ins.mb)
-    if op is O.ALLREDUCE:
-        return (op, ins.stage)
+    if op is O.ALLREDUCE or op is O.REDUCE_REPLICAS:
+        return (op, ins.stage, r)
     return (op, ins.payload, ins.stage, ins.mb, ins.slice)
 
 
@@ -151,7 +153,7 @@ def build_index(plan: Plan, valid: list[list[bool]]) -> Index:
             if ins.stage is not None and ins.mb is not None and op is not O.FREE_KV:
                 last_about[(ins.stage, ins.mb)] = p
             if op in WEIGHT_GRAD_OPS:
-                last_wgrad[ins.stage] = p
+                last_wgrad[(r, ins.stage)] = p
             if op in PARAM_OPS:
                 last_param[r] = p
     return idx
@@ -167,7 +169,7 @@ class Shape:
     k: int
     pipe: int
     data: int
-    stage_rank: list[int]
+    stage_rank: list[int]  # replica 0's rank of each stage
     nslices: list[int]
     ties: dict[str, frozenset[int]]
     tie_names: frozenset[str]
@@ -177,20 +179,41 @@ class Shape:
     # stage -> the stages whose gradients its allreduce reduces (semantics.allreduce_covers)
     allreduce_covers: dict[int, frozenset[int]]
     forward_only: bool = False  # the evaluation program (rules E2-E4)
+    # the rank of each weight replica of each stage (format version 3), replica 0's first
+    ranks_of: list[tuple[int, ...]] = field(default_factory=list)
+    # the weight replica each micro-batch runs on
+    replica: list[int] = field(default_factory=list)
+    # the members of every collective between pipeline ranks: ties, and the replicas of each
+    # replicated stage (`semantics.collective_groups`)
+    groups: dict = field(default_factory=dict)
+
+    def rank(self, s: int, m: int) -> int:
+        """The rank that runs stage s for micro-batch m."""
+        return self.ranks_of[s][self.replica[m]]
+
+    def load_ranks(self, m: int) -> frozenset[int]:
+        """The ranks that load micro-batch m: its first stage's (ids) and last stage's (targets)."""
+        return frozenset({self.rank(0, m), self.rank(self.k - 1, m)})
 
     @staticmethod
     def of(plan: Plan) -> "Shape":
         h = plan.header
         stage_rank = [st.rank for st in h.stages]
+        ranks_of = [st.ranks for st in h.stages]
+        replica = [mb.replica if mb.replica < len(ranks_of[0]) else 0 for mb in h.microbatches]
         ties = valid_ties(plan)
+        tie_ranks = {n: frozenset(stage_rank[s] for s in st) for n, st in ties.items()}
+        groups = {**tie_ranks, **{replica_group(s): frozenset(rs) for s, rs in enumerate(ranks_of)
+                                  if len(rs) > 1}}
         return Shape(
             k=len(h.stages), pipe=h.mesh.pipe, data=h.mesh.data, stage_rank=stage_rank,
             nslices=[len(mb.slices) for mb in h.microbatches], ties=ties,
             tie_names=frozenset(t.name for t in h.ties),
-            tie_ranks={n: frozenset(stage_rank[s] for s in st) for n, st in ties.items()},
-            ends=frozenset({stage_rank[0], stage_rank[-1]}),
+            tie_ranks=tie_ranks,
+            ends=frozenset(r for s in (0, len(h.stages) - 1) for r in ranks_of[s]),
             forward_only=plan.forward_only,
             allreduce_covers={s: allreduce_covers(stage_rank, ties.values(), s) for s in range(len(h.stages))},
+            ranks_of=ranks_of, replica=replica, groups=groups,
         )
 
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpc.compiler import lower as L
-from tpc.compiler.schedules import build_schedule
+from tpc.compiler.schedules import build_schedule, with_replicas
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.nodes import Instr, Op
 from tpc.ir.parse import parse
@@ -252,6 +252,9 @@ GOLDEN_CASES = {
     "terapipe_k4_on_2_ranks": dict(
         stages=4, slices=2, mbs=2, schedule="terapipe", stage_ranks=(0, 1, 0, 1), ties=(("wte", (0, 3)),)
     ),
+    # two pipelines in opposite directions (format version 3): weight replicas, unequal slices,
+    # two data-parallel replicas (reduce-replicas and allreduce)
+    "chimera_k4_unequal_m4_dp2": dict(stages=4, slices=(10, 14), mbs=4, dp=2, schedule="chimera"),
 }
 
 
@@ -259,7 +262,7 @@ GOLDEN_CASES = {
 def test_golden_plan(case):
     """Compare byte for byte with tests/compiler/golden/CASE.tpir; TPC_REGEN_GOLDEN=1 rewrites."""
     spec = dict(GOLDEN_CASES[case])
-    header = make_header(spec.pop("stages"), **spec)
+    header = with_replicas(make_header(spec.pop("stages"), **spec))
     text = print_plan(L.lower(header, build_schedule(header.schedule.name, header)))
     path = GOLDEN / f"{case}.tpir"
     if os.environ.get("TPC_REGEN_GOLDEN") == "1":

@@ -31,11 +31,13 @@ SPLIT = ("zb-h1", "zb-h2", "seq-zb")  # backward-input / backward-weight instead
 LOOPED_ONLY = ("interleaved", "seq-interleaved")
 # schedules of two stages per rank in a V only (tests/compiler/test_schedules_vshape.py)
 V_ONLY = ("zbv", "dualpipev")
-ONE_STAGE_PER_RANK = sorted(set(SCHEDULES) - set(V_ONLY))
+# two weight replicas of every stage (tests/compiler/test_schedules_chimera.py)
+BIDIRECTIONAL = ("chimera",)
+ONE_STAGE_PER_RANK = sorted(set(SCHEDULES) - set(V_ONLY) - set(BIDIRECTIONAL))
 
 
 def test_registry_names():
-    assert sorted(SCHEDULES) == ["1f1b", "dualpipev", "gpipe", "interleaved", "looped-bfs", "seq-interleaved",
+    assert sorted(SCHEDULES) == ["1f1b", "chimera", "dualpipev", "gpipe", "interleaved", "looped-bfs", "seq-interleaved",
                                  "seq-zb", "seq1f1b", "terapipe", "zb-h1", "zb-h2", "zbv"]
 
 

@@ -97,7 +97,7 @@ def test_compile_a_torch_schedule_and_run_it_from_the_command_line(tmp_path, cap
     assert main(["compile", model_file("gpt"), "--schedule-file", str(csv), "-o", str(plan), "--seq-len",
                  str(SEQ), "--batch", "4"]) == 0
     out, err = capsys.readouterr()
-    assert "4 stages x 1 replica, 4 micro-batches x 1 slices, schedule torch csv zbv.csv" in out
+    assert "4 stages x 1 data replica, 4 micro-batches x 1 slices, schedule torch csv zbv.csv" in out
     assert "the CSV's own sends and receives; dropped 4 REDUCE_GRAD" in err
     text = plan.read_text()
     assert "stage 3 rank 0 units 3:4" in text and "# torch 3F0 at 1:" in text  # V-shape; where each came from

@@ -1,0 +1,220 @@
+"""Chimera (Li & Hoefler, "Chimera: Efficiently Training Large-Scale Neural Networks with
+Bidirectional Pipelines", SC'21): two pipelines in opposite directions over the same stages.
+
+D stages on D ranks, each stage with two weight replicas (`stage S ranks S D-1-S`, format
+version 3): the "down" pipeline (replica 0) runs stage s on rank s, the "up" pipeline (replica 1)
+stage s on rank D-1-s. Micro-batch m runs on replica m mod 2 (`microbatch ... replica K`), so
+every D consecutive micro-batches are one of Chimera's basic units, D/2 in each direction. Each
+rank holds stage r of one pipeline and stage D-1-r of the other: its idle slots in one pipeline's
+fill and drain are the other pipeline's work. The replicas' gradients are summed before the step
+by `reduce-replicas stage S` (added by the lowering, `lower.insert_reduce_replicas`), which the
+verifier checks and the simulator prices as an all-reduce of the stage's gradients.
+
+The order. Each rank's order is read off a run of the whole step under unit costs (a forward
+costs its slice's tokens, a backward twice that), in which every rank, whenever it is free, runs:
+  1. the ready backward of the micro-batch that entered the pipelines first (1F1B: a backward
+     frees activations and feeds the rank before it);
+  2. else the ready forward of the micro-batch that entered first, while the rank holds fewer
+     than `D` micro-batches' activations (1F1B's first rank's peak, which Chimera keeps:
+     its activation memory is between D/2 + 1 and D micro-batches' per rank);
+  3. else it waits for a job to finish somewhere.
+A job is ready when every job it needs has finished (DESIGN.md section 4). With D micro-batches
+this is Chimera's basic unit: under F = 1, B = 2 a step takes 3N + 3(D - 2)/2, a bubble of
+(D - 2)/(2N + D - 2) against 1F1B's (D - 1)/(N + D - 1). With N = kD, the units follow one
+another (Chimera's "direct concatenation"): the next unit's forwards start as soon as a rank
+has room for them, so the bubbles at the end of one unit are filled by the next unit's forwards.
+
+Token slices. The jobs are slices: forward (s, m, i) needs the forward of (s - 1, m, i) (its
+input) and of (s, m, i - 1) (the key/value cache of the earlier slices); backward (s, m, i) needs
+its forward, the backward of (s + 1, m, i) (its output's gradient) and of (s, m, i + 1) (the
+gradients later slices send into its keys and values). Those are the key/value dependencies of
+every token-sliced schedule, and they hold in each direction alike, since both pipelines run the
+stages in the same order 0, 1, ..., D - 1; only the ranks differ. So every slicing is accepted,
+equal or unequal, and a micro-batch's slices pipeline through the stages as in TeraPipe.
+
+Why the order cannot deadlock. The run only starts a job after every job it needs has finished,
+so it is a valid execution of the step, and each rank's order is its projection (the lowering
+keeps a valid execution valid). The run always ends: when nothing runs, the job first by
+(entry order, stage, slice) among the forwards not yet run is ready (its inputs come from lower
+stages or earlier slices of an earlier-entered micro-batch), and the memory cap is lifted for it
+if the cap is what holds it back; once every forward has run, the same holds for backwards.
+
+Constraints, refused with a located error: an even number of stages D >= 2 (with D odd the
+middle rank would hold both replicas of the middle stage), one rank per stage and pipeline
+(`--stages D` on D ranks, no `--virtual-stages`), and no tied parameters (a tie between the
+first and the last stage would put the tied tensor on every rank twice; untie it in the model).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from tpc.compiler.schedules.common import Compute, empty
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import Header, Instr, Op
+
+NAME = "chimera"
+PLACEMENT = "bidirectional"
+REPLICAS = 2  # weight replicas of every stage: the down and the up pipeline
+
+
+def stage_ranks(stages: int) -> tuple[tuple[int, ...], ...]:
+    """(rank of the down replica, rank of the up replica) of each stage: (s, D - 1 - s)."""
+    return tuple((s, stages - 1 - s) for s in range(stages))
+
+
+def microbatch_replica(mb: int) -> int:
+    """The pipeline micro-batch `mb` runs on: down (0) for even, up (1) for odd."""
+    return mb % 2
+
+
+def check_header(header: Header, schedule: str = NAME) -> None:
+    """Chimera's constraints (module docstring), each a located error."""
+    D = header.num_stages
+    if D < 2 or D % 2:
+        raise TpirError(Diagnostic(
+            f"schedule {schedule!r} runs two pipelines in opposite directions over the same "
+            f"stages, one stage of each on every rank, so it needs an even number of stages, "
+            f"not {D}", where=f"--schedule {schedule}",
+            hint=f"use --stages {max(2, D + (D % 2))} (on as many ranks)"))
+    want = stage_ranks(D)
+    got = tuple(st.ranks for st in header.stages)
+    if got != want or header.mesh.pipe != D:
+        where = ", ".join(f"stage {st.index} on {list(st.ranks)}" for st in header.stages)
+        raise TpirError(Diagnostic(
+            f"schedule {schedule!r} needs stage s on ranks s and {D}-1-s (its two weight "
+            f"replicas), but the plan has {where}", where=f"--schedule {schedule}",
+            hint="let `tpc compile --schedule chimera` place the stages (one per rank and "
+                 "pipeline), without --virtual-stages"))
+    if header.ties:
+        names = ", ".join(repr(t.name) for t in header.ties)
+        raise TpirError(Diagnostic(
+            f"schedule {schedule!r} keeps two replicas of every stage, and the model ties "
+            f"parameters between stages ({names}): the tied tensor would sit on each rank twice, "
+            "summed over the ties and over the replicas by two reductions that do not know of "
+            "each other", where=f"--schedule {schedule}",
+            hint="untie the parameter in the model (e.g. give the output head its own weight), "
+                 "or choose another schedule"))
+
+
+def build(header: Header) -> Compute:
+    check_header(header)
+    # the run under B = F is Chimera's own order (its figures assume F = B); under B = 2F the
+    # concatenated units leave bubbles in the middle that either order may fill better: keep
+    # the shorter step under B = 2F, the usual cost of a backward
+    runs = [_run(header, backward=b) for b in (1, 2)]
+    return min(runs, key=lambda run: _makespan(header, run, backward=2))[0]
+
+
+def _makespan(header: Header, run, backward: float) -> float:
+    """The step time of `run`'s order under F = 1, B = `backward` per token (free messages)."""
+    _, jobs_of = run
+    return _replay(header, jobs_of, backward)
+
+
+def _needs(job, D: int, lengths) -> list:
+    """The jobs `job` waits for (module docstring): job = (kind 0 F | 1 B, stage, mb, slice)."""
+    kind, s, m, i = job
+    if kind == 0:
+        return ([(0, s - 1, m, i)] if s > 0 else []) + ([(0, s, m, i - 1)] if i > 0 else [])
+    out = [(0, s, m, i)]
+    if s < D - 1:
+        out.append((1, s + 1, m, i))
+    if i + 1 < len(lengths[m]):
+        out.append((1, s, m, i + 1))
+    return out
+
+
+def _replay(header: Header, jobs_of: dict, backward: float) -> float:
+    """Run each rank's job list in its order, each job when its needs are done."""
+    D = header.num_stages
+    lengths = [m.lengths for m in header.microbatches]
+    end: dict = {}
+    ptr = {r: 0 for r in jobs_of}
+    clock = {r: 0.0 for r in jobs_of}
+    moved = True
+    while moved:
+        moved = False
+        for r, jobs in jobs_of.items():
+            while ptr[r] < len(jobs):
+                job = jobs[ptr[r]]
+                deps = _needs(job, D, lengths)
+                if any(n not in end for n in deps):
+                    break
+                begin = max([clock[r]] + [end[n] for n in deps])
+                end[job] = clock[r] = begin + lengths[job[2]][job[3]] * (1 if job[0] == 0 else backward)
+                ptr[r] += 1
+                moved = True
+    return max(clock.values(), default=0.0)
+
+
+def _run(header: Header, backward: float):
+    """(compute order, each rank's jobs in order) of the run of the module docstring, jobs
+    costing F = 1, B = `backward` per token."""
+    D = header.num_stages
+    mbs = header.microbatches
+    lengths = [m.lengths for m in mbs]
+    rank = {(s, m): header.stage_rank(s, m) for s in range(D) for m in range(len(mbs))}
+
+    def cost(job):
+        return lengths[job[2]][job[3]] * (1 if job[0] == 0 else backward)
+
+    pending: dict[int, list] = {r: [] for r in range(header.mesh.pipe)}  # not yet run, per rank
+    backwards_left: dict[tuple[int, int], int] = {}  # (rank, mb) -> its backwards not yet done
+    for m in range(len(mbs)):
+        for s in range(D):
+            r = rank[(s, m)]
+            for i in range(len(lengths[m])):
+                pending[r] += [(0, s, m, i), (1, s, m, i)]
+            backwards_left[(r, m)] = backwards_left.get((r, m), 0) + len(lengths[m])
+    done: set = set()
+    holding = {r: set() for r in pending}  # micro-batches with live activations on rank r
+    order: Compute = empty(header)
+    jobs_of: dict[int, list] = {r: [] for r in pending}
+    free_at = {r: 0.0 for r in pending}
+    running: list = []  # heap of (end time, rank, job)
+
+    def priority(job):
+        kind, s, m, i = job
+        # backwards first; then by entry order; forward slices in token order, backward ones in
+        # reverse; stages in pipeline order (forward) or reverse (backward)
+        return (-kind, m, i if kind == 0 else -i, s if kind == 0 else -s)
+
+    def pick(r: int, relax: bool):
+        ready = sorted((j for j in pending[r] if all(n in done for n in _needs(j, D, lengths))),
+                       key=priority)
+        for j in ready:
+            if j[0] == 1 or relax or j[2] in holding[r] or len(holding[r]) < D:
+                return j
+        return None
+
+    def start(job, r: int, now: float) -> None:
+        kind, s, m, i = job
+        pending[r].remove(job)
+        if kind == 0:
+            holding[r].add(m)
+        order[r].append(Instr(Op.FORWARD if kind == 0 else Op.BACKWARD, stage=s, mb=m, slice=i))
+        jobs_of[r].append(job)
+        free_at[r] = now + cost(job)
+        heapq.heappush(running, (free_at[r], r, job))
+
+    now = 0.0
+    while any(pending.values()) or running:
+        for r in sorted(pending):
+            if free_at[r] <= now and pending[r]:
+                job = pick(r, relax=False)
+                if job is not None:
+                    start(job, r, now)
+        if not running:  # nothing runs anywhere: the memory cap gives way (docstring)
+            r, job = next((r, j) for r in sorted(pending) if pending[r]
+                          for j in [pick(r, relax=True)] if j is not None)
+            start(job, r, now)
+        now = running[0][0]
+        while running and running[0][0] == now:
+            _, r, job = heapq.heappop(running)
+            done.add(job)
+            if job[0] == 1:
+                backwards_left[(r, job[2])] -= 1
+                if not backwards_left[(r, job[2])]:
+                    holding[r].discard(job[2])
+    return order, jobs_of
