@@ -63,8 +63,10 @@ from tpc.ir.nodes import Header, Microbatch
 
 # the schedules `--schedule auto` compares, in the order that breaks ties
 # (the zero-bubble ones after the plain ones: a tie keeps the simpler schedule; the looped
-# schedules of several chunks per rank are not among them, the V-shaped ones are)
-AUTO_SCHEDULES = ("terapipe", "seq1f1b", "1f1b", "gpipe", "zb-h1", "zb-h2", "seq-zb", "zbv", "dualpipev")
+# schedules of several chunks per rank are not among them, the V-shaped ones are, and so is
+# chimera, which a model with tied weights refuses: the search then leaves it out)
+AUTO_SCHEDULES = ("terapipe", "seq1f1b", "1f1b", "gpipe", "zb-h1", "zb-h2", "seq-zb", "zbv", "dualpipev",
+                  "chimera")
 # DP runs per mesh when the partition and the slicing are chosen together
 ROUNDS = 4
 # relative difference of simulated times below which two candidates are equally fast
@@ -166,7 +168,7 @@ class SearchResult:
 def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> SearchResult:
     """The fastest simulated plan of `space` that fits its memory budget (module docstring)."""
     from tpc.compiler.lower import lower
-    from tpc.compiler.schedules import build_schedule
+    from tpc.compiler.schedules import build_schedule, replicas
     from tpc.compiler.simulate import simulate
 
     start = time.perf_counter()
@@ -181,7 +183,9 @@ def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> Se
         for slicing in slicings:
             bound = busy_bound(cost.inner, slicing, data, per_rank)
             for schedule in schedules:
-                if bound > incumbent * (1 + TIE):
+                # (a rank of chimera runs half the micro-batches of each of two stages: the bound
+                # of one stage per rank does not hold for it)
+                if bound > incumbent * (1 + TIE) and replicas(schedule) == 1:
                     # a rank's own compute already takes longer than a plan that fits
                     candidates.append(Candidate(pipe, data, ranges, schedule, slicing, bound,
                                                 math.nan, False, None, simulated=False))

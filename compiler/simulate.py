@@ -25,6 +25,8 @@ rule of docs/ir.md:
 * `reduce-tied NAME` starts when every rank holding a stage of the tie has reached it (the
   k-th `reduce-tied NAME` of each rank together), then costs an all-reduce of the tied bytes
   over those ranks;
+* `reduce-replicas stage S` (format version 3) likewise waits for every rank holding a weight
+  replica of S, then costs an all-reduce of `param_bytes(S)` (the gradients) over them;
 * `reduce-loss` (the evaluation program, `Plan.evaluation()`, which simulates like any plan)
   costs an all-reduce of one float64 over the data-parallel replicas;
 * `allreduce stage S` costs the cost model's `grad_sync_time(S, data)` (by default a ring
@@ -59,7 +61,8 @@ from tpc.compiler.costmodel.base import CostModel
 from tpc.compiler.memory import Memory, rank_memory, slice_extent
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Header, Instr, Op, Plan
-from tpc.ir.semantics import GLOO, NCCL, compute_messages, exchange_span, message_key, tie_ranks
+from tpc.ir.semantics import (GLOO, NCCL, compute_messages, exchange_span, message_key, replica_group,
+                               tie_ranks)
 
 # ---------------------------------------------------------------------------------- results
 
@@ -245,7 +248,11 @@ class _Sim:
             else:
                 self._finish(r, t, t, 0.0, prev)
         elif instr.op is Op.REDUCE_TIED:
-            return self._reduce_tied(r, instr)
+            return self._collective(r, instr.tie, _tie_ranks(self.header, r, instr),
+                                    self.costs.tied_bytes(instr.tie))
+        elif instr.op is Op.REDUCE_REPLICAS:
+            return self._collective(r, replica_group(instr.stage), self.header.stage_ranks(instr.stage),
+                                    self.costs.param_bytes(instr.stage))
         elif instr.op is Op.ALLREDUCE:
             cost = self.costs.grad_sync_time(instr.stage, self.header.mesh.data)
             self._finish(r, t, t + cost, 0.0, prev)
@@ -366,27 +373,29 @@ class _Sim:
             self._finish(r, t, t, 0.0, prev, arrival)
         return True
 
-    def _reduce_tied(self, r: int, instr: Instr) -> bool:
-        ranks = _tie_ranks(self.header, r, instr)
-        k = self.tie_seen.get((r, instr.tie), 0)
-        arrivals = self.tie_arrivals.setdefault((instr.tie, k), {})
+    def _collective(self, r: int, group, ranks, nbytes: float) -> bool:
+        """A reduce-tied (group: the tie's name) or reduce-replicas (`replica_group(S)`) on rank
+        r: it starts when every rank of `ranks` has reached its k-th instance, then costs an
+        all-reduce of `nbytes` over them."""
+        k = self.tie_seen.get((r, group), 0)
+        arrivals = self.tie_arrivals.setdefault((group, k), {})
         arrivals.setdefault(r, (self.clock[r], self.pos[r]))
         if any(q not in arrivals for q in ranks):
             return False
         ready, last = max((arrivals[q][0], q) for q in ranks)
-        cost = self.costs.allreduce_time(self.costs.tied_bytes(instr.tie), len(ranks))
+        cost = self.costs.allreduce_time(nbytes, len(ranks))
         t = self.clock[r]
         last_index = arrivals[last][1]
         pred = self._previous(r) if (last == r or ready <= t) else (
             (last, last_index - 1) if last_index > 0 else None
         )
-        self.tie_seen[(r, instr.tie)] = k + 1
+        self.tie_seen[(r, group)] = k + 1
         self._finish(r, t, ready + cost, ready - t, pred)
         return True
 
     def _stuck(self, r: int) -> Diagnostic:
         instr = self.streams[r][self.pos[r]]
-        if self.nccl and instr.op is not Op.REDUCE_TIED:
+        if self.nccl and instr.op not in (Op.REDUCE_TIED, Op.REDUCE_REPLICAS):
             why = ("under NCCL's rules its sends and receives wait, in issue order, on operations "
                    "that wait on it")
             hint = "run `tpc verify --comm nccl` on the plan: it says where the ranks wait on each other"
@@ -395,11 +404,15 @@ class _Sim:
             hint = (f"rank {instr.peer} must run `send {instr.payload.value} ...` of this message "
                     "before it waits on anything that depends on this rank")
         else:
-            k = self.tie_seen.get((r, instr.tie), 0)
-            arrived = self.tie_arrivals.get((instr.tie, k), {})
-            missing = [q for q in _tie_ranks(self.header, r, instr) if q not in arrived]
-            why = f"waits for rank(s) {', '.join(map(str, missing))} to reduce {instr.tie!r}"
-            hint = "every rank holding the tie must reach its reduce-tied; run `tpc verify` to find the cycle"
+            group = instr.tie if instr.op is Op.REDUCE_TIED else replica_group(instr.stage)
+            ranks = (_tie_ranks(self.header, r, instr) if instr.op is Op.REDUCE_TIED
+                     else self.header.stage_ranks(instr.stage))
+            k = self.tie_seen.get((r, group), 0)
+            arrived = self.tie_arrivals.get((group, k), {})
+            missing = [q for q in ranks if q not in arrived]
+            why = f"waits for rank(s) {', '.join(map(str, missing))} to reach `{instr}`"
+            hint = ("every rank holding the tie or the stage's replicas must reach it; run "
+                    "`tpc verify` to find the cycle")
         return Diagnostic(
             f"deadlock: rank {r} is stuck at instruction {self.pos[r]} `{instr}`: {why}",
             loc=instr.loc,

@@ -48,7 +48,7 @@ from pathlib import Path
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Op
 from tpc.ir.semantics import message_key
-from tpc.ir.show import directions
+from tpc.ir.show import direction_of
 
 # --------------------------------------------------------------------------- Chrome trace
 
@@ -337,11 +337,11 @@ def _chunk_of(header) -> dict[int, tuple[int, int]]:
     return out
 
 
-def box_colour(instr, chunk_of: dict, ways: dict | None) -> str:
+def box_colour(instr, chunk_of: dict, ways) -> str:
     """The colour of an instruction's box: its op's; on the way back up of a bidirectional plan
-    (`ir.show.directions`) the op's colour of the second palette; on a later chunk of a rank
-    holding several stages otherwise, lighter."""
-    if ways is not None and ways.get(instr.stage) == "up" and instr.op in UP_COLOURS:
+    (`ir.show.direction_of`: a V's way up, or Chimera's up pipeline) the op's colour of the
+    second palette; on a later chunk of a rank holding several stages otherwise, lighter."""
+    if ways is not None and ways(instr) == "up" and instr.op in UP_COLOURS:
         return UP_COLOURS[instr.op]
     colour = COLOURS[instr.op]
     if ways is None and instr.stage is not None and instr.stage in chunk_of:
@@ -355,7 +355,8 @@ def write_gantt(result, path: str, width_in: float = 12.0) -> None:
     colours, 'mb.slice' inside a box wide enough to hold it; the idle time of a rank shows as the
     grey background between boxes. On a rank holding several stages (interleaved chunks) each
     later chunk's boxes are lighter, and the rank's label lists its stages. A bidirectional plan
-    (stages down the ranks and back up, a V) draws the way up in a second palette."""
+    (stages down the ranks and back up, a V; or Chimera's two pipelines over weight replicas)
+    draws the way up, or the up pipeline, in a second palette."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -374,7 +375,7 @@ def write_gantt(result, path: str, width_in: float = 12.0) -> None:
         y = P - 1 - p.rank
         ax.broken_barh([(0, T)], (y - row_h / 2, row_h), facecolors=IDLE, edgecolor="none")
     chunk_of = _chunk_of(result.plan.header)
-    ways = directions(result.plan.header)
+    ways = direction_of(result.plan.header)
     several = ways is None and any(n > 1 for _, n in chunk_of.values())
     for e in result.events:
         dur = e.work * scale
@@ -384,7 +385,7 @@ def write_gantt(result, path: str, width_in: float = 12.0) -> None:
         y = P - 1 - e.rank
         x = (e.start + e.wait) * scale
         colour = box_colour(e.instr, chunk_of, ways)
-        if ways is not None and ways.get(e.instr.stage) == "up":
+        if ways is not None and ways(e.instr) == "up":
             used_up.add(e.instr.op)
         ax.broken_barh([(x, dur)], (y - row_h / 2, row_h), facecolors=colour,
                        edgecolor="white", linewidth=0.6,
@@ -414,7 +415,8 @@ def write_gantt(result, path: str, width_in: float = 12.0) -> None:
                                  hatch="//" if op is Op.RECOMPUTE else None))
     for op in UP_COLOURS:
         if op in used_up:
-            handles.append(Patch(facecolor=UP_COLOURS[op], label=f"{LEGEND[op]}, way up"))
+            up = "up pipeline" if result.plan.header.replicas > 1 else "way up"
+            handles.append(Patch(facecolor=UP_COLOURS[op], label=f"{LEGEND[op]}, {up}"))
     if several:
         handles.append(Patch(facecolor=shade(COLOURS[Op.FORWARD], 1, 2), label="later chunk (lighter)"))
     handles.append(Patch(facecolor=IDLE, label="idle (bubble)"))

@@ -63,6 +63,24 @@ def directions(header: Header) -> dict[int, str] | None:
     return {s: "dn" if s <= turn else "up" for s in range(len(ranks))}
 
 
+BIDIRECTIONAL_LEGEND = (
+    "\nTwo pipelines run in opposite directions over weight replicas (Chimera): :dn marks the "
+    "work of a micro-batch of the down pipeline (replica 0), :up of the up pipeline (replica 1); a "
+    "rank titled [0,3] holds a replica of stage 0 and of stage 3."
+)
+
+
+def direction_of(header: Header):
+    """`instr -> "dn" | "up" | None`, the direction of an instruction's work in a bidirectional
+    plan: by its stage in a V (`directions`), by its micro-batch's weight replica when the stages
+    have replicas (Chimera: replica 0 runs down the ranks, replica 1 up); None for a plan of one
+    direction."""
+    if header.replicas > 1:
+        return lambda i: None if i.mb is None else ("up" if header.microbatches[i.mb].replica else "dn")
+    ways = directions(header)
+    return None if ways is None else (lambda i: ways.get(i.stage))
+
+
 def cell(instr: Instr, chunk: int | str | None = None) -> str:
     """`F0.1.2` is the forward of stage 0, micro-batch 1, slice 2; `F0.1.2*` checkpointed;
     `F4.1.2:c1` on a rank whose chunk 1 is stage 4."""
@@ -85,10 +103,11 @@ def _chunks(plan: Plan, rank: int) -> dict[int, int] | None:
 def columns(plan: Plan) -> list[list[str]]:
     """Per pipeline rank, the cells of its shown instructions in stream order."""
     out = []
-    ways = directions(plan.header)
+    way = direction_of(plan.header)
     for program in plan.ranks:
-        chunk = ways if ways is not None else _chunks(plan, program.rank)
-        out.append([cell(i, None if chunk is None or i.stage is None else chunk.get(i.stage))
+        chunk = _chunks(plan, program.rank)
+        out.append([cell(i, way(i) if way is not None else None if chunk is None or i.stage is None
+                         else chunk.get(i.stage))
                     for i in program.instrs if i.op in SHORT])
     return out
 
@@ -116,7 +135,8 @@ def render_grid(plan: Plan, width: int = 0) -> str:
         cells = [col[n] if n < len(col) else IDLE for col in cols]
         lines.append(_row(str(n).rjust(step_width), cells, col_width))
     several = any(_chunks(plan, program.rank) for program in plan.ranks)
-    marks = DIRECTION_LEGEND if directions(plan.header) else CHUNK_LEGEND if several else ""
+    marks = (BIDIRECTIONAL_LEGEND if plan.header.replicas > 1 else DIRECTION_LEGEND
+             if directions(plan.header) else CHUNK_LEGEND if several else "")
     return "\n".join(lines) + "\n\n" + LEGEND + marks
 
 

@@ -40,7 +40,8 @@ stages or earlier slices of an earlier-entered micro-batch), and the memory cap 
 if the cap is what holds it back; once every forward has run, the same holds for backwards.
 
 Constraints, refused with a located error: an even number of stages D >= 2 (with D odd the
-middle rank would hold both replicas of the middle stage), one rank per stage and pipeline
+middle rank would hold both replicas of the middle stage), at least 2 micro-batches (one per
+direction: a replica that runs none would have no gradient to reduce), one rank per stage and pipeline
 (`--stages D` on D ranks, no `--virtual-stages`), and no tied parameters (a tie between the
 first and the last stage would put the tied tensor on every rank twice; untie it in the model).
 """
@@ -77,6 +78,11 @@ def check_header(header: Header, schedule: str = NAME) -> None:
             f"stages, one stage of each on every rank, so it needs an even number of stages, "
             f"not {D}", where=f"--schedule {schedule}",
             hint=f"use --stages {max(2, D + (D % 2))} (on as many ranks)"))
+    if len(header.microbatches) < 2:
+        raise TpirError(Diagnostic(
+            f"schedule {schedule!r} sends every other micro-batch the other way: it needs at "
+            f"least 2 micro-batches, one per direction, not {len(header.microbatches)}",
+            where="--microbatches", hint=f"use --microbatches {D} (one of Chimera's basic units)"))
     want = stage_ranks(D)
     got = tuple(st.ranks for st in header.stages)
     if got != want or header.mesh.pipe != D:

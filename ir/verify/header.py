@@ -117,9 +117,8 @@ def _check_replicas(plan: Plan, rep: Report, st, where: str, order: tuple) -> bo
     every other stage has, and no tied parameter (a tie would be summed over the ties' ranks
     and over the replicas by two instructions that do not know of each other)."""
     h = plan.header
-    if not require_version(plan, rep, REPLICA_VERSION, st.loc, where, order,
-                           "`ranks` (weight replicas of a stage)"):
-        return False
+    require_version(plan, rep, REPLICA_VERSION, st.loc, where, order,
+                    "`ranks` (weight replicas of a stage)")  # reported; the rest still checks
     if len(set(st.ranks)) != len(st.ranks):
         rep.add(st.loc, where, order, f"stage {st.index} names rank "
                 f"{next(r for r in st.ranks if st.ranks.count(r) > 1)} for two of its replicas",

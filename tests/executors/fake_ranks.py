@@ -63,15 +63,17 @@ def run_with_fault(rank: int, out_dir: str, case: dict, victim: int, index: int,
 
 
 def run_real_cases(rank: int, out_dir: str, cases: list[dict], timeout: float) -> None:
-    """Like `run_cases`, on the tiny example GPT (traced once in this process)."""
+    """Like `run_cases`, on the tiny example GPT (traced once in this process), or the tiny
+    example model a case names (`case["model"]`, e.g. "llama")."""
     from tests.executors.real import fresh_model, real_plan
 
     world = World.from_env()
     init(world, torch.device("cpu"), timeout)
     for i, case in enumerate(cases):
         try:
-            plan = real_plan("gpt", **case["plan"])
-            model, sliced = fresh_model("gpt", plan.header.shape.seq)
+            name = case.get("model", "gpt")
+            plan = real_plan(name, **case["plan"])
+            model, sliced = fresh_model(name, plan.header.shape.seq)
             h = plan.header.shape
             options = RunOptions(steps=case.get("steps", 1), optim=OptimSpec(*case.get("optim", ("sgd", 0.1))),
                                  record_grads=True, timeout=timeout, comm=case.get("comm"))

@@ -55,8 +55,9 @@ def four(tmp_path_factory):
 
 
 def _check(case, ranks):
-    plan = real_plan("gpt", **case["plan"])
-    model, sliced = fresh_model("gpt", SEQ)
+    name = case.get("model", "gpt")
+    plan = real_plan(name, **case["plan"])
+    model, sliced = fresh_model(name, SEQ)
     reference = copy.deepcopy(model)
     interp = interpret(plan, RunOptions(steps=case.get("steps", 1), optim=OptimSpec(*case.get("optim", ("sgd", 0.1)))),
                        model=model, sliced=sliced)

@@ -1,8 +1,8 @@
 """The new schedules and recomputation under the distributed executor (gloo, one process per
 rank): every new schedule x {1, 3 equal, unequal slices} with two chunks per rank on two ranks
 (GRID), and a few more: split backward with one chunk, recomputation, pipeline x data parallel,
-NCCL's rules on gloo, and the V-shaped zbv and dualpipev each with 1 slice, 3 slices and
-unequal slices between the two groups. Each rank's loss and gradients equal plain autograd
+NCCL's rules on gloo, the V-shaped zbv and dualpipev each with 1 slice, 3 slices and
+unequal slices between the two groups, and chimera's two pipelines over weight replicas. Each rank's loss and gradients equal plain autograd
 (<= 1e-5) and the interpreter's (<= 1e-6). One process group per world size runs every case."""
 
 from __future__ import annotations
@@ -42,6 +42,12 @@ FOUR = [  # pipe 2 x data 2
     dict(plan=_plan("zbv", stages=4, ranks=2, dp=2, batch=8, slices="3")),
     dict(plan=_plan("zbv", stages=4, ranks=2, dp=2, batch=8)),
     dict(plan=_plan("dualpipev", stages=4, ranks=2, dp=2, batch=8, microbatches=4, slices="1")),
+    # chimera: two pipelines over weight replicas, on the untied tiny Llama (tied models are
+    # refused); 4 ranks x {1, 3, unequal slices}, and pipe 2 x data 2
+    *[dict(model="llama", plan=_plan("chimera", stages=4, batch=8, microbatches=4, slices=s))
+      for s in ("1", "3", "2,9,5")],
+    dict(model="llama", plan=_plan("chimera", stages=2, dp=2, batch=8, microbatches=2, slices="2,9,5")),
+    dict(model="llama", plan=_plan("chimera", stages=4, batch=8, microbatches=4), comm="nccl"),
 ]
 
 

@@ -124,3 +124,20 @@ def test_v_shaped_schedules_data_parallel(schedule, mbs):
 
 def test_v_shaped_schedule_on_another_model():
     run_and_check("llama", schedule="zbv", stages=4, ranks=2, slices="2,9,5", microbatches=3, batch=6)
+
+
+@pytest.mark.parametrize("slices", ["1", "2,9,5"])
+def test_chimera_clips_by_the_global_norm_of_one_copy_of_each_weight(slices):
+    """Chimera keeps two replicas of every stage; the global gradient norm counts each weight
+    once, so it, the loss and the weights after a clipped step equal 1F1B's."""
+    out = {}
+    for schedule in ("1f1b", "chimera"):
+        plan = real_plan("llama", stages=4, microbatches=4, slices=slices, schedule=schedule, batch=8)
+        model, sliced = fresh_model("llama")
+        norms = []
+        result = interpret(plan, RunOptions(steps=2, grad_clip=0.05, optim=OptimSpec("sgd", 0.5)), model=model,
+                           sliced=sliced, on_step=lambda step, loss, info: norms.append(info["grad_norm"]))
+        out[schedule] = (result.losses, norms, result.state_dict)
+    (l1, n1, p1), (l2, n2, p2) = out["1f1b"], out["chimera"]
+    assert l2 == pytest.approx(l1, rel=1e-6) and n2 == pytest.approx(n1, rel=1e-5) and n1[0] > 0.05
+    assert gradient_error(p2, p1)[0] <= 1e-5

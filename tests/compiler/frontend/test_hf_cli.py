@@ -116,3 +116,39 @@ def test_a_bad_config_json_is_a_located_error(tmp_path, text, words):
         load_model(str(config))
     d = info.value.diagnostics[0]
     assert words in d.message and d.loc.file == str(config) and d.hint
+
+
+# Chimera (two pipelines over weight replicas) on untied Hugging Face decoders: family,
+# attention, extra settings, stages (= ranks), micro-batches, slices
+CHIMERA = [
+    ("llama", "sdpa", {"num_hidden_layers": 4}, 4, 4, "5,3,8"),
+    ("qwen2", "eager", {"num_hidden_layers": 2}, 2, 2, "1"),
+    ("mistral", "sdpa", {"num_hidden_layers": 4, "sliding_window": 5}, 4, 4, "3"),
+]
+
+
+@pytest.mark.parametrize("family,impl,extra,stages,mbs,slices", CHIMERA, ids=[c[0] for c in CHIMERA])
+def test_config_json_runs_exactly_under_chimera(tmp_path, capsys, no_torchrun, family, impl, extra, stages,
+                                                mbs, slices):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(config_dict(family, attn_implementation=impl, **extra), indent=2))
+    plan = tmp_path / "plan.tpir"
+    assert main(["compile", str(config), "-o", str(plan), "--stages", str(stages), "--microbatches", str(mbs),
+                 "--seq-len", "16", "--batch", str(2 * mbs), "--slices", slices, "--schedule", "chimera"]) == 0
+    header = parse(plan.read_text(), file=str(plan)).header
+    assert header.replicas == 2 and [st.ranks for st in header.stages] == [(s, stages - 1 - s) for s in range(stages)]
+    capsys.readouterr()
+    assert main(["run", "--interpret", str(plan), "--verify-grads"]) == 0
+    out = capsys.readouterr().out
+    assert "verify-grads:" in out and ": ok" in out
+
+
+def test_chimera_refuses_a_tied_hugging_face_model(tmp_path, capsys, no_torchrun):
+    """GPT-2 ties its head to its embedding: under Chimera the tensor would sit on each rank twice."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(config_dict("gpt2", n_layer=4), indent=2))
+    code = main(["compile", str(config), "-o", str(tmp_path / "plan.tpir"), "--stages", "4", "--microbatches", "4",
+                 "--seq-len", "16", "--batch", "8", "--schedule", "chimera"])
+    err = capsys.readouterr().err
+    assert code != 0 and "ties parameters between stages" in err and "untie" in err
+    assert not (tmp_path / "plan.tpir").exists()
