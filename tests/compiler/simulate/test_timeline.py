@@ -232,11 +232,11 @@ def test_gantt_draws_the_way_up_of_a_v_in_a_second_palette(tmp_path):
     from tpc.compiler.schedules import build_schedule
     from tpc.compiler.schedules.placement import vshape
     from tpc.compiler.timeline import COLOURS, UP_COLOURS, _chunk_of, box_colour
-    from tpc.ir.show import directions
+    from tpc.ir.show import direction_of
 
     h = make_header(4, mbs=4, schedule="zbv", stage_ranks=vshape(4, 2))
     result = simulate(lower(h, build_schedule("zbv", h)), UnitCosts())
-    ways, chunk_of = directions(h), _chunk_of(h)
+    ways, chunk_of = direction_of(h), _chunk_of(h)
     colours = {(e.instr.op, e.instr.stage): box_colour(e.instr, chunk_of, ways)
                for e in result.events if e.instr.op in UP_COLOURS}
     assert colours[(Op.FORWARD, 0)] == COLOURS[Op.FORWARD] != colours[(Op.FORWARD, 3)] == UP_COLOURS[Op.FORWARD]
@@ -244,3 +244,25 @@ def test_gantt_draws_the_way_up_of_a_v_in_a_second_palette(tmp_path):
     assert set(UP_COLOURS.values()).isdisjoint(COLOURS.values())
     write_gantt(result, str(tmp_path / "v.png"))
     assert (tmp_path / "v.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gantt_draws_chimeras_up_pipeline_in_a_second_palette(tmp_path):
+    """Chimera: the direction is the micro-batch's (its weight replica), not the stage's."""
+    from tests.compiler import make_header
+    from tpc.compiler.lower import lower
+    from tpc.compiler.schedules import build_schedule, with_replicas
+    from tpc.compiler.timeline import COLOURS, UP_COLOURS, _chunk_of, box_colour
+    from tpc.ir.show import direction_of, render_grid
+
+    h = with_replicas(make_header(4, mbs=4, schedule="chimera"))
+    plan = lower(h, build_schedule("chimera", h))
+    result = simulate(plan, UnitCosts())
+    ways, chunk_of = direction_of(h), _chunk_of(h)
+    colours = {(e.instr.op, e.instr.mb): box_colour(e.instr, chunk_of, ways)
+               for e in result.events if e.instr.op in (Op.FORWARD, Op.BACKWARD)}
+    assert colours[(Op.FORWARD, 0)] == COLOURS[Op.FORWARD] and colours[(Op.FORWARD, 1)] == UP_COLOURS[Op.FORWARD]
+    assert colours[(Op.BACKWARD, 2)] == COLOURS[Op.BACKWARD] and colours[(Op.BACKWARD, 3)] == UP_COLOURS[Op.BACKWARD]
+    grid = render_grid(plan)
+    assert "F0.0.0:dn" in grid and "F0.1.0:up" in grid and "Two pipelines run in opposite directions" in grid
+    write_gantt(result, str(tmp_path / "chimera.png"))
+    assert (tmp_path / "chimera.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
