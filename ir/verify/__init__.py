@@ -110,6 +110,17 @@ these in place of the training-only ones (evaluation.py):
       per pair of ranks, and `reduce-loss`, among identical replicas, never waits on another
       pipeline rank).
 
+Weight replicas (format version 3: `stage S ranks R0 R1 ...`, `microbatch ... replica K`,
+`reduce-replicas stage S`; docs/ir.md, "Weight replicas"):
+  W1  each needs `tpir 3` (H1); a stage's replica ranks are distinct and exist (H2); every stage
+      has as many replicas as the others; no tie in a plan with replicas.
+  W2  a micro-batch's replica is one the stages have; the evaluation runs on replica 0 (E1).
+  W3  "the rank of stage S" in O2-O4, C3, C4 and R2/R5 is the rank of S's replica for the
+      instruction's micro-batch.
+  W4  `reduce-replicas stage S` exactly once on each rank holding a replica of S, never for a
+      stage of one replica; after every backward of S on its rank; before `step` (R11); it
+      blocks in D1 until every rank of S's replicas reaches it, as reduce-tied does.
+
 Plan bundles (format version 2; `tpc.ir.verify.bundle.load_bundle` reads and checks one: an
 index, `tpir 2` then `bundle`, the model, mesh, units, stage and tie lines its plans share, and
 one `plan "PATH" seq L batch B` line per plan; each plan is verified by every rule above, its
