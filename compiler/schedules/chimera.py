@@ -18,11 +18,15 @@ costs its slice's tokens, a backward twice that), in which every rank, whenever 
      than `D` micro-batches' activations (1F1B's first rank's peak, which Chimera keeps:
      its activation memory is between D/2 + 1 and D micro-batches' per rank);
   3. else it waits for a job to finish somewhere.
-A job is ready when every job it needs has finished (DESIGN.md section 4). With D micro-batches
-this is Chimera's basic unit: under F = 1, B = 2 a step takes 3N + 3(D - 2)/2, a bubble of
-(D - 2)/(2N + D - 2) against 1F1B's (D - 1)/(N + D - 1). With N = kD, the units follow one
-another (Chimera's "direct concatenation"): the next unit's forwards start as soon as a rank
-has room for them, so the bubbles at the end of one unit are filled by the next unit's forwards.
+A job is ready when every job it needs has finished (DESIGN.md section 4). The run is made
+twice, with a backward costing one and two forwards, and the order whose step is shorter under
+B = 2F is kept. With D micro-batches this is Chimera's basic unit: under F = B (the paper's
+figures) a step takes 2N + D - 2, a bubble of (D - 2)/(2N + D - 2) against 1F1B's
+(D - 1)/(N + D - 1). With N = kD, the units follow one another (Chimera's "direct
+concatenation"): the next unit's forwards start as soon as a rank has room for them, so under
+F = B the bubbles at the end of one unit are filled and the step stays 2N + D - 2. Under B = 2F
+the unit's bubbles grow and concatenated units leave bubbles in the middle (the paper's remedy,
+forward doubling, is not built); the step stays shorter than 1F1B's up to N = 2D.
 
 Token slices. The jobs are slices: forward (s, m, i) needs the forward of (s - 1, m, i) (its
 input) and of (s, m, i - 1) (the key/value cache of the earlier slices); backward (s, m, i) needs
@@ -109,13 +113,7 @@ def build(header: Header) -> Compute:
     # concatenated units leave bubbles in the middle that either order may fill better: keep
     # the shorter step under B = 2F, the usual cost of a backward
     runs = [_run(header, backward=b) for b in (1, 2)]
-    return min(runs, key=lambda run: _makespan(header, run, backward=2))[0]
-
-
-def _makespan(header: Header, run, backward: float) -> float:
-    """The step time of `run`'s order under F = 1, B = `backward` per token (free messages)."""
-    _, jobs_of = run
-    return _replay(header, jobs_of, backward)
+    return min(runs, key=lambda run: _replay(header, run[1], backward=2))[0]
 
 
 def _needs(job, D: int, lengths) -> list:
@@ -132,7 +130,8 @@ def _needs(job, D: int, lengths) -> list:
 
 
 def _replay(header: Header, jobs_of: dict, backward: float) -> float:
-    """Run each rank's job list in its order, each job when its needs are done."""
+    """The step time of each rank's job list run in its order, each job when its needs are
+    done, under F = 1, B = `backward` per token (free messages)."""
     D = header.num_stages
     lengths = [m.lengths for m in header.microbatches]
     end: dict = {}
