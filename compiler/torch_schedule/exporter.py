@@ -13,8 +13,9 @@ data-parallel replicas).
 
 The map beside the CSV (`SCHED.csv.map.json`) says which rows and tokens each index stands for
 and what was left out. What torch cannot say is refused, located: a checkpoint forward and its
-recompute (torch recomputes inside a stage's module, not as a schedule action). Left out and
-said so in the map: loads, free-kv, reduce-tied (torch's runtime has no tied weights across
+recompute (torch recomputes inside a stage's module, not as a schedule action), and a stage
+with weight replicas (chimera: torch places each stage on one rank). Left out and said so in
+the map: loads, free-kv, reduce-tied (torch's runtime has no tied weights across
 stages) and the step. torch runs index k as a whole micro-batch of the batch it is given:
 with one token slice per micro-batch that is the plan's arithmetic; with several, the order,
 dependencies and communication are the plan's, the tensors are not (the map says which).
@@ -61,6 +62,7 @@ def schedule_rows(plan: Plan, fmt: str = "compute_only") -> tuple[tuple[tuple[st
     if fmt not in FORMATS:
         raise TpirError(Diagnostic(f"unknown format {fmt!r}", where="--format",
                                    hint=f"choose {' or '.join(FORMATS)}"))
+    _refuse_replicas(plan)
     _refuse_recompute(plan)
     index = {unit: k for k, unit in enumerate(SliceMap.of_header(plan.header).units)}
     comms = fmt == "compute_comms"
@@ -98,6 +100,18 @@ def _last_weight_gradients(instrs) -> dict[int, int]:
                 q += 1
             out[ins.stage] = q
     return out
+
+
+def _refuse_replicas(plan: Plan) -> None:
+    """torch's runtime places each stage on one rank: a plan whose stages have weight replicas
+    (format version 3, chimera) has no torch schedule."""
+    st = next((st for st in plan.header.stages if st.replicas), None)
+    if st is not None:
+        raise TpirError(Diagnostic(
+            f"stage {st.index} has weight replicas on ranks {', '.join(map(str, st.ranks))}: torch's "
+            "pipelining runtime places each stage on one rank, so this plan has no torch schedule",
+            loc=st.loc, where="" if st.loc else f"stage {st.index}",
+            hint="export a plan of one replica per stage (any schedule but chimera)"))
 
 
 def _refuse_recompute(plan: Plan) -> None:

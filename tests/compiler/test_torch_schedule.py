@@ -323,6 +323,17 @@ def test_export_refuses_recompute_and_says_where(tmp_path):
     assert "rank 0, instruction" in e.value.render()
 
 
+def test_export_refuses_a_plan_with_weight_replicas():
+    from tests.compiler import make_header
+    from tpc.compiler.schedules import with_replicas
+
+    h = with_replicas(make_header(4, mbs=4, schedule="chimera"))
+    with pytest.raises(TpirError) as e:
+        schedule_rows(lower(h, build_schedule("chimera", h)))
+    assert "stage 0 has weight replicas on ranks 0, 3" in e.value.render()
+    assert "one replica per stage" in e.value.render()
+
+
 # ---------------------------------------------------------------------------- command line
 
 

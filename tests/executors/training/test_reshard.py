@@ -188,6 +188,12 @@ CASES = {
     # the tie (embedding = head) on stages 0, 1 of ranks 0, 1, then on stages 0, 3 of ranks 0, 1
     "tie on moved stages": ("gpt_nobias", dict(stages=2, microbatches=2, slices="2", schedule="seq1f1b"),
                             dict(stages=4, microbatches=2, slices="2", schedule="interleaved", ranks=2)),
+    # chimera's two weight replicas of every stage: written (each parameter once), and read into
+    # both replicas
+    "chimera 4x1 -> 1f1b 2x1": ("llama", dict(stages=4, microbatches=2, slices="2,5,9", schedule="chimera"),
+                                dict(stages=2, microbatches=2, slices="2", schedule="1f1b")),
+    "seq1f1b 2x1 -> chimera 4x1": ("llama", dict(stages=2, microbatches=2, slices="2", schedule="seq1f1b"),
+                                   dict(stages=4, microbatches=4, slices="3", schedule="chimera")),
 }
 
 
