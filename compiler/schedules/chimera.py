@@ -14,14 +14,19 @@ The order. Each rank's order is read off a run of the whole step under unit cost
 costs its slice's tokens, a backward twice that), in which every rank, whenever it is free, runs:
   1. the ready backward of the micro-batch that entered the pipelines first (1F1B: a backward
      frees activations and feeds the rank before it);
-  2. else the ready forward of the micro-batch that entered first, while the rank holds fewer
-     than `D` micro-batches' activations (1F1B's first rank's peak, which Chimera keeps:
-     its activation memory is between D/2 + 1 and D micro-batches' per rank);
+  2. else a ready forward, while the rank holds fewer than `D` micro-batches' activations
+     (1F1B's first rank's peak, which Chimera keeps: its activation memory is between D/2 + 1
+     and D micro-batches' per rank);
   3. else it waits for a job to finish somewhere.
-A job is ready when every job it needs has finished (DESIGN.md section 4). The run is made
-twice, with a backward costing one and two forwards, and the order whose step is shorter under
-B = 2F is kept. With D micro-batches this is Chimera's basic unit: under F = B (the paper's
-figures) a step takes 2N + D - 2, a bubble of (D - 2)/(2N + D - 2) against 1F1B's
+A job is ready when every job it needs has finished (DESIGN.md section 4). Which forward a rank
+picks has three rules (`FORWARD_RULES`): the micro-batch that entered first; the forward with the
+longest chain of work from it to the end of the step (the critical path); or the next slice of
+the earliest pair of micro-batches (one per direction), which keeps both pipelines fed when the
+micro-batches are cut into token slices. The run is made under each rule with a backward costing
+one and two forwards, and the order whose step is shortest under B = 2F is kept.
+
+With D micro-batches this is Chimera's basic unit: under F = B (the paper's figures) a step
+takes 2N + D - 2, a bubble of (D - 2)/(2N + D - 2) against 1F1B's
 (D - 1)/(N + D - 1). With N = kD, the units follow one another (Chimera's "direct
 concatenation"): the next unit's forwards start as soon as a rank has room for them, so under
 F = B the bubbles at the end of one unit are filled and the step stays 2N + D - 2. Under B = 2F
@@ -112,7 +117,7 @@ def build(header: Header) -> Compute:
     # the run under B = F is Chimera's own order (its figures assume F = B); under B = 2F the
     # concatenated units leave bubbles in the middle that either order may fill better: keep
     # the shorter step under B = 2F, the usual cost of a backward
-    runs = [_run(header, backward=b) for b in (1, 2)]
+    runs = [_run(header, backward=b, rule=rule) for b in (1, 2) for rule in FORWARD_RULES]
     return min(runs, key=lambda run: _replay(header, run[1], backward=2))[0]
 
 
@@ -153,9 +158,15 @@ def _replay(header: Header, jobs_of: dict, backward: float) -> float:
     return max(clock.values(), default=0.0)
 
 
-def _run(header: Header, backward: float):
+# how a free rank picks among its ready forwards (module docstring): by entry order; by the
+# longest chain of work from the forward to the end of the step; by pairs of micro-batches (one
+# per direction), slice by slice
+FORWARD_RULES = ("entry", "critical", "paired")
+
+
+def _run(header: Header, backward: float, rule: str = "entry"):
     """(compute order, each rank's jobs in order) of the run of the module docstring, jobs
-    costing F = 1, B = `backward` per token."""
+    costing F = 1, B = `backward` per token, forwards picked by `rule` (FORWARD_RULES)."""
     D = header.num_stages
     mbs = header.microbatches
     lengths = [m.lengths for m in mbs]
@@ -181,9 +192,34 @@ def _run(header: Header, backward: float):
 
     def priority(job):
         kind, s, m, i = job
-        # backwards first; then by entry order; forward slices in token order, backward ones in
-        # reverse; stages in pipeline order (forward) or reverse (backward)
+        # backwards first (by entry order, slices in reverse token order, stages from the last);
+        # then forwards by `rule`: by entry order (slices in token order, stages from the first),
+        # by the longest way to the end, or slice by slice over a pair of micro-batches
+        if rule == "critical":
+            return (-kind, -path(job), m, i)
+        if rule == "paired":
+            return (-kind, (m // 2, i, m) if kind == 0 else (m, -i), s if kind == 0 else -s)
         return (-kind, m, i if kind == 0 else -i, s if kind == 0 else -s)
+
+    tail: dict = {}
+
+    def path(job):  # the longest chain of work from the start of job to the end of the step
+        if job not in tail:
+            kind, s, m, i = job
+            nxt = []
+            if kind == 0:
+                if s < D - 1:
+                    nxt.append((0, s + 1, m, i))
+                if i + 1 < len(lengths[m]):
+                    nxt.append((0, s, m, i + 1))
+                nxt.append((1, s, m, i))
+            else:
+                if s > 0:
+                    nxt.append((1, s - 1, m, i))
+                if i > 0:
+                    nxt.append((1, s, m, i - 1))
+            tail[job] = cost(job) + max((path(n) for n in nxt), default=0)
+        return tail[job]
 
     def pick(r: int, relax: bool):
         ready = sorted((j for j in pending[r] if all(n in done for n in _needs(j, D, lengths))),

@@ -93,7 +93,8 @@ class Index:
     """Where each instruction is: key -> [(rank, position)] in program order of each rank.
 
     Keys: (op, payload, stage, mb, slice) for per-slice ops, send and recv; (op, stage, mb) for
-    free-kv; (op, stage) for allreduce; (op, rank, mb) for load; (op, rank, tie) for
+    free-kv; (op, stage, rank) for allreduce and reduce-replicas (a stage with weight replicas
+    reduces on each replica's rank); (op, rank, mb) for load; (op, rank, tie) for
     reduce-tied; (op, rank) for step. Only instructions that passed the operand rules are here.
     """
 
