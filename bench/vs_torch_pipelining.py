@@ -229,6 +229,9 @@ def main(argv=None) -> int:
     ap.add_argument("--schedules", default=",".join(SCHEDULES),
                     help=f"tpc schedules to pair with torch's (default: {','.join(SCHEDULES)}); "
                          "zbv and dualpipev run 2 x ranks stages, in a V")
+    ap.add_argument("--slices", type=int, default=1,
+                    help="token slices per micro-batch of the tpc plans (default: 1, torch's arithmetic; "
+                         "more is tpc's token slicing against torch's whole micro-batches)")
     ap.add_argument("--microbatches", type=int, default=MICRO,
                     help=f"micro-batches per step (default: {MICRO}; dualpipev needs >= 2 x ranks)")
     args = ap.parse_args(argv)
@@ -241,7 +244,7 @@ def main(argv=None) -> int:
                 v = schedule in V_SHAPED
                 plan = compile_plan(MODEL, Path(tmp) / f"{schedule}{world}.tpir", factory=args.factory,
                                     stages=2 * world if v else world, virtual_stages=1 if v else chunks,
-                                    microbatches=args.microbatches, seq_len=SEQ, batch=BATCH, slices=1,
+                                    microbatches=args.microbatches, seq_len=SEQ, batch=BATCH, slices=args.slices,
                                     schedule=schedule)
                 t0 = time.monotonic()
                 timed = launch(world, rank_time, plan, schedule, args.warmup, args.steps)
@@ -263,7 +266,8 @@ def main(argv=None) -> int:
                 print(f"  {rows[-1][0]}: {time.monotonic() - t0:.0f} s: {' | '.join(rows[-1][1:])}", file=sys.stderr,
                       flush=True)
     print(f"tpc vs torch.distributed.pipelining on {MACHINE}: GPT untied ({args.factory}), batch {BATCH} x {SEQ} tokens, "
-          f"{args.microbatches} micro-batches, gloo, 1 thread per rank; {args.steps} alternating timed steps; {load_note()}")
+          f"{args.microbatches} micro-batches, tpc in {args.slices} token slice{'s' * (args.slices > 1)} each, gloo, "
+          f"1 thread per rank; {args.steps} alternating timed steps; {load_note()}")
     print(table(["setup", "ms/iter tpc / torch", "time ratio", "peak MiB per rank tpc / torch",
                  "memory ratio", "grad rel. err", "target met"], rows))
     return 0 if ok_all else 1

@@ -93,8 +93,10 @@ def test_the_papers_bubble_with_direct_concatenation(D, k):
     assert Fraction(int(result.iteration_time) - 2 * N, int(result.iteration_time)) == Fraction(D - 2, 2 * N + D - 2)
     plain = run_1f1b(D, N, backward=1.0)
     assert Fraction(int(plain.iteration_time) - 2 * N, int(plain.iteration_time)) == Fraction(D - 1, N + D - 1)
-    # activations: at most D micro-batches' per rank, 1F1B's first rank's peak
-    assert max(r.peak_memory.activations for r in result.ranks) <= D
+    # activations: between D/2 + 1 and D micro-batches' per rank (the paper's range), at most
+    # 1F1B's first rank's peak
+    acts = [r.peak_memory.activations for r in result.ranks]
+    assert max(acts) <= D and (D < 4 or min(acts) >= D // 2 + 1), acts
     assert max(r.peak_memory.activations for r in plain.ranks) == D
 
 

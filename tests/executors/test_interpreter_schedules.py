@@ -126,6 +126,17 @@ def test_v_shaped_schedule_on_another_model():
     run_and_check("llama", schedule="zbv", stages=4, ranks=2, slices="2,9,5", microbatches=3, batch=6)
 
 
+@pytest.mark.parametrize("stages,dp,mbs", [(2, 1, 2), (4, 1, 4), (4, 2, 6), (2, 2, 3)])
+@pytest.mark.parametrize("slices", SLICES)
+def test_chimera_matches_autograd(stages, dp, mbs, slices):
+    """Two pipelines over weight replicas (the untied tiny Llama): pp x dp x {1, 3, unequal slices},
+    an odd number of micro-batches included (one pipeline runs one more)."""
+    plan, result = run_and_check("llama", schedule="chimera", stages=stages, dp=dp, slices=slices,
+                                 microbatches=mbs, batch=2 * mbs * dp)
+    assert plan.header.replicas == 2 and plan.header.mesh.data == dp
+    assert sorted(result.first_grads) == sorted(n for n, _ in fresh_model("llama", SEQ)[0].named_parameters())
+
+
 @pytest.mark.parametrize("slices", ["1", "2,9,5"])
 def test_chimera_clips_by_the_global_norm_of_one_copy_of_each_weight(slices):
     """Chimera keeps two replicas of every stage; the global gradient norm counts each weight
