@@ -649,7 +649,7 @@ def _evaluation(plan: Plan, world: World, options: RunOptions, batches, groups: 
     engine = RankEngine(view, world.rank % pipe, world.rank // pipe, transport,
                         stage_factory_from_model(sliced, model, evaluation=True), hidden_size=hidden_size,
                         options=options, device=device)
-    src = view.header.stage_rank(view.header.num_stages - 1)  # global rank: replica 0
+    src = view.header.stage_ranks(view.header.num_stages - 1)[0]  # global rank: replica 0 (data and weight)
 
     def run_batch(k: int, tokens: torch.Tensor) -> float:
         transport.start_step()

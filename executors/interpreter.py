@@ -367,7 +367,7 @@ def _evaluation(plan: Plan, options: RunOptions, batches, copies, sliced, hidden
                           stage_factory_from_model(sliced, copies[d * pipe + p], evaluation=True),
                           hidden_size=hidden_size, options=options, device=device)
                for d in range(view.header.mesh.data) for p in range(pipe)]
-    last = view.header.stage_rank(view.header.num_stages - 1)  # replica 0's engine of the last stage
+    last = view.header.stage_ranks(view.header.num_stages - 1)[0]  # replica 0's (data and weight)
 
     def run_batch(k: int, tokens: torch.Tensor) -> float:
         for e in engines:

@@ -41,10 +41,10 @@ def val_file(folder: Path, n: int = 2000, vocab: int = 256, meta: dict | None = 
     return str(folder / "val.bin")
 
 
-def eval_plan(name: str, *, dp: int = 1, eval_slices=None):
+def eval_plan(name: str, *, dp: int = 1, eval_slices=None, schedule: str = "seq1f1b"):
     """A pp=2 plan of tiny_NAME whose evaluation program has its own slicing: `eval_slices`
     for each of its micro-batches (None: the training program's micro-batches)."""
-    plan = real_plan(name, stages=2, microbatches=2, slices="2", schedule="seq1f1b", dp=dp,
+    plan = real_plan(name, stages=2, microbatches=2, slices="2", schedule=schedule, dp=dp,
                      seq_len=SEQ, batch=BATCH)
     h = plan.header
     mbs = None
@@ -73,6 +73,8 @@ CASES = {
     "pp2-unsliced": dict(name="gpt", eval_slices=[[(0, 16)], [(0, 16)]]),
     "pp2xdp2-sliced": dict(name="gpt", dp=2, eval_slices=[[(0, 7), (7, 16)]]),
     "pp2-dropout": dict(name="gpt_dropout", eval_slices=THREE),
+    # two pipelines over weight replicas: the evaluation runs on replica 0's
+    "pp2-chimera": dict(name="llama", eval_slices=THREE, schedule="chimera"),
 }
 
 
@@ -225,20 +227,22 @@ def _torchrun(tmp_path: Path, plan, world: int, val: str) -> list[dict]:
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("dp,eval_slices", [(1, THREE), (2, [[(0, 16)]])], ids=["pp2-sliced", "pp2xdp2-unsliced"])
-def test_torchrun_eval_loss_is_the_interpreters_and_plain_pytorch(dp, eval_slices, tmp_path):
-    plan = eval_plan("gpt", dp=dp, eval_slices=eval_slices)
+@pytest.mark.parametrize("name,schedule,dp,eval_slices", [("gpt", "seq1f1b", 1, THREE), ("gpt", "seq1f1b", 2, [[(0, 16)]]),
+                                                          ("llama", "chimera", 1, THREE)],
+                         ids=["pp2-sliced", "pp2xdp2-unsliced", "pp2-chimera"])
+def test_torchrun_eval_loss_is_the_interpreters_and_plain_pytorch(name, schedule, dp, eval_slices, tmp_path):
+    plan = eval_plan(name, dp=dp, eval_slices=eval_slices, schedule=schedule)
     val = val_file(tmp_path / "data")
     batches = EvalBatches(val, batch=BATCH, seq=SEQ, vocab=256, count=K)
     rows = _torchrun(tmp_path, plan, 2 * dp, val)
-    model, sliced = fresh_model("gpt")
+    model, sliced = fresh_model(name)
     res = interpret(plan, RunOptions(steps=2, eval_every=1, eval_data=val, lr_schedule="constant"),
                     model=model, sliced=sliced, eval_batches=batches)
     got = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
     assert [s for s, _ in got] == [s for s, _ in res.eval_losses] == [0, 1, 2]
     assert all(abs(a - b) <= TOL for (_, a), (_, b) in zip(got, res.eval_losses))
-    assert abs(got[0][1] - plain_eval_loss(fresh_model("gpt")[0], batches)) <= TOL
-    trained = fresh_model("gpt")[0]
+    assert abs(got[0][1] - plain_eval_loss(fresh_model(name)[0], batches)) <= TOL
+    trained = fresh_model(name)[0]
     trained.load_state_dict(res.state_dict)
     assert abs(got[-1][1] - plain_eval_loss(trained, batches)) <= TOL
 
