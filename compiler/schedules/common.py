@@ -61,7 +61,7 @@ def project(header: Header, order: Iterable[Instr]) -> Compute:
     """Split one global compute order into per-rank lists, keeping the relative order."""
     out = empty(header)
     for instr in order:
-        out.setdefault(header.stage_rank(instr.stage), []).append(instr)
+        out.setdefault(header.stage_rank(instr.stage, instr.mb), []).append(instr)
     return out
 
 
