@@ -89,6 +89,9 @@ class DeferredWeightGrads:
     kept: dict  # intermediate -> the gradients it received in the input half
     independent: dict  # (output node, nr) -> upstream gradient, outputs not depending on inputs
     params: dict  # accumulator node -> parameter
+    # intermediates with a frontier child that another node feeds too (a parameter used twice):
+    # only their runs need the other intermediates muted (see `apply`)
+    shared: frozenset = frozenset()
 
     def held_bytes(self) -> int:
         """Bytes of the gradients kept for the weight half (each storage once): what a split
@@ -107,7 +110,12 @@ class DeferredWeightGrads:
                 continue
             roots = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
             targets = [GradientEdge(child, nr) for _, child, nr in edges]
-            mute = [n.register_prehook(lambda gs: tuple(None for _ in gs)) for n in others if n is not node]
+            # autograd runs only the nodes on a path from the roots to the targets: when this
+            # node alone feeds its frontier children, that is this node alone. A child another
+            # node feeds too (a parameter used twice) is reached through the activation
+            # gradients as well: those paths are muted, so that they do not run again.
+            mute = ([n.register_prehook(lambda gs: tuple(None for _ in gs)) for n in others if n is not node]
+                    if node in self.shared else [])
             try:
                 got = torch.autograd.grad([e for e, _ in roots], targets, [g for _, g in roots],
                                           retain_graph=True, allow_unused=True)
@@ -130,6 +138,7 @@ class DeferredWeightGrads:
             p = self.params[acc]
             p.grad = g if p.grad is None else p.grad.add_(g)
         self.frontier, self.kept, self.independent, self.params = {}, {}, {}, {}
+        self.shared = frozenset()
 
 
 def backward_input(outs: list, grads: list, inputs: list, params: list) -> tuple[list, DeferredWeightGrads]:
@@ -163,4 +172,6 @@ def backward_input(outs: list, grads: list, inputs: list, params: list) -> tuple
     finally:
         for h in handles:
             h.remove()
-    return list(got), DeferredWeightGrads(frontier, kept, independent, accs)
+    shared = frozenset(node for node, edges in frontier.items()
+                       if any(len(users.get(child, ())) > 1 for _, child, _ in edges))
+    return list(got), DeferredWeightGrads(frontier, kept, independent, accs, shared)
