@@ -47,6 +47,8 @@ PLANS = {
     "zbv": dict(stages=4, ranks=2, schedule="zbv"),
     "dualpipev": dict(stages=4, ranks=2, schedule="dualpipev"),
     "1f1b-dp2": dict(stages=2, dp=2, schedule="1f1b"),
+    # two pipelines over weight replicas (reduce-replicas on NCCL); chimera refuses tied weights
+    "chimera": dict(stages=2, schedule="chimera", model="bench/models/gpt_untied.py"),
 }
 BF16 = ("seq1f1b", "interleaved")
 BF16_TOLERANCE = "5e-2"
@@ -72,8 +74,9 @@ def compile_all(out: Path, names) -> dict[str, Path]:
     plans = {}
     for name in names:
         path = out / f"{name}.tpir"
-        argv = ["compile", MODEL, "-o", str(path), "-q"]
-        for key, value in {**BASE, **PLANS[name]}.items():
+        options = {**BASE, **PLANS[name]}
+        argv = ["compile", options.pop("model", MODEL), "-o", str(path), "-q"]
+        for key, value in options.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
         if main(argv) != 0:
             raise SystemExit(f"tpc {' '.join(argv)} failed")
