@@ -17,7 +17,9 @@ it is the weight half's alone.
   intermediate receives.
 - The weight half first runs each intermediate once more, from its kept gradients and asked
   only for its own frontier edges (`dW = Xᵀ dY` for a linear layer; nothing above or beside it
-  runs again: the other intermediates are muted). Then one autograd call from the frontier
+  runs again: the other intermediates are muted). A linear layer's `AddmmBackward0` is computed
+  here directly (`_linear_weight_grads`): one autograd call per intermediate walks the graph
+  below it, which on small layers costs more than the GEMM itself. Then one autograd call from the frontier
   edges, plus the outputs that do not depend on an input (a first stage's keys/values, into
   which later slices send gradients), down to the parameters.
 
@@ -108,6 +110,11 @@ class DeferredWeightGrads:
             grads = self.kept.get(node)
             if grads is None or all(g is None for g in grads):
                 continue
+            direct = _linear_weight_grads(node, grads, edges)
+            if direct is not None:
+                for key, g in direct:
+                    _add(below, key, g)
+                continue
             roots = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
             targets = [GradientEdge(child, nr) for _, child, nr in edges]
             # autograd runs only the nodes on a path from the roots to the targets: when this
@@ -139,6 +146,44 @@ class DeferredWeightGrads:
             p.grad = g if p.grad is None else p.grad.add_(g)
         self.frontier, self.kept, self.independent, self.params = {}, {}, {}, {}
         self.shared = frozenset()
+
+
+def _linear_weight_grads(node, grads, edges):
+    """The frontier gradients of a linear layer's `AddmmBackward0` computed here, without an
+    autograd call (each call walks the graph below its root, which costs more than the GEMM
+    on small layers): the weight's `alpha * mat1^T dY` (into its `TBackward0`) and the bias's
+    `beta * dY` summed over the rows (into its accumulator). None for anything else, which
+    `apply` leaves to autograd: another node, a gradient it does not have, a bias that is not
+    a plain vector, an edge it does not know."""
+    if type(node).__name__ != "AddmmBackward0" or len(grads) != 1 or grads[0] is None:
+        return None
+    dy = grads[0]
+    out = []
+    with torch.no_grad():  # the saved input is part of the graph: build nothing on it
+        for i, child, nr in edges:
+            got = _linear_edge(node, dy, i, child)
+            if got is None:
+                return None
+            out.append(((child, nr), got))
+    return out
+
+
+def _linear_edge(node, dy, i: int, child):
+    """One frontier edge of a linear layer's AddmmBackward0 (`_linear_weight_grads`): the
+    gradient entering `child`, or None for an edge this does not know."""
+    if i == 2:  # mat2: the weight, transposed; its gradient in mat2's layout, as autograd's
+        mat1, sizes, strides = node._saved_mat1, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides
+        if strides[0] == 1 and strides[1] == sizes[0]:  # column-major (a linear layer's W^T)
+            g = dy.t().mm(mat1).t()
+        else:
+            g = mat1.t().mm(dy)
+        alpha = node._saved_alpha
+        return g if alpha == 1 else g * alpha
+    if i == 0 and type(child).__name__ == "AccumulateGrad" and child.variable.dim() == 1 \
+            and dy.dim() == 2 and child.variable.shape[0] == dy.shape[1]:
+        beta = node._saved_beta
+        return dy.sum(0) if beta == 1 else (dy * beta).sum(0)
+    return None
 
 
 def backward_input(outs: list, grads: list, inputs: list, params: list) -> tuple[list, DeferredWeightGrads]:
