@@ -4,7 +4,7 @@ The model is bench/models/gpt_untied.py's `model` (examples/gpt.py, 8 layers, wi
 batch 8 of 256 tokens in 4 micro-batches of 2 sequences, each cut into 2 equal token slices, on 4
 pipeline ranks (gloo, one thread per rank). The schedules that put several model chunks on a rank
 (interleaved, looped-bfs, seq-interleaved) get 2 per rank (`--stages 4 --virtual-stages 2`), the
-others one. The CPU profile comes from `tpc profile` run first (at L=256, micro-batches of 2).
+others one; chimera's ranks each hold a weight replica of two of the 4 stages. The CPU profile comes from `tpc profile` run first (at L=256, micro-batches of 2).
 
 Predicted: `tpc simulate PLAN --cost PROFILE`: the iteration time, and per rank the peak of what
 a step adds to memory (compiler/memory.py at its peak: gradients, live activations, KV caches and
@@ -36,7 +36,7 @@ MODEL, FACTORY = "bench/models/gpt_untied.py", "model"
 SEQ, BATCH, MICRO, SLICES, RANKS = 256, 8, 4, 2, 4
 # schedule -> chunks per rank
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "terapipe": 1, "seq1f1b": 1, "interleaved": 2, "looped-bfs": 2,
-             "zb-h1": 1, "zb-h2": 1, "seq-zb": 1, "seq-interleaved": 2}
+             "zb-h1": 1, "zb-h2": 1, "seq-zb": 1, "seq-interleaved": 2, "chimera": 1}
 TARGET = 0.10
 
 
