@@ -99,4 +99,9 @@ def build_schedule(name: str, header: Header, **params) -> Compute:
         raise TpirError(Diagnostic(f"schedule {name!r} has no parameter {bad[0]!r}",
                                    where=f"--schedule {name}",
                                    hint=f"its parameters: {takes}"))
+    if header.replicas > 1 and replicas(name) == 1:
+        raise TpirError(Diagnostic(
+            f"schedule {name!r} runs one weight replica of each stage, and this header gives the "
+            f"stages {header.replicas} (`stage S ranks ...`)", where=f"--schedule {name}",
+            hint="give each stage one rank (`stage S rank R`), or use --schedule chimera"))
     return builder(header, **params)

@@ -163,6 +163,12 @@ def test_ties_are_refused_with_the_reason():
     assert "'wte'" in e.value.render() and "untie" in e.value.render()
 
 
+def test_another_schedule_refuses_a_header_with_replicas():
+    with pytest.raises(TpirError) as e:
+        build_schedule("interleaved", chimera(4, mbs=4))
+    assert "runs one weight replica of each stage" in e.value.render()
+
+
 def test_another_placement_is_refused():
     h = make_header(4, mbs=4, schedule="chimera")  # one rank per stage: no replicas
     with pytest.raises(TpirError) as e:
