@@ -114,9 +114,9 @@ def check_header(header: Header, schedule: str = NAME) -> None:
 
 def build(header: Header) -> Compute:
     check_header(header)
-    # the run under B = F is Chimera's own order (its figures assume F = B); under B = 2F the
-    # concatenated units leave bubbles in the middle that either order may fill better: keep
-    # the shorter step under B = 2F, the usual cost of a backward
+    # the runs under B = F give Chimera's own order (its figures assume F = B); under B = 2F
+    # the concatenated units leave bubbles in the middle that another rule or cost may fill
+    # better: keep the shortest step under B = 2F, the usual cost of a backward
     runs = [_run(header, backward=b, rule=rule) for b in (1, 2) for rule in FORWARD_RULES]
     return min(runs, key=lambda run: _replay(header, run[1], backward=2))[0]
 
@@ -175,19 +175,28 @@ def _run(header: Header, backward: float, rule: str = "entry"):
     def cost(job):
         return lengths[job[2]][job[3]] * (1 if job[0] == 0 else backward)
 
-    pending: dict[int, list] = {r: [] for r in range(header.mesh.pipe)}  # not yet run, per rank
+    left: dict[int, int] = {r: 0 for r in range(header.mesh.pipe)}  # jobs not yet started
+    ready: dict[int, list] = {r: [] for r in left}  # jobs whose needs are all done, per rank
+    waiting: dict = {}  # job -> how many of its needs are not done
+    users: dict = {}  # job -> the jobs that need it
     backwards_left: dict[tuple[int, int], int] = {}  # (rank, mb) -> its backwards not yet done
     for m in range(len(mbs)):
         for s in range(D):
             r = rank[(s, m)]
             for i in range(len(lengths[m])):
-                pending[r] += [(0, s, m, i), (1, s, m, i)]
+                for job in ((0, s, m, i), (1, s, m, i)):
+                    left[r] += 1
+                    needs = _needs(job, D, lengths)
+                    waiting[job] = len(needs)
+                    for n in needs:
+                        users.setdefault(n, []).append(job)
+                    if not needs:
+                        ready[r].append(job)
             backwards_left[(r, m)] = backwards_left.get((r, m), 0) + len(lengths[m])
-    done: set = set()
-    holding = {r: set() for r in pending}  # micro-batches with live activations on rank r
+    holding = {r: set() for r in left}  # micro-batches with live activations on rank r
     order: Compute = empty(header)
-    jobs_of: dict[int, list] = {r: [] for r in pending}
-    free_at = {r: 0.0 for r in pending}
+    jobs_of: dict[int, list] = {r: [] for r in left}
+    free_at = {r: 0.0 for r in left}
     running: list = []  # heap of (end time, rank, job)
 
     def priority(job):
@@ -222,16 +231,15 @@ def _run(header: Header, backward: float, rule: str = "entry"):
         return tail[job]
 
     def pick(r: int, relax: bool):
-        ready = sorted((j for j in pending[r] if all(n in done for n in _needs(j, D, lengths))),
-                       key=priority)
-        for j in ready:
+        for j in sorted(ready[r], key=priority):
             if j[0] == 1 or relax or j[2] in holding[r] or len(holding[r]) < D:
                 return j
         return None
 
     def start(job, r: int, now: float) -> None:
         kind, s, m, i = job
-        pending[r].remove(job)
+        ready[r].remove(job)
+        left[r] -= 1
         if kind == 0:
             holding[r].add(m)
         order[r].append(Instr(Op.FORWARD if kind == 0 else Op.BACKWARD, stage=s, mb=m, slice=i))
@@ -240,20 +248,23 @@ def _run(header: Header, backward: float, rule: str = "entry"):
         heapq.heappush(running, (free_at[r], r, job))
 
     now = 0.0
-    while any(pending.values()) or running:
-        for r in sorted(pending):
-            if free_at[r] <= now and pending[r]:
+    while any(left.values()) or running:
+        for r in sorted(left):
+            if free_at[r] <= now and ready[r]:
                 job = pick(r, relax=False)
                 if job is not None:
                     start(job, r, now)
         if not running:  # nothing runs anywhere: the memory cap gives way (docstring)
-            r, job = next((r, j) for r in sorted(pending) if pending[r]
+            r, job = next((r, j) for r in sorted(left) if ready[r]
                           for j in [pick(r, relax=True)] if j is not None)
             start(job, r, now)
         now = running[0][0]
         while running and running[0][0] == now:
             _, r, job = heapq.heappop(running)
-            done.add(job)
+            for user in users.get(job, ()):
+                waiting[user] -= 1
+                if not waiting[user]:
+                    ready[rank[(user[1], user[2])]].append(user)
             if job[0] == 1:
                 backwards_left[(r, job[2])] -= 1
                 if not backwards_left[(r, job[2])]:
