@@ -486,13 +486,13 @@ class RankEngine:
         if self.options.keeps_grads:  # the model's gradients, before clipping changes them
             self.grads = {n: _grad_of(p).detach().clone() for n, p in self.named_parameters}
         if self.options.needs_grad_norm:
-            from tpc.executors.training.clip import clip_global, tied_copies_not_owned
+            from tpc.executors.training.clip import clip_global, copies_not_owned
 
             for _, p in self.named_parameters:
                 _grad_of(p)
             self.grad_norm = clip_global(
                 self.named_parameters, self.options.grad_clip,
-                skip=tied_copies_not_owned(self.header, self.pipe_rank, {
+                skip=copies_not_owned(self.header, self.pipe_rank, {
                     s: [n for n, _ in st.named_parameters] for s, st in self.stages.items()}),
                 sum_over_pipeline=self.transport.sum_over_pipeline)
         self.optimizer.set_lr(self.options.lr_at(self.step))

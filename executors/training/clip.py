@@ -4,7 +4,7 @@ The norm to clip by is the whole model's: sqrt of the sum of every parameter's s
 norm, over all stages. No rank sees all gradients, so the work is split in three small steps,
 each usable by the interpreter (all ranks in one process) and by torchrun (one per process):
 
-    sq = local_sq_norm(rank_named_params, skip=tied_copies_not_owned)   # this rank's share
+    sq = local_sq_norm(rank_named_params, skip=copies_not_owned)   # this rank's share
     total = sum of sq over the pipeline ranks of one replica            # all_reduce, or a sum
     apply_clip(rank_params, clip_coef(total, max_norm))
 
@@ -74,7 +74,7 @@ def apply_clip(params: Iterable[torch.nn.Parameter], coef: float) -> None:
         p.grad.detach().mul_(coef)
 
 
-def tied_copies_not_owned(header, pipe_rank: int, stage_names=None) -> frozenset[str]:
+def copies_not_owned(header, pipe_rank: int, stage_names=None) -> frozenset[str]:
     """The `skip` set of pipeline rank `pipe_rank` for a plan header (`tpc.ir.nodes.Header`):
     each tie is counted by the rank of its first stage; every other rank holding it skips it.
     Stages name a tied parameter by the tie's name (its canonical name) on every rank. A stage

@@ -3,7 +3,7 @@ import math
 import torch
 
 from tests.executors.training.models.tiny_gpt import model as tiny_model
-from tpc.executors.training.clip import apply_clip, clip_coef, clip_global, grad_norm, local_sq_norm, tied_copies_not_owned
+from tpc.executors.training.clip import apply_clip, clip_coef, clip_global, grad_norm, local_sq_norm, copies_not_owned
 from tpc.ir.nodes import Header, MeshLine, Microbatch, ModelLine, ScheduleLine, ShapeLine, Stage, Tie, UnitsLine
 
 
@@ -93,6 +93,18 @@ def test_tie_is_counted_by_the_rank_of_its_first_stage():
         stages=(Stage(0, 0, (0, 1)), Stage(1, 1, (1, 2)), Stage(2, 2, (2, 3)), Stage(3, 0, (3, 4))),
         microbatches=(Microbatch(0, 1, ((0, 4),)),),
         ties=(Tie("wte.weight", (0, 2)), Tie("x.weight", (0, 3))))
-    assert tied_copies_not_owned(header, 0) == frozenset()  # owns both; x is one object on rank 0
-    assert tied_copies_not_owned(header, 1) == frozenset()  # holds no tie
-    assert tied_copies_not_owned(header, 2) == frozenset({"wte.weight"})
+    assert copies_not_owned(header, 0) == frozenset()  # owns both; x is one object on rank 0
+    assert copies_not_owned(header, 1) == frozenset()  # holds no tie
+    assert copies_not_owned(header, 2) == frozenset({"wte.weight"})
+
+
+def test_a_replicated_stage_is_counted_by_its_replica_0s_rank():
+    """Chimera: stage 0 on ranks 0 (replica 0) and 1, stage 1 on ranks 1 (replica 0) and 0."""
+    header = Header(
+        model=ModelLine("m.py", "0" * 64), shape=ShapeLine(batch=2, seq=4, vocab=8), mesh=MeshLine(pipe=2),
+        schedule=ScheduleLine("chimera"), units=UnitsLine(2),
+        stages=(Stage(0, 0, (0, 1), replicas=(1,)), Stage(1, 1, (1, 2), replicas=(0,))),
+        microbatches=(Microbatch(0, 1, ((0, 4),)), Microbatch(1, 1, ((0, 4),), replica=1)))
+    names = {0: ["wte.weight", "h.0.w"], 1: ["h.1.w", "head.weight"]}
+    assert copies_not_owned(header, 0, names) == frozenset({"h.1.w", "head.weight"})
+    assert copies_not_owned(header, 1, names) == frozenset({"wte.weight", "h.0.w"})
