@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(seqlen_truncate)")
     c.add_argument("--batch", type=int, required=True, help="global batch size (sequences per step)")
     c.add_argument("--slices", default="1", help="token slices per micro-batch: N (equal), l1,l2,... (lengths summing to L), or 'auto' (the optimiser chooses) (default: 1)")
-    c.add_argument("--schedule", default=None, help="gpipe | 1f1b | terapipe | seq1f1b | interleaved | looped-bfs | zb-h1 | zb-h2 | seq-zb | seq-interleaved | zbv | dualpipev | auto (default: seq1f1b; docs/schedules.md)")
+    c.add_argument("--schedule", default=None, help="gpipe | 1f1b | terapipe | seq1f1b | interleaved | looped-bfs | zb-h1 | zb-h2 | seq-zb | seq-interleaved | zbv | dualpipev | chimera (two pipelines over weight replicas; untied models) | auto (default: seq1f1b; docs/schedules.md)")
     c.add_argument("--virtual-stages", type=int, default=1, metavar="V", help="stages per pipeline rank: --stages K ranks hold K x V stages, stage s on rank s mod K (interleaved, looped-bfs, ...; default: 1). Also: --stages K --ranks R with R / dp dividing K")
     c.add_argument("--recompute", default="none", choices=("none", "full", "auto"), help="activation recomputation: none; full (every forward keeps only its input, a `recompute` rebuilds it before the backward); auto (per stage, the fewest stages that make every rank fit --memory-per-rank; needs a cost model) (default: none)")
     c.add_argument("--schedule-file", default=None, help="a torch.distributed.pipelining schedule CSV (_dump_csv) giving the compute order, stages, their ranks and the micro-batches (docs/torch-pipelining.md)")

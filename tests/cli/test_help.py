@@ -72,3 +72,11 @@ def test_output_cut_short_by_the_reader_is_not_an_error(tmp_path):
     proc.stdout.close()  # the reader goes away after one line
     err = proc.stderr.read().decode()
     assert proc.wait() == 0 and "Traceback" not in err, err
+
+
+def test_compile_help_names_every_schedule():
+    from tpc.compiler.schedules import SCHEDULES
+
+    sub = build_parser()._subparsers._group_actions[0].choices["compile"]
+    text = next(a.help for a in sub._actions if a.dest == "schedule")
+    assert all(f" {name} " in f" {text} " for name in SCHEDULES), text
