@@ -25,21 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (MACHINE, at_root, compile_plan, cpu_profile, launch, load_note, median,  # noqa: E402
-                    rank_alternate, table)
+                    rank_alternate, simulated_time, table)
 
 MODEL, FACTORY = "bench/models/gpt_untied.py", "model"
 SEQ, BATCH, MICRO, RANKS = 256, 8, 4, 2
-
-
-def predicted(plan_path: str, profile: str | None) -> float:
-    from tpc.compiler.costmodel.resolve import plan_cost_model
-    from tpc.compiler.costmodel.unit import UnitCosts
-    from tpc.compiler.simulate import simulate
-    from tpc.ir.verify import verify_file
-
-    plan = verify_file(plan_path)
-    costs = UnitCosts.for_plan(plan.header) if profile is None else plan_cost_model(plan.header, cost=profile)
-    return simulate(plan, costs).iteration_time
 
 
 def main(argv=None) -> int:
@@ -58,8 +47,8 @@ def main(argv=None) -> int:
                  for s in ("1f1b", "chimera")]
         [(base, chim)] = launch(RANKS, rank_alternate, [plans], args.repeats, args.block)[0]
         measured = median(chim) / median(base)
-        unit = predicted(plans[1], None) / predicted(plans[0], None)
-        prof = predicted(plans[1], profile) / predicted(plans[0], profile)
+        unit = simulated_time(plans[1]) / simulated_time(plans[0])
+        prof = simulated_time(plans[1], profile) / simulated_time(plans[0], profile)
     print(f"chimera vs 1f1b on {MACHINE}: GPT 8x128 untied, {RANKS} stages on {RANKS} gloo ranks (1 thread each), "
           f"batch {BATCH} x {SEQ} tokens in {MICRO} micro-batches x {args.slices} slice(s); "
           f"{args.repeats} x {args.block} steps of each, alternating; {load_note()}")

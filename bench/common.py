@@ -173,6 +173,17 @@ def ok(flag: bool) -> str:
 # ------------------------------------------------------------------------- tpc in a rank
 
 
+def simulated_time(plan_path: str, profile: str | None = None) -> float:
+    """`tpc simulate PLAN --cost PROFILE`'s iteration time (seconds), or with unit costs
+    scaled by slice length (units) when there is no profile."""
+    from tpc.compiler.costmodel.resolve import plan_cost_model
+    from tpc.compiler.simulate import simulate
+    from tpc.ir.verify import verify_file
+
+    plan = verify_file(plan_path)
+    return simulate(plan, plan_cost_model(plan.header, cost=profile)).iteration_time
+
+
 def tpc_setup(plan_path: str, seed: int = 0, comm: str = "gloo"):
     """What `tpc run` does before running, in one rank: (plan, model, sliced model); the plan
     verified under backend `comm`'s rules."""

@@ -29,24 +29,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (MACHINE, at_root, compile_plan, cpu_profile, launch, load_note, median, ok,  # noqa: E402
-                    rank_alternate, table)
+                    rank_alternate, simulated_time, table)
 
 MODEL, FACTORY = "bench/models/gpt_untied.py", "long"
 SCHEDULES = ("terapipe", "seq1f1b", "seq-zb")
 BEST_TARGET = 1.6  # the best sliced plan over the unsliced at L=1024
-
-
-def predicted(plan_path: str, profile: str) -> float:
-    """`tpc simulate PLAN --cost PROFILE`'s iteration time, in seconds."""
-    from tpc.compiler.costmodel import load_cost_model
-    from tpc.compiler.simulate import simulate
-    from tpc.ir.verify import verify_file
-
-    plan = verify_file(plan_path)
-    h = plan.header
-    costs = load_cost_model(cost=profile, stage_units=[s.units for s in h.stages], num_units=h.units.count,
-                            model_sha256=h.model.sha256)
-    return simulate(plan, costs).iteration_time
 
 
 def slices_of(plan_path: str) -> str:
@@ -88,7 +75,7 @@ def main(argv=None) -> int:
                 t_plain, t_sliced = median(times[0]), median(times[1])
                 speedup = t_plain / t_sliced
                 speedups.append((speedup, schedule))
-                p_plain, p_sliced = predicted(plain, profile), predicted(sliced, profile)
+                p_plain, p_sliced = simulated_time(plain, profile), simulated_time(sliced, profile)
                 p_speedup = p_plain / p_sliced
                 off = speedup / p_speedup - 1
                 good = abs(off) <= 0.15 and (speedup >= 1.4 if L == 1024 else True)

@@ -50,10 +50,10 @@ def forward_order(header: Header) -> dict[int, list[Instr]]:
 def eval_program(header: Header, microbatches: Sequence[Microbatch] | None = None,
                  comm: str = NCCL) -> EvalProgram:
     """The evaluation program of `header`'s mesh and stages, over `microbatches` (default: the
-    training program's), on replica 0 of stages with weight replicas, for backend `comm`: under NCCL's rendezvous rules a rank holding
-    several stages can wait on a neighbour that waits on it (rank 0 sends stage 0's output
-    while rank 1 sends stage 1's back to rank 0), so, as in training, `insert_exchanges` pairs
-    those sends and receives."""
+    training program's), on replica 0 of stages with weight replicas, for backend `comm`:
+    under NCCL's rendezvous rules a rank holding several stages can wait on a neighbour that
+    waits on it (rank 0 sends stage 0's output while rank 1 sends stage 1's back to rank 0),
+    so, as in training, `insert_exchanges` pairs those sends and receives."""
     mbs = tuple(microbatches) if microbatches is not None else header.microbatches
     # the evaluation runs on replica 0's pipeline (rule E1), where its loss is summed
     mbs = tuple(dataclasses.replace(m, replica=0) if m.replica else m for m in mbs)

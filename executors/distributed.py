@@ -283,7 +283,7 @@ class DistTransport:
     def _post(self, index: int) -> None:
         ins = self.instrs[index]
         buf = torch.empty(self._recv_shape(index), dtype=self.dtype, device=self.device)
-        self.posted_bytes += buf.numel() * buf.element_size()
+        self.posted_bytes += buf.nbytes
         src = self._global(ins.peer)
         tag = self.received.get(src, 0)
         self.received[src] = tag + 1
@@ -310,7 +310,7 @@ class DistTransport:
         if index not in self.posted:
             self._post(index)
         work, buf = self.posted.pop(index)
-        self.posted_bytes -= buf.numel() * buf.element_size()
+        self.posted_bytes -= buf.nbytes
         what = f"the message {key} from rank {self._global(src)}"
         if self.nccl and index in self.batched:
             # an exchange's receive (lowering moved it up to its send): the stream waits for
@@ -381,7 +381,7 @@ class DistTransport:
                 self.sends.append((work, tensor, what))
         for q, buf, work in zip(recvs, bufs, works[n:]):
             self.posted[q] = (work, buf)
-            self.posted_bytes += buf.numel() * buf.element_size()
+            self.posted_bytes += buf.nbytes
             self.batched.add(q)
         self.exchange_span, self.exchange_sends = range(0), []
 
@@ -667,7 +667,8 @@ def _evaluation(plan: Plan, world: World, options: RunOptions, batches, groups: 
     engine = RankEngine(view, world.rank % pipe, world.rank // pipe, transport,
                         stage_factory_from_model(sliced, model, evaluation=True), hidden_size=hidden_size,
                         options=options, device=device)
-    src = view.header.stage_ranks(view.header.num_stages - 1)[0]  # global rank: replica 0 (data and weight)
+    # global rank: the evaluation's loss is on data replica 0 and weight replica 0
+    src = view.header.stage_ranks(view.header.num_stages - 1)[0]
 
     def run_batch(k: int, tokens: torch.Tensor) -> float:
         transport.start_step()

@@ -359,9 +359,11 @@ class RankEngine:
     def _load(self, instr: Instr) -> None:
         tokens = microbatch_tokens(self.tokens, self.header, self.data_rank, instr.mb)
         ids, targets = split_tokens(tokens)
-        if 0 in self.stages:
+        # this rank's ends for the micro-batch: with weight replicas (chimera), a rank holding
+        # the first stage of one pipeline and the last of the other loads only what its runs use
+        if self.header.stage_rank(0, instr.mb) == self.pipe_rank:
             self.ids[instr.mb] = ids.to(self.device)
-        if self.last_stage in self.stages:
+        if self.header.stage_rank(self.last_stage, instr.mb) == self.pipe_rank:
             self.targets[instr.mb] = targets.to(self.device)
 
     def _forward(self, instr: Instr) -> None:
