@@ -14,8 +14,9 @@ At every point one more, untimed forward measures the stash: the bytes of the te
 saves for the slice's backward (parameters and KV caches excluded: they are counted apart), fitted
 per unit and micro-batch size by `fit.fit_stash` (the form is `fit.StashFit`'s). The split
 pass also measures what `backward_input` keeps for `backward_weight` (the output gradients of
-the ops that join a parameter with an activation: `DeferredWeightGrads.held_bytes`), fitted the
-same way: a plan that splits its backward holds it from one half to the other.
+the linear layers, and the weight gradients other ops hand over: `DeferredWeightGrads.held_bytes`),
+fitted the same way plus a constant (the handed weight gradients do not grow with the slice): a
+plan that splits its backward holds it from one half to the other.
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu
             stash_fits.append(fit_stash(arr[:, 0], arr[:, 1], arr[:, 4]))
             input_fits.append(fit_curve(arr[:, 0], arr[:, 1], arr[:, 5]))
             weight_fits.append(fit_curve(arr[:, 0], arr[:, 1], arr[:, 6]))
-            held_fits.append(fit_stash(arr[:, 0], arr[:, 1], arr[:, 7]))
+            held_fits.append(fit_stash(arr[:, 0], arr[:, 1], arr[:, 7], constant=True))
         kv_per_token = sum(_kv_row_bytes(shape, d, dt)
                            for shape, d, dt in zip(stage._kv_shapes, stage.kv_dims, stage._kv_dtypes))
         params = sum(p.numel() * p.element_size() for p in stage.parameters())

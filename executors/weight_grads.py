@@ -13,15 +13,24 @@ layer's `AddmmBackward`) to an independent one (its `TBackward` to the weight, o
 accumulator): the "frontier". Everything below the frontier is independent of the inputs, so
 it is the weight half's alone.
 
-- The input half runs autograd for the inputs, with hooks keeping the gradients each
-  intermediate receives.
-- The weight half first runs each intermediate once more, from its kept gradients and asked
-  only for its own frontier edges (`dW = Xᵀ dY` for a linear layer; nothing above or beside it
-  runs again: the other intermediates are muted). A linear layer's `AddmmBackward0` is computed
-  here directly (`_linear_weight_grads`): one autograd call per intermediate walks the graph
-  below it, which on small layers costs more than the GEMM itself. Then one autograd call from the frontier
-  edges, plus the outputs that do not depend on an input (a first stage's keys/values, into
-  which later slices send gradients), down to the parameters.
+What crosses the frontier is handled by the kind of the intermediate:
+
+- A GEMM (`AddmmBackward0`, `MmBackward0`: linear layers, with or without a bias) is what the
+  weight half exists for: its `dW = Xᵀ dY` is the expensive part of a weight gradient. The input
+  half keeps the gradient the GEMM received (dY, a hook); the weight half computes `dW` and the
+  bias's row sum from it directly (`_linear_weight_grads`), without an autograd call (each call
+  walks the graph below its root, which costs more than the GEMM on small layers).
+- Any other intermediate (a layer norm, a bias added or a scale multiplied in, attention whose
+  query comes from a first stage's own tokens, a concatenation of the cached prefix with the
+  slice's own keys) computes its frontier gradients in the input half, in the same kernel that
+  gives the input gradient: autograd is asked for those edges too, and a hook on the node takes
+  what it hands each frontier child. Deferring them would mean running the node again in the
+  weight half (for attention, its whole backward) to get a gradient that costs the input half
+  almost nothing; what is held until the weight half is then that gradient (a norm's is the
+  size of its weight, not of its output).
+- The weight half then makes one autograd call from the frontier edges, plus the outputs that do
+  not depend on an input (a first stage's keys/values, into which later slices send gradients),
+  down to the parameters.
 
 Every gradient reaches a parameter once: along one frontier edge, or from an independent output.
 The decomposition of `torch.distributed.pipelining`'s stage_backward_input/_weight, but cut at
@@ -32,6 +41,7 @@ gradients between its uses into the weight half.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -87,103 +97,112 @@ def _add(into: dict, key, grad) -> None:
 class DeferredWeightGrads:
     """What the weight half needs (see the module docstring)."""
 
-    frontier: dict  # intermediate -> [(index in next_functions, child node, input nr)]
-    kept: dict  # intermediate -> the gradients it received in the input half
+    frontier: dict  # GEMM intermediate -> [(index in next_functions, child node, input nr)]
+    kept: dict  # GEMM intermediate -> the gradient it received in the input half (dY)
     independent: dict  # (output node, nr) -> upstream gradient, outputs not depending on inputs
     params: dict  # accumulator node -> parameter
-    # intermediates with a frontier child that another node feeds too (a parameter used twice):
-    # only their runs need the other intermediates muted (see `apply`)
-    shared: frozenset = frozenset()
+    handed: dict  # (frontier child, nr) -> what the other intermediates handed it in the input half
+    # intermediates run again in the weight half, and the nodes muted while one of them runs
+    # (`_rerun`); only for a node the input half cannot ask (the module docstring)
+    rerun: dict = dataclasses.field(default_factory=dict)
+    mute: tuple = ()
 
     def held_bytes(self) -> int:
         """Bytes of the gradients kept for the weight half (each storage once): what a split
         backward holds between its halves beyond the forward's stash."""
-        grads = [g for gs in self.kept.values() for g in gs] + list(self.independent.values())
+        grads = [g for gs in self.kept.values() for g in gs if gs is not None] + list(self.independent.values()) \
+            + list(self.handed.values())
         seen = {storage_key(g): g.untyped_storage().nbytes() for g in grads if g is not None}
         return int(sum(seen.values()))
 
     def apply(self) -> None:
         """Add the slice's parameter gradients into `.grad`; the state is dropped."""
         below: dict = dict(self.independent)  # (node, nr) -> gradient entering it
-        others = list(self.frontier)
-        for node, edges in self.frontier.items():
-            grads = self.kept.get(node)
-            if grads is None or all(g is None for g in grads):
-                continue
-            direct = _linear_weight_grads(node, grads, edges)
-            if direct is not None:
-                for key, g in direct:
-                    _add(below, key, g)
-                continue
-            roots = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
-            targets = [GradientEdge(child, nr) for _, child, nr in edges]
-            # autograd runs only the nodes on a path from the roots to the targets: when this
-            # node alone feeds its frontier children, that is this node alone. A child another
-            # node feeds too (a parameter used twice) is reached through the activation
-            # gradients as well: those paths are muted, so that they do not run again.
-            mute = ([n.register_prehook(lambda gs: tuple(None for _ in gs)) for n in others if n is not node]
-                    if node in self.shared else [])
-            try:
-                got = torch.autograd.grad([e for e, _ in roots], targets, [g for _, g in roots],
-                                          retain_graph=True, allow_unused=True)
-            finally:
-                for h in mute:
-                    h.remove()
-            for (_, child, nr), g in zip(edges, got):
-                _add(below, (child, nr), g)
-        leaves = {k: g for k, g in below.items() if k[0] in self.params}
-        rest = {k: g for k, g in below.items() if k[0] not in self.params}
+        for key, g in self.handed.items():
+            _add(below, key, g)
+        with torch.no_grad():  # the saved inputs are part of the graph: build nothing on them
+            for node, edges in self.frontier.items():
+                grads = self.kept.get(node)
+                if grads is None or grads[0] is None:  # no gradient reached it
+                    continue
+                for i, child, nr in edges:
+                    _add(below, (child, nr), _linear_edge(node, grads[0], i))
+        for node, edges in self.rerun.items():
+            for key, g in self._rerun(node, edges):
+                _add(below, key, g)
+        leaves, rest = {}, {}
+        for (node, nr), g in below.items():
+            if node in self.params:  # a frontier edge straight into a parameter (a bias)
+                _add(leaves, node, g)
+            elif type(node).__name__ == "TBackward0" and node.next_functions[0][0] in self.params:
+                _add(leaves, node.next_functions[0][0], g.t())  # a weight used transposed (linear)
+            else:
+                rest[node, nr] = g
         got = {}
         if rest:
             accs = list(self.params)
             grads = torch.autograd.grad([GradientEdge(n, nr) for n, nr in rest], [GradientEdge(a, 0) for a in accs],
                                         list(rest.values()), retain_graph=True, allow_unused=True)
             got = {a: g for a, g in zip(accs, grads) if g is not None}
-        for (acc, _), g in leaves.items():  # a frontier edge straight into a parameter (a bias)
+        for acc, g in leaves.items():
             _add(got, acc, g)
         for acc, g in got.items():
             p = self.params[acc]
+            if g.stride() != p.stride():
+                g = g.contiguous() if p.is_contiguous() else torch.empty_like(p).copy_(g)
             p.grad = g if p.grad is None else p.grad.add_(g)
-        self.frontier, self.kept, self.independent, self.params = {}, {}, {}, {}
-        self.shared = frozenset()
+        self.frontier, self.kept, self.independent, self.params, self.handed = {}, {}, {}, {}, {}
+        self.rerun, self.mute = {}, ()
+
+    def _rerun(self, node, edges):
+        """An intermediate's frontier gradients from the gradients it received in the input
+        half, by autograd asked only for its frontier edges: it runs this node alone, and the
+        other intermediates are muted, so that a child they feed too gets nothing twice."""
+        grads = self.kept.get(node)
+        if grads is None or all(g is None for g in grads):
+            return []
+        roots = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
+        mute = [n.register_prehook(lambda gs: tuple(None for _ in gs)) for n in self.mute if n is not node]
+        try:
+            got = torch.autograd.grad([e for e, _ in roots], [GradientEdge(child, nr) for _, child, nr in edges],
+                                      [g for _, g in roots], retain_graph=True, allow_unused=True)
+        finally:
+            for h in mute:
+                h.remove()
+        return [((child, nr), g) for (_, child, nr), g in zip(edges, got)]
 
 
-def _linear_weight_grads(node, grads, edges):
-    """The frontier gradients of a linear layer's `AddmmBackward0` computed here, without an
-    autograd call (each call walks the graph below its root, which costs more than the GEMM
-    on small layers): the weight's `alpha * mat1^T dY` (into its `TBackward0`) and the bias's
-    `beta * dY` summed over the rows (into its accumulator). None for anything else, which
-    `apply` leaves to autograd: another node, a gradient it does not have, a bias that is not
-    a plain vector, an edge it does not know."""
-    if type(node).__name__ != "AddmmBackward0" or len(grads) != 1 or grads[0] is None:
-        return None
-    dy = grads[0]
-    out = []
-    with torch.no_grad():  # the saved input is part of the graph: build nothing on it
-        for i, child, nr in edges:
-            got = _linear_edge(node, dy, i, child)
-            if got is None:
-                return None
-            out.append(((child, nr), got))
-    return out
+def _deferred(node, edges) -> bool:
+    """Whether the weight half computes this intermediate's frontier gradients itself: a linear
+    layer's GEMM whose every frontier edge `_linear_edge` knows. Anything else hands its
+    frontier gradients over in the input half (the module docstring)."""
+    kind = type(node).__name__
+    if kind == "MmBackward0":  # self @ mat2, mat2 the weight (transposed)
+        return all(i == 1 for i, _, _ in edges)
+    if kind != "AddmmBackward0":  # beta * bias + alpha * (mat1 @ mat2)
+        return False
+    out = node._saved_mat2_sym_sizes[1]
+    return all(i == 2 or (i == 0 and type(child).__name__ == "AccumulateGrad" and child.variable.dim() == 1
+                          and child.variable.shape[0] == out) for i, child, _ in edges)
 
 
-def _linear_edge(node, dy, i: int, child):
-    """One frontier edge of a linear layer's AddmmBackward0 (`_linear_weight_grads`): the
-    gradient entering `child`, or None for an edge this does not know."""
-    if i == 2:  # mat2: the weight, transposed; its gradient in mat2's layout, as autograd's
-        mat1, sizes, strides = node._saved_mat1, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides
-        if strides[0] == 1 and strides[1] == sizes[0]:  # column-major (a linear layer's W^T)
-            g = dy.t().mm(mat1).t()
-        else:
-            g = mat1.t().mm(dy)
-        alpha = node._saved_alpha
-        return g if alpha == 1 else g * alpha
-    if i == 0 and type(child).__name__ == "AccumulateGrad" and child.variable.dim() == 1 \
-            and dy.dim() == 2 and child.variable.shape[0] == dy.shape[1]:
+def _linear_edge(node, dy, i: int):
+    """The gradient a linear layer's GEMM (`_deferred`) sends along frontier edge `i`, from the
+    gradient `dy` it received: the weight's `alpha * mat1^T dy` in the layout autograd gives it
+    (into its `TBackward0`), or the bias's `beta * dy` summed over the rows."""
+    if type(node).__name__ == "MmBackward0":
+        x, sizes, strides, alpha = node._saved_self, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides, 1
+    elif i == 2:
+        x, sizes, strides, alpha = (node._saved_mat1, node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides,
+                                    node._saved_alpha)
+    else:
         beta = node._saved_beta
         return dy.sum(0) if beta == 1 else (dy * beta).sum(0)
-    return None
+    if strides[0] == 1 and strides[1] == sizes[0]:  # column-major (a linear layer's W^T)
+        g = dy.t().mm(x).t()
+    else:
+        g = x.t().mm(dy)
+    return g if alpha == 1 else g * alpha
 
 
 def backward_input(outs: list, grads: list, inputs: list, params: list) -> tuple[list, DeferredWeightGrads]:
@@ -193,30 +212,60 @@ def backward_input(outs: list, grads: list, inputs: list, params: list) -> tuple
     accs = {_node(p): p for p in params}
     toward = _upward(list(accs), users)  # nodes a parameter's gradient flows through
     dependent = _upward([_node(t) for t in inputs], users) if inputs else set()
-    frontier: dict = {}
+    frontier, handing = {}, {}
     for node in dependent & toward:
         edges = [(i, child, nr) for i, (child, nr) in enumerate(node.next_functions)
                  if child is not None and child not in dependent and child in toward]
         if edges:
-            frontier[node] = edges
+            (frontier if _deferred(node, edges) else handing)[node] = edges
+    # Asking autograd for a child makes it run every path to it: a child below another asked
+    # one (a first stage's residual add, under its queries' projection) would drag the
+    # projection's input gradient into this half. Such an intermediate is run again instead.
+    below = _downward([child for edges in handing.values() for _, child, _ in edges])
+    rerun = {n: edges for n, edges in handing.items() if any(child in below for _, child, _ in edges)}
+    for n in rerun:
+        del handing[n]
     independent: dict = {}
     for o, g in zip(outs, grads):
         if o.grad_fn not in dependent and o.grad_fn in toward:
             _add(independent, (o.grad_fn, o.output_nr), g)
     kept: dict = {}
+    handed: dict = {}
 
     def keep(node):
         def hook(grad_outputs):
             kept[node] = grad_outputs
         return hook
 
-    handles = [n.register_prehook(keep(n)) for n in frontier]
+    def hand(edges):
+        def hook(grad_inputs, grad_outputs):
+            for i, child, nr in edges:
+                _add(handed, (child, nr), grad_inputs[i])
+        return hook
+
+    handles = [n.register_prehook(keep(n)) for n in (*frontier, *rerun)]
+    handles += [n.register_hook(hand(edges)) for n, edges in handing.items()]
+    # the handing nodes' frontier edges are asked for too, so that autograd computes them; what
+    # it returns for them is not used (a child's total may mix in others), the hooks' values are
+    asked = list(dict.fromkeys(GradientEdge(child, nr) for edges in handing.values() for _, child, nr in edges))
     try:
-        got = (torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
+        got = (torch.autograd.grad(outs, list(inputs) + asked, grads, retain_graph=True, allow_unused=True)
                if inputs else [])
     finally:
         for h in handles:
             h.remove()
-    shared = frozenset(node for node, edges in frontier.items()
-                       if any(len(users.get(child, ())) > 1 for _, child, _ in edges))
-    return list(got), DeferredWeightGrads(frontier, kept, independent, accs, shared)
+    return list(got)[:len(inputs)], DeferredWeightGrads(frontier, kept, independent, accs, handed, rerun,
+                                                        tuple((*frontier, *rerun, *handing)))
+
+
+def _downward(starts) -> set:
+    """The nodes reached from `starts` along at least one edge."""
+    seen: set = set()
+    todo = collections.deque(n for s in starts for n, _ in s.next_functions if n is not None)
+    while todo:
+        node = todo.popleft()
+        if node in seen:
+            continue
+        seen.add(node)
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return seen

@@ -76,16 +76,21 @@ class StashFit:
     tensors of the attention's l x (c+l) shape (its mask; scores, where a path stores them);
     with a prefix, the attention also keeps the joined keys/values of all c+l tokens and this
     slice's own projections, which a first slice shares with the KV cache instead (counted
-    there): s3*c + s4*l."""
+    there): s3*c + s4*l.
 
-    coef: tuple[float, float, float, float]  # s1, s2, s3, s4 (bytes), all >= 0
+    A fit of what a split backward holds between its halves has a fifth coefficient, s0 bytes
+    whatever the slice: the weight gradients of norms, biases and scales, handed over in the
+    input half (executors/weight_grads.py)."""
+
+    coef: tuple  # s1, s2, s3, s4 (bytes), all >= 0; then s0 for a fit with a constant
     rel_error: float  # root-mean-square relative error of the fit over the samples
 
     def __call__(self, l, c) -> np.ndarray:
         l = np.asarray(l, dtype=np.float64)
         c = np.asarray(c, dtype=np.float64)
-        s1, s2, s3, s4 = self.coef
-        return s1 * l + s2 * l * (c + l) + np.where(c > 0, s3 * c + s4 * l, 0.0)
+        s1, s2, s3, s4 = self.coef[:4]
+        s0 = self.coef[4] if len(self.coef) > 4 else 0.0
+        return s0 + s1 * l + s2 * l * (c + l) + np.where(c > 0, s3 * c + s4 * l, 0.0)
 
     def to_dict(self) -> dict:
         return {"coef": list(self.coef), "rel_error": self.rel_error}
@@ -93,7 +98,7 @@ class StashFit:
     @classmethod
     def from_dict(cls, d: dict) -> "StashFit":
         coef = tuple(float(v) for v in d["coef"])
-        if len(coef) != 4:
+        if len(coef) not in (4, 5):
             raise ValueError(f"stash coefficients {list(coef)}")
         return cls(coef=coef, rel_error=float(d["rel_error"]))
 
@@ -149,16 +154,18 @@ def fit_curve(l, c, t) -> CurveFit:
     return CurveFit(fit.lengths, fit.base, fit.coef, rel)
 
 
-def fit_stash(l, c, y) -> StashFit:
+def fit_stash(l, c, y, *, constant: bool = False) -> StashFit:
     """Least squares of the relative residuals (every point weighs the same, as the error is
-    reported), coefficients >= 0 (a negative one is dropped and the rest refitted)."""
+    reported), coefficients >= 0 (a negative one is dropped and the rest refitted); with
+    `constant`, StashFit's s0 too."""
     l = np.asarray(l, dtype=np.float64)
     c = np.asarray(c, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     if not (l.shape == c.shape == y.shape) or l.ndim != 1 or len(l) == 0:
         raise ValueError("l, c and y must be 1-d arrays of the same, non-zero length")
     prefix = (c > 0).astype(np.float64)
-    A = np.stack([l, l * (c + l), prefix * c, prefix * l], axis=1)
+    columns = [l, l * (c + l), prefix * c, prefix * l] + ([np.ones_like(l)] if constant else [])
+    A = np.stack(columns, axis=1)
     coef = relative_nonneg_lstsq(A, y, 1.0 / np.maximum(y, 1.0))
     fit = StashFit(coef, 0.0)
     rel = float(np.sqrt(np.mean(((fit(l, c) - y) / np.maximum(y, 1.0)) ** 2)))

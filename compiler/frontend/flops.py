@@ -275,21 +275,25 @@ def loss_cost(logits) -> OpCost:
 
 
 def _held(n: fx.Node, cost: OpCost, static: set, weighted: set) -> OpCost:
-    """`cost` with what a split backward keeps of this op until its weight half: the gradient
-    of its output, where the op joins a parameter (or a value computed from one) with an
-    activation. Its backward-input then stops at the parameter's edge and keeps that gradient
-    for backward-weight (executors/weight_grads.py: linear layers, layer norms, a bias or a
-    scale added or multiplied in). A stage with no input (the first) defers its whole
-    backward, keeping only its output gradient there; the count per op is above that."""
+    """`cost` with what a split backward keeps of this op until its weight half, where the op
+    joins a parameter (or a value computed from one) with an activation
+    (executors/weight_grads.py). A matmul (a linear layer) keeps the gradient of its output:
+    its weight gradient `dW = dY^T X` is the weight half's work. Any other op (a layer norm, a
+    bias or a scale added or multiplied in) hands its parameter side's gradient over in the
+    input half, and that is what is kept: the size of the weighted operands. A stage with no
+    input (the first) defers its whole backward, keeping only its output gradient there; the
+    count per op is above that."""
     if cost.kind == "free":
         return cost
     operands = [a for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
     if not (any(a in weighted for a in operands) and any(a not in static for a in operands)):
         return cost
-    out = _val(n)
-    if isinstance(out, (tuple, list)):
-        out = out[0]
-    return dataclasses.replace(cost, held=tensor_bytes(out))
+    if cost.kind == "matmul":
+        out = _val(n)
+        if isinstance(out, (tuple, list)):
+            out = out[0]
+        return dataclasses.replace(cost, held=tensor_bytes(out))
+    return dataclasses.replace(cost, held=sum(tensor_bytes(_val(a)) for a in dict.fromkeys(operands) if a in weighted))
 
 
 def weighted_nodes(graph: fx.Graph, static: set, params: set[str]) -> set:

@@ -31,17 +31,22 @@ def gpt(repo_root):
     return SlicedModel.from_model(m, seq_len=32, vocab=64)
 
 
-def test_a_block_holds_the_gradients_of_its_linear_and_norm_outputs(gpt):
-    """qkv (3C), the attention projection (C), the MLP's two linears (4C, C) and the two layer
-    norms (C each): 11C per token."""
+def held(C: int, l: int, b: int) -> int:
+    """A GPT block's held bytes (fp32): the output gradients of its linear layers, qkv (3C),
+    the attention projection (C) and the MLP's two (4C, C), 9C per token; and the two layer
+    norms' weight and bias gradients, handed over in the input half (4C, not per token)."""
+    return (9 * C * l * b + 4 * C) * 4
+
+
+def test_a_block_holds_the_gradients_of_its_linear_outputs_and_norm_weights(gpt):
     cm = GraphCostModel(PRESETS["a100"], GraphCosts.from_sliced(gpt, float_bytes=4),
                         [(u, u + 1) for u in range(gpt.num_units)])
     for l, b in ((8, 1), (16, 3)):
-        assert cm.held_grad_bytes(1, l, 8, b) == 11 * C * l * b * 4
-        assert cm.held_grad_bytes(2, l, 0, b) == 11 * C * l * b * 4
-    # the last unit: the final norm (C) and the head, which multiplies the tied embedding with
-    # the final hidden state (the logits, vocabulary 64)
-    assert cm.held_grad_bytes(3, 8, 0, 2) == 8 * 2 * (C + 64) * 4
+        assert cm.held_grad_bytes(1, l, 8, b) == held(C, l, b)
+        assert cm.held_grad_bytes(2, l, 0, b) == held(C, l, b)
+    # the last unit: the final norm's weight and bias (2C) and the head, which multiplies the
+    # tied embedding with the final hidden state (the logits, vocabulary 64)
+    assert cm.held_grad_bytes(3, 8, 0, 2) == (8 * 2 * 64 + 2 * C) * 4
 
 
 def test_what_the_runtime_keeps_is_what_the_graph_counts(gpt):
@@ -55,7 +60,7 @@ def test_what_the_runtime_keeps_is_what_the_graph_counts(gpt):
     kept = rt.held_bytes(0, 0)
     rt.backward_weight(0, 0)
     cm = GraphCostModel(PRESETS["a100"], GraphCosts.from_sliced(gpt, float_bytes=4), [(0, 1), (1, 2), (2, 4)])
-    assert kept == cm.held_grad_bytes(1, l, 0, b) == 11 * C * l * b * 4
+    assert kept == cm.held_grad_bytes(1, l, 0, b) == held(C, l, b)
 
 
 def test_the_profile_measures_and_fits_them(tiny_profile):
@@ -63,10 +68,10 @@ def test_the_profile_measures_and_fits_them(tiny_profile):
     block = prof.units[1]  # the tiny model: embedding, one block of width 16, head
     assert block.held and len(block.held_samples) == len(block.samples)
     for b, l, c, nbytes in block.held_samples:
-        assert nbytes == 11 * 16 * l * b * 4
+        assert nbytes == held(16, l, b)
     cm = load_cost_model(cost=str(tiny_profile["path"]), stage_units=[(0, 1), (1, 2), (2, 3)])
-    assert cm.held_grad_bytes(1, 12, 4, 1) == pytest.approx(11 * 16 * 12 * 4, rel=0.02)
-    assert cm.held_grad_bytes(1, L, 0, 3) == pytest.approx(11 * 16 * L * 3 * 4, rel=0.02)
+    assert cm.held_grad_bytes(1, 12, 4, 1) == pytest.approx(held(16, 12, 1), rel=0.02)
+    assert cm.held_grad_bytes(1, L, 0, 3) == pytest.approx(held(16, L, 3), rel=0.02)
 
 
 class _Held(CostModel):
