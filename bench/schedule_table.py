@@ -8,7 +8,8 @@ others one; chimera's ranks each hold a weight replica of two of the 4 stages. T
 
 Predicted: `tpc simulate PLAN --cost PROFILE`: the iteration time, and per rank the peak of what
 a step adds to memory (compiler/memory.py at its peak: gradients, live activations, KV caches and
-their gradients; the parameters and the optimizer state are there before the step).
+their gradients, a split backward's held gradients, received messages; the parameters and the
+optimizer state are there before the step).
 Measured: each plan in 4 fresh processes (`run_plan`, what `tpc run` runs under torchrun), plain
 SGD: the median wall time of rank 0's steps after the warm-up (each step ends in the all-reduce
 of the loss, a sync point of every rank), and per rank the peak RSS during the timed steps above
@@ -80,7 +81,7 @@ def predicted(plan_path: str, profile: str):
     adds = []
     for r in result.ranks:
         m = r.peak_memory
-        adds.append(m.grads + m.activations + m.kv + m.kv_grads + m.held_grads)
+        adds.append(m.total - m.params - m.optimizer)  # gradients, activations, KV, messages, ...
     return result.iteration_time, adds
 
 

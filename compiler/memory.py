@@ -25,7 +25,13 @@ instruction and the peak. What is counted, from the cost model's byte functions:
   first backward of a later slice until `free-kv`;
 * held gradients: a split backward keeps, from the start of its `backward-input` to the end of
   its `backward-weight`, the output gradients its weight half needs (dY of dW = dY^T X),
-  `held_grad_bytes(stage, l, c, mb_size)` (0 for a cost model that does not know them).
+  `held_grad_bytes(stage, l, c, mb_size)` (0 for a cost model that does not know them);
+* messages: a received activation or gradient, `message_bytes(l, mb_size)`, from the
+  instruction its receive is posted at to the end of the compute that uses it (its forward,
+  or its backward / backward-input). Under gloo's rules the executor posts receives ahead of
+  their instructions (`semantics.RecvAhead`: `recv_ahead` computes); under NCCL's at their
+  own. What a rank sends is not counted: it goes as soon as it is sent (the runtime keeps a
+  slice's output only as a gradient edge).
 
 Allocation happens when an instruction starts and release when it ends, so a backward still
 holds the activations it consumes. Under unit costs (`activation_bytes` 1 per slice, no
@@ -38,7 +44,8 @@ from dataclasses import dataclass, fields
 
 from tpc.compiler.costmodel.base import CostModel
 from tpc.ir.diagnostics import Diagnostic, TpirError
-from tpc.ir.nodes import Header, Instr, Op
+from tpc.ir.nodes import Header, Instr, Op, Payload
+from tpc.ir.semantics import RecvAhead
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class Memory:
     kv: float = 0.0
     kv_grads: float = 0.0
     held_grads: float = 0.0
+    messages: float = 0.0
 
     @property
     def total(self) -> float:
@@ -113,18 +121,36 @@ class _Held:
 
 
 def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: CostModel,
-                forward_only: bool = False) -> RankMemory:
+                forward_only: bool = False, recv_ahead: int = RecvAhead.COMPUTES) -> RankMemory:
     """Walk one rank's stream and account its memory (see the module docstring). A
     `forward_only` stream (the evaluation program) keeps no stash: only KV caches come and go
-    (parameters, gradients and optimizer state stay allocated through a run's evaluation)."""
+    (parameters, gradients and optimizer state stay allocated through a run's evaluation).
+    `recv_ahead`: how many computes ahead receives are posted (gloo's executor; 0: each at its
+    own instruction, as under NCCL's rules)."""
     params = sum(costs.param_bytes(s) for s in header.stages_of_rank(rank))
     static = dict(params=params, grads=params, optimizer=2 * params)
     acts, kv, kv_grads, held = _Held(), _Held(), _Held(), _Held()  # keyed (stage, mb, slice)
     kv_slices: dict[tuple[int, int], list[int]] = {}  # (stage, mb) -> slices with a KV cache
+    messages = _Held()  # keyed (payload, stage, mb, slice)
 
+    def message_bytes(j: int) -> float:
+        l, _, size = slice_extent(header, instrs[j])
+        return costs.message_bytes(l, size)
+
+    def message(j: int) -> None:
+        ins = instrs[j]
+        messages.add((ins.payload, ins.stage, ins.mb, ins.slice), message_bytes(j))
+
+    ahead = RecvAhead(instrs, message_bytes, recv_ahead)
     during: list[Memory] = []
-    for instr in instrs:
+    for index, instr in enumerate(instrs):
         owner = (instr.stage, instr.mb)
+        for j in ahead.before(index):
+            message(j)
+        if instr.op is Op.RECV:
+            ahead.post(index)
+            ahead.taken(index)
+            message(index)
         if instr.op in (Op.FORWARD, Op.RECOMPUTE):
             l, c, size = slice_extent(header, instr)
             if instr.op is Op.FORWARD and owner not in kv_slices:  # the micro-batch's whole cache
@@ -142,7 +168,11 @@ def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: Cos
                 if j < instr.slice:
                     kv_grads.add((*owner, j), kv.items[(*owner, j)])
         during.append(Memory(**static, activations=acts.total, kv=kv.total,
-                             kv_grads=kv_grads.total, held_grads=held.total))
+                             kv_grads=kv_grads.total, held_grads=held.total, messages=messages.total))
+        if instr.op is Op.FORWARD:
+            messages.drop((Payload.ACT, *instr.key))
+        elif instr.op in (Op.BACKWARD, Op.BACKWARD_INPUT):
+            messages.drop((Payload.GRAD, *instr.key))
         if instr.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT):
             acts.drop(instr.key)
             held.drop(instr.key)

@@ -61,7 +61,7 @@ from tpc.compiler.costmodel.base import CostModel
 from tpc.compiler.memory import Memory, rank_memory, slice_extent
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Header, Instr, Op, Plan
-from tpc.ir.semantics import (GLOO, NCCL, compute_messages, exchange_span, message_key, replica_group,
+from tpc.ir.semantics import (GLOO, NCCL, RecvAhead, compute_messages, exchange_span, message_key, replica_group,
                                tie_ranks)
 
 # ---------------------------------------------------------------------------------- results
@@ -444,7 +444,8 @@ def simulate(plan: Plan, costs: CostModel, comm: str = GLOO) -> SimResult:
         busy = math.fsum(e.work for e in mine)
         compute = math.fsum(e.work for e in mine if e.instr.op in COMPUTE_OPS)
         idle = total - busy
-        memory = rank_memory(plan.header, p.rank, p.instrs, costs, forward_only=plan.forward_only)
+        memory = rank_memory(plan.header, p.rank, p.instrs, costs, forward_only=plan.forward_only,
+                             recv_ahead=RecvAhead.COMPUTES if comm == GLOO else 0)
         ranks.append(
             RankStats(p.rank, busy, compute, idle, idle / total if total > 0 else 0.0, memory.peak)
         )

@@ -10,7 +10,8 @@ backend (tpc.ir.semantics; the plan is verified under them before the run):
 - point-to-point, gloo's buffered rules (the default on the CPU): receives are posted early
   (`irecv` into a buffer of the shape the plan implies, for every `recv` up to the compute after
   the next one) and waited on just before the instruction that needs them; sends are `isend`s
-  whose work handles are kept and waited on before `step` at the latest; the n-th message of a
+  whose work handles a thread waits on, letting go of each tensor as its send completes
+  (`_SendReaper`), and the rank waits for them all before `step`; the n-th message of a
   channel carries tag n, so a mismatch could never be matched silently. An `exchange` changes
   nothing there;
 - point-to-point, NCCL's rules (on CUDA; on the CPU with `--comm nccl`): each receive is issued
@@ -59,9 +60,9 @@ from tpc.executors.evaluation import eval_batches
 from tpc.executors.run import GradientCheck, Reporter, batch_source, check_bf16, write_trace
 from tpc.executors.training.run_checkpoints import RunCheckpoints
 from tpc.ir.diagnostics import Diagnostic, TpirError
-from tpc.ir.nodes import COMPUTE_OPS, Op, Plan
+from tpc.ir.nodes import Op, Plan
 from tpc.ir.verify import verify_file
-from tpc.ir.semantics import GLOO, NCCL, Message
+from tpc.ir.semantics import GLOO, NCCL, Message, RecvAhead
 
 
 # ------------------------------------------------------------------------- before anything
@@ -174,15 +175,53 @@ def make_groups(plan: Plan, world: World, timeout: float, *, pipeline: bool = Fa
 # --------------------------------------------------------------------------- the transport
 
 
+class _SendReaper:
+    """A thread that waits on gloo's sends in the order they were made and lets go of each
+    tensor as its send completes.
+
+    A gloo send's work reports completion only once waited on (`is_completed()` stays False
+    until then), and waiting in the rank's own thread could block it on a peer that has not
+    posted the receive yet. So this thread waits, and the rank waits for it at `flush` (before
+    `step`): a sent activation or gradient is freed when it is on its way, not at the end of
+    the step. The first failure is kept for `drain` to report."""
+
+    def __init__(self, timeout: float):
+        import queue
+
+        self.timeout = timedelta(seconds=timeout)
+        self.queue: queue.Queue = queue.Queue()
+        self.failed: tuple[str, BaseException] | None = None
+        threading.Thread(target=self._run, name="tpc-send-reaper", daemon=True).start()
+
+    def add(self, work, tensor: torch.Tensor, what: str) -> None:
+        self.queue.put((work, tensor, what))
+
+    def drain(self) -> tuple[str, BaseException] | None:
+        """Wait until every send added so far completed (or failed); the first failure."""
+        self.queue.join()
+        failed, self.failed = self.failed, None
+        return failed
+
+    def _run(self) -> None:
+        while True:
+            work, tensor, what = self.queue.get()
+            try:
+                work.wait(timeout=self.timeout)
+            except Exception as e:  # noqa: BLE001 - reported by `drain`
+                if self.failed is None:
+                    self.failed = (what, e)
+            del work, tensor
+            self.queue.task_done()
+
+
 class DistTransport:
     """Point-to-point and collectives over torch.distributed for one rank's engine."""
 
-    # gloo: receives are posted ahead, up to the 8th compute from here and while the buffers
-    # posted and not yet taken hold at most 16 MiB (bench/recv_lookahead.py measured 8 against 2:
-    # steps 0-4.6% shorter on 2 CPU ranks); the buffers are memory the plan's model does not
-    # count until the receive, so the bytes bound what that costs
-    LOOKAHEAD_COMPUTES = 8
-    LOOKAHEAD_BYTES = 16 * 2**20
+    # gloo: receives are posted ahead by `semantics.RecvAhead` (up to the 8th compute from here,
+    # while the posted buffers hold at most 16 MiB); the memory model counts each buffer from
+    # where it is posted
+    LOOKAHEAD_COMPUTES = RecvAhead.COMPUTES
+    LOOKAHEAD_BYTES = RecvAhead.MAX_BYTES
 
     def __init__(self, plan: Plan, world: World, groups: Groups, *, device: torch.device,
                  hidden_size: int, dtype: torch.dtype, timeout: float, tags: bool,
@@ -203,9 +242,11 @@ class DistTransport:
         self.nccl, self.rendezvous = nccl, rendezvous
         self.early = tags  # post receives ahead: gloo's buffered rules only, see `ahead`
         self.posted: dict[int, tuple[object, torch.Tensor]] = {}
-        self.posted_bytes = 0  # of the buffers in `posted`
-        self.next_post = 0
+        self.ahead = RecvAhead(self.instrs, self._recv_bytes, self.LOOKAHEAD_COMPUTES, self.LOOKAHEAD_BYTES)
         self.sends: list[tuple[object, torch.Tensor, str]] = []
+        # gloo: its point-to-point works say they are completed only once waited on, so a send
+        # kept for `flush` would hold its tensor the whole step; a thread waits on them instead
+        self.reaper = _SendReaper(timeout) if tags and not rendezvous else None
         self.sent: dict[int, int] = {}  # messages sent per destination (the tag of the next)
         self.received: dict[int, int] = {}  # receives posted per source
         # the current exchange: its members' positions, and its sends until it is issued
@@ -236,16 +277,13 @@ class DistTransport:
 
     def start_step(self) -> None:
         self.posted.clear()
-        self.posted_bytes = 0
-        self.next_post = 0
+        self.ahead.reset()
 
     # ---------------------------------------------------------------------- receives
 
     def before_instruction(self, index: int) -> None:
-        """About to run instruction `index`: post the receives ahead, up to the
-        `LOOKAHEAD_COMPUTES`-th compute and while the posted buffers hold at most
-        `LOOKAHEAD_BYTES` (the receive at `index` itself is always posted), in program order (so
-        each channel's receives are posted in order).
+        """About to run instruction `index`: post the receives `semantics.RecvAhead` says, in
+        program order (so each channel's receives are posted in order).
 
         Only on gloo. NCCL runs the sends and receives between two ranks in issue order on one
         stream and a send completes only when received, so a receive posted early would hold
@@ -254,22 +292,8 @@ class DistTransport:
         at its own instruction, where the plan's order (verified deadlock-free) applies."""
         if not self.early:
             return
-        computes, j = 0, max(self.next_post, index)
-        # count the computes between index and where posting stopped last time
-        for k in range(index, j):
-            computes += self.instrs[k].op in COMPUTE_OPS
-        while j < len(self.instrs) and computes < self.LOOKAHEAD_COMPUTES:
-            ins = self.instrs[j]
-            if ins.op is Op.RECV:
-                if j > index and self.posted_bytes + self._recv_bytes(j) > self.LOOKAHEAD_BYTES:
-                    break  # posted when the budget allows, or at its own instruction
-                self._post(j)
-            elif ins.op in COMPUTE_OPS:
-                computes += 1
-            elif ins.op in (Op.ALLREDUCE, Op.REDUCE_TIED, Op.REDUCE_REPLICAS, Op.STEP, Op.REDUCE_LOSS):
-                break  # nothing is received past a collective until it is reached
-            j += 1
-        self.next_post = max(self.next_post, j)
+        for j in self.ahead.before(index):
+            self._post(j)
 
     def _recv_shape(self, index: int) -> tuple[int, int, int]:
         ins = self.instrs[index]
@@ -283,7 +307,6 @@ class DistTransport:
     def _post(self, index: int) -> None:
         ins = self.instrs[index]
         buf = torch.empty(self._recv_shape(index), dtype=self.dtype, device=self.device)
-        self.posted_bytes += buf.nbytes
         src = self._global(ins.peer)
         tag = self.received.get(src, 0)
         self.received[src] = tag + 1
@@ -308,9 +331,10 @@ class DistTransport:
         if index in self.exchange_span and index not in self.posted:
             self._issue_exchange()
         if index not in self.posted:
+            self.ahead.post(index)
             self._post(index)
         work, buf = self.posted.pop(index)
-        self.posted_bytes -= buf.nbytes
+        self.ahead.taken(index)
         what = f"the message {key} from rank {self._global(src)}"
         if self.nccl and index in self.batched:
             # an exchange's receive (lowering moved it up to its send): the stream waits for
@@ -344,10 +368,13 @@ class DistTransport:
         if self.rendezvous:  # NCCL's rules on gloo: the send completes before the rank goes on
             self._wait(work, what)
             return
+        if self.reaper is not None:  # freed as soon as it completes (`_SendReaper`)
+            self.reaper.add(work, tensor, what)
+            return
+        # drop the finished sends, so that their buffers (a slice's activation, which the
+        # runtime no longer holds once sent) are freed during the step
+        self.sends = [s for s in self.sends if not s[0].is_completed()]
         self.sends.append((work, tensor, what))
-        # drop finished sends now and then, so their buffers are freed during the step
-        if len(self.sends) > 16:
-            self.sends = [s for s in self.sends if not s[0].is_completed()]
 
     # --------------------------------------------------------------------- exchanges
 
@@ -381,7 +408,6 @@ class DistTransport:
                 self.sends.append((work, tensor, what))
         for q, buf, work in zip(recvs, bufs, works[n:]):
             self.posted[q] = (work, buf)
-            self.posted_bytes += buf.nbytes
             self.batched.add(q)
         self.exchange_span, self.exchange_sends = range(0), []
 
@@ -389,6 +415,15 @@ class DistTransport:
         """Wait for every send of this rank (before `step` and at the end of the stream)."""
         for key in list(self.deferred):
             self.claim(key)
+        if self.reaper is not None:
+            with self.waiting_for("the sends of this rank"):
+                failed = self.reaper.drain()
+            if failed is not None:
+                what, e = failed
+                raise TpirError(Diagnostic(
+                    f"gave up waiting for {what}: {backend_cause(e)}",
+                    hint="that rank failed or is stuck: see its own error above; if it is merely "
+                         "slow, raise --timeout"))
         sends, self.sends = self.sends, []
         for work, _tensor, what in sends:
             self._wait(work, what)

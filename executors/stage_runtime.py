@@ -53,7 +53,10 @@ class _Slice:
     length: int  # tokens of this slice
     prefix: list = field(default_factory=list)  # the leaves this slice read its prefix through
     saved: list | None = None  # checkpointed: copies of its windowed prefixes, to recompute from
-    y: torch.Tensor | None = None  # graph-connected output (None while checkpointed)
+    # the graph-connected output (None while checkpointed): on the last stage the loss; on
+    # any other its gradient edge only (`_output`), so that the activation itself is freed
+    # once its send completes, not held until the backward
+    y: object = None
     kv_out: list = field(default_factory=list)  # graph-connected K/V outputs
     weights: object = None  # what backward_input left for backward_weight (DeferredWeightGrads)
     sent_kv_grads: bool = False  # backward (or backward_input) ran: earlier slices' K/V grads are final
@@ -118,7 +121,7 @@ class StageRuntime:
             y, kv = self._run(rec, checkpoint)
         self._append(mb, kv, capacity)
         if not checkpoint:
-            rec.y, rec.kv_out = y, kv
+            rec.y, rec.kv_out = self._output(y), kv
         self._slices[(mb, sl)] = rec
         return self._scaled(y).detach()
 
@@ -150,7 +153,16 @@ class StageRuntime:
         if rec.y is not None:
             raise RuntimeError(f"recompute of micro-batch {mb} slice {sl}: its graph is already held")
         with torch.enable_grad():
-            rec.y, rec.kv_out = self._run(rec)
+            y, rec.kv_out = self._run(rec)
+        rec.y = self._output(y)
+
+    def _output(self, y: torch.Tensor):
+        """What a slice keeps of its output for its backward: the loss on the last stage, else
+        the output's gradient edge (autograd needs no more to run backward from it; the
+        activation's bytes go with its send)."""
+        if self.module.is_last or not y.requires_grad:
+            return y
+        return torch.autograd.graph.get_gradient_edge(y)
 
     def _run(self, rec: _Slice, checkpoint: bool = False):
         """The module on one slice, its prefix read as leaves viewing the cache (empty: none); a

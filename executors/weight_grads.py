@@ -206,9 +206,10 @@ def _linear_edge(node, dy, i: int):
 
 
 def backward_input(outs: list, grads: list, inputs: list, params: list) -> tuple[list, DeferredWeightGrads]:
-    """Gradients of `inputs` (leaves requiring grad) from `outs` with upstream `grads`, and what
+    """Gradients of `inputs` (leaves requiring grad) from `outs` (tensors or their gradient
+    edges) with upstream `grads`, and what
     `DeferredWeightGrads.apply` needs to add the gradients of `params` later. The graph is kept."""
-    users = _users([o.grad_fn for o in outs])
+    users = _users([_edge(o)[0] for o in outs])
     accs = {_node(p): p for p in params}
     toward = _upward(list(accs), users)  # nodes a parameter's gradient flows through
     dependent = _upward([_node(t) for t in inputs], users) if inputs else set()
@@ -227,8 +228,9 @@ def backward_input(outs: list, grads: list, inputs: list, params: list) -> tuple
         del handing[n]
     independent: dict = {}
     for o, g in zip(outs, grads):
-        if o.grad_fn not in dependent and o.grad_fn in toward:
-            _add(independent, (o.grad_fn, o.output_nr), g)
+        node, nr = _edge(o)
+        if node not in dependent and node in toward:
+            _add(independent, (node, nr), g)
     kept: dict = {}
     handed: dict = {}
 
@@ -256,6 +258,13 @@ def backward_input(outs: list, grads: list, inputs: list, params: list) -> tuple
             h.remove()
     return list(got)[:len(inputs)], DeferredWeightGrads(frontier, kept, independent, accs, handed, rerun,
                                                         tuple((*frontier, *rerun, *handing)))
+
+
+def _edge(out) -> tuple:
+    """(node, output nr) of an output: a tensor, or a gradient edge standing for one."""
+    if isinstance(out, GradientEdge):
+        return out.node, out.output_nr
+    return out.grad_fn, out.output_nr
 
 
 def _downward(starts) -> set:

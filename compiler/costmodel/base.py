@@ -23,6 +23,7 @@ model overrides where it knows better:
     held_grad_bytes(stage, l, c, mb_size)
                                          what a split backward keeps from its input half to its
                                          weight half, beyond the stash: 0
+    message_bytes(l, mb_size)            a received activation or gradient: activation_bytes
     kv_slice_bytes(stage, lengths, mb)   the KV cache charged to each slice: kv_bytes of each
     allreduce_time(nbytes, n)            a ring all-reduce: 2(n-1) steps of nbytes/n
     grad_sync_time(stage, data)          allreduce_time(param_bytes(stage), data)
@@ -85,6 +86,11 @@ class CostModel(ABC):
 
     def stash_bytes(self, stage: int, l: int, c: int, mb_size: int) -> float:
         """Bytes a slice's forward keeps for its backward."""
+        return self.activation_bytes(l, mb_size)
+
+    def message_bytes(self, l: int, mb_size: int) -> float:
+        """Bytes of a received activation or gradient while it waits for the compute that uses
+        it (compiler/memory.py, "messages"): the activation's."""
         return self.activation_bytes(l, mb_size)
 
     def held_grad_bytes(self, stage: int, l: int, c: int, mb_size: int) -> float:
