@@ -274,6 +274,14 @@ class StageRuntime:
             grads.append(part)
         return outs, grads
 
+    def _input_grad(self, rec: _Slice):
+        """The slice's input gradient, to send (None on stage 0); the record lets go of it, so
+        that it goes with its send rather than staying until `free-kv`."""
+        if self.module.is_first:
+            return None
+        g, rec.x.grad = rec.x.grad, None
+        return g
+
     def _send_prefix_grads(self, rec: _Slice) -> None:
         """Add what this slice's backward left in its prefix leaves to the cache's gradients,
         where the earlier slices find theirs."""
@@ -284,6 +292,9 @@ class StageRuntime:
             for t, (leaf, d, w) in enumerate(zip(rec.prefix, self.module.kv_dims, self.module.kv_windows)):
                 if leaf.requires_grad:  # not a cache of token ids
                     cache.grad[t] = self._accumulate(cache.grad[t], leaf, d, rec.start, w is None)
+                    # added in: the graph a split backward keeps for its weight half holds the
+                    # leaf, whose gradient is a view of all of the attention's key gradient
+                    leaf.grad = None
         rec.prefix = []
         rec.sent_kv_grads = True
 
@@ -322,7 +333,7 @@ class StageRuntime:
         torch.autograd.backward(outs, grads)
         self._send_prefix_grads(rec)
         rec.y, rec.kv_out = None, []
-        return None if self.module.is_first else rec.x.grad
+        return self._input_grad(rec)
 
     def backward_input(self, mb: int, sl: int, grad_out=None):
         """Split backward, first half: gradients of the input and of the cached prefix (what the
@@ -336,7 +347,7 @@ class StageRuntime:
             if g is not None:
                 t.grad = g if t.grad is None else t.grad + g
         self._send_prefix_grads(rec)
-        return None if self.module.is_first else rec.x.grad
+        return self._input_grad(rec)
 
     def held_bytes(self, mb: int, sl: int) -> int:
         """What the slice's backward_input keeps for its backward_weight (0 before or after)."""
