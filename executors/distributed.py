@@ -183,15 +183,20 @@ class _SendReaper:
     until then), and waiting in the rank's own thread could block it on a peer that has not
     posted the receive yet. So this thread waits, and the rank waits for it at `flush` (before
     `step`): a sent activation or gradient is freed when it is on its way, not at the end of
-    the step. The first failure is kept for `drain` to report."""
+    the step. The first failure is kept for `drain` to report. The thread ends when its
+    transport is gone (a process may run several plans)."""
 
     def __init__(self, timeout: float):
         import queue
 
         self.timeout = timedelta(seconds=timeout)
         self.queue: queue.Queue = queue.Queue()
-        self.failed: tuple[str, BaseException] | None = None
-        threading.Thread(target=self._run, name="tpc-send-reaper", daemon=True).start()
+        self.failures: list[tuple[str, BaseException]] = []
+        threading.Thread(target=self._loop, args=(self.queue, self.timeout, self.failures),
+                         name="tpc-send-reaper", daemon=True).start()
+
+    def __del__(self):
+        self.queue.put(None)
 
     def add(self, work, tensor: torch.Tensor, what: str) -> None:
         self.queue.put((work, tensor, what))
@@ -199,19 +204,25 @@ class _SendReaper:
     def drain(self) -> tuple[str, BaseException] | None:
         """Wait until every send added so far completed (or failed); the first failure."""
         self.queue.join()
-        failed, self.failed = self.failed, None
+        failed = self.failures[0] if self.failures else None
+        self.failures.clear()
         return failed
 
-    def _run(self) -> None:
+    @staticmethod
+    def _loop(queue, timeout, failures) -> None:  # holds no reference to the reaper itself
         while True:
-            work, tensor, what = self.queue.get()
+            item = queue.get()
+            if item is None:
+                queue.task_done()
+                return
+            work, tensor, what = item
+            del item
             try:
-                work.wait(timeout=self.timeout)
+                work.wait(timeout=timeout)
             except Exception as e:  # noqa: BLE001 - reported by `drain`
-                if self.failed is None:
-                    self.failed = (what, e)
+                failures.append((what, e))
             del work, tensor
-            self.queue.task_done()
+            queue.task_done()
 
 
 class DistTransport:

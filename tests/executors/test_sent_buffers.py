@@ -71,6 +71,18 @@ def test_the_reaper_reports_the_first_failure_at_drain():
     assert reaper.drain() is None  # reported once
 
 
+def test_the_reaper_thread_ends_with_its_transport():
+    before = {t for t in threading.enumerate() if t.name == "tpc-send-reaper"}
+    reaper = _SendReaper(timeout=10)
+    mine = {t for t in threading.enumerate() if t.name == "tpc-send-reaper"} - before
+    assert len(mine) == 1
+    del reaper
+    gc.collect()
+    (thread,) = mine
+    thread.join(5)
+    assert not thread.is_alive()
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_a_stage_keeps_no_activation_it_sent_and_its_backward_is_unchanged(split):
     sm = SlicedModel.from_model(tiny_model("gpt"), seq_len=16, vocab=256)
