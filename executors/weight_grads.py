@@ -18,8 +18,8 @@ What crosses the frontier is handled by the kind of the intermediate:
 - A GEMM (`AddmmBackward0`, `MmBackward0`: linear layers, with or without a bias) is what the
   weight half exists for: its `dW = Xᵀ dY` is the expensive part of a weight gradient. The input
   half keeps the gradient the GEMM received (dY, a hook); the weight half computes `dW` and the
-  bias's row sum from it directly (`_linear_weight_grads`), without an autograd call (each call
-  walks the graph below its root, which costs more than the GEMM on small layers).
+  bias's row sum from it directly (`_linear_edge`), without an autograd call (each call walks
+  the graph below its root, which costs more than the GEMM on small layers).
 - Any other intermediate (a layer norm, a bias added or a scale multiplied in, attention whose
   query comes from a first stage's own tokens, a concatenation of the cached prefix with the
   slice's own keys) computes its frontier gradients in the input half, in the same kernel that
@@ -27,7 +27,10 @@ What crosses the frontier is handled by the kind of the intermediate:
   what it hands each frontier child. Deferring them would mean running the node again in the
   weight half (for attention, its whole backward) to get a gradient that costs the input half
   almost nothing; what is held until the weight half is then that gradient (a norm's is the
-  size of its weight, not of its output).
+  size of its weight, not of its output). One exception: asking autograd for a child makes it
+  run every path to that child, so a node whose child lies below another asked child (a first
+  stage's residual add, under its queries' projection) is run again in the weight half instead
+  (`_rerun`), with the other intermediates muted.
 - The weight half then makes one autograd call from the frontier edges, plus the outputs that do
   not depend on an input (a first stage's keys/values, into which later slices send gradients),
   down to the parameters.
