@@ -119,7 +119,8 @@ class DeferredWeightGrads:
         return int(sum(seen.values()))
 
     def apply(self) -> None:
-        """Add the slice's parameter gradients into `.grad`; the state is dropped."""
+        """Add the slice's parameter gradients into `.grad`, each as soon as it is computed (so
+        that no second copy of the stage's gradients builds up); the state is dropped."""
         below: dict = dict(self.independent)  # (node, nr) -> gradient entering it
         for key, g in self.handed.items():
             _add(below, key, g)
@@ -129,33 +130,35 @@ class DeferredWeightGrads:
                 if grads is None or grads[0] is None:  # no gradient reached it
                     continue
                 for i, child, nr in edges:
-                    _add(below, (child, nr), _linear_edge(node, grads[0], i))
+                    g = _linear_edge(node, grads[0], i)
+                    if not self._into_param(child, g):
+                        _add(below, (child, nr), g)
         for node, edges in self.rerun.items():
             for key, g in self._rerun(node, edges):
                 _add(below, key, g)
-        leaves, rest = {}, {}
+        rest = {}
         for (node, nr), g in below.items():
-            if node in self.params:  # a frontier edge straight into a parameter (a bias)
-                _add(leaves, node, g)
-            elif type(node).__name__ == "TBackward0" and node.next_functions[0][0] in self.params:
-                _add(leaves, node.next_functions[0][0], g.t())  # a weight used transposed (linear)
-            else:
+            if not self._into_param(node, g):
                 rest[node, nr] = g
-        got = {}
-        if rest:
-            accs = list(self.params)
-            grads = torch.autograd.grad([GradientEdge(n, nr) for n, nr in rest], [GradientEdge(a, 0) for a in accs],
-                                        list(rest.values()), retain_graph=True, allow_unused=True)
-            got = {a: g for a, g in zip(accs, grads) if g is not None}
-        for acc, g in leaves.items():
-            _add(got, acc, g)
-        for acc, g in got.items():
-            p = self.params[acc]
-            if g.stride() != p.stride():
-                g = g.contiguous() if p.is_contiguous() else torch.empty_like(p).copy_(g)
-            p.grad = g if p.grad is None else p.grad.add_(g)
+        if rest:  # the independent part of the graph, down to the parameters (accumulated there)
+            torch.autograd.backward([GradientEdge(n, nr) for n, nr in rest], list(rest.values()),
+                                    retain_graph=True, inputs=list(self.params.values()))
         self.frontier, self.kept, self.independent, self.params, self.handed = {}, {}, {}, {}, {}
         self.rerun, self.mute = {}, ()
+
+    def _into_param(self, node, g) -> bool:
+        """Add `g`, the gradient entering `node`, to a parameter's `.grad` when `node` is the
+        parameter's accumulator (a bias) or its transpose (a linear layer's weight); False for
+        anything else."""
+        if node not in self.params:
+            if type(node).__name__ != "TBackward0" or node.next_functions[0][0] not in self.params:
+                return False
+            node, g = node.next_functions[0][0], g.t()
+        p = self.params[node]
+        if g.stride() != p.stride():
+            g = g.contiguous() if p.is_contiguous() else torch.empty_like(p).copy_(g)
+        p.grad = g if p.grad is None else p.grad.add_(g)
+        return True
 
     def _rerun(self, node, edges):
         """An intermediate's frontier gradients from the gradients it received in the input
