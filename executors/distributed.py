@@ -175,6 +175,13 @@ def make_groups(plan: Plan, world: World, timeout: float, *, pipeline: bool = Fa
 # --------------------------------------------------------------------------- the transport
 
 
+def _gave_up(what: str, e: BaseException) -> TpirError:
+    """The error of a wait on a peer that failed: what was waited for, and the backend's cause."""
+    return TpirError(Diagnostic(f"gave up waiting for {what}: {backend_cause(e)}",
+                                hint="that rank failed or is stuck: see its own error above; if it is "
+                                     "merely slow, raise --timeout"))
+
+
 class _SendReaper:
     """A thread that waits on gloo's sends in the order they were made and lets go of each
     tensor as its send completes.
@@ -430,11 +437,7 @@ class DistTransport:
             with self.waiting_for("the sends of this rank"):
                 failed = self.reaper.drain()
             if failed is not None:
-                what, e = failed
-                raise TpirError(Diagnostic(
-                    f"gave up waiting for {what}: {backend_cause(e)}",
-                    hint="that rank failed or is stuck: see its own error above; if it is merely "
-                         "slow, raise --timeout"))
+                raise _gave_up(*failed)
         sends, self.sends = self.sends, []
         for work, _tensor, what in sends:
             self._wait(work, what)
@@ -508,11 +511,7 @@ class DistTransport:
             try:
                 work.wait(timeout=timedelta(seconds=self.timeout))
             except Exception as e:  # noqa: BLE001 - a failed peer surfaces as whatever the backend raises
-                cause = backend_cause(e)
-                raise TpirError(Diagnostic(
-                    f"gave up waiting for {what}: {cause}",
-                    hint="that rank failed or is stuck: see its own error above; if it is merely "
-                         "slow, raise --timeout")) from None
+                raise _gave_up(what, e) from None
 
 
     def prune(self) -> None:

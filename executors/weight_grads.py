@@ -113,7 +113,7 @@ class DeferredWeightGrads:
     def held_bytes(self) -> int:
         """Bytes of the gradients kept for the weight half (each storage once): what a split
         backward holds between its halves beyond the forward's stash."""
-        grads = [g for gs in self.kept.values() for g in gs if gs is not None] + list(self.independent.values()) \
+        grads = [g for gs in self.kept.values() for g in gs] + list(self.independent.values()) \
             + list(self.handed.values())
         seen = {storage_key(g): g.untyped_storage().nbytes() for g in grads if g is not None}
         return int(sum(seen.values()))

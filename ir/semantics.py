@@ -227,9 +227,9 @@ COMMS: dict[str, str] = {
 class RecvAhead:
     """When a rank running under gloo's buffered rules posts each of its receives: ahead of its
     instruction, up to the `computes`-th compute from the instruction about to run, while the
-    buffers posted and not yet received hold at most `max_bytes` (the receive at the running
-    instruction itself is always posted), in program order, and never past a collective or
-    `step` (nothing is received beyond one until it is reached).
+    buffers posted and not yet received hold at most `max_bytes`, in program order, and never
+    past a collective or `step` (nothing is received beyond one until it is reached); a receive
+    not posted by then is posted at its own instruction (`post`).
 
     The distributed executor posts by it (executors/distributed.py, `before_instruction`), and
     the memory model counts a receive's buffer from the instruction it is posted at
