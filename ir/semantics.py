@@ -62,6 +62,7 @@ its forwards exchange activations by the same messages, one direction per pair o
 from __future__ import annotations
 
 from collections import deque
+from enum import Enum
 from dataclasses import dataclass
 from typing import Iterable, Mapping, NamedTuple, Sequence
 
@@ -215,9 +216,40 @@ def blocks(op: Op, comm: str = "gloo") -> bool:
 
 # ------------------------------------------------------------------ the backends' rules
 
-GLOO, NCCL = "gloo", "nccl"
+class CommRules(str, Enum):
+    """The communication rules a plan is lowered, verified, simulated and run under (the module
+    docstring), named by the backend whose rules they are. A `str` enum: `CommRules("gloo")`
+    reads a flag's spelling, and a value prints as its name."""
+
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+    @property
+    def summary(self) -> str:
+        return COMMS[self]
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def of(cls, value: "CommRules | str") -> "CommRules":
+        """`value` as rules: a CommRules, or its spelling ("gloo", "nccl"); ValueError otherwise."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown communication rules {value!r}: use "
+                             + " or ".join(c.value for c in cls)) from None
+
+
+GLOO, NCCL = CommRules.GLOO, CommRules.NCCL
+# The one default: a plan is lowered, verified and simulated under NCCL's rules unless told
+# otherwise. A plan valid under them is valid under gloo's too (they block strictly more), so
+# the default plan runs on both backends.
+DEFAULT_COMM = NCCL
 # the rules a plan can be checked and run under (the module docstring), by backend name
-COMMS: dict[str, str] = {
+COMMS: dict[CommRules, str] = {
     GLOO: "buffered sends: a send never blocks, a receive waits for its send",
     NCCL: "rendezvous sends: a send or receive completes only when its partner is posted, one "
           "FIFO per rank pair; an exchange's sends and receives complete together",
