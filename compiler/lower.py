@@ -294,7 +294,7 @@ def insert_reduce_tied(header: Header, streams: Streams) -> Streams:
     for rank, stream in streams.items():
         extra = []
         for tie in header.ties:
-            ranks = {header.stage_ranks(s)[0] for s in tie.stages}
+            ranks = header.tie_ranks(tie.name)
             if len(ranks) > 1 and rank in ranks:
                 extra.append(Instr(Op.REDUCE_TIED, tie=tie.name))
         out[rank] = tuple(stream) + tuple(extra)

@@ -36,7 +36,7 @@ from tpc.executors.training.optimizer import RankOptimizer
 from tpc.executors.training.param_groups import unique_parameters
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Instr, Op, Payload, Plan, Stage
-from tpc.ir.semantics import Message, input_message, message, output_message
+from tpc.ir.semantics import Message, input_message, message, message_shape, output_message
 from tpc.ir.verify import DTYPES as PLAN_DTYPES
 
 # the parameter dtypes a plan may name (the verifier's list), as torch dtypes
@@ -59,7 +59,21 @@ class Blocked(Exception):
 
 
 class Transport(Protocol):
-    """What the engine needs from the wire. Ranks are pipeline ranks of the caller's replica."""
+    """Everything the engine asks of the wire; the engine calls nothing else. Ranks are pipeline
+    ranks of the caller's replica; `index` is the instruction's position in the rank's stream."""
+
+    def start_step(self, step: int) -> None:
+        """A new pass over the stream begins (step `step`)."""
+        ...
+
+    def before_instruction(self, index: int) -> None:
+        """About to run instruction `index` (gloo: post the receives due; NCCL's rules emulated:
+        wait until the last sends were taken). May raise `Blocked`."""
+        ...
+
+    def claim(self, key: Message) -> None:
+        """The engine is about to use the received value `key` (a wait deferred to its use)."""
+        ...
 
     def send(self, key: Message, tensor: torch.Tensor, dst: int, index: int) -> None: ...
 
@@ -92,6 +106,17 @@ class Transport(Protocol):
     def sum_over_pipeline(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over the pipeline ranks of this replica (for the global gradient norm)."""
         ...
+
+
+class Clock:
+    """Where a run's trace times count from: every engine of a process shares one, started
+    when the ranks meet before the first step (so the ranks' traces line up)."""
+
+    def __init__(self):
+        self.epoch = time.perf_counter()
+
+    def start(self) -> None:
+        self.epoch = time.perf_counter()
 
 
 class StageRuntimeLike(Protocol):
@@ -159,21 +184,20 @@ class RankEngine:
                  stage_factory: StageFactory, *, hidden_size: int, options: RunOptions | None = None,
                  device: torch.device | None = None,
                  before_instr: Callable[["RankEngine", int], None] | None = None,
-                 optimizer: RankOptimizer | None = None):
+                 optimizer: RankOptimizer | None = None, clock: Clock | None = None):
         """`options` say how to train (optimizer, learning rate, clipping, tracing, bf16, ...);
         `device` is where this rank computes (default: the CPU); `before_instr(engine, index)`
         runs before each instruction (tests inject faults with it). `optimizer`: the optimizer
         of another engine of this rank over the same parameters (the plans of a bundle share
-        their weights and optimizer state); by default the engine builds its own."""
+        their weights and optimizer state); by default the engine builds its own. `clock`: where
+        trace times count from (shared by a process's engines)."""
         self.plan, self.header = plan, plan.header
         self.pipe_rank, self.data_rank = pipe_rank, data_rank
-        self.global_rank = data_rank * self.header.mesh.pipe + pipe_rank
+        self.global_rank = self.header.mesh.value.rank(pipe=pipe_rank, data=data_rank)
         self.transport = transport
         self.options = options or RunOptions()
         self.device = device if device is not None else torch.device("cpu")
         self.before_instr = before_instr
-        self.transport_before = getattr(transport, "before_instruction", None)
-        self.transport_claim = getattr(transport, "claim", None)  # waits deferred to the use
         self.hidden_size = hidden_size
         self.instrs: tuple[Instr, ...] = plan.program(pipe_rank).instrs
         self.dtype = DTYPES[self.header.shape.dtype]  # the plan was verified: a known name
@@ -196,7 +220,7 @@ class RankEngine:
             optimizer or RankOptimizer(self.named_parameters, self.options.optim))
         self.peak_live = 0
         self.events: list[TraceEvent] = []
-        self.epoch = time.perf_counter()
+        self.clock = clock or Clock()
         self.losses: list[float] = []
         self.grads: dict[str, torch.Tensor] = {}
         self.grad_norm: float | None = None
@@ -225,6 +249,7 @@ class RankEngine:
     def begin_step(self, step: int, tokens: torch.Tensor) -> None:
         """Start one pass over the stream with the global batch `tokens` (batch, seq+1)."""
         self.step, self.pc = step, 0
+        self.transport.start_step(step)
         self.tokens = tokens
         self.env: dict[Message, torch.Tensor] = {}
         self.ids: dict[int, torch.Tensor] = {}
@@ -268,8 +293,7 @@ class RankEngine:
         instr = self.instrs[index]
         start = time.perf_counter()
         try:
-            if self.transport_before is not None:
-                self.transport_before(index)
+            self.transport.before_instruction(index)
             if self.before_instr is not None:
                 self.before_instr(self, index)
             self._dispatch[instr.op](instr)
@@ -287,7 +311,7 @@ class RankEngine:
         end = time.perf_counter()
         if self.options.traced:
             self.events.append(TraceEvent(self.global_rank, self.line_of(index), str(instr),
-                                          self.step, start - self.epoch, end - self.epoch))
+                                          self.step, start - self.clock.epoch, end - self.clock.epoch))
         live = sum(getattr(b.runtime, "live_activations", 0) for b in self.stages.values())
         self.peak_live = max(self.peak_live, live)
         self.pc = index + 1
@@ -326,8 +350,7 @@ class RankEngine:
                 f"{what} ({key}) is not available",
                 hint="an earlier instruction must produce it: a recv, or the compute of the "
                      "neighbouring stage on this rank; it is used once")) from None
-        if self.transport_claim is not None:
-            self.transport_claim(key)
+        self.transport.claim(key)
         return value
 
     def _put(self, key: Message, value: torch.Tensor) -> None:
@@ -351,8 +374,7 @@ class RankEngine:
         return contextlib.nullcontext()
 
     def _message_shape(self, mb: int, sl: int) -> tuple[int, int, int]:
-        lo, hi = self._slice(mb, sl)
-        return (self.header.microbatches[mb].size, hi - lo, self.hidden_size)
+        return message_shape(self.header, mb, sl, self.hidden_size)
 
     # ------------------------------------------------------------------------ handlers
 

@@ -34,7 +34,13 @@ from tpc.ir.nodes import Plan
 def check_eval_plan(plan: Plan, options: RunOptions) -> None:
     """Refuse --eval-data with a plan that has no evaluation program (one written before format
     version 2 added it), before any training."""
-    if options.eval_data and plan.eval is None:
+    if options.eval_data:
+        require_eval_program(plan)
+
+
+def require_eval_program(plan: Plan) -> None:
+    """Refuse to evaluate with a plan that has no evaluation program."""
+    if plan.eval is None:
         raise TpirError(Diagnostic(
             f"--eval-data: the plan {plan.source} has no evaluation program (an `eval` section)",
             loc=plan.header.version_loc, where=plan.source,

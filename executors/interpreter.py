@@ -23,18 +23,19 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from tpc.executors.training.batches import BatchSource, RandomTokens
-from tpc.executors.engine import Blocked, RankEngine, RankError, TraceEvent, stage_factory_from_model
+from tpc.executors.engine import Blocked, Clock, RankEngine, RankError, TraceEvent, stage_factory_from_model
 from tpc.executors.options import RunOptions
 from tpc.executors.plan_model import load_plan_model, slice_model
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
+from tpc.executors.training_loop import PlanSet, TrainingLoop, no_wait
+from tpc.ir.mesh import DATA, PIPE
 from tpc.ir.verify import check
 from tpc.ir.semantics import NCCL, Message, wait_chain
 
@@ -110,17 +111,22 @@ class LocalTransport:
                  rendezvous: bool = False):
         """`rendezvous`: NCCL's rules (the module docstring), else gloo's buffered sends."""
         self.hub, self.header = hub, plan.header
-        self.pipe, self.data = plan.header.mesh.pipe, plan.header.mesh.data
+        self.mesh = plan.header.mesh.value
         self.pipe_rank, self.data_rank = pipe_rank, data_rank
-        self.me = data_rank * self.pipe + pipe_rank
+        self.me = self.mesh.rank(pipe=pipe_rank, data=data_rank)
         self.step = 0
-        self.seen: dict[tuple, int] = {}
         self.rendezvous = rendezvous
         self.unreceived: list[tuple[Message, int, tuple[int, int], int]] = []  # sends not yet taken
         self.exchange_end = 0  # the instruction after the members of the current exchange
 
     def _global(self, pipe_rank: int) -> int:
-        return self.data_rank * self.pipe + pipe_rank
+        return self.mesh.rank(pipe=pipe_rank, data=self.data_rank)
+
+    def start_step(self, step: int) -> None:
+        self.step = step
+
+    def claim(self, key: Message) -> None:
+        pass  # a received value is here as soon as its receive returned
 
     def exchange(self, index: int, count: int) -> None:
         self.exchange_end = index + 1 + count
@@ -168,24 +174,22 @@ class LocalTransport:
         return (self.step, *kind)
 
     def allreduce(self, stage: int, tensors: list[torch.Tensor]) -> None:
-        members = [d * self.pipe + self.pipe_rank for d in range(self.data)]
+        members = self.mesh.group(DATA, self.me)
         self.hub.collective(self._occurrence(("allreduce", stage, self.pipe_rank)), members, self.me,
                             tensors, f"allreduce stage {stage}")
 
     def reduce_tied(self, name: str, tensor: torch.Tensor) -> None:
-        tie = next(t for t in self.header.ties if t.name == name)
-        ranks = sorted({self.header.stage_ranks(s)[0] for s in tie.stages})
-        members = [self._global(r) for r in ranks]
+        members = self.mesh.select(self.header.tie_ranks(name), data=self.data_rank)
         self.hub.collective(self._occurrence(("tie", name, self.data_rank)), members, self.me,
                             [tensor], f"reduce-tied {name!r}")
 
     def reduce_replicas(self, stage: int, tensors: list[torch.Tensor]) -> None:
-        members = [self._global(r) for r in sorted(self.header.stage_ranks(stage))]
+        members = self.mesh.select(self.header.stage_ranks(stage), data=self.data_rank)
         self.hub.collective(self._occurrence(("replicas", stage, self.data_rank)), members, self.me,
                             tensors, f"reduce-replicas stage {stage}")
 
     def reduce_loss(self, tensor: torch.Tensor) -> None:
-        members = [d * self.pipe + self.pipe_rank for d in range(self.data)]
+        members = self.mesh.group(DATA, self.me)
         self.hub.collective(self._occurrence(("reduce-loss", self.pipe_rank)), members, self.me,
                             [tensor], "reduce-loss")
 
@@ -193,7 +197,7 @@ class LocalTransport:
         pass  # in-memory sends complete at once
 
     def sum_over_pipeline(self, tensor: torch.Tensor) -> torch.Tensor:
-        members = [self._global(r) for r in range(self.pipe)]
+        members = self.mesh.group(PIPE, self.me)
         self.hub.collective(self._occurrence(("pipeline-sum", self.data_rank)), members, self.me,
                             [tensor], "the global gradient norm")
         return tensor
@@ -248,194 +252,188 @@ def deadlock_error(engines: list[RankEngine], waiting: dict[int, Blocked]) -> Ra
     return RankError(diags)
 
 
-def interpret(plan: Plan, options: RunOptions | None = None, *, model: torch.nn.Module | None = None,
-              sliced=None, stage_factory_for=None, hidden_size: int | None = None,
-              batches: BatchSource | None = None, on_step=None, checkpoints=None,
-              verify: bool = True, keep_grads: bool = True, eval_batches=None,
-              on_eval=None) -> RunResult:
-    """Run `plan` for `options.steps` training steps with every rank in this process.
+class Interpreted:
+    """The interpreter as the training loop's executor (executors/training_loop.py): every
+    (pipeline rank, replica) of a plan in this process, cooperatively. Each of them trains its
+    own copy of the model, as separate processes would, and the plans of a set share those
+    copies (and, through `shared`, the optimizers): switching plans moves no weight.
 
-    How to train is `options` (tpc.executors.options.RunOptions; the interpreter always keeps
-    the gradients: `RunResult.grads` and `first_grads`). The model comes from the plan's model
-    file (built after `torch.manual_seed(options.seed)`) unless `model` is given; `sliced` is
-    its `SlicedModel` (built here when not given). Each (pipeline rank, replica) trains its own
-    copy of the model, as separate processes would.
-    `stage_factory_for(model_copy) -> StageFactory` replaces the front end (tests use a fake one,
-    with `hidden_size`). `batches` default to random tokens from `options.seed`.
+    `stages_for(plan, model_copy, evaluation) -> StageFactory` and `hidden_size_for(plan)` say
+    where a plan's stages come from (the front end's sliced model, or a stand-in in tests)."""
+
+    def __init__(self, options: RunOptions, device: torch.device, model: torch.nn.Module | None,
+                 stages_for, hidden_size_for, rendezvous: bool):
+        self.options, self.device, self.model = options, device, model
+        self.stages_for, self.hidden_size_for = stages_for, hidden_size_for
+        self.rendezvous = rendezvous
+        self.hub = _Hub()  # the training plans' network: the channels' counts run on across plans
+        self.copies: dict[int, torch.nn.Module | None] = {}  # global rank -> its model copy
+        self.clock = Clock()
+
+    def _copy(self, rank: int) -> torch.nn.Module | None:
+        if rank not in self.copies:
+            self.copies[rank] = copy.deepcopy(self.model).to(self.device) if self.model is not None else None
+        return self.copies[rank]
+
+    def _engines(self, plan: Plan, hub: _Hub, *, evaluation: bool, rendezvous: bool,
+                 shared: "InterpretedRanks | None" = None) -> list[RankEngine]:
+        mesh = plan.header.mesh.value
+        engines = []
+        for r in mesh.ranks():
+            p, d = mesh.pipe_rank(r), mesh.data_rank(r)
+            engines.append(RankEngine(
+                plan, p, d, LocalTransport(hub, plan, p, d, rendezvous),
+                self.stages_for(plan, self._copy(r), evaluation), hidden_size=self.hidden_size_for(plan),
+                options=self.options, device=self.device, clock=self.clock,
+                optimizer=shared.engines[r].optimizer if shared is not None else None))
+        return engines
+
+    def build(self, plan: Plan, shared: "InterpretedRanks | None") -> "InterpretedRanks":
+        engines = self._engines(plan, self.hub, evaluation=False, rendezvous=self.rendezvous, shared=shared)
+        return InterpretedRanks(plan, engines, self.model, self.device)
+
+    def build_eval(self, plan: Plan, training: "InterpretedRanks") -> "InterpretedRanks":
+        view = plan.evaluation()
+        # replica 0's (data and weight) last-stage rank holds the loss
+        last = view.header.mesh.value.rank(pipe=view.header.stage_ranks(view.header.num_stages - 1)[0])
+        engines = self._engines(view, _Hub(), evaluation=True, rendezvous=False)
+        return InterpretedRanks(view, engines, self.model, self.device, loss_rank=last)
+
+    def waiting(self, what: str):
+        return no_wait(what)
+
+    def start(self) -> None:
+        self.clock.start()
+
+    def about_to_step(self, ranks) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class InterpretedRanks:
+    """Every rank of one plan, run cooperatively in this process."""
+
+    def __init__(self, plan: Plan, engines: list[RankEngine], model, device: torch.device,
+                 loss_rank: int | None = None):
+        self.plan, self.engines, self.model, self.device = plan, engines, model, device
+        self.loss_rank = loss_rank
+
+    def _run(self, step: int, tokens: torch.Tensor) -> list[float]:
+        for e in self.engines:
+            e.begin_step(step, tokens)
+        run_cooperatively(self.engines)
+        losses = [e.end_step() for e in self.engines]
+        if self.device.type == "cuda":  # the optimizer's kernels may still be running
+            torch.cuda.synchronize(self.device)
+        return losses
+
+    def step(self, step: int, tokens: torch.Tensor) -> float:
+        return sum(self._run(step, tokens))
+
+    def evaluate(self, k: int, tokens: torch.Tensor) -> float:
+        return self._run(k, tokens)[self.loss_rank]
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        return canonical_names(self.model, _gather(self.engines, lambda e: e.grads.items()))
+
+
+def interpret(plan: "Plan | PlanSet", options: RunOptions | None = None, *,
+              model: torch.nn.Module | None = None, sliced=None, stage_factory_for=None,
+              hidden_size: int | None = None, batches: BatchSource | None = None, on_step=None,
+              checkpoints=None, verify: bool = True, keep_grads: bool = True, eval_batches=None,
+              on_eval=None) -> RunResult:
+    """Run `plan` (one plan, or a `PlanSet`: a bundle's plans and the length each step runs) for
+    `options.steps` training steps with every rank in this process, by the one training loop
+    (executors/training_loop.py).
+
+    How to train is `options` (tpc.executors.options.RunOptions; the interpreter keeps the
+    gradients unless `keep_grads=False`: `RunResult.grads` and `first_grads`). The model comes
+    from the plan's model file (built after `torch.manual_seed(options.seed)`) unless `model` is
+    given; `sliced` is its `SlicedModel` (or a mapping length -> SlicedModel for a set; built here
+    when not given). Each (pipeline rank, replica) trains its own copy of the model, as separate
+    processes would. `stage_factory_for(model_copy) -> StageFactory` replaces the front end
+    (tests use a fake one, with `hidden_size`). `batches` default to random tokens from
+    `options.seed`.
     `on_step(step, loss, info)` is called after every step; info has the step's "lr",
-    "grad_norm" (when `options.needs_grad_norm`, else None) and "step_time" in seconds.
+    "grad_norm" (when `options.needs_grad_norm`, else None), "step_time" in seconds and
+    "val_loss" (None unless evaluated then); under a curriculum also "seq" and "tokens".
     `checkpoints` (`tpc.executors.training.run_checkpoints.RunCheckpoints`) first loads what
     the run starts from (the newest checkpoint when resuming: the run then goes from its step
     up to `options.steps`, and `losses` holds only the steps run here; or --init-from weights)
     and saves all ranks' state when due.
     `verify=False` skips the verifier (to study a broken plan). `keep_grads=False` keeps no
-    copy of the gradients (`grads` and `first_grads` stay empty; benchmarks time steps without
-    that copy). On CUDA each step's time is taken after the device has finished the step.
+    copy of the gradients (benchmarks time steps without that copy). On CUDA each step's time
+    is taken after the device has finished the step.
     `eval_batches` (`tpc.executors.training.eval_data.EvalBatches`: get(k), count) runs the
-    plan's evaluation program (executors/evaluation.py) before the first step (of a run from
-    step 0), after every `options.eval_every` steps and after the last, on every replica's
-    ranks with their own weights; `on_eval(done, loss)` is called for the one before the first
-    step, the others go to `on_step` as info["val_loss"]; all are in `RunResult.eval_losses`.
+    (longest) plan's evaluation program (executors/evaluation.py) before the first step (of a
+    run from step 0), after every `options.eval_every` steps and after the last; `on_eval(done,
+    loss)` is called for the one before the first step; all are in `RunResult.eval_losses`.
     """
     options = options or RunOptions()
+    plans = plan if isinstance(plan, PlanSet) else PlanSet.single(plan)
     device = options.torch_device()
     rules = options.comm_rules(device, interpreted=True)
     if verify:
-        check(plan, rules)
-    header = plan.header
+        for p in plans.plans.values():
+            check(p, rules)
+    full = plans.full
     if model is None and stage_factory_for is None:
-        model = load_plan_model(plan, options.seed)
-    if stage_factory_for is None:
-        if sliced is None:
-            sliced = slice_model(model, plan)
-        hidden_size = sliced.hidden_size
+        model = load_plan_model(full, options.seed)
+    if stage_factory_for is not None:
+        if hidden_size is None:
+            raise TpirError(Diagnostic("the hidden size of the model is unknown",
+                                       hint="pass hidden_size with stage_factory_for"))
 
-        def stage_factory_for(copy_):
-            return stage_factory_from_model(sliced, copy_)
-    if hidden_size is None:
-        raise TpirError(Diagnostic("the hidden size of the model is unknown",
-                                   hint="pass hidden_size with stage_factory_for"))
-    batches = batches or RandomTokens(options.seed, header.shape.batch, header.shape.seq, header.shape.vocab)
+        def stages_for(p: Plan, copy_, evaluation: bool):
+            if evaluation:
+                raise TpirError(Diagnostic("evaluation needs the model's front end (`sliced`)",
+                                           hint="run with the plan's model, not a stand-in stage factory"))
+            return stage_factory_for(copy_)
+
+        def hidden_size_for(p: Plan) -> int:
+            return hidden_size
+    else:
+        traced = _sliced_by_length(plans, model, sliced)
+
+        def stages_for(p: Plan, copy_, evaluation: bool):
+            return stage_factory_from_model(traced[p.header.shape.seq], copy_, evaluation=evaluation)
+
+        def hidden_size_for(p: Plan) -> int:
+            return traced[p.header.shape.seq].hidden_size
+    shape = full.header.shape
+    batches = batches or RandomTokens(options.seed, shape.batch, shape.seq, shape.vocab)
     if keep_grads:
         options = dataclasses.replace(options, record_grads=True)
-    hub = _Hub()
-    engines: list[RankEngine] = []
-    copies = []
-    for d in range(header.mesh.data):
-        for p in range(header.mesh.pipe):
-            copy_ = copy.deepcopy(model).to(device) if model is not None else None
-            copies.append(copy_)
-            engines.append(RankEngine(plan, p, d, LocalTransport(hub, plan, p, d, rules == NCCL),
-                                      stage_factory_for(copy_),
-                                      hidden_size=hidden_size, options=options, device=device))
-    evaluation = None
-    if eval_batches is not None:
-        evaluation = _evaluation(plan, options, eval_batches, copies, sliced, hidden_size, device)
-    start = checkpoints.start(engines) if checkpoints is not None else 0
-    losses: list[float] = []
-    eval_losses: list[tuple[int, float]] = []
-    first_grads: dict[str, torch.Tensor] = {}
-    if evaluation is not None and start == 0:
-        eval_losses.append((0, evaluation.run()))
-        if on_eval is not None:
-            on_eval(0, eval_losses[-1][1])
-    for step in range(start, options.steps):
-        started = time.perf_counter()
-        loss = _train_step(engines, step, batches.get(step))
-        losses.append(loss)
-        if step == start:
-            first_grads = canonical_names(model, _gather(engines, lambda e: e.grads.items()))
-        if device.type == "cuda":  # the optimiser's kernels may still be running
-            torch.cuda.synchronize(device)
-        step_time = time.perf_counter() - started
-        val = None
-        if evaluation is not None and evaluation.due(step + 1):
-            val = evaluation.run()
-            eval_losses.append((step + 1, val))
-        if on_step is not None:
-            on_step(step, loss, dict(lr=options.lr_at(step), grad_norm=engines[0].grad_norm,
-                                     step_time=step_time, val_loss=val))
-        if checkpoints is not None:
-            checkpoints.after_step(engines, step + 1)
-            if val is not None:
-                checkpoints.after_eval(engines, step + 1, val)
+    executor = Interpreted(options, device, model, stages_for, hidden_size_for, rules == NCCL)
+    loop = TrainingLoop(plans, executor, options, batches=batches, eval_batches=eval_batches,
+                        checkpoints=checkpoints, on_step=on_step, on_eval=on_eval)
+    out = loop.run()
+    engines = out.last.engines
+    mesh = full.header.mesh.value
+    every = out.engines
     return RunResult(
-        losses=losses,
-        grads=canonical_names(model, _gather(engines, lambda e: e.grads.items())),
-        peak_live=[max(e.peak_live for e in engines if e.pipe_rank == p) for p in range(header.mesh.pipe)],
+        losses=out.losses,
+        grads=out.last.gradients(),
+        peak_live=[max(e.peak_live for e in every if e.pipe_rank == p) for p in range(mesh.pipe)],
         state_dict=_state_dict(model, engines),
-        events=[ev for e in engines for ev in e.events],
-        first_grads=first_grads,
-        eval_losses=eval_losses,
+        events=[ev for e in every for ev in e.events],
+        first_grads=out.first_grads,
+        eval_losses=out.eval_losses,
     )
 
 
-def _evaluation(plan: Plan, options: RunOptions, batches, copies, sliced, hidden_size: int,
-                device: torch.device):
-    """The evaluation program on engines of its own, one per (pipeline rank, replica), whose
-    stages share the parameters of that rank's training copy (executors/evaluation.py)."""
-    from tpc.executors.evaluation import Evaluation, check_eval_plan
-
-    check_eval_plan(plan, dataclasses.replace(options, eval_data=options.eval_data or "--eval-data"))
-    if sliced is None:
-        raise TpirError(Diagnostic("evaluation needs the model's front end (`sliced`)",
-                                   hint="run with the plan's model, not a stand-in stage factory"))
-    view = plan.evaluation()
-    hub = _Hub()
-    pipe = view.header.mesh.pipe
-    engines = [RankEngine(view, p, d, LocalTransport(hub, view, p, d),
-                          stage_factory_from_model(sliced, copies[d * pipe + p], evaluation=True),
-                          hidden_size=hidden_size, options=options, device=device)
-               for d in range(view.header.mesh.data) for p in range(pipe)]
-    last = view.header.stage_ranks(view.header.num_stages - 1)[0]  # replica 0's (data and weight)
-
-    def run_batch(k: int, tokens: torch.Tensor) -> float:
-        for e in engines:
-            e.transport.step = k
-            e.begin_step(k, tokens)
-        run_cooperatively(engines)
-        return [e.end_step() for e in engines][last]
-
-    return Evaluation(batches, options.eval_every, options.steps, run_batch, device)
-def interpret_bundle(plans: dict[int, Plan], length_of, options: RunOptions | None = None, *,
-                     model: torch.nn.Module, batches: BatchSource, on_step=None,
-                     checkpoints=None) -> RunResult:
-    """Run a plan bundle's plans (`plans`: length -> verified plan, one stage split) for
-    `options.steps` steps, step s running the plan of length `length_of(s)` on `batches.get(s)`
-    (executors/curriculum.py). Every (pipeline rank, replica) keeps one copy of the model and
-    one optimizer, which the engines of all lengths share: switching plans between steps moves
-    no weight and keeps the optimizer state. Otherwise as `interpret` (`on_step`'s info also
-    has the step's "seq" and "tokens")."""
-    options = dataclasses.replace(options or RunOptions(), record_grads=True)
-    device = options.torch_device()
-    hub = _Hub()
-    copies: dict[tuple[int, int], torch.nn.Module] = {}
-    engines_of: dict[int, list[RankEngine]] = {}
-    first: list[RankEngine] | None = None
-    for seq, plan in sorted(plans.items()):
-        sliced = slice_model(model, plan)
-        mesh = plan.header.mesh
-        engines: list[RankEngine] = []
-        for d in range(mesh.data):
-            for p in range(mesh.pipe):
-                copy_ = copies.setdefault((p, d), copy.deepcopy(model).to(device))
-                shared = first[len(engines)].optimizer if first is not None else None
-                engines.append(RankEngine(plan, p, d, LocalTransport(hub, plan, p, d),
-                                          stage_factory_from_model(sliced, copy_),
-                                          hidden_size=sliced.hidden_size, options=options,
-                                          device=device, optimizer=shared))
-        engines_of[seq] = engines
-        first = first or engines
-    start = checkpoints.start(first) if checkpoints is not None else 0
-    losses: list[float] = []
-    first_grads: dict[str, torch.Tensor] = {}
-    engines = first
-    for step in range(start, options.steps):
-        started = time.perf_counter()
-        seq = length_of(step)
-        engines = engines_of[seq]
-        loss = _train_step(engines, step, batches.get(step))
-        losses.append(loss)
-        if step == start:
-            first_grads = canonical_names(model, _gather(engines, lambda e: e.grads.items()))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if on_step is not None:
-            on_step(step, loss, dict(lr=options.lr_at(step), grad_norm=engines[0].grad_norm,
-                                     step_time=time.perf_counter() - started, seq=seq,
-                                     tokens=plans[seq].header.tokens_per_step))
-        if checkpoints is not None:
-            checkpoints.after_step(engines, step + 1)
-    mesh = first[0].header.mesh
-    return RunResult(
-        losses=losses,
-        grads=canonical_names(model, _gather(engines, lambda e: e.grads.items())),
-        peak_live=[max(e.peak_live for es in engines_of.values() for e in es if e.pipe_rank == p)
-                   for p in range(mesh.pipe)],
-        state_dict=_state_dict(model, engines),
-        events=[ev for es in engines_of.values() for e in es for ev in e.events],
-        first_grads=first_grads,
-    )
+def _sliced_by_length(plans: PlanSet, model, sliced) -> dict[int, object]:
+    """The front end's sliced model of each plan's length: `sliced` as given (one, or by
+    length), else traced now."""
+    if sliced is not None and not isinstance(sliced, dict):
+        sliced = {plans.full.header.shape.seq: sliced}
+    sliced = dict(sliced or {})
+    for seq, p in plans.plans.items():
+        if seq not in sliced:
+            sliced[seq] = slice_model(model, p)
+    return sliced
 
 
 def _gather(engines: list[RankEngine], items) -> dict[str, torch.Tensor]:
@@ -474,13 +472,3 @@ def canonical_names(model: torch.nn.Module | None, tensors: dict[str, torch.Tens
     for name, p in model.named_parameters(remove_duplicate=False):
         canonical[name] = first.setdefault(id(p), name)
     return {canonical.get(n, n): t for n, t in tensors.items()}
-
-
-def _train_step(engines: list[RankEngine], step: int, tokens: torch.Tensor) -> float:
-    """One training step of every rank's stream on `tokens`, run cooperatively; the step's loss
-    (a plan's run and a bundle's run take their steps alike)."""
-    for e in engines:
-        e.transport.step = step
-        e.begin_step(step, tokens)
-    run_cooperatively(engines)
-    return sum(e.end_step() for e in engines)

@@ -2,8 +2,8 @@
 
 A plan is a header (what was compiled, the mesh, the stages, the micro-batches and their token
 slices) and one instruction stream per pipeline rank. Every data-parallel replica runs the same
-streams on its own share of the batch, so streams are listed per pipeline rank only; the global
-rank of (pipeline rank p, data rank d) is ``d * pipe + p``.
+streams on its own share of the batch, so streams are listed per pipeline rank only; which global
+rank runs pipeline rank p of replica d is the mesh's to say (`MeshLine.value`, tpc.ir.mesh).
 
 Every line-level value carries, outside equality, where it came from (`loc`), the full-line
 comments written above it (`comments`) and the comment at the end of its line (`note`), so that
@@ -53,6 +53,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
+
+from tpc.ir.mesh import Mesh, tie_pipe_ranks
 
 # The format version `tpc compile` writes. A plan keeps the version it was written in (printing a
 # version-1 plan writes `tpir 1` again), every version in FORMAT_VERSIONS is read, and the
@@ -142,6 +144,11 @@ class MeshLine(Line):
 
     def __post_init__(self):
         _check(self.pipe >= 1 and self.data >= 1, "mesh sizes must be >= 1")
+
+    @property
+    def value(self) -> Mesh:
+        """The mesh as a value: ranks <-> coordinates and the groups of each axis."""
+        return Mesh.of(self.pipe, self.data)
 
 
 @dataclass(frozen=True)
@@ -236,6 +243,12 @@ class Header:
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
         """Every pipeline rank holding a weight replica of `stage`, replica 0's first."""
         return self.stages[stage].ranks
+
+    def tie_ranks(self, name: str) -> tuple[int, ...]:
+        """The pipeline ranks holding a stage of tie `name` (the members of its `reduce-tied`
+        within a replica), ascending; () for an undeclared tie."""
+        first = [st.ranks[0] for st in self.stages]
+        return next((tie_pipe_ranks(first, t.stages) for t in self.ties if t.name == name), ())
 
     def stages_of_rank(self, rank: int) -> tuple[int, ...]:
         """The stages whose weights (any replica) live on pipeline rank `rank`."""

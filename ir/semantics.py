@@ -162,6 +162,14 @@ def compute_messages(header: Header, rank: int, instr: Instr) -> tuple[list, lis
     return recvs, sends
 
 
+def message_shape(header: Header, mb: int, sl: int, hidden: int) -> tuple[int, int, int]:
+    """The shape of every message of micro-batch `mb`, token slice `sl` (an activation or its
+    gradient): (the micro-batch's rows, the slice's tokens, the hidden size). Known from the
+    header alone, so a receive is posted with its shape and no shape is ever sent."""
+    lo, hi = header.microbatches[mb].slices[sl]
+    return header.microbatches[mb].size, hi - lo, hidden
+
+
 def replica_group(stage: int) -> tuple:
     """The key of `reduce-replicas stage S` among the collectives `run_comm` waits on (a tie's
     key is its name)."""
@@ -171,7 +179,7 @@ def replica_group(stage: int) -> tuple:
 def collective_groups(header: Header) -> dict:
     """The members of every collective between pipeline ranks, by key: each tie's ranks (its
     name) and each replicated stage's ranks (`replica_group(S)`), for `run_comm`."""
-    groups: dict = {t.name: frozenset(header.stage_ranks(s)[0] for s in t.stages) for t in header.ties}
+    groups: dict = {t.name: frozenset(header.tie_ranks(t.name)) for t in header.ties}
     for st in header.stages:
         if st.replicas:
             groups[replica_group(st.index)] = frozenset(st.ranks)
@@ -181,10 +189,7 @@ def collective_groups(header: Header) -> dict:
 def tie_ranks(header: Header, name: str) -> tuple[int, ...]:
     """The pipeline ranks holding a stage of tie `name` (the members of its reduce-tied), in
     rank order; () for an undeclared tie."""
-    for tie in header.ties:
-        if tie.name == name:
-            return tuple(sorted({header.stage_rank(s) for s in tie.stages}))
-    return ()
+    return header.tie_ranks(name)
 
 
 def allreduce_covers(stage_rank: Sequence[int], ties: Iterable[Iterable[int]], stage: int) -> frozenset[int]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from tpc.ir.diagnostics import Diagnostic
 from tpc.ir.nodes import Instr, Loc, Op, Payload, Plan
 from tpc.ir.semantics import allreduce_covers, replica_group
+from tpc.ir.mesh import tie_pipe_ranks
 
 ACT, GRAD = Payload.ACT, Payload.GRAD
 
@@ -203,7 +204,7 @@ class Shape:
         ranks_of = [st.ranks for st in h.stages]
         replica = [mb.replica if mb.replica < len(ranks_of[0]) else 0 for mb in h.microbatches]
         ties = valid_ties(plan)
-        tie_ranks = {n: frozenset(stage_rank[s] for s in st) for n, st in ties.items()}
+        tie_ranks = {n: frozenset(tie_pipe_ranks(stage_rank, st)) for n, st in ties.items()}
         groups = {**tie_ranks, **{replica_group(s): frozenset(rs) for s, rs in enumerate(ranks_of)
                                   if len(rs) > 1}}
         return Shape(

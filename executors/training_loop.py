@@ -1,0 +1,217 @@
+"""The one training loop: both executors, one plan or a plan bundle, with evaluation,
+checkpoints, progress and the curriculum wired here and nowhere else.
+
+    loop = TrainingLoop(plans, executor, options, batches=..., eval_batches=..., checkpoints=...,
+                        on_step=..., on_eval=...)
+    outcome = loop.run()
+
+`plans` is a `PlanSet`: the plans a run may step with, by sequence length, and which one step s
+uses (`length_of`). One plan is a set of one; a plan bundle under a curriculum
+(executors/curriculum.py) is a set of several that share their mesh and stage split.
+
+The `Executor` is how this process runs ranks: the reference interpreter runs every rank of the
+plan here (executors/interpreter.py), the distributed executor one rank per process
+(executors/distributed.py). For each plan it builds `Ranks`: this process's engines of the plan
+and how to run one step of them. The plans of a set share the model's weights and the
+optimizer's state, so switching plans between steps moves nothing.
+
+What the loop does, in order:
+1. every plan's ranks are built (the optimizer of the first serves the others), and the
+   evaluation program's (the longest plan's `eval` section) when `eval_batches` are given;
+2. the checkpoint (or --init-from weights) is loaded into the first plan's engines, and the
+   step to start at read from it;
+3. `executor.start()` (the distributed executor: a barrier, and the trace clock);
+4. an evaluation before the first step, when the run starts at step 0;
+5. each step: the plan of its length runs on `batches.get(step)` and gives the global loss;
+   the first step's gradients are kept; the evaluation when due; `on_step(step, loss, info)`;
+   a checkpoint when due (and the best one after an evaluation, with --save-best).
+
+This loop is what a library user will drive (tpc as a library); it holds no process state of
+its own beyond what `run` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Mapping, Protocol
+
+import torch
+
+from tpc.ir.nodes import Plan
+
+
+@dataclass(frozen=True)
+class PlanSet:
+    """The plans of a run by sequence length, and the length step s runs at. `curriculum` says
+    whether the set came from a curriculum (its steps then report their length and tokens)."""
+
+    plans: Mapping[int, Plan]
+    length_of: Callable[[int], int]
+    curriculum: bool = False
+
+    @staticmethod
+    def single(plan: Plan) -> "PlanSet":
+        seq = plan.header.shape.seq
+        return PlanSet({seq: plan}, lambda step: seq)
+
+    @property
+    def lengths(self) -> list[int]:
+        return sorted(self.plans)
+
+    @property
+    def full(self) -> Plan:
+        """The longest plan: batches are drawn at its length, and its evaluation program
+        measures the validation loss."""
+        return self.plans[max(self.plans)]
+
+    def plan_at(self, step: int) -> tuple[int, Plan]:
+        seq = self.length_of(step)
+        return seq, self.plans[seq]
+
+
+class Ranks(Protocol):
+    """This process's ranks of one plan."""
+
+    plan: Plan
+    engines: list  # RankEngine: what checkpoints load into and save from
+
+    def step(self, step: int, tokens: torch.Tensor) -> float:
+        """Run one training step on the global batch `tokens`; the global loss."""
+        ...
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """The gradients of the last step (before its update) of this process's parameters."""
+        ...
+
+
+class EvalRanks(Protocol):
+    def evaluate(self, k: int, tokens: torch.Tensor) -> float:
+        """Run the evaluation program once on batch `tokens`; its loss (the same everywhere)."""
+        ...
+
+
+class Executor(Protocol):
+    """How this process runs the ranks of a plan."""
+
+    device: torch.device
+
+    def build(self, plan: Plan, shared: Ranks | None) -> Ranks:
+        """The ranks of a training plan; `shared`: ranks of another plan of the set, whose
+        weights and optimizer these share."""
+        ...
+
+    def build_eval(self, plan: Plan, training: Ranks) -> EvalRanks:
+        """The ranks of `plan`'s evaluation program, sharing `training`'s weights."""
+        ...
+
+    def waiting(self, what: str) -> ContextManager:
+        """Marks a wait on the other ranks (for the watchdog's report)."""
+        ...
+
+    def start(self) -> None:
+        """Before the first step, after loading: the ranks meet; trace times count from here."""
+        ...
+
+    def about_to_step(self, ranks: Ranks) -> None:
+        """`ranks` run the next step (what the watchdog watches)."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+@dataclass
+class LoopOutcome:
+    """What a run of the loop produced: each step's global loss, the first step's gradients (this
+    process's parameters, before the update), the evaluations (completed steps, validation
+    loss), every plan's ranks by length, and the ranks of the last step."""
+
+    losses: list[float]
+    first_grads: dict[str, torch.Tensor]
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    ranks: dict[int, Ranks] = field(default_factory=dict)
+    last: Ranks | None = None
+
+    @property
+    def engines(self) -> list:
+        """Every engine of every plan, each once."""
+        return [e for r in self.ranks.values() for e in r.engines]
+
+
+class TrainingLoop:
+    """Steps `plans` on `executor` up to `options.steps` (the module docstring). `on_step(step,
+    loss, info)`: info has "lr", "grad_norm" (None unless computed), "step_time" (seconds),
+    "val_loss" (None unless evaluated after this step), and under a curriculum "seq" and
+    "tokens". `on_eval(done, loss)`: the evaluation before the first step."""
+
+    def __init__(self, plans: PlanSet, executor: Executor, options, *, batches, eval_batches=None,
+                 checkpoints=None, on_step=None, on_eval=None):
+        self.plans, self.executor, self.options = plans, executor, options
+        self.batches, self.eval_batches = batches, eval_batches
+        self.checkpoints, self.on_step, self.on_eval = checkpoints, on_step, on_eval
+
+    def run(self) -> LoopOutcome:
+        from tpc.executors.evaluation import Evaluation, require_eval_program
+
+        options, executor, plans = self.options, self.executor, self.plans
+        if self.eval_batches is not None:
+            require_eval_program(plans.full)
+        ranks: dict[int, Ranks] = {}
+        first: Ranks | None = None
+        for seq in plans.lengths:
+            ranks[seq] = executor.build(plans.plans[seq], first)
+            first = first or ranks[seq]
+        evaluation = None
+        if self.eval_batches is not None:
+            full = ranks[max(ranks)]
+            program = executor.build_eval(plans.full, full)
+            evaluation = Evaluation(self.eval_batches, options.eval_every, options.steps,
+                                    program.evaluate, executor.device)
+        out = LoopOutcome(losses=[], first_grads={}, ranks=ranks, last=first)
+        try:
+            start = 0
+            if self.checkpoints is not None:
+                with executor.waiting("the other ranks to load the checkpoint"):
+                    start = self.checkpoints.start(first.engines)
+            executor.start()
+            if evaluation is not None and start == 0:
+                with executor.waiting("the evaluation before the first step"):
+                    out.eval_losses.append((0, evaluation.run()))
+                if self.on_eval is not None:
+                    self.on_eval(0, out.eval_losses[-1][1])
+            for step in range(start, options.steps):
+                seq, plan = plans.plan_at(step)
+                current = out.last = ranks[seq]
+                executor.about_to_step(current)
+                started = time.perf_counter()
+                loss = current.step(step, self.batches.get(step))
+                out.losses.append(loss)
+                if step == start:
+                    out.first_grads = current.gradients()
+                step_time = time.perf_counter() - started
+                val = None
+                if evaluation is not None and evaluation.due(step + 1):
+                    with executor.waiting("the evaluation"):
+                        val = evaluation.run()
+                    out.eval_losses.append((step + 1, val))
+                if self.on_step is not None:
+                    info = dict(lr=options.lr_at(step), grad_norm=current.engines[0].grad_norm,
+                                step_time=step_time, val_loss=val)
+                    if plans.curriculum:
+                        info.update(seq=seq, tokens=plan.header.tokens_per_step)
+                    self.on_step(step, loss, info)
+                if self.checkpoints is not None:
+                    with executor.waiting("the other ranks to write their checkpoint shards"):
+                        self.checkpoints.after_step(current.engines, step + 1)
+                        if val is not None:
+                            self.checkpoints.after_eval(current.engines, step + 1, val)
+        finally:
+            executor.close()
+        return out
+
+
+def no_wait(what: str) -> ContextManager:
+    """`Executor.waiting` of an executor whose waits never block (the interpreter)."""
+    return contextlib.nullcontext()

@@ -1,0 +1,170 @@
+"""The device mesh as a value: named axes, rank <-> coordinates, and the groups of each axis.
+
+A plan runs on a mesh of `pipe` pipeline ranks times `data` data-parallel replicas (the header's
+`mesh pipe P data D`). Every process has one global rank; its coordinates say which pipeline
+rank of which replica it is. This module is the only place in the tree that turns coordinates
+into a global rank or back (tests/test_mesh_arithmetic.py fails on rank arithmetic anywhere
+else), and the only place that says who belongs to a group.
+
+The layout: the axes are listed fastest first, and a global rank is the mixed-radix number of its
+coordinates. Today the axes are `pipe` then `data`, so the global rank of (pipeline rank p, data
+rank d) is `d * pipe + p`: each pipeline is `pipe` consecutive global ranks, and torchrun, which
+numbers processes node by node, keeps a pipeline inside one node whenever it fits. A tensor axis
+is one more entry in `axes` (fastest of all, so a stage's tensor-parallel group shares a node);
+nothing outside this module changes when it comes.
+
+Groups are tuples of global ranks in ascending order, and every family of groups is listed in one
+fixed order (`groups`), so every rank creates the same process groups in the same order, as
+torch.distributed requires.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+PIPE, DATA = "pipe", "data"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Named axes with their sizes, fastest first: `Mesh.of(pipe=4, data=2)`."""
+
+    axes: tuple[tuple[str, int], ...]
+
+    def __post_init__(self):
+        names = [n for n, _ in self.axes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"mesh axes must have distinct names, got {names}")
+        for name, size in self.axes:
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"mesh axis {name!r} must have a size >= 1, got {size!r}")
+
+    @staticmethod
+    def of(pipe: int, data: int = 1) -> "Mesh":
+        """The mesh of a plan: `pipe` pipeline ranks (fastest) times `data` replicas."""
+        return Mesh(((PIPE, pipe), (DATA, data)))
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.axes)
+
+    def size_of(self, axis: str) -> int:
+        for name, size in self.axes:
+            if name == axis:
+                return size
+        raise KeyError(f"the mesh has no axis {axis!r} (its axes: {', '.join(self.names)})")
+
+    @property
+    def pipe(self) -> int:
+        return self.size_of(PIPE)
+
+    @property
+    def data(self) -> int:
+        return self.size_of(DATA)
+
+    @property
+    def size(self) -> int:
+        """The number of processes (global ranks)."""
+        n = 1
+        for _, s in self.axes:
+            n *= s
+        return n
+
+    # ------------------------------------------------------ rank <-> coordinates
+
+    def rank(self, **coords: int) -> int:
+        """The global rank at `coords` (an axis left out is at 0): `mesh.rank(pipe=p, data=d)`."""
+        unknown = set(coords) - set(self.names)
+        if unknown:
+            raise KeyError(f"the mesh has no axis {sorted(unknown)[0]!r} (its axes: {', '.join(self.names)})")
+        rank, stride = 0, 1
+        for name, size in self.axes:
+            c = coords.get(name, 0)
+            if not 0 <= c < size:
+                raise ValueError(f"{name} coordinate {c} is outside 0..{size - 1}")
+            rank += c * stride
+            stride *= size
+        return rank
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The coordinates of global rank `rank`, by axis name."""
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is outside the mesh's 0..{self.size - 1}")
+        out = {}
+        for name, size in self.axes:
+            out[name] = rank % size
+            rank //= size
+        return out
+
+    def coord(self, rank: int, axis: str) -> int:
+        return self.coords(rank)[axis]
+
+    def pipe_rank(self, rank: int) -> int:
+        """The pipeline rank (the plan's `rank P` section) global rank `rank` runs."""
+        return self.coord(rank, PIPE)
+
+    def data_rank(self, rank: int) -> int:
+        """The data-parallel replica global rank `rank` belongs to."""
+        return self.coord(rank, DATA)
+
+    def ranks(self) -> range:
+        return range(self.size)
+
+    # ------------------------------------------------------------------ groups
+
+    def group(self, axis: str, rank: int) -> tuple[int, ...]:
+        """The ranks along `axis` through `rank`: every rank whose other coordinates are
+        `rank`'s (its data-parallel group for DATA, its pipeline for PIPE)."""
+        at = self.coords(rank)
+        return tuple(self.rank(**{**at, axis: c}) for c in range(self.size_of(axis)))
+
+    def groups(self, axis: str) -> list[tuple[int, ...]]:
+        """Every group along `axis`, each once, ordered by its first rank: the order in which
+        every process creates them."""
+        seen, out = set(), []
+        for r in self.ranks():
+            g = self.group(axis, r)
+            if g not in seen:
+                seen.add(g)
+                out.append(g)
+        return out
+
+    def select(self, pipe_ranks: Iterable[int], **fixed: int) -> tuple[int, ...]:
+        """The global ranks of the given pipeline ranks at the `fixed` other coordinates (a
+        replica's ranks holding a tie, a stage's weight replicas), ascending."""
+        return tuple(sorted(self.rank(**fixed, **{PIPE: p}) for p in set(pipe_ranks)))
+
+    def subgroups(self, pipe_ranks: Iterable[int]) -> list[tuple[int, ...]]:
+        """`select(pipe_ranks, ...)` for every setting of the other axes, in a fixed order: the
+        groups of a set of pipeline ranks in every replica (ties, weight replicas)."""
+        pipe_ranks = sorted(set(pipe_ranks))
+        others = [(n, s) for n, s in self.axes if n != PIPE]
+        out, total = [], 1
+        for _, s in others:
+            total *= s
+        for k in range(total):
+            fixed, rest = {}, k
+            for name, size in others:
+                fixed[name] = rest % size
+                rest //= size
+            out.append(self.select(pipe_ranks, **fixed))
+        return out
+
+    def describe(self) -> str:
+        return " x ".join(f"{n} {s}" for n, s in reversed(self.axes))
+
+
+def mesh_of(line) -> Mesh:
+    """The mesh a header's `mesh pipe P data D` line describes (anything with `pipe` and `data`)."""
+    return Mesh.of(line.pipe, line.data)
+
+
+def tie_pipe_ranks(first_rank: Sequence[int], tie_stages: Iterable[int]) -> tuple[int, ...]:
+    """The pipeline ranks holding a stage of a tie (the members of its `reduce-tied` within one
+    replica), ascending. `first_rank[s]` is replica 0's pipeline rank of stage s: a plan with ties
+    has no weight replicas (rule H2), so that is the stage's only rank. A stage index outside
+    `first_rank` (a header the verifier is about to refuse) counts for nothing."""
+    return tuple(sorted({first_rank[s] for s in tie_stages if 0 <= s < len(first_rank)}))
