@@ -58,15 +58,19 @@ def rank_alternate(rank: int, world: int, plan_path: str, repeats: int, block: i
     import torch
 
     from common import tpc_setup
-    from tpc.executors.distributed import DTYPES, World, _evaluation, make_groups
+    from tpc.executors.distributed import Distributed, World
+    from tpc.executors.engine import stage_factory_from_model
+    from tpc.executors.evaluation import Evaluation
     from tpc.executors.options import RunOptions
+    from tpc.executors.training_loop import PlanSet
 
     plan, model, sliced = tpc_setup(plan_path)
     options = RunOptions(steps=1, timeout=600.0, eval_data="random")
-    w = World(rank, world, rank)
-    groups = make_groups(plan, w, options.timeout)
-    evals = [_evaluation(p, w, options, _Batches(p.header), groups, model, sliced, torch.device("cpu"),
-                         DTYPES[p.header.shape.dtype], sliced.hidden_size) for _, p in variants(plan)]
+    executor = Distributed(World(rank, world, rank), options, torch.device("cpu"), PlanSet.single(plan),
+                           stages_for=lambda p, ev: stage_factory_from_model(sliced, model, evaluation=ev),
+                           hidden_size_for=lambda p: sliced.hidden_size)
+    evals = [Evaluation(_Batches(p.header), 0, 1, executor.build_eval(p, None).evaluate)
+             for _, p in variants(plan)]
     times = [[] for _ in evals]
     for _ in range(repeats):
         for which, ev in enumerate(evals):

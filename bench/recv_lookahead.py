@@ -33,13 +33,13 @@ LAYOUTS = {"1f1b": dict(stages=2), "interleaved": dict(stages=2, virtual_stages=
 
 
 def rank_times(rank: int, world: int, plan_path: str, settings: tuple[int, int], repeats: int, block: int):
-    from tpc.executors import distributed
+    from tpc.executors import dist_transport
 
     plan, model, sliced = tpc_setup(plan_path)
     times = {s: [] for s in settings}
     for _ in range(repeats):
         for s in settings:
-            distributed.DistTransport.LOOKAHEAD_COMPUTES = s
+            dist_transport.DistTransport.LOOKAHEAD_COMPUTES = s
             times[s] += tpc_step_times(plan, model, sliced, rank, world, block + 1)[1:]
     return times
 

@@ -202,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "ends have started; what a run on GPUs does)")
     sim.set_defaults(func=cmd_simulate)
 
+    # the run flags' defaults are RunOptions' own (filled in by tpc.cli.run.options_from_args);
+    # the "(default: ...)" of each help text says the same (tests/cli/test_run_defaults.py)
     r = sub.add_parser("run", help="execute a plan (under torchrun, or --interpret in one process)",
                        description="Run a plan: under torchrun one process per rank (NCCL on CUDA, gloo on CPU), "
                        "or with --interpret all ranks in this process (the reference interpreter).")
@@ -218,27 +220,27 @@ def build_parser() -> argparse.ArgumentParser:
                    "each sequence; seqlen_reshape cuts each sequence into sequences of L, so every step has the "
                    "same tokens (a bundle compiled with --constant-tokens) (default: seqlen_truncate)")
     r.add_argument("--interpret", action="store_true", help="run every rank in this process with the reference interpreter")
-    r.add_argument("--steps", type=int, default=1, help="training steps (default: 1)")
+    r.add_argument("--steps", type=int, default=None, help="training steps (default: 1)")
     r.add_argument("--comm", choices=("nccl", "gloo"), default=None, help="the communication rules to run under and verify the plan for (default: the backend's own: nccl on CUDA, gloo on the CPU and with --interpret). --comm nccl on the CPU runs NCCL's rules with the interpreter or gloo: a send completes only when its receive is posted, an `exchange` is one batch, so a plan that would hang on GPUs hangs (and is reported) here (docs/training.md, 'Communication')")
     r.add_argument("--verify-grads", action="store_true", help="compare loss and gradients with plain autograd on the unsliced model; exit 1 above --tolerance")
-    r.add_argument("--tolerance", type=float, default=1e-5, help="largest relative gradient error for --verify-grads (default: 1e-5)")
+    r.add_argument("--tolerance", type=float, default=None, help="largest relative gradient error for --verify-grads (default: 1e-5)")
     r.add_argument("--data", help="token file (.bin of uint16 ids, see examples/prepare_corpus.py); default: random tokens from --seed")
-    r.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default: 0)")
-    r.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default: 3e-4)")
-    r.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay on matrices (default: 0.1)")
-    r.add_argument("--lr-schedule", default="cosine", choices=("cosine", "constant"),
+    r.add_argument("--seed", type=int, default=None, help="seed for weights and batches (default: 0)")
+    r.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 3e-4)")
+    r.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay on matrices (default: 0.1)")
+    r.add_argument("--lr-schedule", default=None, choices=("cosine", "constant"),
                    help="cosine: linear warm-up over --warmup steps, then half a cosine down to a tenth "
                    "of --lr at --steps; constant: --lr throughout (default: cosine)")
-    r.add_argument("--warmup", type=int, default=0, help="linear warm-up steps (default: 0)")
-    r.add_argument("--grad-clip", type=float, default=0.0, help="global gradient-norm clip, 0 for none (default: 0)")
-    r.add_argument("--optimizer", default="adamw", help="adamw | sgd (default: adamw)")
-    r.add_argument("--device", default="auto", help="cpu | cuda | auto (default: auto: cuda when present)")
+    r.add_argument("--warmup", type=int, default=None, help="linear warm-up steps (default: 0)")
+    r.add_argument("--grad-clip", type=float, default=None, help="global gradient-norm clip, 0 for none (default: 0)")
+    r.add_argument("--optimizer", default=None, help="adamw | sgd (default: adamw)")
+    r.add_argument("--device", default=None, help="cpu | cuda | auto (default: auto: cuda when present)")
     r.add_argument("--bf16", action="store_true", help="bf16 autocast on CUDA (fp32 master weights)")
-    r.add_argument("--timeout", type=float, default=120.0, help="seconds a rank waits for a peer before giving up (default: 120)")
+    r.add_argument("--timeout", type=float, default=None, help="seconds a rank waits for a peer before giving up (default: 120)")
     r.add_argument("--trace", help="write the measured per-instruction timeline (Chrome-trace JSON)")
     r.add_argument("--metrics", help="write one JSON line of metrics per step")
     r.add_argument("--checkpoint-dir", help="directory for checkpoints")
-    r.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (default: never)")
+    r.add_argument("--save-every", type=int, default=None, help="with --checkpoint-dir, save a checkpoint every N steps and after the last (default: 0, only after the last)")
     r.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir, "
                    "written by this plan or any other plan of the same model")
     r.add_argument("--init-from", metavar="PATH", help="start from these weights: a state_dict .pt (read "
@@ -248,9 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "examples/prepare_corpus.py): the plan's forward-only evaluation program gives the "
                    "validation loss and perplexity before the first step, every --eval-every steps and "
                    "after the last, in the progress line and --metrics")
-    r.add_argument("--eval-every", type=int, default=0, metavar="N", help="evaluate every N steps "
+    r.add_argument("--eval-every", type=int, default=None, metavar="N", help="evaluate every N steps "
                    "(default: 0, only before the first and after the last step)")
-    r.add_argument("--eval-batches", type=int, default=4, metavar="K", help="validation batches per "
+    r.add_argument("--eval-batches", type=int, default=None, metavar="K", help="validation batches per "
                    "evaluation, each of the plan's batch x seq, the same K every time (default: 4)")
     r.add_argument("--save-best", action="store_true", help="also keep the checkpoint of the lowest "
                    "validation loss, as DIR/best beside DIR/latest (needs --checkpoint-dir, --eval-data)")

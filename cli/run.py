@@ -11,20 +11,28 @@ from tpc.executors.training.optimizer import OptimSpec
 
 def options_from_args(args) -> RunOptions:
     """RunOptions from parsed `tpc run` arguments; a meaningless combination is refused before
-    any work (RunOptions checks itself)."""
+    any work (RunOptions checks itself). A flag not given (None) takes RunOptions' own default:
+    the command line and the library have one set of defaults."""
+    optim = _given(kind=args.optimizer, lr=args.lr, weight_decay=args.weight_decay)
     return RunOptions(
-        steps=args.steps, seed=args.seed,
-        optim=OptimSpec(kind=args.optimizer, lr=args.lr, weight_decay=args.weight_decay),
-        lr_schedule=args.lr_schedule, warmup=args.warmup, grad_clip=args.grad_clip,
-        device=args.device, bf16=args.bf16, timeout=args.timeout, data=args.data,
-        trace_path=args.trace, metrics=args.metrics, checkpoint_dir=args.checkpoint_dir,
-        save_every=args.save_every, resume=args.resume, init_from=args.init_from, verify_grads=args.verify_grads,
-        tolerance=args.tolerance, quiet=args.quiet, comm=args.comm, eval_data=args.eval_data,
-        eval_every=args.eval_every, eval_batches=args.eval_batches, save_best=args.save_best)
+        optim=OptimSpec(**optim),
+        **_given(steps=args.steps, seed=args.seed, lr_schedule=args.lr_schedule, warmup=args.warmup,
+                 grad_clip=args.grad_clip, device=args.device, timeout=args.timeout,
+                 save_every=args.save_every, tolerance=args.tolerance, eval_every=args.eval_every,
+                 eval_batches=args.eval_batches),
+        bf16=args.bf16, data=args.data, trace_path=args.trace, metrics=args.metrics,
+        checkpoint_dir=args.checkpoint_dir, resume=args.resume, init_from=args.init_from,
+        verify_grads=args.verify_grads, quiet=args.quiet, comm=args.comm, eval_data=args.eval_data,
+        save_best=args.save_best)
+
+
+def _given(**flags) -> dict:
+    return {k: v for k, v in flags.items() if v is not None}
 
 
 def cmd_run(args) -> int:
     """The exit status: 0 ok; 1 on a refused plan or a failed gradient check."""
+    from tpc.executors.run import CurriculumFlags
     from tpc.ir.diagnostics import Diagnostic, TpirError
     from tpc.ir.verify.bundle import is_bundle
 
@@ -40,20 +48,11 @@ def cmd_run(args) -> int:
                                    "curriculum's to say", where="--curriculum",
                                    hint="add --curriculum fixed_linear:START:END:STEPS (see `tpc run --help`), "
                                         f"or run one plan: {args.plan}/seqL.tpir"))
-    if args.curriculum:
-        if args.interpret:
-            from tpc.executors.run import interpret_curriculum
-
-            return interpret_curriculum(args.plan, options, args.curriculum, args.curriculum_type)
-        from tpc.executors.distributed import World, main_curriculum
-
-        return main_curriculum(args.plan, options, World.from_env(), args.curriculum, args.curriculum_type)
+    curriculum = CurriculumFlags(args.curriculum, args.curriculum_type) if args.curriculum else None
     if args.interpret:
-        from tpc.executors.run import interpret_plan
-        from tpc.ir.verify import verify_file
+        from tpc.executors.run import interpret_main
 
-        rules = options.comm_rules(options.torch_device(), interpreted=True)
-        return interpret_plan(verify_file(args.plan, rules), options)
+        return interpret_main(args.plan, options, curriculum)
     from tpc.executors.distributed import World, main
 
-    return main(args.plan, options, World.from_env())
+    return main(args.plan, options, World.from_env(), curriculum)

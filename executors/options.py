@@ -15,6 +15,7 @@ import torch
 
 from tpc.executors.training.optimizer import OptimSpec
 from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.semantics import GLOO, NCCL, CommRules
 
 LR_SCHEDULES = ("cosine", "constant")
 
@@ -31,7 +32,7 @@ class RunOptions:
     # the learning rate of step s: "cosine" warms up linearly over `warmup` steps, then follows
     # half a cosine down to a tenth of the peak at `steps` (training/lr.py); "constant" keeps
     # the optimizer's own
-    lr_schedule: str = "constant"
+    lr_schedule: str = "cosine"
     warmup: int = 0
     grad_clip: float = 0.0  # clip the global gradient norm to this before each update (0: never)
     device: str = "auto"  # cpu | cuda | auto (cuda when present)
@@ -63,7 +64,7 @@ class RunOptions:
     # (tpc.ir.semantics.COMMS): None is the backend's own ("nccl" on CUDA, "gloo" on the CPU
     # and in the interpreter); "nccl" on the CPU runs NCCL's rules there (the interpreter and
     # gloo: a send completes only when its receive is posted), so CPU tests exercise them
-    comm: str | None = None
+    comm: CommRules | None = None  # a spelling ("gloo") is read as CommRules
     # validation (executors/evaluation.py): the plan's evaluation program on `eval_batches`
     # batches of this token file, before the first step, every `eval_every` steps (0: only
     # then) and after the last; `save_best` keeps the checkpoint of the lowest validation loss
@@ -103,8 +104,11 @@ class RunOptions:
                           f"use one of: {', '.join(LR_SCHEDULES)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise _refuse("--device", f"unknown device {self.device!r}", "use cpu, cuda or auto")
-        if self.comm not in (None, "gloo", "nccl"):
-            raise _refuse("--comm", f"unknown communication rules {self.comm!r}", "use nccl or gloo")
+        if self.comm is not None:
+            try:
+                object.__setattr__(self, "comm", CommRules.of(self.comm))  # typed from here on
+            except ValueError as e:
+                raise _refuse("--comm", str(e), "use " + " or ".join(c.value for c in CommRules)) from None
         if self.eval_every < 0:
             raise _refuse("--eval-every", f"--eval-every must be >= 0, got {self.eval_every}",
                           "evaluate every N steps, e.g. --eval-every 100; 0 evaluates only before the "
@@ -136,15 +140,16 @@ class RunOptions:
         """The global gradient norm is computed each step: to clip, to log, or when asked."""
         return self.grad_clip > 0 or self.metrics is not None or self.grad_norm
 
-    def comm_rules(self, device: torch.device, interpreted: bool = False) -> str:
+    def comm_rules(self, device: torch.device, interpreted: bool = False) -> CommRules:
         """The communication rules of this run: `comm` when given, else the backend's own
         (NCCL on CUDA under torchrun; buffered sends on gloo and in the interpreter)."""
         if self.comm is not None:
-            if self.comm == "gloo" and device.type == "cuda" and not interpreted:
+            rules = CommRules.of(self.comm)
+            if rules is GLOO and device.type == "cuda" and not interpreted:
                 raise _refuse("--comm", "--comm gloo on CUDA: torchrun ranks on GPUs talk over NCCL",
                               "leave out --comm (NCCL's rules), or run on the CPU")
-            return self.comm
-        return "nccl" if device.type == "cuda" and not interpreted else "gloo"
+            return rules
+        return NCCL if device.type == "cuda" and not interpreted else GLOO
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (counting from 0)."""

@@ -1,9 +1,9 @@
 """Running a plan as `tpc run` does: around either executor, the batches, the progress line and
 metrics, the trace file and the check against plain autograd.
 
-`interpret_plan(plan, options)` runs a verified plan with the reference interpreter (every rank
-in this process); `tpc.executors.distributed.main` runs one rank under torchrun and uses the
-same pieces from here.
+`RunSetup` is what both executors read and check before any work (one plan or a bundle under a
+curriculum); `interpret_main` runs it with the reference interpreter (every rank in this
+process); `tpc.executors.distributed.main` runs one rank under torchrun from the same setup.
 
 `--verify-grads` (`GradientCheck`) checks the first step, where both runs start from the same
 weights: the loss and every parameter's gradient of the plan against plain single-process
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from tpc.executors.evaluation import eval_batches, perplexity
 from tpc.executors.options import RunOptions
 from tpc.executors.oracle import batch_reference, gradient_error, gradient_floor
 from tpc.executors.plan_model import check_plan_model, load_plan_model
+from tpc.executors.training_loop import PlanSet
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
 
@@ -51,29 +53,84 @@ def check_bf16(options: RunOptions, device: torch.device) -> None:
                                    hint="drop --bf16 on CPU (training runs in fp32 there)"))
 
 
-def interpret_plan(plan: Plan, options: RunOptions) -> int:
-    """Run a verified plan with the reference interpreter; print losses; check; trace."""
-    from tpc.executors.interpreter import interpret
-    from tpc.executors.training.run_checkpoints import RunCheckpoints
+@dataclass(frozen=True)
+class CurriculumFlags:
+    """`--curriculum SPEC --curriculum-type TYPE` (executors/curriculum.py)."""
 
-    check_plan_model(plan)
-    device = options.torch_device()
-    check_bf16(options, device)
-    model = load_plan_model(plan, options.seed)
-    check = GradientCheck(plan, options, model) if options.verify_grads else None
-    batches = batch_source(plan, options)
-    validation = eval_batches(plan, options)  # read and checked before any training
-    reporter = Reporter(options, plan, rank=0)
-    checkpoints = RunCheckpoints.from_options(plan, options, say=reporter.message, model=model)
-    result = interpret(plan, options, model=model, batches=batches, on_step=reporter,
-                       checkpoints=checkpoints, verify=False, eval_batches=validation,
-                       on_eval=reporter.evaluation)
+    spec: str
+    data_type: str = "seqlen_truncate"
+
+
+@dataclass
+class RunSetup:
+    """What `tpc run` reads and checks before any training or communication, the same for both
+    executors and for one plan or a bundle: the plans (a `PlanSet`), the model, the batches, the
+    validation batches, the gradient check, and, under a curriculum, what it records and says.
+    Every rank of a distributed run loads it alike, so all refuse a bad input alike."""
+
+    plans: PlanSet
+    options: RunOptions
+    model: torch.nn.Module
+    batches: object
+    validation: object | None = None  # EvalBatches, with --eval-data
+    gradient_check: "GradientCheck | None" = None
+    curriculum: "CurriculumRun | None" = None
+
+    @staticmethod
+    def load(path: str, options: RunOptions, device: torch.device, *,
+             curriculum: CurriculumFlags | None = None, interpreted: bool) -> "RunSetup":
+        from tpc.ir.verify import verify_file
+
+        run = None
+        if curriculum is not None:
+            run = CurriculumRun(path, options, curriculum.spec, curriculum.data_type)
+            plans = PlanSet(run.plans, run.length_of, curriculum=True)
+            batches = run.batches(options)
+        else:
+            # the plan under the rules of the backend it will run on
+            plan = verify_file(path, options.comm_rules(device, interpreted=interpreted))
+            check_plan_model(plan)
+            plans = PlanSet.single(plan)
+            batches = batch_source(plan, options)
+        check_bf16(options, device)
+        model = load_plan_model(plans.full, options.seed)
+        check = GradientCheck(plans.full, options, model) if options.verify_grads else None
+        validation = eval_batches(plans.full, options)  # read and checked before any training
+        return RunSetup(plans, options, model, batches, validation, check, run)
+
+    def reporter(self, rank: int) -> "Reporter":
+        """The progress line and metrics of rank `rank` (rank 0 shows them)."""
+        reporter = Reporter(self.options, self.plans.full, rank)
+        if self.curriculum is not None:
+            reporter.message(self.curriculum.describe())
+        return reporter
+
+    def checkpoints(self, say):
+        """The run's checkpoints (and --init-from weights), or None."""
+        from tpc.executors.training.run_checkpoints import RunCheckpoints
+
+        record = self.curriculum.checkpoint_record() if self.curriculum is not None else None
+        return RunCheckpoints.from_options(self.plans.full, self.options, say=say, model=self.model,
+                                           curriculum=record)
+
+
+def interpret_main(path: str, options: RunOptions, curriculum: CurriculumFlags | None = None) -> int:
+    """`tpc run --interpret PLAN` (or `PLANS --curriculum SPEC`): every rank in this process, by
+    the reference interpreter; print losses; check against autograd; write the trace."""
+    from tpc.executors.interpreter import interpret
+
+    setup = RunSetup.load(path, options, options.torch_device(), curriculum=curriculum, interpreted=True)
+    reporter = setup.reporter(rank=0)
+    result = interpret(setup.plans, options, model=setup.model, batches=setup.batches, on_step=reporter,
+                       checkpoints=setup.checkpoints(reporter.message), verify=False,
+                       eval_batches=setup.validation, on_eval=reporter.evaluation)
     reporter.close()
     if options.trace_path:
         write_trace(options.trace_path, result.events)
+    check = setup.gradient_check
     if check is None:
         return 0
-    worst, name, _ = check.compare_part(result.first_grads, batches.get(0))
+    worst, name, _ = check.compare_part(result.first_grads, setup.batches.get(0))
     return check.conclude(result.losses[0], [(worst, name, sorted(result.first_grads))])
 
 
@@ -254,24 +311,3 @@ class CurriculumRun:
                     break
             step += 1
         return (f"curriculum {self.curriculum.spec} ({self.data_type}): " + ", ".join(switches))
-
-
-def interpret_curriculum(path: str, options: RunOptions, spec: str, data_type: str) -> int:
-    """`tpc run --interpret PLANS --curriculum SPEC`: the bundle's plans in this process."""
-    from tpc.executors.interpreter import interpret_bundle
-    from tpc.executors.training.run_checkpoints import RunCheckpoints
-
-    run = CurriculumRun(path, options, spec, data_type)
-    device = options.torch_device()
-    check_bf16(options, device)
-    model = load_plan_model(run.full, options.seed)
-    reporter = Reporter(options, run.full, rank=0)
-    reporter.message(run.describe())
-    checkpoints = RunCheckpoints.from_options(run.full, options, say=reporter.message, model=model,
-                                              curriculum=run.checkpoint_record())
-    result = interpret_bundle(run.plans, run.length_of, options, model=model, batches=run.batches(options),
-                              on_step=reporter, checkpoints=checkpoints)
-    reporter.close()
-    if options.trace_path:
-        write_trace(options.trace_path, result.events)
-    return 0

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from tests.executors.dist_harness import free_port
 from tests.executors.fake import fake_plan
-from tpc.executors.distributed import DistTransport, Groups, World
+from tpc.executors.dist_transport import DistTransport, Wire
+from tpc.executors.world import Groups
 
 
 class FakeWork:
@@ -32,30 +33,29 @@ class FakeWork:
         return self.done
 
 
-def _transport(*, nccl: bool, tags: bool, groups: Groups | None = None) -> DistTransport:
+def _transport(*, wire: Wire, groups: Groups | None = None) -> DistTransport:
     plan = fake_plan(schedule="1f1b", stages=2, slices="3", microbatches=2)
-    return DistTransport(plan, World(rank=0, size=2, local_rank=0), groups or Groups(dp=None),
-                         device=torch.device("cpu"), hidden_size=8, dtype=torch.float32,
-                         timeout=5.0, tags=tags, nccl=nccl)
+    return DistTransport(plan, 0, groups or Groups(dp=None), wire=wire,
+                         device=torch.device("cpu"), hidden_size=8, dtype=torch.float32, timeout=5.0)
 
 
 def test_nccl_waits_never_block_the_host():
     """WorkNCCL.wait(timeout=...) blocks the host until the work is done; wait() only makes the
     current stream wait. On NCCL the transport calls wait() bare; on gloo with the timeout."""
-    nccl, gloo = _transport(nccl=True, tags=False), _transport(nccl=False, tags=True)
+    nccl, gloo = _transport(wire=Wire.NCCL), _transport(wire=Wire.BUFFERED)
     w1, w2 = FakeWork(), FakeWork()
-    nccl._wait(w1, "a receive")
-    gloo._wait(w2, "a receive")
+    nccl.wait(w1, "a receive")
+    gloo.wait(w2, "a receive")
     assert w1.calls == [((), {})]
     assert w2.calls == [((), {"timeout": timedelta(seconds=5.0)})]
-    assert nccl.waiting is None  # nothing marks the host as blocked
+    assert nccl.blocked_on is None  # nothing marks the host as blocked
 
 
 def test_the_watchdog_reads_is_completed_of_nccl_work():
-    t = _transport(nccl=True, tags=False)
+    t = _transport(wire=Wire.NCCL)
     stuck, done = FakeWork(done=False), FakeWork(done=True)
-    t._wait(done, "the gradient of stage 0")
-    t._wait(stuck, "the message act stage 1 mb 0 slice 0 from rank 0")
+    t.wait(done, "the gradient of stage 0")
+    t.wait(stuck, "the message act stage 1 mb 0 slice 0 from rank 0")
     assert t.overdue(limit=60.0) is None  # not yet
     time.sleep(0.05)
     assert t.overdue(limit=0.01) == "the message act stage 1 mb 0 slice 0 from rank 0"
@@ -74,7 +74,7 @@ def one_process_group():
 
 
 def test_allreduce_keeps_one_flat_buffer_the_gradients_live_in(one_process_group):
-    t = _transport(nccl=False, tags=True, groups=Groups(dp=one_process_group))
+    t = _transport(wire=Wire.BUFFERED, groups=Groups(dp=one_process_group))
     a, b = torch.randn(3, 4), torch.randn(5)
     want = [a.clone(), b.clone()]
     views = t.allreduce(0, [a, b])
@@ -147,7 +147,7 @@ def test_an_exchange_is_one_batch_and_its_receive_is_waited_where_it_is_used(mon
 
     monkeypatch.setattr(distributed.dist, "batch_isend_irecv", batch_isend_irecv)
     monkeypatch.setattr(distributed.dist, "P2POp", lambda op, tensor, peer: (op, tensor, peer))
-    t = _transport(nccl=True, tags=False)
+    t = _transport(wire=Wire.NCCL)
     instrs = t.instrs
     at = next(p for p, i in enumerate(instrs) if i.op is Op.EXCHANGE)
     send, recv = instrs[at + 1], instrs[at + 2]
@@ -188,9 +188,8 @@ def test_under_nccl_rules_every_send_and_receive_is_a_batch(monkeypatch, rendezv
     monkeypatch.setattr(distributed.dist, "irecv", lambda *a, **k: plain.append("irecv") or FakeWork())
     for rank in (0, 1):
         plan = fake_plan(schedule="1f1b", stages=2, slices="3", microbatches=2)
-        t = DistTransport(plan, World(rank=rank, size=2, local_rank=0), Groups(dp=None),
-                          device=torch.device("cpu"), hidden_size=8, dtype=torch.float32, timeout=5.0,
-                          tags=False, nccl=not rendezvous, rendezvous=rendezvous)
+        t = DistTransport(plan, rank, Groups(dp=None), wire=Wire.RENDEZVOUS if rendezvous else Wire.NCCL,
+                          device=torch.device("cpu"), hidden_size=8, dtype=torch.float32, timeout=5.0)
         ops = {Op.SEND: 0, Op.RECV: 0}
         for p, ins in enumerate(t.instrs):
             t.before_instruction(p)

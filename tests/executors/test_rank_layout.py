@@ -10,15 +10,16 @@ from tests.executors.real import real_plan
 from tpc.executors.distributed import World, check_world
 from tpc.executors.options import RunOptions
 from tpc.executors.rank_layout import crossing_boundaries, describe, pipelines
+from tpc.ir.mesh import Mesh
 from tpc.ir.diagnostics import TpirError
 
 
 def test_pipelines_are_consecutive_global_ranks():
-    assert pipelines(2, 3) == [[0, 1], [2, 3], [4, 5]]
+    assert pipelines(Mesh.of(2, 3)) == [(0, 1), (2, 3), (4, 5)]
 
 
 def test_a_pipeline_inside_each_node_reduces_between_nodes():
-    lines = describe(2, 2, [0, 0, 1, 1])
+    lines = describe(Mesh.of(2, 2), [0, 0, 1, 1])
     assert lines == ["ranks: mesh pipe 2 x data 2 on 2 nodes (2, 2 processes)",
                      "  pipeline 0: global ranks 0..1 on node 0",
                      "  pipeline 1: global ranks 2..3 on node 1",
@@ -26,17 +27,17 @@ def test_a_pipeline_inside_each_node_reduces_between_nodes():
 
 
 def test_a_pipeline_over_two_nodes_names_the_link_between_them():
-    assert crossing_boundaries(4, 1, [0, 0, 1, 1]) == [(0, 1)]
-    lines = describe(4, 1, [0, 0, 1, 1])
+    assert crossing_boundaries(Mesh.of(4, 1), [0, 0, 1, 1]) == [(0, 1)]
+    lines = describe(Mesh.of(4, 1), [0, 0, 1, 1])
     assert "  pipeline links between nodes: 1->2" in lines
     assert not any("note" in line for line in lines)  # 4 > 2 processes per node: nothing better
 
 
 def test_a_pipeline_that_could_fit_in_a_node_is_noted():
     # 3 stages x 2 replicas on 2 nodes of 3: pipelines 0..2 and 3..5 fit; 2 stages x 3 on 2 x 3 do not
-    assert crossing_boundaries(3, 2, [0, 0, 0, 1, 1, 1]) == []
-    lines = describe(2, 3, [0, 0, 0, 1, 1, 1])
-    assert crossing_boundaries(2, 3, [0, 0, 0, 1, 1, 1]) == [(1, 0)]
+    assert crossing_boundaries(Mesh.of(3, 2), [0, 0, 0, 1, 1, 1]) == []
+    lines = describe(Mesh.of(2, 3), [0, 0, 0, 1, 1, 1])
+    assert crossing_boundaries(Mesh.of(2, 3), [0, 0, 0, 1, 1, 1]) == [(1, 0)]
     assert "  pipeline links between nodes: 2->3" in lines
     assert any(line.startswith("  note: a node runs 3 processes, room for a whole pipeline of 2") for line in lines)
 

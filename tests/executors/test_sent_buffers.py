@@ -13,7 +13,7 @@ import torch
 
 from tests.compiler.frontend.harness import tiny_model
 from tpc.compiler.frontend import SlicedModel
-from tpc.executors.distributed import _SendReaper
+from tpc.executors.dist_transport import SendReaper
 from tpc.executors.stage_runtime import StageRuntime
 
 
@@ -38,7 +38,7 @@ def _storage_alive(t: torch.Tensor):
 
 
 def test_the_reaper_lets_go_of_a_tensor_when_its_send_completes():
-    reaper = _SendReaper(timeout=10)
+    reaper = SendReaper(timeout=10)
     first, second = _Work(), _Work()
     a, b = torch.ones(1000), torch.ones(1000)
     alive_a, alive_b = _storage_alive(a), _storage_alive(b)
@@ -60,7 +60,7 @@ def test_the_reaper_lets_go_of_a_tensor_when_its_send_completes():
 
 
 def test_the_reaper_reports_the_first_failure_at_drain():
-    reaper = _SendReaper(timeout=10)
+    reaper = SendReaper(timeout=10)
     bad, good = _Work(RuntimeError("Connection closed by peer")), _Work()
     bad.done.set()
     good.done.set()
@@ -73,7 +73,7 @@ def test_the_reaper_reports_the_first_failure_at_drain():
 
 def test_the_reaper_thread_ends_with_its_transport():
     before = {t for t in threading.enumerate() if t.name == "tpc-send-reaper"}
-    reaper = _SendReaper(timeout=10)
+    reaper = SendReaper(timeout=10)
     mine = {t for t in threading.enumerate() if t.name == "tpc-send-reaper"} - before
     assert len(mine) == 1
     del reaper
