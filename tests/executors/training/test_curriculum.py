@@ -335,3 +335,25 @@ def test_a_bundle_and_a_curriculum_go_together(files, tmp_path, capsys):
     assert f"{plans}/index.tpir:9:1: error: --curriculum-type seqlen_reshape cuts each sequence of 32 tokens" in err
     assert main(_run(reshape, data, 6, tmp_path / "m.jsonl")) == 1
     assert f"{reshape}/index.tpir:9:1: error: --curriculum-type seqlen_truncate keeps the batch" in capsys.readouterr().err
+
+
+def test_validation_under_a_curriculum_is_the_full_length_plans_and_changes_no_step(files, whole, tmp_path):
+    """--eval-data with --curriculum runs the longest plan's evaluation program (one training
+    loop wires it for one plan and for a bundle alike): before the first step it is plain
+    PyTorch's loss of the initial model on the validation batches at the full length, and the
+    training steps are those of the run without it."""
+    from tests.executors.test_evaluation import plain_eval_loss, val_file
+    from tpc.executors.training.eval_data import EvalBatches
+
+    plans, _, data = files
+    val = val_file(tmp_path / "val")
+    out = tmp_path / "m.jsonl"
+    assert main(_run(plans, data, 12, out, "--eval-data", val, "--eval-every", "6", "--eval-batches", "2")) == 0
+    rows = metrics(out)
+    evals = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+    assert [s for s, _ in evals] == [0, 6, 12]
+    batches = EvalBatches(val, batch=BATCH, seq=max(LENGTHS), vocab=256, count=2, train_data=data)
+    assert abs(evals[0][1] - plain_eval_loss(initial_model(), batches)) <= TOL
+    assert evals[-1][1] != evals[0][1]
+    steps = [(r["step"], r["seq"], r["loss"]) for r in rows if "loss" in r]
+    assert steps == [(r["step"], r["seq"], r["loss"]) for r in whole[0]]
