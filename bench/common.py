@@ -207,8 +207,8 @@ def tpc_run(plan, model, sliced, rank: int, world: int, steps: int, *, optim=("s
     from tpc.executors.training.optimizer import OptimSpec
 
     h = plan.header.shape
-    options = RunOptions(steps=steps, optim=OptimSpec(*optim), record_grads=record, trace=trace,
-                         timeout=600.0, comm=comm)
+    options = RunOptions(steps=steps, optim=OptimSpec(*optim), lr_schedule="constant", record_grads=record,
+                         trace=trace, timeout=600.0, comm=comm)
     return run_plan(plan, World(rank, world, rank), options, model=model, device=torch.device("cpu"),
                     sliced=sliced, batches=RandomTokens(0, h.batch, h.seq, h.vocab), on_step=on_step,
                     before_instr=before)

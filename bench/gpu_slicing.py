@@ -179,7 +179,7 @@ def interpreter_block(plan, model, sliced, device, bf16: bool, steps: int, seed:
 
     # the interpreter's own stages (cut from `sliced`), on `device`, under the engine's autocast;
     # no copy of the gradients is kept (a training run keeps none inside its steps)
-    interpret(plan, RunOptions(steps=steps + 1, seed=seed, device=device.type, bf16=bf16),
+    interpret(plan, RunOptions(steps=steps + 1, seed=seed, device=device.type, bf16=bf16, lr_schedule="constant"),
               model=model, sliced=sliced, batches=RandomTokens(seed, h.shape.batch, h.shape.seq, h.shape.vocab),
               verify=False, on_step=on_step, keep_grads=False)
     gc.collect()
