@@ -76,6 +76,7 @@ def run_real_cases(rank: int, out_dir: str, cases: list[dict], timeout: float) -
             model, sliced = fresh_model(name, plan.header.shape.seq)
             h = plan.header.shape
             options = RunOptions(steps=case.get("steps", 1), optim=OptimSpec(*case.get("optim", ("sgd", 0.1))),
+                                 lr_schedule="constant",
                                  record_grads=True, timeout=timeout, comm=case.get("comm"))
             outcome = run_plan(plan, world, options, model=model, device=torch.device("cpu"), sliced=sliced,
                                batches=RandomTokens(0, h.batch, h.seq, h.vocab))

@@ -59,7 +59,8 @@ def _check(case, ranks):
     plan = real_plan(name, **case["plan"])
     model, sliced = fresh_model(name, SEQ)
     reference = copy.deepcopy(model)
-    interp = interpret(plan, RunOptions(steps=case.get("steps", 1), optim=OptimSpec(*case.get("optim", ("sgd", 0.1)))),
+    interp = interpret(plan, RunOptions(steps=case.get("steps", 1), optim=OptimSpec(*case.get("optim", ("sgd", 0.1))),
+                                          lr_schedule="constant"),
                        model=model, sliced=sliced)
     h = plan.header.shape
     ref_loss, ref_grads, _ = batch_reference(reference, RandomTokens(0, h.batch, SEQ, h.vocab).get(0))

@@ -30,7 +30,7 @@ def run_fake(plan, steps=1, optim=None, model=None, verify=True, **kw):
     """`interpret` of the fake LM; `kw` are RunOptions fields."""
     torch.manual_seed(0)
     model = model or FakeLM(n_layer=2, tie=bool(plan.header.ties))
-    options = RunOptions(steps=steps, optim=optim or OptimSpec("sgd", lr=0.1), **kw)
+    options = RunOptions(steps=steps, optim=optim or OptimSpec("sgd", lr=0.1), **{"lr_schedule": "constant", **kw})
     result = interpret(plan, options, model=model, stage_factory_for=fake_factory, hidden_size=8,
                        verify=verify)
     return model, result

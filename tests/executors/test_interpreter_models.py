@@ -89,7 +89,7 @@ def test_weights_after_several_steps_match_plain_training():
     plan = real_plan("gpt", schedule="seq1f1b", stages=2, slices="2,9,5", microbatches=2, seq_len=SEQ)
     model, sliced = fresh_model("gpt", SEQ)
     ref = copy.deepcopy(model)
-    result = interpret(plan, RunOptions(steps=3, optim=spec), model=model, sliced=sliced)
+    result = interpret(plan, RunOptions(steps=3, optim=spec, lr_schedule="constant"), model=model, sliced=sliced)
     opt = build_optimizer(ref.named_parameters(), spec)
     losses = []
     for step in range(3):
