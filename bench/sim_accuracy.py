@@ -45,9 +45,9 @@ def measure(plan: str, trace: str, steps: int) -> None:
 
 def compare(plan_path: str, profile: str, trace: str):
     """What `tpc simulate PLAN --cost PROFILE --compare TRACE` prints, as rows."""
-    from tpc.compiler import timeline
+    from tpc.compiler.predict import timeline
     from tpc.compiler.costmodel.resolve import plan_cost_model
-    from tpc.compiler.simulate import simulate
+    from tpc.compiler.predict.simulate import simulate
     from tpc.ir.verify import verify_file
 
     plan = verify_file(plan_path)

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from tpc.compiler import timeline
+from tpc.compiler.predict import timeline
 from tpc.compiler.costmodel.resolve import plan_cost_model
-from tpc.compiler.sim_report import format_eval_report, format_report
-from tpc.compiler.simulate import simulate
+from tpc.compiler.predict.sim_report import format_eval_report, format_report
+from tpc.compiler.predict.simulate import simulate
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.compiler.torch_schedule.load import load_checked_plan
 
@@ -52,8 +52,8 @@ def cmd_simulate(args) -> int:
 def simulate_bundle(args) -> int:
     """A plan bundle: each plan's table, then one line per length side by side (the predicted
     step time, and the time per token, which a curriculum trades against the loss)."""
-    from tpc.compiler.timeline import slices_summary
-    from tpc.compiler.quantities import format_quantity
+    from tpc.compiler.predict.timeline import slices_summary
+    from tpc.compiler.predict.quantities import format_quantity
     from tpc.ir.verify.bundle import load_bundle
 
     for option in ("trace", "png", "compare"):

@@ -265,7 +265,7 @@ class RecvAhead:
 
     The distributed executor posts by it (executors/distributed.py, `before_instruction`), and
     the memory model counts a receive's buffer from the instruction it is posted at
-    (compiler/memory.py). `nbytes(index)`: the bytes of the receive at `index`. Under NCCL's
+    (compiler/predict/memory.py). `nbytes(index)`: the bytes of the receive at `index`. Under NCCL's
     rules each receive is issued at its own instruction: `computes=0`."""
 
     COMPUTES = 8  # bench/recv_lookahead.py: steps 0.7-7% shorter than 2 on 2 CPU ranks

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from tpc.compiler.balance import best_partition, latency, minmax_partition
+from tpc.compiler.optimise.balance import best_partition, latency, minmax_partition
 from tpc.compiler.costmodel import AnalyticCostModel, ModelShapes, ProfiledCostModel, even_layers
 from tpc.compiler.costmodel.devices import V100
 from tpc.compiler.costmodel.source import CostSource

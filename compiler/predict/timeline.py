@@ -140,7 +140,7 @@ def _bad_trace(path: str, what: str) -> TpirError:
     return TpirError(Diagnostic(
         f"{what}", where=path,
         hint="give a trace written by `tpc run --trace` or `tpc simulate --trace` (the format is "
-        "described in tpc/compiler/timeline.py)",
+        "described in tpc/compiler/predict/timeline.py)",
     ))
 
 

@@ -5,9 +5,9 @@ What is searched depends on the options; everything else is held fixed:
 
 * meshes (`--stages auto --ranks N`): every pipe x data split of N with pipe <= units, the
   batch divisible by data and at least `--microbatches` sequences per replica;
-* per mesh, a stage partition from the cost model's per-unit times (compiler/balance.py).
+* per mesh, a stage partition from the cost model's per-unit times (compiler/optimise/balance.py).
   With `--slices auto` it is found jointly with the slicing by alternating two exact steps:
-  TeraPipe's DP (compiler/slice_optimiser.py) for the partition, then the partition minimising the
+  TeraPipe's DP (compiler/optimise/slice_optimiser.py) for the partition, then the partition minimising the
   DP's latency formula for that slicing, until the partition repeats (at most `ROUNDS` DP
   runs); the round with the lowest DP prediction is kept. With given slices, the partition
   minimising the formula for them;
@@ -25,7 +25,7 @@ What is searched depends on the options; everything else is held fixed:
 Every (mesh, slicing, schedule), in that order, is built (header, schedule, lowering for the
 backend `--comm` names) and simulated under the partition's cost model and that backend's rules
 (NCCL's by default, as `tpc compile` lowers for NCCL); its peak memory per rank is the simulator's
-(compiler/memory.py). The fastest candidate whose peak fits `--memory-per-rank` wins; among
+(compiler/predict/memory.py). The fastest candidate whose peak fits `--memory-per-rank` wins; among
 equally fast ones (within a relative 1e-9) the one with the lowest peak memory, then the first
 in that order (pipe ascending, the DP's slicing first, schedules in the order listed).
 
@@ -52,12 +52,12 @@ from typing import Callable
 
 import numpy as np
 
-from tpc.compiler.balance import Ranges, best_partition, minmax_partition
+from tpc.compiler.optimise.balance import Ranges, best_partition, minmax_partition
 from tpc.compiler.costmodel.base import transfer_times
-from tpc.compiler.quantities import format_bytes
+from tpc.compiler.predict.quantities import format_bytes
 from tpc.compiler.costmodel.source import CostSource
-from tpc.compiler.slice_optimiser import DEFAULT_GRANULARITY, Choice, optimise
-from tpc.compiler.slice_optimiser import explain as explain_choice
+from tpc.compiler.optimise.slice_optimiser import DEFAULT_GRANULARITY, Choice, optimise
+from tpc.compiler.optimise.slice_optimiser import explain as explain_choice
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Header, Microbatch
 
@@ -117,7 +117,7 @@ class Space:
     # a fixed stage partition (the other plans of a bundle share the first one's); None: searched
     ranges: Ranges | None = None
     # the backend the plan is for (`--comm`): candidates are lowered for it and simulated under
-    # its rules (NCCL's: in-order streams and rendezvous transfers, compiler/simulate.py)
+    # its rules (NCCL's: in-order streams and rendezvous transfers, compiler/predict/simulate.py)
     comm: str = "nccl"
 
 
@@ -167,9 +167,9 @@ class SearchResult:
 
 def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> SearchResult:
     """The fastest simulated plan of `space` that fits its memory budget (module docstring)."""
-    from tpc.compiler.lower import lower
+    from tpc.compiler.lowering.lower import lower
     from tpc.compiler.schedules import build_schedule, replicas
-    from tpc.compiler.simulate import simulate
+    from tpc.compiler.predict.simulate import simulate
 
     start = time.perf_counter()
     candidates, dp_runs = [], 0
