@@ -29,7 +29,8 @@ def equal_slices(count: int, seq_len: int) -> tuple[tuple[int, int], ...]:
 
 
 def ranges_of(lengths) -> tuple[tuple[int, int], ...]:
-    """Consecutive [start, end) ranges with the given lengths, starting at 0."""
+    """Consecutive [start, end) ranges with the given lengths, starting at 0 (from boundaries
+    instead: `tpc.compiler.optimise.balance.ranges_from_bounds`)."""
     out, start = [], 0
     for n in lengths:
         out.append((start, start + n))

@@ -80,6 +80,17 @@ def test_ties_are_broken_the_same_way_every_time():
         minmax_partition([1, 1, 1], 4)
 
 
+def test_among_equal_heaviest_stages_the_last_stage_is_the_lightest():
+    """[10], [3, 3], [3, 3, 1] and [10], [3, 3, 3], [3, 1] both have 10 as their heaviest stage:
+    the last stage starts as late as it can. The front end's parameter balance is this DP."""
+    from tpc.compiler.frontend.partition import partition_balanced
+
+    assert minmax_partition([10, 3, 3, 3, 3, 1], 3) == ((0, 1), (1, 4), (4, 6))
+    assert minmax_partition([1, 1, 1, 1, 1], 2) == ((0, 3), (3, 5))
+    for weights, K in (([10, 3, 3, 3, 3, 1], 3), ([1, 1, 1, 1, 1], 2), ([7, 2, 2, 2, 2, 2, 5], 4)):
+        assert partition_balanced(weights, K) == list(minmax_partition(weights, K))
+
+
 def test_heavy_head_gets_fewer_layers_on_the_last_stage():
     """A GPT-2 medium sized analytic model: with the LM head on the last stage, the balanced partition
     gives that stage fewer blocks than the others, and beats even layers on the formula."""
