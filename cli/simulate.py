@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tpc.compiler.predict import timeline
 from tpc.compiler.costmodel.resolve import plan_cost_model
 from tpc.compiler.predict.sim_report import format_eval_report, format_report
@@ -12,10 +14,13 @@ from tpc.compiler.torch_schedule.load import load_checked_plan
 
 
 def _writing(option: str, path: str, write) -> None:
-    """Run `write`; a file that cannot be written is the user's error, not a traceback."""
+    """Run `write` (which writes through tpc.ir.files, so a failure says why in words); the
+    error is located at `option`, the flag that named the file."""
     try:
         write()
-    except OSError as e:
+    except TpirError as e:
+        raise TpirError([replace(d, where=option) for d in e.diagnostics]) from None
+    except OSError as e:  # e.g. matplotlib's own checks before it writes
         raise TpirError(Diagnostic(
             f"cannot write {path}: {e.strerror or e}",
             where=option,

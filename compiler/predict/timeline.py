@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.files import atomic_path, atomic_write_text
 from tpc.ir.nodes import COMPUTE_OPS, Op
 from tpc.ir.semantics import message_key
 from tpc.ir.show import direction_of
@@ -113,8 +114,7 @@ def message_pairs(events) -> list[tuple]:
 
 
 def write_trace(result, path: str, plan_name: str = "") -> None:
-    Path(path).write_text(json.dumps(chrome_trace(result, plan_name), indent=1) + "\n",
-                          encoding="utf-8")
+    atomic_write_text(path, json.dumps(chrome_trace(result, plan_name), indent=1) + "\n")
 
 
 # ------------------------------------------------------------------------ measured traces
@@ -425,5 +425,7 @@ def write_gantt(result, path: str, width_in: float = 12.0) -> None:
     fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0),
                ncol=ncol, frameon=False, fontsize=8)
     fig.tight_layout(rect=(0, 0.3 * rows / fig.get_figheight(), 1, 1))  # room for the legend
-    fig.savefig(path)
+    # matplotlib picks the format by the name; the temporary file's name ends in .tmp
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=Path(path).suffix[1:].lower() or matplotlib.rcParams["savefig.format"])
     plt.close(fig)
