@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from tpc.compiler.predict import timeline
+from tpc.compiler.predict.chrome_trace import read_trace
 from tpc.compiler.costmodel.resolve import plan_cost_model
 from tpc.compiler.predict.sim_report import format_eval_report, format_report
 from tpc.compiler.predict.simulate import simulate
@@ -48,7 +49,7 @@ def cmd_simulate(args) -> int:
         _writing("--png", args.png, lambda: timeline.write_gantt(result, args.png))
         print(f"timeline: {args.png}")
     if args.compare:
-        comparison = timeline.compare(result, timeline.read_trace(args.compare))
+        comparison = timeline.compare(result, read_trace(args.compare))
         print(f"\npredicted vs measured ({args.compare}):")
         print(timeline.format_comparison(comparison))
     return 0

@@ -11,7 +11,8 @@ from tests.compiler.simulate.plans import make_plan
 from tpc.cli.main import main
 from tpc.compiler.costmodel.unit import UnitCosts
 from tpc.compiler.predict.simulate import simulate
-from tpc.compiler.predict.timeline import chrome_trace, compare, read_trace, write_gantt
+from tpc.compiler.predict.chrome_trace import TimedInstr, read_trace
+from tpc.compiler.predict.timeline import compare, predicted_trace, write_gantt
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.nodes import Op
 from tpc.ir.parse import parse
@@ -29,7 +30,7 @@ def test_trace_has_one_event_per_instruction_and_a_flow_per_message(plan_file):
     text = plan_file.read_text()
     plan = parse(text, file=str(plan_file))
     result = simulate(plan, UnitCosts(p2p=0.25))
-    trace = json.loads(json.dumps(chrome_trace(result, str(plan_file))))  # valid JSON
+    trace = json.loads(json.dumps(predicted_trace(result, str(plan_file))))  # valid JSON
     events = trace["traceEvents"]
     xs = [e for e in events if e["ph"] == "X"]
     assert len(xs) == sum(len(r.instrs) for r in plan.ranks)
@@ -120,8 +121,6 @@ def test_compare_fits_the_unit_and_reports_relative_errors():
     """Unit costs predict 6 units and 3 of compute per rank. The measured step spans 7.5 ms;
     rank 0 computes 4.5 ms, rank 1 3.0 ms: 7.5 ms of compute for 6 predicted units, so one
     unit is fitted to 1.25 ms and the prediction reads 7.5 ms, 3.75 ms and 3.75 ms."""
-    from tpc.compiler.predict.timeline import TimedInstr
-
     result = simulate(make_plan("gpipe", 2, 1), UnitCosts())
     measured = [TimedInstr(r, i, ts * 1e3, d * 1e3) for r, i, ts, d in GPIPE_2x1]
     comparison = compare(result, measured)
@@ -143,8 +142,6 @@ class Seconds(UnitCosts):
 
 
 def test_compare_takes_a_prediction_in_seconds_as_it_is():
-    from tpc.compiler.predict.timeline import TimedInstr
-
     result = simulate(make_plan("gpipe", 2, 1), Seconds())
     measured = [TimedInstr(r, i, ts * 1e3, d * 1e3) for r, i, ts, d in GPIPE_2x1]
     comparison = compare(result, measured)
