@@ -70,10 +70,12 @@ def _temporary_beside(target: Path) -> tuple[int, Path]:
     return fd, tmp
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_folder(folder: str | os.PathLike) -> None:
+    """Make a rename in `folder` durable (best effort: some file systems cannot open folders;
+    the rename is still atomic there)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # some file systems cannot open folders; the rename is still atomic
+    except OSError:
         return
     try:
         os.fsync(fd)
@@ -110,7 +112,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         if isinstance(e, OSError):
             raise write_error(target, e) from e
         raise
-    _fsync_folder(target.parent)
+    fsync_folder(target.parent)
 
 
 @contextmanager

@@ -58,6 +58,7 @@ from tpc.compiler.predict.quantities import format_bytes
 from tpc.compiler.costmodel.source import CostSource
 from tpc.compiler.optimise.slice_optimiser import DEFAULT_GRANULARITY, Choice, optimise
 from tpc.compiler.optimise.slice_optimiser import explain as explain_choice
+from tpc.compiler.optimise.slicing import even_split
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Header, Microbatch
 
@@ -296,11 +297,6 @@ def equal_counts(L: int, granularity: int) -> list[int]:
     return [n for n in range(1, L + 1) if L % n == 0 and (L // n >= granularity or n == 1)]
 
 
-def _equal_sizes(rows: int, count: int) -> tuple[int, ...]:
-    base, extra = divmod(rows, count)
-    return tuple(base + 1 if m < extra else base for m in range(count))
-
-
 def slice_work(source: CostSource, cost, mb_sizes, slices):
     """W (units x slices) of forward + backward per unit, and each slice's transfers, for
     every slice of every micro-batch of a slicing: what the partitioner balances."""
@@ -315,7 +311,7 @@ def _partition_and_slicings(source: CostSource, space: Space, pipe: int, data: i
     L, M, g = space.seq_len, space.microbatches, space.granularity
     n_units = source.num_units
     if space.slices is not None:
-        sizes = _equal_sizes(rows, M)  # given slices come with a given micro-batch count
+        sizes = even_split(rows, M)  # given slices come with a given micro-batch count
         given = Slicing("given", sizes, (space.slices,) * M)
         if space.ranges is not None:
             return space.ranges, [given], 0
@@ -339,7 +335,7 @@ def _partition_and_slicings(source: CostSource, space: Space, pipe: int, data: i
     ranges, choice = best
     slicings = [Slicing("dp", choice.mb_sizes, choice.slices, choice)]
     # the equal slicings keep the given micro-batches, or the knapsack's when it chose them
-    sizes = _equal_sizes(rows, M) if M is not None else choice.mb_sizes
+    sizes = even_split(rows, M) if M is not None else choice.mb_sizes
     for n in equal_counts(L, g):
         cuts = tuple((L * i // n, L * (i + 1) // n) for i in range(n))
         s = Slicing(f"equal {n}", sizes, (cuts,) * len(sizes))

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
-from tpc.ir.files import atomic_write_text
+from tpc.ir.files import atomic_write_text, fsync_folder
 
 FORMAT = 2  # the layout `tpc run` writes (model_state.py)
 READABLE = (1, 2)  # the layouts this version reads
@@ -174,22 +174,9 @@ def _replace_dir(root: Path, tmp: Path, final: Path) -> None:
             shutil.rmtree(old)
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_folder(root)
     if old is not None:
         shutil.rmtree(old)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some file systems cannot open directories; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------ finding
