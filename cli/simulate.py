@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from tpc.compiler.costmodel.resolve import plan_cost_model
 from tpc.compiler.predict import timeline
 from tpc.compiler.predict.chrome_trace import read_trace
-from tpc.compiler.costmodel.resolve import plan_cost_model
 from tpc.compiler.predict.sim_report import format_eval_report, format_report
 from tpc.compiler.predict.simulate import simulate
-from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.compiler.torch_schedule.load import load_checked_plan
+from tpc.ir.diagnostics import Diagnostic, TpirError
 
 
 def _writing(option: str, path: str, write) -> None:

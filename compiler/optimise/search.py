@@ -52,13 +52,13 @@ from typing import Callable
 
 import numpy as np
 
-from tpc.compiler.optimise.balance import Ranges, best_partition, minmax_partition
 from tpc.compiler.costmodel.base import transfer_times
-from tpc.compiler.predict.quantities import format_bytes
 from tpc.compiler.costmodel.source import CostSource
+from tpc.compiler.optimise.balance import Ranges, best_partition, minmax_partition
 from tpc.compiler.optimise.slice_optimiser import DEFAULT_GRANULARITY, Choice, optimise
 from tpc.compiler.optimise.slice_optimiser import explain as explain_choice
 from tpc.compiler.optimise.slicing import even_split
+from tpc.compiler.predict.quantities import format_bytes
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Header, Microbatch
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tpc.compiler.optimise import terapipe_dp as dp
 from tpc.compiler.costmodel.base import CostModel, slot_times
+from tpc.compiler.optimise import terapipe_dp as dp
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 DEFAULT_GRANULARITY = 8
