@@ -177,7 +177,7 @@ def simulated_time(plan_path: str, profile: str | None = None) -> float:
     """`tpc simulate PLAN --cost PROFILE`'s iteration time (seconds), or with unit costs
     scaled by slice length (units) when there is no profile."""
     from tpc.compiler.costmodel.resolve import plan_cost_model
-    from tpc.compiler.simulate import simulate
+    from tpc.compiler.predict.simulate import simulate
     from tpc.ir.verify import verify_file
 
     plan = verify_file(plan_path)

@@ -19,7 +19,7 @@ import time
 
 from tpc.compiler.costmodel import AnalyticCostModel, ModelShapes, even_layers
 from tpc.compiler.costmodel.devices import V100
-from tpc.compiler.slice_optimiser import optimise
+from tpc.compiler.optimise.slice_optimiser import optimise
 
 
 def run(L: int, batch: int, K: int = 96, granularity: int = 8):
@@ -38,7 +38,7 @@ def run_search(L: int, batch: int, microbatches: int, ranks: int):
     from tpc.cli.compile import check_options
     from tpc.compiler.compile import header_maker, search_space
     from tpc.compiler.costmodel.resolve import load_cost_source
-    from tpc.compiler.search import search_plan
+    from tpc.compiler.optimise.search import search_plan
 
     shapes = ModelShapes(layers=24, hidden=2048, heads=16, vocab=50257)
     n = shapes.layers + 2

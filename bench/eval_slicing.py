@@ -3,7 +3,7 @@
 The model is bench/models/gpt_untied.py's `long` (examples/gpt.py, 4 layers, width 256), one
 micro-batch of one sequence of L tokens, 2 pipeline stages on 2 gloo ranks with one thread each.
 `tpc compile --slices auto --cost PROFILE` (the CPU profile from `tpc profile`, run first) writes
-the plan; its evaluation program is sliced by the DP without backward (compiler/evaluation.py).
+the plan; its evaluation program is sliced by the DP without backward (compiler/lowering/eval_program.py).
 Beside it, the same plan with an unsliced evaluation program (one slice of L tokens).
 
 Measured: blocks of evaluations (one batch each, `Evaluation.run`, what `tpc run --eval-data`
@@ -47,7 +47,7 @@ class _Batches:
 
 def variants(plan):
     """(label, plan) of the compiled plan and the same with an unsliced evaluation program."""
-    from tpc.compiler.evaluation import eval_program
+    from tpc.compiler.lowering.eval_program import eval_program
 
     h = plan.header
     whole = tuple(dataclasses.replace(m, slices=((0, h.shape.seq),)) for m in plan.eval.microbatches)
@@ -84,7 +84,7 @@ def rank_alternate(rank: int, world: int, plan_path: str, repeats: int, block: i
 
 def predicted(plan, profile: str) -> float:
     from tpc.compiler.costmodel import load_cost_model
-    from tpc.compiler.simulate import simulate
+    from tpc.compiler.predict.simulate import simulate
 
     h = plan.header
     costs = load_cost_model(cost=profile, stage_units=[s.units for s in h.stages], num_units=h.units.count,

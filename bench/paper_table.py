@@ -19,7 +19,7 @@ import time
 
 from tpc.compiler.costmodel import AnalyticCostModel, ModelShapes, even_layers
 from tpc.compiler.costmodel.devices import V100
-from tpc.compiler.slice_optimiser import optimise
+from tpc.compiler.optimise.slice_optimiser import optimise
 
 L = 2048
 GRANULARITY = 8

@@ -23,7 +23,7 @@ import time
 import types
 from pathlib import Path
 
-from tpc.compiler.lower import lower
+from tpc.compiler.lowering.lower import lower
 from tpc.compiler.schedules import build_schedule
 from tpc.ir.nodes import (
     Header,

@@ -7,7 +7,7 @@ pipeline ranks (gloo, one thread per rank). The schedules that put several model
 others one; chimera's ranks each hold a weight replica of two of the 4 stages. The CPU profile comes from `tpc profile` run first (at L=256, micro-batches of 2).
 
 Predicted: `tpc simulate PLAN --cost PROFILE`: the iteration time, and per rank the peak of what
-a step adds to memory (compiler/memory.py at its peak: gradients, live activations, KV caches and
+a step adds to memory (compiler/predict/memory.py at its peak: gradients, live activations, KV caches and
 their gradients, a split backward's held gradients, received messages; the parameters and the
 optimizer state are there before the step).
 Measured: each plan in 4 fresh processes (`run_plan`, what `tpc run` runs under torchrun), plain
@@ -73,7 +73,7 @@ def rank_measure(rank: int, world: int, plan_path: str, warmup: int, steps: int)
 def predicted(plan_path: str, profile: str):
     """(iteration time s, per pipeline rank the bytes a step adds at its peak)."""
     from tpc.compiler.costmodel.resolve import plan_cost_model
-    from tpc.compiler.simulate import simulate
+    from tpc.compiler.predict.simulate import simulate
     from tpc.ir.verify import verify_file
 
     plan = verify_file(plan_path)

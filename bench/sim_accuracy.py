@@ -45,14 +45,15 @@ def measure(plan: str, trace: str, steps: int) -> None:
 
 def compare(plan_path: str, profile: str, trace: str):
     """What `tpc simulate PLAN --cost PROFILE --compare TRACE` prints, as rows."""
-    from tpc.compiler import timeline
+    from tpc.compiler.predict import timeline
+    from tpc.compiler.predict.chrome_trace import read_trace
     from tpc.compiler.costmodel.resolve import plan_cost_model
-    from tpc.compiler.simulate import simulate
+    from tpc.compiler.predict.simulate import simulate
     from tpc.ir.verify import verify_file
 
     plan = verify_file(plan_path)
     result = simulate(plan, plan_cost_model(plan.header, cost=profile))
-    return timeline.compare(result, timeline.read_trace(trace)).rows
+    return timeline.compare(result, read_trace(trace)).rows
 
 
 def main(argv=None) -> int:

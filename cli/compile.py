@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from tpc.compiler.compile import CompileOptions, compile_to_file
-from tpc.compiler.slicing import AUTO, slice_example
+from tpc.compiler.optimise.slicing import AUTO, slice_example
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 

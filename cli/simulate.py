@@ -3,19 +3,25 @@
 
 from __future__ import annotations
 
-from tpc.compiler import timeline
+from dataclasses import replace
+
 from tpc.compiler.costmodel.resolve import plan_cost_model
-from tpc.compiler.sim_report import format_eval_report, format_report
-from tpc.compiler.simulate import simulate
-from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.compiler.predict import timeline
+from tpc.compiler.predict.chrome_trace import read_trace
+from tpc.compiler.predict.sim_report import format_eval_report, format_report
+from tpc.compiler.predict.simulate import simulate
 from tpc.compiler.torch_schedule.load import load_checked_plan
+from tpc.ir.diagnostics import Diagnostic, TpirError
 
 
 def _writing(option: str, path: str, write) -> None:
-    """Run `write`; a file that cannot be written is the user's error, not a traceback."""
+    """Run `write` (which writes through tpc.ir.files, so a failure says why in words); the
+    error is located at `option`, the flag that named the file."""
     try:
         write()
-    except OSError as e:
+    except TpirError as e:
+        raise TpirError([replace(d, where=option) for d in e.diagnostics]) from None
+    except OSError as e:  # e.g. matplotlib's own checks before it writes
         raise TpirError(Diagnostic(
             f"cannot write {path}: {e.strerror or e}",
             where=option,
@@ -43,7 +49,7 @@ def cmd_simulate(args) -> int:
         _writing("--png", args.png, lambda: timeline.write_gantt(result, args.png))
         print(f"timeline: {args.png}")
     if args.compare:
-        comparison = timeline.compare(result, timeline.read_trace(args.compare))
+        comparison = timeline.compare(result, read_trace(args.compare))
         print(f"\npredicted vs measured ({args.compare}):")
         print(timeline.format_comparison(comparison))
     return 0
@@ -52,8 +58,8 @@ def cmd_simulate(args) -> int:
 def simulate_bundle(args) -> int:
     """A plan bundle: each plan's table, then one line per length side by side (the predicted
     step time, and the time per token, which a curriculum trades against the loss)."""
-    from tpc.compiler.timeline import slices_summary
-    from tpc.compiler.quantities import format_quantity
+    from tpc.compiler.predict.timeline import slices_summary
+    from tpc.compiler.predict.quantities import format_quantity
     from tpc.ir.verify.bundle import load_bundle
 
     for option in ("trace", "png", "compare"):

@@ -21,10 +21,10 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from tpc.compiler.recompute import OPTION as RECOMPUTE
+from tpc.compiler.lowering.recompute import OPTION as RECOMPUTE
 from tpc.compiler.schedules import SCHEDULES, build_schedule, replicas, stages_per_rank, with_replicas
 from tpc.compiler.schedules.placement import vshape
-from tpc.compiler.slicing import AUTO, check_slices, equal_slices, ranges_of
+from tpc.compiler.optimise.slicing import AUTO, check_slices, equal_slices, ranges_of
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import (
     Header,
@@ -374,7 +374,7 @@ def search_space(opts: CompileOptions, num_units: int, split=None):
     """What the plan search may choose (compiler/search.py): the meshes of --stages auto
     --ranks N or the given one, every schedule or the given one, the optimiser's slicing or
     the given slices. `split` (pipe, data, ranges) fixes the mesh and the stage partition."""
-    from tpc.compiler.search import AUTO_SCHEDULES, Space, meshes_for_ranks
+    from tpc.compiler.optimise.search import AUTO_SCHEDULES, Space, meshes_for_ranks
 
     if opts.stages_auto:
         meshes, skipped = meshes_for_ranks(opts.ranks, num_units, opts.batch, opts.microbatch_count or 1)
@@ -401,8 +401,8 @@ def search_space(opts: CompileOptions, num_units: int, split=None):
 def search_header(opts: CompileOptions, source, make_header, progress, split=None) -> Header:
     """The header of the plan the search chooses among what the 'auto' options leave open;
     with nothing open, the given plan on the cost-balanced partition (on `split`'s, when given)."""
-    from tpc.compiler.search import explain as explain_search
-    from tpc.compiler.search import search_plan
+    from tpc.compiler.optimise.search import explain as explain_search
+    from tpc.compiler.optimise.search import search_plan
 
     space = search_space(opts, source.num_units, split)
     with progress.step("search") as d:
@@ -444,7 +444,7 @@ def compile_plan(model_path: str, options: CompileOptions, split=None) -> Plan:
     """Compile `model_path` into a verified plan (see the module docstring). `split`, a
     (pipe, data, stage unit ranges) triple, fixes the mesh and the stage partition (the plans
     of a bundle share one); the rest is chosen as the options say."""
-    from tpc.compiler.lower import lower
+    from tpc.compiler.lowering.lower import lower
     from tpc.ir.verify import check
 
     opts = options
@@ -491,7 +491,7 @@ def compile_plan(model_path: str, options: CompileOptions, split=None) -> Plan:
             auto_slices_without_costs(opts, progress)
     eval_mbs = header.microbatches
     if opts.searching:  # the evaluation's own micro-batches and slices: the DP without backward
-        from tpc.compiler.evaluation import eval_slicing
+        from tpc.compiler.lowering.eval_program import eval_slicing
 
         with progress.step("eval DP") as d:
             eval_mbs = eval_slicing(source.for_stages([st.units for st in header.stages]), header,
@@ -509,7 +509,7 @@ def compile_plan(model_path: str, options: CompileOptions, split=None) -> Plan:
         plan = lower(header, compute, verify=False, comm=opts.comm)  # verified next, on its own
         d.append(f"{sum(len(p.instrs) for p in plan.ranks)} instructions")
     with progress.step("eval") as d:
-        from tpc.compiler.evaluation import eval_program
+        from tpc.compiler.lowering.eval_program import eval_program
 
         plan = dataclasses.replace(plan, eval=eval_program(header, eval_mbs, opts.comm))
         d.append(f"forward only, {sum(len(p.instrs) for p in plan.eval.ranks)} instructions")
@@ -534,7 +534,7 @@ def recompute_stages(header: Header, compute, opts: CompileOptions, source, prog
     """`--recompute full`: every stage's forwards checkpointed and recomputed before their
     backward; `auto`: the stage-aware planner's choice under --memory-per-rank
     (compiler/recompute.py), said in one line (and with --explain, each rank's peak)."""
-    from tpc.compiler import recompute
+    from tpc.compiler.lowering import recompute
 
     with progress.step("recompute") as d:
         if opts.recompute == "auto":
@@ -549,7 +549,7 @@ def recompute_stages(header: Header, compute, opts: CompileOptions, source, prog
                                           if full else "nothing recomputed"))
     if opts.recompute == "auto" and opts.explain:
         after = recompute.peaks(header, out, costs)
-        from tpc.compiler.quantities import format_quantity
+        from tpc.compiler.predict.quantities import format_quantity
 
         def fmt(n):
             return format_quantity(n, costs.memory_unit)

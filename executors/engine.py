@@ -543,16 +543,12 @@ def _key_order(key: Message):
     return (key.payload.value, key.receiver_stage, key.mb, key.slice)
 
 
-def chrome_trace(events: Iterable[TraceEvent]) -> dict:
-    """The measured timeline as Chrome-trace JSON: one "X" event per instruction, one pid per
-    rank, times in microseconds."""
-    out = []
-    for e in events:
-        out.append({
-            "name": e.instr, "ph": "X", "pid": e.rank, "tid": 0,
-            "ts": round(e.start * 1e6, 3), "dur": round((e.end - e.start) * 1e6, 3),
-            "args": {"rank": e.rank, "line": e.line, "instr": e.instr, "step": e.step},
-        })
-    meta = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
-            for r in sorted({e["pid"] for e in out})]
-    return {"traceEvents": meta + out, "displayTimeUnit": "ms"}
+def measured_trace(events: Iterable[TraceEvent]) -> dict:
+    """The measured timeline in the one trace format (tpc.compiler.predict.chrome_trace): one
+    "X" event per executed instruction, pid = the global rank, microseconds (to the ns)."""
+    from tpc.compiler.predict.chrome_trace import TimedInstr, trace_document
+
+    instrs = [TimedInstr(rank=e.rank, instr=e.instr, ts=round(e.start * 1e6, 3),
+                         dur=round((e.end - e.start) * 1e6, 3), step=e.step, line=e.line)
+              for e in events]
+    return trace_document(instrs, ranks={t.rank for t in instrs}, source="run")

@@ -16,7 +16,6 @@ would compute with the original's modules).
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,11 +250,12 @@ class Reporter:
 
 
 def write_trace(path: str, events) -> None:
-    from tpc.executors.engine import chrome_trace
+    from tpc.compiler.predict.chrome_trace import write_trace_file
+    from tpc.executors.engine import measured_trace
 
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(chrome_trace(events)), encoding="utf-8")
+    write_trace_file(out, measured_trace(events))
     print(f"trace: {path} ({len(events)} instructions)", file=sys.stderr)
 
 

@@ -1,6 +1,6 @@
 """Runs one pipeline stage one token slice at a time, owning its KV caches and their gradients.
 
-Semantics (design card, section 4): a slice's forward reads the keys/values of the earlier slices
+Semantics (DESIGN.md section 4): a slice's forward reads the keys/values of the earlier slices
 of its micro-batch as a detached leaf that requires grad, so its backward leaves there the
 gradients it sends into them. When an earlier slice runs backward, the gradients later slices
 sent into its keys/values are the upstream gradients of its K/V outputs: one autograd call over

@@ -270,7 +270,7 @@ class RecvAhead:
 
     The distributed executor posts by it (executors/distributed.py, `before_instruction`), and
     the memory model counts a receive's buffer from the instruction it is posted at
-    (compiler/memory.py). `nbytes(index)`: the bytes of the receive at `index`. Under NCCL's
+    (compiler/predict/memory.py). `nbytes(index)`: the bytes of the receive at `index`. Under NCCL's
     rules each receive is issued at its own instruction: `computes=0`."""
 
     COMPUTES = 8  # bench/recv_lookahead.py: steps 0.7-7% shorter than 2 on 2 CPU ranks
@@ -371,7 +371,7 @@ def comm_entries(rank: int, instrs: Sequence[Instr], keep=None) -> list[Entry]:
 
 
 @dataclass
-class Blocked:
+class Stuck:
     """Where a rank stays for ever: the instruction it blocks on and the ranks it waits for."""
 
     at: int
@@ -382,7 +382,7 @@ class Blocked:
 
 
 def run_comm(entries: Sequence[Sequence[Entry]], tie_ranks: Mapping[str, frozenset[int]],
-             comm: str, repair=None) -> dict[int, Blocked]:
+             comm: str, repair=None) -> dict[int, Stuck]:
     """Run every rank's entries under `comm`'s rules (GLOO or NCCL, the module docstring);
     the ranks that never finish, with where they block. Every receive must have its one
     send (the verifier runs this only then). A reduce-tied of a tie not in `tie_ranks` is
@@ -390,7 +390,7 @@ def run_comm(entries: Sequence[Sequence[Entry]], tie_ranks: Mapping[str, frozens
 
     `repair(stuck) -> {rank: [message keys]}` (NCCL only; lowering uses it) may, when every
     rank is stuck, add operations to the blocked ranks' current entries (`entries` are then
-    lists it changes in place, `Blocked.entry` saying which); the run goes on with those
+    lists it changes in place, `Stuck.entry` saying which); the run goes on with those
     operations posted, and ends when `repair` returns nothing."""
     n = len(entries)
     ptr = [0] * n
@@ -483,24 +483,24 @@ def _drain(entries, tie_ranks, nccl, ptr, sub, sent, matched, waiting_msg, arriv
             advance(r)
 
 
-def _stuck(entries, tie_ranks, nccl, ptr, sub, matched, arrived) -> dict[int, Blocked]:
+def _stuck(entries, tie_ranks, nccl, ptr, sub, matched, arrived) -> dict[int, Stuck]:
     """Where each unfinished rank blocks (the end of `run_comm`)."""
     n = len(entries)
-    stuck: dict[int, Blocked] = {}
+    stuck: dict[int, Stuck] = {}
     for r in range(n):
         if ptr[r] >= len(entries[r]):
             continue
         e = entries[r][ptr[r]]
         if e.tie is not None:
-            stuck[r] = Blocked(e.at, sorted(tie_ranks[e.tie] - arrived.get(e.tie, set())), [],
+            stuck[r] = Stuck(e.at, sorted(tie_ranks[e.tie] - arrived.get(e.tie, set())), [],
                                ptr[r])
         elif nccl:
             missing = [(p, key, peer) for p, key, _, peer in e.p2p if key not in matched]
-            stuck[r] = Blocked(missing[0][0], sorted({peer for _, _, peer in missing}),
+            stuck[r] = Stuck(missing[0][0], sorted({peer for _, _, peer in missing}),
                                [key for _, key, _ in missing], ptr[r])
         else:
             p, key, _, peer = e.p2p[sub[r]]
-            stuck[r] = Blocked(p, [peer], [key], ptr[r])
+            stuck[r] = Stuck(p, [peer], [key], ptr[r])
     return stuck
 
 

@@ -90,7 +90,7 @@ class CostModel(ABC):
 
     def message_bytes(self, l: int, mb_size: int) -> float:
         """Bytes of a received activation or gradient while it waits for the compute that uses
-        it (compiler/memory.py, "messages"): the activation's."""
+        it (compiler/predict/memory.py, "messages"): the activation's."""
         return self.activation_bytes(l, mb_size)
 
     def held_grad_bytes(self, stage: int, l: int, c: int, mb_size: int) -> float:

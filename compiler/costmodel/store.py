@@ -18,6 +18,7 @@ import msgpack
 
 from tpc.compiler.costmodel.fit import CurveFit, StashFit
 from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.files import atomic_write_bytes
 
 PROFILE_FORMAT = "tpc-profile"
 PROFILE_VERSION = 5
@@ -193,7 +194,7 @@ def _reprofile_hint(obj: dict, path: Path) -> str:
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
-    Path(path).write_bytes(msgpack.packb(_to_obj(profile), use_bin_type=True))
+    atomic_write_bytes(path, msgpack.packb(_to_obj(profile), use_bin_type=True))
 
 
 def load_profile(path: str | Path, model_sha256: str | None = None, device: str | None = None) -> Profile:

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from tpc.compiler.frontend.axes import size_expr
+from tpc.compiler.optimise.balance import minmax_partition
 
 
 @dataclass
@@ -108,26 +109,6 @@ def _outside_label(nodes: list[fx.Node]) -> str:
 
 
 def partition_balanced(weights: list[int], n_stages: int) -> list[tuple[int, int]]:
-    """Contiguous ranges tiling [0, len(weights)) minimising the heaviest range (ties: earlier
-    cuts first, so the result is deterministic)."""
-    n = len(weights)
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    # best[k][i]: minimal max-weight splitting units [0, i) into k ranges
-    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
-    arg = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0
-    for k in range(1, n_stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                c = max(best[k - 1][j], prefix[i] - prefix[j])
-                if c < best[k][i]:
-                    best[k][i], arg[k][i] = c, j
-    ranges, i = [], n
-    for k in range(n_stages, 0, -1):
-        j = arg[k][i]
-        ranges.append((j, i))
-        i = j
-    return ranges[::-1]
+    """Contiguous ranges tiling [0, len(weights)) minimising the heaviest range: the optimiser's
+    min-max DP (`tpc.compiler.optimise.balance.minmax_partition`, its tie rule there), as a list."""
+    return list(minmax_partition(weights, n_stages))

@@ -2,7 +2,7 @@
 
 A schedule builder turns a `Header` into each pipeline rank's COMPUTE order: a list of
 forward/backward instructions per rank, nothing else (loads, communication, gradient
-reduction and the optimizer step are added by `tpc.compiler.lower`).
+reduction and the optimizer step are added by `tpc.compiler.lowering.lower`).
 
 Two ways of building one appear in the builders:
 

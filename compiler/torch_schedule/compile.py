@@ -15,7 +15,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from tpc.compiler.slicing import AUTO
+from tpc.compiler.optimise.slicing import AUTO
 from tpc.compiler.torch_schedule.actions import read_csv
 from tpc.compiler.torch_schedule.importer import plan_from_schedule
 from tpc.compiler.torch_schedule.layout import layout_of, place
@@ -85,7 +85,7 @@ def compile_schedule_file(model_path: str, schedule_file: str, *, seq_len: int, 
     imported = plan_from_schedule(sched, header, slice_map.units if slice_map else None)
     say(f"  schedule   {schedule_file}: {layout.ranks} ranks, {layout.stages} stages, "
         f"{layout.microbatches} torch micro-batches; {imported.summary()}")
-    from tpc.compiler.evaluation import eval_program
+    from tpc.compiler.lowering.eval_program import eval_program
 
     # the evaluation program: the forward of the header's micro-batches and slices, as `tpc
     # compile` writes it without a cost model

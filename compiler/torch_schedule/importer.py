@@ -8,7 +8,7 @@ Micro-batch index k is the k-th (micro-batch, token slice) of the header (`slice
 
 The two forms torch writes are read as follows.
 
-* compute only (`_dump_csv` of `pipeline_order`): tpc's own lowering (compiler/lower.py) adds
+* compute only (`_dump_csv` of `pipeline_order`): tpc's own lowering (compiler/lowering/lower.py) adds
   the sends and receives, loads, free-kv, gradient reductions and the step. A compute order that
   cannot run (a dependency broken, a cycle of ranks waiting for each other) is reported by the
   verifier at the cell of the computation concerned.
@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from tpc.compiler import lower as lowering
+from tpc.compiler.lowering import lower as lowering
 from tpc.compiler.torch_schedule import actions as A
 from tpc.compiler.torch_schedule.actions import Action, TorchCsv
 from tpc.compiler.torch_schedule.cells import Cells, Origin
@@ -186,7 +186,7 @@ class _Fsdp:
 
 
 def _lower(header: Header, streams: dict[int, list[Instr]], *, comms: bool):
-    """The lowering passes of compiler/lower.py, for NCCL's rules; the CSV's own communication
+    """The lowering passes of compiler/lowering/lower.py, for NCCL's rules; the CSV's own communication
     replaces `insert_comm` when it has some, and its REDUCE_GRAD the `allreduce` tpc would
     place."""
     out = {r: tuple(s) for r, s in streams.items()}

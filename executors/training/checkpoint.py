@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.files import atomic_write_text, fsync_folder
 
 FORMAT = 2  # the layout `tpc run` writes (model_state.py)
 READABLE = (1, 2)  # the layouts this version reads
@@ -155,15 +156,13 @@ def _write_shards(tmp: Path, shards: dict, process_group, distributed: bool) -> 
 
 def _write_meta(tmp: Path, meta: dict) -> None:
     """tpc.json goes in last: a step directory with it is complete."""
-    _write_durably(tmp / META_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    atomic_write_text(tmp / META_FILE, json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
 def _publish(root: Path, tmp: Path, final: Path) -> None:
     """Rename the finished directory into place, then point `latest` at it."""
     _replace_dir(root, tmp, final)
-    _write_durably(root / (LATEST + ".tmp"), final.name + "\n")
-    os.replace(root / (LATEST + ".tmp"), root / LATEST)
-    _fsync_dir(root)
+    atomic_write_text(root / LATEST, final.name + "\n")
 
 
 def _replace_dir(root: Path, tmp: Path, final: Path) -> None:
@@ -175,29 +174,9 @@ def _replace_dir(root: Path, tmp: Path, final: Path) -> None:
             shutil.rmtree(old)
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_dir(root)
+    fsync_folder(root)
     if old is not None:
         shutil.rmtree(old)
-
-
-def _write_durably(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # some file systems cannot open directories; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ------------------------------------------------------------------------------ finding

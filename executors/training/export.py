@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from tpc.executors.training.model_state import layout_of, listing, read_params
 from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.files import atomic_path, atomic_write_text, atomic_writer
 
 FORMATS = ("pt", "safetensors", "hf")
 _SUFFIXES = {".pt": "pt", ".pth": "pt", ".bin": "pt", ".safetensors": "safetensors"}
@@ -79,11 +80,12 @@ def write_export(checkpoint: str | os.PathLike, output: str | os.PathLike,
         return sd, meta, fmt
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "pt":
-        torch.save(sd, out)
+        with atomic_writer(out, "wb") as f:
+            torch.save(sd, f)
     else:
         write_safetensors(sd, out)
     sidecar = {k: meta[k] for k in ("model_path", "factory", "sha256", "step", "seq", "vocab") if k in meta}
-    Path(f"{out}.json").write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    atomic_write_text(f"{out}.json", json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
     return sd, meta, fmt
 
 
@@ -114,7 +116,8 @@ def write_safetensors(sd: dict[str, torch.Tensor], out: Path) -> None:
             continue
         seen.add(id(value))
         tensors[key] = value.detach().contiguous()
-    save_file(tensors, str(out), metadata={"format": "pt"})
+    with atomic_path(out) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
 
 
 def is_hf_model(model: nn.Module) -> bool:

@@ -29,6 +29,8 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
+from tpc.ir.files import atomic_write_text
+
 _RECENT = 10
 
 
@@ -195,7 +197,7 @@ def _finite(v):
 
 def _truncate_after(path: str, step: int) -> None:
     """Keep the rows of steps <= `step` (and any line that is not a row, e.g. half a line a crash
-    left, is dropped too: it would not parse). Rewritten through a temporary file and os.replace."""
+    left, is dropped too: it would not parse). Rewritten all or nothing (tpc.ir.files)."""
     kept = []
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -205,7 +207,4 @@ def _truncate_after(path: str, step: int) -> None:
                 continue
             if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(kept))

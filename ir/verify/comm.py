@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from tpc.ir.nodes import Instr, Plan
+from tpc.ir.nodes import Plan
 from tpc.ir.semantics import (
     GLOO,
     NCCL,
-    Message,
-    channel,
     comm_entries,
     exchange_span,
-    message,
+    message_key,
     run_comm,
     wait_chain,
 )
@@ -24,11 +22,6 @@ from tpc.ir.verify.report import O, Index, Report, Shape
 # ------------------------------------------------------------------------------------ FIFO
 
 
-def _message(ins: Instr, r: int) -> tuple[int, int, Message]:
-    """(sender rank, receiver rank, message) of a send or receive."""
-    return (*channel(r, ins), message(ins))
-
-
 def _channels(plan: Plan, idx: Index):
     """(src, dst) -> ([(position, message)] of sends on src, the same of receives on dst)."""
     chans: dict[tuple[int, int], tuple[list, list]] = defaultdict(lambda: ([], []))
@@ -36,7 +29,7 @@ def _channels(plan: Plan, idx: Index):
         ok = idx.valid[r]
         for p, ins in enumerate(rp.instrs):
             if ok[p] and ins.op in (O.SEND, O.RECV):
-                src, dst, msg = _message(ins, r)
+                src, dst, msg = message_key(r, ins)
                 chans[(src, dst)][ins.op is O.RECV].append((p, msg))
     return chans
 
@@ -126,7 +119,7 @@ def _report_deadlock(plan, idx, rep, stuck, comm) -> None:
         ins = plan.ranks[r].instrs[b.at]
         if ins.op is O.RECV and comm == GLOO:
             src = ins.peer
-            sp = send_at.get(_message(ins, r)[2])
+            sp = send_at.get(message_key(r, ins)[2])
             message = (f"deadlock: rank {r} waits here forever for rank {src}, which never "
                        f"reaches its matching send")
             fix = ""
@@ -158,7 +151,7 @@ def _send_positions(plan: Plan, idx: Index) -> dict[tuple, int]:
     for r, rp in enumerate(plan.ranks):
         for p, ins in enumerate(rp.instrs):
             if idx.valid[r][p] and ins.op is O.SEND:
-                out.setdefault(_message(ins, r)[2], p)
+                out.setdefault(message_key(r, ins)[2], p)
     return out
 
 

@@ -6,7 +6,7 @@ tracing a model.
 
 from __future__ import annotations
 
-from tpc.compiler.slicing import equal_slices, ranges_of
+from tpc.compiler.optimise.slicing import equal_slices, ranges_of
 from tpc.ir.nodes import Header, MeshLine, Microbatch, ModelLine, ScheduleLine, ShapeLine, Stage, Tie, UnitsLine
 
 SEQ = 24  # divisible by 1, 3 and 8: equal slices of a whole length

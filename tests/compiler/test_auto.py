@@ -20,17 +20,17 @@ from tpc.compiler.compile import compile_plan, header_maker, microbatch_sizes, s
 from tpc.compiler.frontend import read_vocab
 from tpc.compiler.costmodel.resolve import load_cost_source
 from tpc.compiler.costmodel.store import save_profile
-from tpc.compiler.lower import lower
-from tpc.compiler.slice_optimiser import DEFAULT_GRANULARITY
+from tpc.compiler.lowering.lower import lower
+from tpc.compiler.optimise.slice_optimiser import DEFAULT_GRANULARITY
 from tpc.compiler.schedules import build_schedule, stages_per_rank
-from tpc.compiler.quantities import format_bytes
-from tpc.compiler.search import AUTO_SCHEDULES, search_plan
+from tpc.compiler.predict.quantities import format_bytes
+from tpc.compiler.optimise.search import AUTO_SCHEDULES, search_plan
 
 # the tiny model ties its head to its embedding: chimera refuses it, so the search leaves it out
 # (tests/compiler/test_schedules_chimera.py; the untied case in test_chimera_is_searched below)
 TIED_SEARCHED = tuple(n for n in AUTO_SCHEDULES if n != "chimera")
-from tpc.compiler.simulate import simulate
-from tpc.compiler.slicing import equal_slices
+from tpc.compiler.predict.simulate import simulate
+from tpc.compiler.optimise.slicing import equal_slices
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.nodes import Microbatch, ScheduleLine
 from tests.compiler.costmodel import synthetic
@@ -122,7 +122,7 @@ def test_pruning_bound_is_a_lower_bound(tiny, source):
     """busy_bound never exceeds a simulated time, so a candidate it rules out is slower than
     the chosen plan."""
     from tpc.compiler.schedules import stages_per_rank
-    from tpc.compiler.search import busy_bound
+    from tpc.compiler.optimise.search import busy_bound
 
     result = search(tiny, source, stages="auto", ranks=4, microbatches=1, schedule="auto")
     assert {"zbv", "1f1b"} <= {c.schedule for c in result.candidates}
@@ -202,7 +202,7 @@ def test_equally_fast_schedules_go_to_the_smaller_one(tiny, synthetic_path):
     schedules are faster (their deferred weight gradients fill the bubble), zb-h1 and zb-h2
     equally so here; zb-h1 holds less, so it wins the search. (Under NCCL's rules, the default,
     terapipe's and gpipe's late receives expose their transfers: see the next test.)"""
-    from tpc.compiler.search import _fastest
+    from tpc.compiler.optimise.search import _fastest
 
     free = _fixed_slices_search(tiny, _source(synthetic_path, tiny), comm="gloo")
     by_name = {c.schedule: c for c in free.candidates}
@@ -376,7 +376,7 @@ def test_microbatches_auto_takes_the_knapsacks_sizes(tiny, source):
     """With --microbatches auto the optimiser's batch knapsack chooses how many micro-batches
     and of what size, for the partition the search settled on; the equal slicings it is
     compared with use the same micro-batches."""
-    from tpc.compiler.slice_optimiser import optimise
+    from tpc.compiler.optimise.slice_optimiser import optimise
 
     result = search(tiny, source, microbatches="auto")
     dp = [c for c in result.candidates if c.slicing.origin == "dp"]

@@ -10,7 +10,7 @@ import pytest
 
 from tpc.cli.compile import check_options
 from tpc.compiler.compile import compile_plan, compile_to_file, microbatch_sizes
-from tpc.compiler.slicing import equal_slices, ranges_of
+from tpc.compiler.optimise.slicing import equal_slices, ranges_of
 from tpc.ir.diagnostics import TpirError
 
 TINY = str(Path(__file__).parent / "models" / "tiny_gpt.py")
@@ -204,7 +204,7 @@ def test_auto_slices_take_the_optimisers_choice(capsys):
     of the tiny GPT's traced graph (2 layers, width 32, 2 heads, vocabulary 64)."""
     from tpc.compiler.costmodel.resolve import load_cost_model
     from tpc.compiler.frontend import SlicedModel, load_model
-    from tpc.compiler.slice_optimiser import optimise
+    from tpc.compiler.optimise.slice_optimiser import optimise
 
     plan = compile_plan(TINY, check_options(stages="2", microbatches=2, seq_len=64, batch=4, slices="auto",
                         device_model="h100", explain=True))  # fmt: skip

@@ -69,7 +69,7 @@ def test_recompute_full_checkpoints_every_forward_and_recomputes_before_its_back
 def test_recompute_auto_recomputes_the_stages_over_the_budget_and_says_so(tmp_path, capsys):
     from tpc.compiler.costmodel.resolve import load_cost_source
     from tpc.compiler.frontend import SlicedModel, load_model, read_vocab
-    from tpc.compiler.memory import rank_memory
+    from tpc.compiler.predict.memory import rank_memory
 
     args = ["--schedule", "1f1b", "--stages", "4", "--slices", "2", "--device-model", "a100"]
     free = parse(compile_cli(tmp_path, "f.tpir", *args).read_text())

@@ -1,4 +1,4 @@
-"""The evaluation program the compiler emits (compiler/evaluation.py): valid for any mesh and
+"""The evaluation program the compiler emits (compiler/lowering/eval_program.py): valid for any mesh and
 stage placement, forward only, priced by the simulator; and the slice DP without backward
 (`optimise(..., backward=False)`), against brute force."""
 
@@ -14,11 +14,11 @@ from tests.compiler.costmodel.test_dp import partitions, slicings
 from tests.compiler.costmodel.toy import ToyCost
 from tpc.compiler.costmodel.base import slot_times
 from tpc.compiler.costmodel.unit import UnitCosts
-from tpc.compiler.evaluation import eval_program, eval_slicing
-from tpc.compiler.lower import lower
+from tpc.compiler.lowering.eval_program import eval_program, eval_slicing
+from tpc.compiler.lowering.lower import lower
 from tpc.compiler.schedules import build_schedule
-from tpc.compiler.simulate import simulate
-from tpc.compiler.slice_optimiser import optimise
+from tpc.compiler.predict.simulate import simulate
+from tpc.compiler.optimise.slice_optimiser import optimise
 from tpc.ir.nodes import EVAL_OPS, Microbatch, Op
 from tpc.ir.parse import parse
 from tpc.ir.printer import print_plan

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tpc.compiler import lower as L
+from tpc.compiler.lowering import lower as L
 from tpc.compiler.schedules import build_schedule, with_replicas
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.nodes import Instr, Op

@@ -5,8 +5,8 @@ the compute that uses it; what a rank sends is not counted."""
 from __future__ import annotations
 
 from tpc.compiler.costmodel.unit import UnitCosts
-from tpc.compiler.memory import rank_memory
-from tpc.compiler.simulate import simulate
+from tpc.compiler.predict.memory import rank_memory
+from tpc.compiler.predict.simulate import simulate
 from tpc.ir.nodes import COMPUTE_OPS, Op, Payload
 from tpc.ir.semantics import GLOO, NCCL, RecvAhead
 from tests.ir.plans import simple_plan

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tpc.compiler.lower import lower
+from tpc.compiler.lowering.lower import lower
 from tpc.compiler.schedules import SCHEDULES, build_schedule, placement_of, stages_per_rank
 from tpc.compiler.schedules.placement import PLACEMENTS
 from tpc.ir.diagnostics import TpirError

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from tpc.compiler.lower import lower
+from tpc.compiler.lowering.lower import lower
 from tpc.compiler.schedules import SCHEDULES, build_schedule
 from tpc.compiler.schedules.seq1f1b import warmup
 from tpc.ir.diagnostics import TpirError

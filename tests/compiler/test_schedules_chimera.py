@@ -17,10 +17,10 @@ import pytest
 
 from tpc.cli.compile import check_options
 from tpc.compiler.costmodel.unit import UnitCosts
-from tpc.compiler.lower import lower
-from tpc.compiler.memory import rank_memory
+from tpc.compiler.lowering.lower import lower
+from tpc.compiler.predict.memory import rank_memory
 from tpc.compiler.schedules import build_schedule, replicas, with_replicas
-from tpc.compiler.simulate import simulate
+from tpc.compiler.predict.simulate import simulate
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.nodes import Op
 from tpc.ir.parse import parse
@@ -248,7 +248,7 @@ def test_a_replica_the_stages_do_not_have_is_reported():
 def test_the_evaluation_runs_on_replica_0():
     plan = _plan()
     assert plan.eval is None or all(m.replica == 0 for m in plan.eval.microbatches)
-    from tpc.compiler.evaluation import eval_program
+    from tpc.compiler.lowering.eval_program import eval_program
 
     with_eval = dataclasses.replace(plan, eval=eval_program(plan.header))
     assert all(m.replica == 0 for m in with_eval.eval.microbatches)

@@ -9,8 +9,8 @@ import itertools
 
 import pytest
 
-from tpc.compiler import recompute
-from tpc.compiler.lower import lower
+from tpc.compiler.lowering import recompute
+from tpc.compiler.lowering.lower import lower
 from tpc.compiler.schedules import build_schedule, parameters, placement_of
 from tpc.compiler.schedules.placement import PLACEMENTS, chunks, looped, place, vshape
 from tpc.compiler.costmodel.unit import UnitCosts

@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from tpc.compiler.compile import CompileOptions
-from tpc.compiler.lower import lower
+from tpc.compiler.lowering.lower import lower
 from tpc.compiler.schedules import build_schedule, placement_of, stages_per_rank
 from tpc.compiler.schedules.placement import vshape
 from tpc.ir.diagnostics import TpirError
@@ -169,7 +169,7 @@ def test_a_rank_of_a_v_counts_the_parameters_of_both_its_stages():
     from dataclasses import dataclass
 
     from tpc.compiler.costmodel.unit import UnitCosts
-    from tpc.compiler.simulate import simulate
+    from tpc.compiler.predict.simulate import simulate
 
     @dataclass(frozen=True)
     class Weighted(UnitCosts):

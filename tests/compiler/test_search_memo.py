@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from tpc.compiler.search import _Memo
+from tpc.compiler.optimise.search import _Memo
 
 
 class Counting:

@@ -16,7 +16,7 @@ from torch.distributed.pipelining import schedules as S
 
 from tests.compiler.torch_schedules import CASES, FORWARD_ONLY, LOADERS, build, concrete_classes, dump, leaf_actions, stage
 from tpc.cli.main import main
-from tpc.compiler.lower import lower
+from tpc.compiler.lowering.lower import lower
 from tpc.compiler.schedules import build_schedule
 from tpc.compiler.torch_schedule.actions import parse_csv
 from tpc.compiler.torch_schedule.exporter import export_schedule, schedule_rows

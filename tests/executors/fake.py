@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpc.compiler.lower import lower
+from tpc.compiler.lowering.lower import lower
 from tpc.compiler.schedules import build_schedule
 from tpc.cli.compile import parse_slices
-from tpc.compiler.slicing import equal_slices, ranges_of
+from tpc.compiler.optimise.slicing import equal_slices, ranges_of
 from tpc.executors.engine import BuiltStage
 from tpc.ir.nodes import (
     Header,

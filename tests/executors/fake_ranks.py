@@ -89,7 +89,7 @@ def run_real_cases(rank: int, out_dir: str, cases: list[dict], timeout: float) -
 def run_buffered_only(rank: int, out_dir: str, case: dict, timeout: float) -> None:
     """Run, under NCCL's rules on gloo (`comm="nccl"`), the plan lowered for gloo's buffered
     sends (no exchanges): a plan that deadlocks on NCCL, run without the verifier."""
-    from tpc.compiler.lower import lower
+    from tpc.compiler.lowering.lower import lower
     from tpc.compiler.schedules import build_schedule
     from tests.executors.fake import fake_header
 

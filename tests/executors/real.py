@@ -17,9 +17,9 @@ from tpc.cli.compile import check_options
 from tpc.compiler.compile import build_header
 from tpc.compiler.frontend import read_vocab
 from tpc.compiler.frontend import SlicedModel, file_sha256
-from tpc.compiler.lower import lower
-from tpc.compiler.recompute import apply as apply_recompute
-from tpc.compiler.recompute import uniform
+from tpc.compiler.lowering.lower import lower
+from tpc.compiler.lowering.recompute import apply as apply_recompute
+from tpc.compiler.lowering.recompute import uniform
 from tpc.compiler.schedules import build_schedule, placement_of
 from tpc.compiler.schedules.placement import PLACEMENTS, place
 from tpc.executors.plan_model import load_plan_model

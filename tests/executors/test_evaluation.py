@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tests.executors.dist_harness import free_port, tpc_command
 from tests.executors.real import fresh_model, real_plan
 from tpc.cli.main import main
-from tpc.compiler.evaluation import eval_program
+from tpc.compiler.lowering.eval_program import eval_program
 from tpc.executors.interpreter import interpret
 from tpc.executors.options import RunOptions
 from tpc.executors.oracle import logits_of

@@ -178,7 +178,7 @@ def _line(plan, rank, op, payload=None):
 def test_a_plan_safe_only_with_buffered_sends_deadlocks_under_nccl_rules():
     """1F1B lowered for gloo runs with buffered sends; under NCCL's rules each rank's first
     steady-state send waits for the other's, and the interpreter names both lines."""
-    from tpc.compiler.lower import lower
+    from tpc.compiler.lowering.lower import lower
     from tpc.compiler.schedules import build_schedule
 
     header = fake_header(schedule="1f1b", stages=2, slices="1", microbatches=3)

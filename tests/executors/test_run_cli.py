@@ -110,6 +110,18 @@ def test_trace_is_chrome_json(tmp_path, no_torchrun):
     for e in events:
         assert e["dur"] >= 0 and e["args"]["rank"] == e["pid"]
         assert lines[e["args"]["line"] - 1].strip() == e["args"]["instr"] == e["name"]
+    # the format of `tpc simulate --trace`, which `tpc simulate --compare` reads
+    from tpc.compiler.costmodel.unit import UnitCosts
+    from tpc.compiler.predict.chrome_trace import read_trace
+    from tpc.compiler.predict.simulate import simulate
+    from tpc.compiler.predict.timeline import compare, predicted_trace
+    from tpc.ir.verify import verify_file
+
+    result = simulate(verify_file(plan), UnitCosts())
+    predicted = [e for e in predicted_trace(result, plan)["traceEvents"] if e["ph"] == "X"]
+    assert {tuple(sorted(e)) for e in events} == {tuple(sorted(e)) for e in predicted}
+    assert {tuple(sorted(e["args"])) for e in events} == {tuple(sorted(e["args"])) for e in predicted}
+    assert len(compare(result, read_trace(str(trace))).rows) == 1 + len(result.ranks)
 
 
 def test_token_file_data(tmp_path, capsys, no_torchrun):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
-from tpc.compiler.slicing import ranges_of
+from tpc.compiler.optimise.slicing import ranges_of
 from tpc.ir.nodes import (
     Header,
     Instr,

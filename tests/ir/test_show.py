@@ -89,7 +89,7 @@ def test_cli_show_bad_plan_is_a_located_error(tmp_path, capsys):
 
 def test_a_v_shaped_plan_marks_the_way_down_and_the_way_up():
     from tests.compiler import make_header
-    from tpc.compiler.lower import lower
+    from tpc.compiler.lowering.lower import lower
     from tpc.compiler.schedules import build_schedule
     from tpc.compiler.schedules.placement import looped, vshape
     from tpc.ir.show import directions

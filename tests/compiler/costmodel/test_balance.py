@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from tpc.compiler.balance import best_partition, latency, minmax_partition
+from tpc.compiler.optimise.balance import best_partition, latency, minmax_partition
 from tpc.compiler.costmodel import AnalyticCostModel, ModelShapes, ProfiledCostModel, even_layers
 from tpc.compiler.costmodel.devices import V100
 from tpc.compiler.costmodel.source import CostSource
@@ -78,6 +78,17 @@ def test_ties_are_broken_the_same_way_every_time():
     assert best_partition(np.ones((4, 3)), 2) == ((0, 2), (2, 4))
     with pytest.raises(ValueError, match="cannot cut 3 units into 4 stages"):
         minmax_partition([1, 1, 1], 4)
+
+
+def test_among_equal_heaviest_stages_the_last_stage_is_the_lightest():
+    """[10], [3, 3], [3, 3, 1] and [10], [3, 3, 3], [3, 1] both have 10 as their heaviest stage:
+    the last stage starts as late as it can. The front end's parameter balance is this DP."""
+    from tpc.compiler.frontend.partition import partition_balanced
+
+    assert minmax_partition([10, 3, 3, 3, 3, 1], 3) == ((0, 1), (1, 4), (4, 6))
+    assert minmax_partition([1, 1, 1, 1, 1], 2) == ((0, 3), (3, 5))
+    for weights, K in (([10, 3, 3, 3, 3, 1], 3), ([1, 1, 1, 1, 1], 2), ([7, 2, 2, 2, 2, 2, 5], 4)):
+        assert partition_balanced(weights, K) == list(minmax_partition(weights, K))
 
 
 def test_heavy_head_gets_fewer_layers_on_the_last_stage():

@@ -7,9 +7,9 @@ import itertools
 import numpy as np
 import pytest
 
-from tpc.compiler import terapipe_dp as dp
+from tpc.compiler.optimise import terapipe_dp as dp
 from tpc.compiler.costmodel.base import slot_times
-from tpc.compiler.slice_optimiser import best_slicing, explain, optimise
+from tpc.compiler.optimise.slice_optimiser import best_slicing, explain, optimise
 from tpc.ir.diagnostics import TpirError
 from tests.compiler.costmodel.toy import ToyCost
 

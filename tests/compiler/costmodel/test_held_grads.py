@@ -2,7 +2,7 @@
 its `backward-weight` needs (dY of dW = dY^T X, executors/weight_grads.py) until that runs.
 The graph cost model counts them from the traced graph, `tpc profile` measures them
 (`DeferredWeightGrads.held_bytes`), and a rank's memory carries them from the start of a
-backward-input to the end of its backward-weight (compiler/memory.py)."""
+backward-input to the end of its backward-weight (compiler/predict/memory.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tpc.compiler.costmodel.base import CostModel
 from tpc.compiler.costmodel.graph import GraphCostModel, GraphCosts
 from tpc.compiler.frontend import SlicedModel
 from tpc.compiler.frontend.model_file import import_model_file
-from tpc.compiler.memory import rank_memory
+from tpc.compiler.predict.memory import rank_memory
 from tpc.executors.stage_runtime import StageRuntime
 from tpc.ir.nodes import Op
 from tests.compiler.costmodel.tiny_model import L

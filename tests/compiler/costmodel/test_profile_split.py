@@ -12,8 +12,8 @@ import pytest
 
 from tpc.compiler.costmodel import ProfiledCostModel, load_cost_model
 from tpc.compiler.costmodel.store import PROFILE_VERSION
-from tpc.compiler.memory import slice_extent
-from tpc.compiler.simulate import simulate
+from tpc.compiler.predict.memory import slice_extent
+from tpc.compiler.predict.simulate import simulate
 from tpc.ir.nodes import Op
 from tests.compiler.costmodel.tiny_model import L, SIZES, refusals
 from tests.ir.plans import simple_plan

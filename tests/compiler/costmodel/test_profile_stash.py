@@ -15,7 +15,7 @@ from tpc.compiler.costmodel import load_cost_model
 from tpc.compiler.costmodel.base import CostModel
 from tpc.compiler.costmodel.store import PROFILE_VERSION
 from tpc.compiler.frontend import SlicedModel, load_model
-from tpc.compiler.memory import rank_memory
+from tpc.compiler.predict.memory import rank_memory
 from tpc.executors.stage_runtime import StageRuntime
 from tests.compiler.costmodel.tiny_model import L, SIZES, refusals
 

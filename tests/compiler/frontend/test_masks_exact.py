@@ -183,7 +183,7 @@ def test_simulated_kv_memory_of_a_windowed_model_is_bounded_by_the_window(tmp_pa
     from tpc.cli.compile import check_options
     from tpc.compiler.compile import compile_plan
     from tpc.compiler.costmodel import load_cost_model
-    from tpc.compiler.memory import rank_memory
+    from tpc.compiler.predict.memory import rank_memory
 
     seq, slices, window = 64, 8, 8
     peaks = {}

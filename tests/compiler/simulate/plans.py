@@ -3,9 +3,9 @@ ordered by the project's schedule builders and lowered (and verified) by `lower`
 
 from __future__ import annotations
 
-from tpc.compiler.lower import lower
+from tpc.compiler.lowering.lower import lower
 from tpc.compiler.schedules import build_schedule
-from tpc.compiler.slicing import ranges_of
+from tpc.compiler.optimise.slicing import ranges_of
 from tpc.ir.nodes import (
     Header,
     MeshLine,

@@ -9,10 +9,10 @@ import pytest
 from tests.compiler.simulate.plans import make_header
 from tpc.cli.main import main
 from tpc.compiler.costmodel.unit import UnitCosts
-from tpc.compiler.lower import lower
+from tpc.compiler.lowering.lower import lower
 from tpc.compiler.schedules import build_schedule, stages_per_rank
 from tpc.compiler.schedules.placement import looped, place, vshape
-from tpc.compiler.simulate import simulate
+from tpc.compiler.predict.simulate import simulate
 from tpc.ir.nodes import Op
 from tpc.ir.printer import print_plan
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import pytest
 
 from tests.compiler.simulate.plans import make_header, make_plan
-from tpc.compiler.memory import rank_memory
+from tpc.compiler.predict.memory import rank_memory
 from tpc.compiler.costmodel.unit import UnitCosts
-from tpc.compiler.simulate import simulate
+from tpc.compiler.predict.simulate import simulate
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Instr, Op, Payload, Plan, RankProgram, Tie
 from tpc.ir.parse import parse

@@ -12,9 +12,9 @@ from tests.compiler.costmodel import synthetic
 from tests.ir.plans import simple_plan
 from tpc.compiler.costmodel import ProfiledCostModel
 from tpc.compiler.costmodel.fit import CurveFit
-from tpc.compiler.memory import slice_extent
+from tpc.compiler.predict.memory import slice_extent
 from tpc.compiler.costmodel.unit import UnitCosts
-from tpc.compiler.simulate import simulate
+from tpc.compiler.predict.simulate import simulate
 from tpc.ir.nodes import Op
 
 

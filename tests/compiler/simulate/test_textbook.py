@@ -14,7 +14,7 @@ import pytest
 
 from tests.compiler.simulate.plans import make_plan
 from tpc.compiler.costmodel.unit import UnitCosts
-from tpc.compiler.simulate import simulate
+from tpc.compiler.predict.simulate import simulate
 
 SHAPES = [(2, 1), (2, 4), (3, 5), (4, 2), (4, 8), (5, 3)]
 

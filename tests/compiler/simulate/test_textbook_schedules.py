@@ -15,12 +15,12 @@ from fractions import Fraction
 import pytest
 
 from tests.compiler.simulate.plans import make_header
-from tpc.compiler import recompute
-from tpc.compiler.lower import lower
+from tpc.compiler.lowering import recompute
+from tpc.compiler.lowering.lower import lower
 from tpc.compiler.schedules import build_schedule
 from tpc.compiler.schedules.placement import looped, place, vshape
 from tpc.compiler.costmodel.unit import UnitCosts
-from tpc.compiler.simulate import simulate
+from tpc.compiler.predict.simulate import simulate
 from tpc.ir.nodes import COMPUTE_OPS, Op
 
 

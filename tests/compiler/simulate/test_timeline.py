@@ -10,8 +10,9 @@ import pytest
 from tests.compiler.simulate.plans import make_plan
 from tpc.cli.main import main
 from tpc.compiler.costmodel.unit import UnitCosts
-from tpc.compiler.simulate import simulate
-from tpc.compiler.timeline import chrome_trace, compare, read_trace, write_gantt
+from tpc.compiler.predict.simulate import simulate
+from tpc.compiler.predict.chrome_trace import TimedInstr, read_trace
+from tpc.compiler.predict.timeline import compare, predicted_trace, write_gantt
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.nodes import Op
 from tpc.ir.parse import parse
@@ -29,7 +30,7 @@ def test_trace_has_one_event_per_instruction_and_a_flow_per_message(plan_file):
     text = plan_file.read_text()
     plan = parse(text, file=str(plan_file))
     result = simulate(plan, UnitCosts(p2p=0.25))
-    trace = json.loads(json.dumps(chrome_trace(result, str(plan_file))))  # valid JSON
+    trace = json.loads(json.dumps(predicted_trace(result, str(plan_file))))  # valid JSON
     events = trace["traceEvents"]
     xs = [e for e in events if e["ph"] == "X"]
     assert len(xs) == sum(len(r.instrs) for r in plan.ranks)
@@ -61,7 +62,7 @@ def test_trace_has_one_event_per_instruction_and_a_flow_per_message(plan_file):
 
 
 def test_trace_pairs_each_send_with_its_receive(plan_file):
-    from tpc.compiler.timeline import message_pairs
+    from tpc.compiler.predict.timeline import message_pairs
 
     result = simulate(parse(plan_file.read_text(), file="p"), UnitCosts())
     pairs = message_pairs(result.events)
@@ -120,8 +121,6 @@ def test_compare_fits_the_unit_and_reports_relative_errors():
     """Unit costs predict 6 units and 3 of compute per rank. The measured step spans 7.5 ms;
     rank 0 computes 4.5 ms, rank 1 3.0 ms: 7.5 ms of compute for 6 predicted units, so one
     unit is fitted to 1.25 ms and the prediction reads 7.5 ms, 3.75 ms and 3.75 ms."""
-    from tpc.compiler.timeline import TimedInstr
-
     result = simulate(make_plan("gpipe", 2, 1), UnitCosts())
     measured = [TimedInstr(r, i, ts * 1e3, d * 1e3) for r, i, ts, d in GPIPE_2x1]
     comparison = compare(result, measured)
@@ -143,8 +142,6 @@ class Seconds(UnitCosts):
 
 
 def test_compare_takes_a_prediction_in_seconds_as_it_is():
-    from tpc.compiler.timeline import TimedInstr
-
     result = simulate(make_plan("gpipe", 2, 1), Seconds())
     measured = [TimedInstr(r, i, ts * 1e3, d * 1e3) for r, i, ts, d in GPIPE_2x1]
     comparison = compare(result, measured)
@@ -228,10 +225,10 @@ def test_an_output_that_cannot_be_written_is_a_clear_error(plan_file, tmp_path, 
 
 def test_gantt_draws_the_way_up_of_a_v_in_a_second_palette(tmp_path):
     from tests.compiler import make_header
-    from tpc.compiler.lower import lower
+    from tpc.compiler.lowering.lower import lower
     from tpc.compiler.schedules import build_schedule
     from tpc.compiler.schedules.placement import vshape
-    from tpc.compiler.timeline import COLOURS, UP_COLOURS, _chunk_of, box_colour
+    from tpc.compiler.predict.timeline import COLOURS, UP_COLOURS, _chunk_of, box_colour
     from tpc.ir.show import direction_of
 
     h = make_header(4, mbs=4, schedule="zbv", stage_ranks=vshape(4, 2))
@@ -249,9 +246,9 @@ def test_gantt_draws_the_way_up_of_a_v_in_a_second_palette(tmp_path):
 def test_gantt_draws_chimeras_up_pipeline_in_a_second_palette(tmp_path):
     """Chimera: the direction is the micro-batch's (its weight replica), not the stage's."""
     from tests.compiler import make_header
-    from tpc.compiler.lower import lower
+    from tpc.compiler.lowering.lower import lower
     from tpc.compiler.schedules import build_schedule, with_replicas
-    from tpc.compiler.timeline import COLOURS, UP_COLOURS, _chunk_of, box_colour
+    from tpc.compiler.predict.timeline import COLOURS, UP_COLOURS, _chunk_of, box_colour
     from tpc.ir.show import direction_of, render_grid
 
     h = with_replicas(make_header(4, mbs=4, schedule="chimera"))

@@ -5,9 +5,9 @@ What is searched depends on the options; everything else is held fixed:
 
 * meshes (`--stages auto --ranks N`): every pipe x data split of N with pipe <= units, the
   batch divisible by data and at least `--microbatches` sequences per replica;
-* per mesh, a stage partition from the cost model's per-unit times (compiler/balance.py).
+* per mesh, a stage partition from the cost model's per-unit times (compiler/optimise/balance.py).
   With `--slices auto` it is found jointly with the slicing by alternating two exact steps:
-  TeraPipe's DP (compiler/slice_optimiser.py) for the partition, then the partition minimising the
+  TeraPipe's DP (compiler/optimise/slice_optimiser.py) for the partition, then the partition minimising the
   DP's latency formula for that slicing, until the partition repeats (at most `ROUNDS` DP
   runs); the round with the lowest DP prediction is kept. With given slices, the partition
   minimising the formula for them;
@@ -25,7 +25,7 @@ What is searched depends on the options; everything else is held fixed:
 Every (mesh, slicing, schedule), in that order, is built (header, schedule, lowering for the
 backend `--comm` names) and simulated under the partition's cost model and that backend's rules
 (NCCL's by default, as `tpc compile` lowers for NCCL); its peak memory per rank is the simulator's
-(compiler/memory.py). The fastest candidate whose peak fits `--memory-per-rank` wins; among
+(compiler/predict/memory.py). The fastest candidate whose peak fits `--memory-per-rank` wins; among
 equally fast ones (within a relative 1e-9) the one with the lowest peak memory, then the first
 in that order (pipe ascending, the DP's slicing first, schedules in the order listed).
 
@@ -52,12 +52,13 @@ from typing import Callable
 
 import numpy as np
 
-from tpc.compiler.balance import Ranges, best_partition, minmax_partition
 from tpc.compiler.costmodel.base import transfer_times
-from tpc.compiler.quantities import format_bytes
 from tpc.compiler.costmodel.source import CostSource
-from tpc.compiler.slice_optimiser import DEFAULT_GRANULARITY, Choice, optimise
-from tpc.compiler.slice_optimiser import explain as explain_choice
+from tpc.compiler.optimise.balance import Ranges, best_partition, minmax_partition
+from tpc.compiler.optimise.slice_optimiser import DEFAULT_GRANULARITY, Choice, optimise
+from tpc.compiler.optimise.slice_optimiser import explain as explain_choice
+from tpc.compiler.optimise.slicing import even_split
+from tpc.compiler.predict.quantities import format_bytes
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Header, Microbatch
 
@@ -117,7 +118,7 @@ class Space:
     # a fixed stage partition (the other plans of a bundle share the first one's); None: searched
     ranges: Ranges | None = None
     # the backend the plan is for (`--comm`): candidates are lowered for it and simulated under
-    # its rules (NCCL's: in-order streams and rendezvous transfers, compiler/simulate.py)
+    # its rules (NCCL's: in-order streams and rendezvous transfers, compiler/predict/simulate.py)
     comm: str = "nccl"
 
 
@@ -167,9 +168,9 @@ class SearchResult:
 
 def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> SearchResult:
     """The fastest simulated plan of `space` that fits its memory budget (module docstring)."""
-    from tpc.compiler.lower import lower
+    from tpc.compiler.lowering.lower import lower
     from tpc.compiler.schedules import build_schedule, replicas
-    from tpc.compiler.simulate import simulate
+    from tpc.compiler.predict.simulate import simulate
 
     start = time.perf_counter()
     candidates, dp_runs = [], 0
@@ -296,11 +297,6 @@ def equal_counts(L: int, granularity: int) -> list[int]:
     return [n for n in range(1, L + 1) if L % n == 0 and (L // n >= granularity or n == 1)]
 
 
-def _equal_sizes(rows: int, count: int) -> tuple[int, ...]:
-    base, extra = divmod(rows, count)
-    return tuple(base + 1 if m < extra else base for m in range(count))
-
-
 def slice_work(source: CostSource, cost, mb_sizes, slices):
     """W (units x slices) of forward + backward per unit, and each slice's transfers, for
     every slice of every micro-batch of a slicing: what the partitioner balances."""
@@ -315,7 +311,7 @@ def _partition_and_slicings(source: CostSource, space: Space, pipe: int, data: i
     L, M, g = space.seq_len, space.microbatches, space.granularity
     n_units = source.num_units
     if space.slices is not None:
-        sizes = _equal_sizes(rows, M)  # given slices come with a given micro-batch count
+        sizes = even_split(rows, M)  # given slices come with a given micro-batch count
         given = Slicing("given", sizes, (space.slices,) * M)
         if space.ranges is not None:
             return space.ranges, [given], 0
@@ -339,7 +335,7 @@ def _partition_and_slicings(source: CostSource, space: Space, pipe: int, data: i
     ranges, choice = best
     slicings = [Slicing("dp", choice.mb_sizes, choice.slices, choice)]
     # the equal slicings keep the given micro-batches, or the knapsack's when it chose them
-    sizes = _equal_sizes(rows, M) if M is not None else choice.mb_sizes
+    sizes = even_split(rows, M) if M is not None else choice.mb_sizes
     for n in equal_counts(L, g):
         cuts = tuple((L * i // n, L * (i + 1) // n) for i in range(n))
         s = Slicing(f"equal {n}", sizes, (cuts,) * len(sizes))

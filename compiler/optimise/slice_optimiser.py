@@ -9,7 +9,7 @@ Search space and its limits:
   * any micro-batch size 1..batch (or up to `max_mb_size`), any number of micro-batches, or
     exactly `microbatches` of them;
   * latency of a GPipe-ordered token pipeline: sum of slot times + (K-1) * max slot time
-    (see compiler/terapipe_dp.py), plus the data-parallel gradient sync when the model prices it.
+    (see compiler/optimise/terapipe_dp.py), plus the data-parallel gradient sync when the model prices it.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tpc.compiler import terapipe_dp as dp
 from tpc.compiler.costmodel.base import CostModel, slot_times
+from tpc.compiler.optimise import terapipe_dp as dp
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 DEFAULT_GRANULARITY = 8

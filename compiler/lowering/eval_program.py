@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from tpc.compiler.lower import insert_comm, insert_exchanges, insert_free_kv, insert_loads
+from tpc.compiler.lowering.lower import insert_comm, insert_exchanges, insert_free_kv, insert_loads
 from tpc.ir.nodes import EvalProgram, Header, Instr, Microbatch, Op, RankProgram
 from tpc.ir.semantics import NCCL
 
@@ -71,10 +71,10 @@ def eval_program(header: Header, microbatches: Sequence[Microbatch] | None = Non
 def eval_slicing(cost, header: Header, granularity: int | None = None,
                  microbatches: int | None = None) -> tuple[Microbatch, ...]:
     """The evaluation's micro-batches and token slices chosen by the DP with no backward
-    (compiler/slice_optimiser.py), for `header`'s stages under `cost` (a cost model of those
+    (compiler/optimise/slice_optimiser.py), for `header`'s stages under `cost` (a cost model of those
     stages). `microbatches`: how many (the count `--microbatches` fixed for training, so that
     the sizes stay those the cost model was measured at); None lets the knapsack choose."""
-    from tpc.compiler.slice_optimiser import DEFAULT_GRANULARITY, optimise
+    from tpc.compiler.optimise.slice_optimiser import DEFAULT_GRANULARITY, optimise
 
     choice = optimise(cost, header.num_stages, header.shape.seq, header.replica_batch,
                       microbatches=microbatches, granularity=granularity or DEFAULT_GRANULARITY,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from tpc.compiler.quantities import format_quantity
-from tpc.compiler.simulate import SimResult
-from tpc.compiler.timeline import slices_summary
+from tpc.compiler.predict.quantities import format_quantity
+from tpc.compiler.predict.simulate import SimResult
+from tpc.compiler.predict.timeline import slices_summary
 from tpc.ir.nodes import COMPUTE_OPS
 
 

@@ -17,7 +17,7 @@ its way, inside the bubble a rank would otherwise spend waiting for it.
 `choose(header, compute, costs, budget)` is the planner for `auto`, stage-aware as in Merak
 (Lai et al., 2023): a pipeline's early stages hold more micro-batches in flight than its late
 ones (1F1B: stage s holds K - s), so a uniform choice either wastes memory on late stages or time
-on early ones. Per rank, as long as its peak memory (tpc.compiler.memory over the lowered plan)
+on early ones. Per rank, as long as its peak memory (tpc.compiler.predict.memory over the lowered plan)
 exceeds the budget, the stage of that rank whose recomputation lowers the peak most is switched
 to "full" (ties: the earlier stage). The rest stay "none": no recompute where memory suffices.
 """
@@ -28,8 +28,8 @@ import dataclasses
 from typing import Mapping, Sequence
 
 from tpc.compiler.costmodel.base import CostModel
-from tpc.compiler.memory import rank_memory
-from tpc.compiler.quantities import format_quantity
+from tpc.compiler.predict.memory import rank_memory
+from tpc.compiler.predict.quantities import format_quantity
 from tpc.compiler.schedules.common import Compute
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Header, Instr, Op
@@ -68,7 +68,7 @@ def apply(compute: Mapping[int, Sequence[Instr]], choice: Mapping[int, str]) -> 
 
 def peaks(header: Header, compute: Mapping[int, Sequence[Instr]], costs: CostModel) -> dict[int, float]:
     """Peak memory of every pipeline rank for this compute order, lowered."""
-    from tpc.compiler.lower import lower
+    from tpc.compiler.lowering.lower import lower
 
     plan = lower(header, compute, verify=False)
     return {p.rank: rank_memory(header, p.rank, p.instrs, costs).peak.total for p in plan.ranks}

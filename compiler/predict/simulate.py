@@ -58,7 +58,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tpc.compiler.costmodel.base import CostModel
-from tpc.compiler.memory import Memory, rank_memory, slice_extent
+from tpc.compiler.predict.memory import Memory, rank_memory, slice_extent
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Header, Instr, Op, Plan
 from tpc.ir.semantics import (GLOO, NCCL, RecvAhead, compute_messages, exchange_span, message_key, replica_group,

@@ -53,8 +53,8 @@ from tpc.ir.nodes import BACKWARD_OPS, COMPUTE_OPS, Header, Instr, Op, Plan, Ran
 from tpc.ir.semantics import (
     GLOO,
     NCCL,
-    Blocked,
     Entry,
+    Stuck,
     allreduce_covers,
     collective_groups,
     comm_entries,
@@ -224,7 +224,7 @@ def insert_exchanges(header: Header, streams: Streams) -> Streams:
                 where[(r, key)] = k
     groups = collective_groups(header)
 
-    def repair(stuck: dict[int, Blocked]) -> dict[int, list[tuple]]:
+    def repair(stuck: dict[int, Stuck]) -> dict[int, list[tuple]]:
         """Join, along one wait-for cycle, the operation each rank waits for to the entry its
         partner is blocked at; {} when no cycle can be broken that way."""
         waits = {r: b.waits_for for r, b in stuck.items()}

@@ -21,15 +21,21 @@ def _error(message: str, hint: str) -> TpirError:
     return TpirError(Diagnostic(message, hint=hint, where="--slices"))
 
 
+def even_split(total: int, count: int) -> tuple[int, ...]:
+    """`total` split into `count` whole parts that differ by at most one, larger first (slice
+    lengths of a sequence, micro-batch sizes of a batch)."""
+    base, extra = divmod(total, count)
+    return tuple(base + 1 if i < extra else base for i in range(count))
+
+
 def equal_slices(count: int, seq_len: int) -> tuple[tuple[int, int], ...]:
     """`count` slices tiling [0, seq_len) whose lengths differ by at most one (longer first)."""
-    base, extra = divmod(seq_len, count)
-    lengths = [base + 1 if i < extra else base for i in range(count)]
-    return ranges_of(lengths)
+    return ranges_of(even_split(seq_len, count))
 
 
 def ranges_of(lengths) -> tuple[tuple[int, int], ...]:
-    """Consecutive [start, end) ranges with the given lengths, starting at 0."""
+    """Consecutive [start, end) ranges with the given lengths, starting at 0 (from boundaries
+    instead: `tpc.compiler.optimise.balance.ranges_from_bounds`)."""
     out, start = [], 0
     for n in lengths:
         out.append((start, start + n))

@@ -1,51 +1,20 @@
-"""Timelines: Chrome-trace JSON (predicted by `tpc simulate`, measured by `tpc run --trace`),
-the comparison of the two, and the Gantt-chart picture.
+"""Timelines: the predicted trace of a simulation (`tpc simulate --trace`), its comparison with
+a measured one (`tpc run --trace`, `tpc simulate --compare`), and the Gantt-chart picture.
 
-The trace format
-================
-
-One JSON object in the Chrome trace-event format, which Perfetto (ui.perfetto.dev) and
-chrome://tracing open::
-
-    {"traceEvents": [...], "displayTimeUnit": "ms",
-     "otherData": {"tpc": {"plan": "plan.tpir", "schedule": "terapipe", "source": "simulate",
-                           "time_unit": "s", "us_per_unit": 1000000.0}}}
-
-`traceEvents` holds, in this order:
-
-* per pipeline rank r, two metadata events naming and ordering its process:
-  `{"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": "rank r"}}` and
-  `{"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}}`;
-* per instruction, one complete event:
-  `{"ph": "X", "name": "F 0.3", "cat": "forward", "pid": r, "tid": 0, "ts": T, "dur": D,
-  "args": {"rank": r, "index": i, "line": L, "instr": "forward stage 1 mb 0 slice 3",
-  "step": s}}` where `ts` and `dur` are microseconds from the start of the trace, `pid` is the
-  pipeline rank (one process per rank), `cat` is the instruction's op, `name` a short label,
-  `args.index` its position in the rank's stream, `args.line` its line in the .tpir file (null
-  for a plan built in memory), `args.instr` its text as the plan writes it, and `args.step` the
-  training step (optional, 0 when absent; a measured trace of several steps repeats every
-  instruction once per step). For a receive, `dur` includes the time spent waiting;
-* per message, a flow arrow from the send to its receive: `{"ph": "s", "id": k, "cat": "p2p",
-  "name": "act", "pid": src, "tid": 0, "ts": <send's ts>}` and `{"ph": "f", "bp": "e", "id":
-  k, "cat": "p2p", "name": "act", "pid": dst, "tid": 0, "ts": <receive's end>}` (the moment
-  the message is there: a receive that waited ends when it arrives).
-
-A reader (`read_trace`, used by `tpc simulate --compare`) needs only the "X" events with
-`args.rank`, `args.instr` and `ts`/`dur`; everything else is for people.
-
-Under unit costs one unit of time is written as 1 ms (`us_per_unit` 1000), so a unit-cost
-trace is readable in Perfetto; `compare` fits the unit to the measurement instead.
+Both traces are written and read by chrome_trace.py, in its one format. Under unit costs one
+unit of time is written as 1 ms (`us_per_unit` 1000), so a unit-cost trace is readable in
+Perfetto; `compare` fits the unit to the measurement instead.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.compiler.predict.chrome_trace import Flow, TimedInstr, trace_document, write_trace_file
+from tpc.ir.files import atomic_path
 from tpc.ir.nodes import COMPUTE_OPS, Op
 from tpc.ir.semantics import message_key
 from tpc.ir.show import direction_of
@@ -58,41 +27,18 @@ def us_per_unit(time_unit: str) -> float:
     return 1e6 if time_unit == "s" else 1e3
 
 
-def short_label(instr) -> str:
-    """'F 0.3' for forward of micro-batch 0, slice 3; the op's initials otherwise."""
-    letters = {
-        Op.FORWARD: "F", Op.RECOMPUTE: "R", Op.BACKWARD: "B", Op.BACKWARD_INPUT: "BI",
-        Op.BACKWARD_WEIGHT: "BW", Op.SEND: "send", Op.RECV: "recv",
-    }
-    if instr.op in letters and instr.slice is not None:
-        return f"{letters[instr.op]} {instr.mb}.{instr.slice}"
-    return str(instr)
-
-
-def chrome_trace(result, plan_name: str = "") -> dict:
-    """The trace of a simulation (see the module docstring)."""
+def predicted_trace(result, plan_name: str = "") -> dict:
+    """The trace of a simulation (chrome_trace.py), with an arrow per message."""
     scale = us_per_unit(result.time_unit)
-    events: list[dict] = []
-    for p in result.plan.ranks:
-        events.append({"ph": "M", "name": "process_name", "pid": p.rank, "tid": 0,
-                       "args": {"name": f"rank {p.rank}"}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": p.rank, "tid": 0,
-                       "args": {"sort_index": p.rank}})
-    for e in result.events:
-        events.append({
-            "ph": "X", "name": short_label(e.instr), "cat": e.instr.op.value,
-            "pid": e.rank, "tid": 0, "ts": e.start * scale, "dur": (e.end - e.start) * scale,
-            "args": {"rank": e.rank, "index": e.index, "line": e.line, "instr": str(e.instr),
-                     "step": 0},
-        })
-    for k, (send, recv) in enumerate(message_pairs(result.events)):
-        common = {"id": k, "cat": "p2p", "name": send.instr.payload.value, "tid": 0}
-        events.append({"ph": "s", "pid": send.rank, "ts": send.start * scale, **common})
-        there = recv.end if recv.arrival is None else max(recv.end, recv.arrival)
-        events.append({"ph": "f", "bp": "e", "pid": recv.rank, "ts": there * scale, **common})
-    meta = {"plan": plan_name, "schedule": result.plan.header.schedule.name,
-            "source": "simulate", "time_unit": result.time_unit, "us_per_unit": scale}
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"tpc": meta}}
+    instrs = [TimedInstr(rank=e.rank, instr=str(e.instr), ts=e.start * scale,
+                         dur=(e.end - e.start) * scale, step=0, line=e.line, index=e.index)
+              for e in result.events]
+    flows = [Flow(send.instr.payload.value, send.rank, send.start * scale, recv.rank,
+                  (recv.end if recv.arrival is None else max(recv.end, recv.arrival)) * scale)
+             for send, recv in message_pairs(result.events)]
+    return trace_document(instrs, ranks=[p.rank for p in result.plan.ranks], flows=flows,
+                          source="simulate", time_unit=result.time_unit, us_per_unit=scale,
+                          plan=plan_name, schedule=result.plan.header.schedule.name)
 
 
 def message_pairs(events) -> list[tuple]:
@@ -113,67 +59,10 @@ def message_pairs(events) -> list[tuple]:
 
 
 def write_trace(result, path: str, plan_name: str = "") -> None:
-    Path(path).write_text(json.dumps(chrome_trace(result, plan_name), indent=1) + "\n",
-                          encoding="utf-8")
+    write_trace_file(path, predicted_trace(result, plan_name))
 
 
-# ------------------------------------------------------------------------ measured traces
-
-
-@dataclass(frozen=True)
-class TimedInstr:
-    """One "X" event of a trace, in microseconds."""
-
-    rank: int
-    instr: str
-    ts: float
-    dur: float
-    step: int = 0
-    line: int | None = None
-
-    @property
-    def op(self) -> str:
-        return self.instr.split(" ", 1)[0]
-
-
-def _bad_trace(path: str, what: str) -> TpirError:
-    return TpirError(Diagnostic(
-        f"{what}", where=path,
-        hint="give a trace written by `tpc run --trace` or `tpc simulate --trace` (the format is "
-        "described in tpc/compiler/timeline.py)",
-    ))
-
-
-def read_trace(path: str) -> list[TimedInstr]:
-    """The instruction events of a trace file; a located TpirError when it is not one."""
-    p = Path(path)
-    if not p.is_file():
-        raise _bad_trace(path, f"no such file: {path}")
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _bad_trace(path, f"not JSON: {e}") from None
-    raw = data.get("traceEvents") if isinstance(data, dict) else data
-    if not isinstance(raw, list):
-        raise _bad_trace(path, "no \"traceEvents\" list")
-    out = []
-    for n, ev in enumerate(raw):
-        if not isinstance(ev, dict) or ev.get("ph") != "X":
-            continue
-        args = ev.get("args") or {}
-        try:
-            out.append(TimedInstr(
-                rank=int(args["rank"]), instr=str(args["instr"]), ts=float(ev["ts"]),
-                dur=float(ev["dur"]), step=int(args.get("step") or 0),
-                line=None if args.get("line") is None else int(args["line"]),
-            ))
-        except (KeyError, TypeError, ValueError):
-            raise _bad_trace(
-                path, f"event {n} (\"X\") lacks a number in ts/dur or args.rank/args.instr"
-            ) from None
-    if not out:
-        raise _bad_trace(path, "no \"X\" events with args.rank and args.instr")
-    return out
+# ------------------------------------------------------------------------ predicted vs measured
 
 
 @dataclass(frozen=True)
@@ -425,5 +314,7 @@ def write_gantt(result, path: str, width_in: float = 12.0) -> None:
     fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0),
                ncol=ncol, frameon=False, fontsize=8)
     fig.tight_layout(rect=(0, 0.3 * rows / fig.get_figheight(), 1, 1))  # room for the legend
-    fig.savefig(path)
+    # matplotlib picks the format by the name; the temporary file's name ends in .tmp
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format=Path(path).suffix[1:].lower() or matplotlib.rcParams["savefig.format"])
     plt.close(fig)

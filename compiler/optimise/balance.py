@@ -40,15 +40,21 @@ def _check(n: int, K: int) -> None:
         raise ValueError(f"cannot cut {n} units into {K} stages")
 
 
-def ranges_of(bounds) -> Ranges:
-    """Stage ranges from the inner boundaries (b_1 < ... < b_{K-1}) and the unit count last."""
+def ranges_from_bounds(bounds) -> Ranges:
+    """Stage ranges from the inner boundaries (b_1 < ... < b_{K-1}) and the unit count last
+    (from lengths instead: `tpc.compiler.optimise.slicing.ranges_of`)."""
     edges = [0, *bounds]
     return tuple((int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]))
 
 
 def minmax_partition(weights, K: int) -> Ranges:
-    """Contiguous ranges tiling the units, minimising the largest range sum. Ties go to the
-    cut whose last stage starts latest (so the result is deterministic)."""
+    """Contiguous ranges tiling the units, minimising the largest range sum: the one min-max
+    partition of tpc (the front end's parameter balance calls it too).
+
+    Ties: among the cuts with the least heaviest stage, the last stage starts as late as it can
+    (it is as light as it can be), and the units before it are cut by the same rule into K - 1
+    stages (a min-max cut of that prefix). So the result is deterministic, and integer weights
+    (parameter counts, exact in float64 below 2**53) are compared exactly."""
     w = np.asarray(weights, dtype=np.float64)
     n = len(w)
     _check(n, K)
@@ -66,7 +72,7 @@ def minmax_partition(weights, K: int) -> Ranges:
     for k in range(K, 0, -1):
         bounds.append(i)
         i = int(arg[k, i])
-    return ranges_of(reversed(bounds))
+    return ranges_from_bounds(reversed(bounds))
 
 
 def stage_sums(W: np.ndarray, ranges: Ranges) -> np.ndarray:
@@ -90,7 +96,7 @@ def best_partition(W, K: int, extra=0.0, exhaustive_limit: int = EXHAUSTIVE_LIMI
     if math.comb(n - 1, K - 1) <= exhaustive_limit:
         best, best_t = None, np.inf
         for inner in itertools.combinations(range(1, n), K - 1):
-            r = ranges_of((*inner, n))
+            r = ranges_from_bounds((*inner, n))
             t = latency(W, r, extra)
             if t < best_t:
                 best, best_t = r, t
@@ -108,7 +114,7 @@ def best_partition(W, K: int, extra=0.0, exhaustive_limit: int = EXHAUSTIVE_LIMI
                 lo = moved[b - 1] if b else 0
                 if not lo < moved[b] < moved[b + 1]:
                     continue
-                r = ranges_of(moved)
+                r = ranges_from_bounds(moved)
                 tr = latency(W, r, extra)
                 if tr < t * (1 - 1e-12):
                     current, t, improved = r, tr, True

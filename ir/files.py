@@ -1,0 +1,148 @@
+"""Writing a user's file so that it is either the old file or the whole new one, never half.
+
+Every file tpc writes for the user (a plan, a trace, a profile, a checkpoint's `latest`, a
+rewritten metrics log) goes through here: the bytes go to a temporary file beside the target (same
+folder, so the same file system), are flushed and fsync'd, and `os.replace` puts the file in place
+in one step; the folder is fsync'd after, so the rename survives a crash. Anything that stops the
+write first (a full disk, a file-size limit, an exception in the caller's code, Ctrl-C) removes
+the temporary file and leaves the target as it was.
+
+    atomic_write_text(path, text)
+    atomic_write_bytes(path, data)
+    with atomic_writer(path, "w") as f: ...    # a file object, for writers that stream
+    with atomic_path(path) as tmp: ...          # a path, for libraries that write by name
+
+An `OSError` reaches the user as a located `TpirError` that names the file and says what went
+wrong in words ("the disk is full", "the file system is read-only"). Nothing here knows torch.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Iterator
+
+from tpc.ir.diagnostics import Diagnostic, TpirError
+
+# what an errno means to someone writing a file, and what to do about it
+_REASONS = {
+    errno.ENOSPC: ("the disk is full", "free some space, or write it elsewhere"),
+    errno.EDQUOT: ("the disk quota is used up", "free some space, or write it elsewhere"),
+    errno.EFBIG: ("the file is larger than this system allows (a file-size limit, `ulimit -f`?)",
+                  "raise the limit, or write it to another file system"),
+    errno.EROFS: ("the file system is read-only", "write it to a writable folder"),
+    errno.EACCES: ("permission denied: the folder or the file is read-only to this user",
+                   "write it to a folder you may write to, or change its permissions"),
+    errno.EPERM: ("operation not permitted: the folder or the file is read-only to this user",
+                  "write it to a folder you may write to, or change its permissions"),
+    errno.ENOENT: ("its folder does not exist", "create the folder first, or write it elsewhere"),
+    errno.ENOTDIR: ("a part of its folder is not a folder", "check the path"),
+    errno.EISDIR: ("it is a folder", "give a file name, not a folder"),
+}
+
+
+def write_error(path: str | os.PathLike, error: OSError) -> TpirError:
+    """The located error for `error` while writing `path`."""
+    reason, hint = _REASONS.get(error.errno, (error.strerror or type(error).__name__, "check the path and the disk"))
+    return TpirError(Diagnostic(f"cannot write {os.fspath(path)}: {reason}", hint=hint, where=os.fspath(path)))
+
+
+def _temporary_beside(target: Path) -> tuple[int, Path]:
+    """A new file in `target`'s folder, open for writing, with the mode `open(target, "w")` would
+    leave: the old file's mode if there is one, else 0o666 less the umask (not mkstemp's 0o600)."""
+    stem = target.name[:200]
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        tmp = target.with_name(f".{stem}.{secrets.token_hex(4)}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
+    try:
+        os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
+    except OSError:
+        pass  # no old file (or one we may not stat): the umask's mode stays
+    return fd, tmp
+
+
+def fsync_folder(folder: str | os.PathLike) -> None:
+    """Make a rename in `folder` durable (best effort: some file systems cannot open folders;
+    the rename is still atomic there)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside `path` for a writer that takes a file name (and closes the file
+    itself). When the block ends normally the file is fsync'd and replaces `path`; when it
+    raises, the temporary file is removed and `path` is untouched. OSError -> TpirError."""
+    target = Path(path)
+    try:
+        fd, tmp = _temporary_beside(target)
+    except OSError as e:
+        raise write_error(target, e) from e
+    os.close(fd)
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException as e:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        if isinstance(e, OSError):
+            raise write_error(target, e) from e
+        raise
+    fsync_folder(target.parent)
+
+
+@contextmanager
+def atomic_writer(path: str | os.PathLike, mode: str = "w", *, encoding: str = "utf-8",
+                  newline: str | None = "\n") -> Iterator[IO]:
+    """A file object (mode "w" for text, "wb" for bytes) whose contents replace `path` when the
+    block ends normally; see `atomic_path`. Text is written with `encoding` and `newline`."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_writer writes a whole file: mode 'w' or 'wb', not {mode!r}")
+    text = {"encoding": encoding, "newline": newline} if mode == "w" else {}
+    target = Path(path)
+    with atomic_path(target) as tmp:
+        try:
+            f = open(tmp, mode, **text)
+        except OSError as e:
+            raise write_error(target, e) from e
+        with f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, *, encoding: str = "utf-8",
+                      newline: str | None = "\n") -> None:
+    """Replace `path` with `text`, all or nothing (module docstring)."""
+    with atomic_writer(path, "w", encoding=encoding, newline=newline) as f:
+        f.write(text)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Replace `path` with `data`, all or nothing (module docstring)."""
+    with atomic_writer(path, "wb") as f:
+        f.write(data)
