@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from tpc.compiler.frontend.axes import node_token_axes
 from tpc.compiler.frontend.calls import call_args, op_name
-from tpc.compiler.frontend.locate import refuse
+from tpc.compiler.frontend.source_locations import refuse
 
 _ALONG_DIM = {
     "sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "cumsum", "cumprod", "cummax",
@@ -60,7 +60,7 @@ def _elementwise(n: fx.Node) -> bool:
 def mixing_reason(n: fx.Node, seq_sym) -> str | None:
     """Why this node mixes tokens, or None."""
     if n.op != "call_function" or n.meta.get("tpc_kind") in ("attention", "causal-window"):
-        return None  # a recognised attention; a causal window the state pass checked (state.py)
+        return None  # a recognised attention; a causal window the state pass checked (carried_state.py)
     name = op_name(n)
     ins = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     if not ins:

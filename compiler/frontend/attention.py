@@ -34,8 +34,8 @@ import torch.fx as fx
 from tpc.compiler.frontend import bias, masks, ops
 from tpc.compiler.frontend.axes import node_token_axes, size_expr
 from tpc.compiler.frontend.calls import call_args
-from tpc.compiler.frontend.locate import refuse
-from tpc.compiler.frontend.static import evaluate, prune_dead
+from tpc.compiler.frontend.source_locations import refuse
+from tpc.compiler.frontend.data_independent import evaluate, prune_dead
 
 aten = torch.ops.aten
 

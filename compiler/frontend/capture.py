@@ -27,9 +27,9 @@ import torch.nn as nn
 from torch.export import Dim, export
 
 from tpc.compiler.frontend.functional import functionalize
-from tpc.compiler.frontend.locate import compact_stack_trace, loc_from_traceback
+from tpc.compiler.frontend.source_locations import compact_stack_trace, loc_from_traceback
 from tpc.compiler.frontend.simplify import drop_noops
-from tpc.compiler.frontend.static import prune_dead
+from tpc.compiler.frontend.data_independent import prune_dead
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 

@@ -27,8 +27,8 @@ import torch.fx as fx
 
 from tpc.compiler.frontend.analyse import mixing_reason
 from tpc.compiler.frontend.axes import is_seq, node_token_axes
-from tpc.compiler.frontend.locate import refuse
-from tpc.compiler.frontend.static import is_size_root
+from tpc.compiler.frontend.source_locations import refuse
+from tpc.compiler.frontend.data_independent import is_size_root
 
 aten = torch.ops.aten
 

@@ -22,12 +22,12 @@ from tpc.compiler.frontend.axes import size_expr
 from tpc.compiler.frontend.capture import capture
 from tpc.compiler.frontend.flops import (UnitCost, UnitCostFn, annotate_costs, loss_cost, numel as numel_of,
                                          sum_costs, weighted_nodes)
-from tpc.compiler.frontend.locate import refuse
+from tpc.compiler.frontend.source_locations import refuse
 from tpc.compiler.frontend.partition import _is_residual, make_units, partition_balanced
 from tpc.compiler.frontend.positions import rewrite_positions
 from tpc.compiler.frontend.stage import StageModule, build_stage_graph
-from tpc.compiler.frontend.state import carry_causal_state
-from tpc.compiler.frontend.static import prune_dead, static_nodes
+from tpc.compiler.frontend.carried_state import carry_causal_state
+from tpc.compiler.frontend.data_independent import prune_dead, static_nodes
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Loc
 
@@ -343,7 +343,7 @@ class SlicedModel:
             self._refuse_difference(ids, lens, full, bad)
 
     def _refuse_difference(self, ids, lens, full, token: int) -> None:
-        from tpc.compiler.frontend.localise import first_difference
+        from tpc.compiler.frontend.first_difference import first_difference
 
         what = f"slicing changes the model's output (first at token {token}, slices {_short(lens)})"
         hint = ("use only per-token operations, causal attention (scaled_dot_product_attention("

@@ -5,7 +5,7 @@ A stage graph takes (x, offset, k_prefix_0, v_prefix_0, ..., [targets]) and retu
 (y, k_0, v_0, ...): x is the token ids on the first stage, else the residual stream entering
 unit lo; y is the residual leaving unit hi-1, or on the last stage the summed token loss. The
 cached tensors are an attention's keys and values and a causal mixer's input (`state_prefix_i`,
-`state.py`), in graph order. Static
+`carried_state.py`), in graph order. Static
 values the stage needs (weight views, position tables) are recomputed inside it; the batch and
 sequence sizes are re-read from x.
 
@@ -37,7 +37,7 @@ import torch.nn as nn
 from tpc.compiler.frontend import ops
 from tpc.compiler.frontend.axes import size_expr
 from tpc.compiler.frontend.flops import FREE
-from tpc.compiler.frontend.static import is_size_root, prune_dead
+from tpc.compiler.frontend.data_independent import is_size_root, prune_dead
 
 aten = torch.ops.aten
 

@@ -43,8 +43,8 @@ from tpc.compiler.frontend import ops
 from tpc.compiler.frontend.analyse import mixing_reason
 from tpc.compiler.frontend.axes import node_token_axes, size_expr
 from tpc.compiler.frontend.calls import call_args, op_name
-from tpc.compiler.frontend.locate import refuse
-from tpc.compiler.frontend.static import evaluate, prune_dead
+from tpc.compiler.frontend.source_locations import refuse
+from tpc.compiler.frontend.data_independent import evaluate, prune_dead
 
 aten = torch.ops.aten
 
