@@ -18,12 +18,12 @@ import torch.nn as nn
 
 from tpc.compiler.frontend.analyse import check_token_independence
 from tpc.compiler.frontend.attention import rewrite_attention
-from tpc.compiler.frontend.axes import size_expr
+from tpc.compiler.frontend.axes import is_residual_stream, size_expr
 from tpc.compiler.frontend.capture import capture
 from tpc.compiler.frontend.flops import (UnitCost, UnitCostFn, annotate_costs, loss_cost, numel as numel_of,
                                          sum_costs, weighted_nodes)
 from tpc.compiler.frontend.source_locations import refuse
-from tpc.compiler.frontend.partition import _is_residual, make_units, partition_balanced
+from tpc.compiler.frontend.partition import make_units, partition_balanced
 from tpc.compiler.frontend.positions import rewrite_positions
 from tpc.compiler.frontend.stage import StageModule, build_stage_graph
 from tpc.compiler.frontend.carried_state import carry_causal_state
@@ -314,7 +314,7 @@ class SlicedModel:
         for u in self._units[:-1]:
             return int(u.output.meta["val"].shape[2])
         for n in data:
-            if _is_residual(n, self._batch_sym, self._seq_sym):
+            if is_residual_stream(n, self._batch_sym, self._seq_sym):
                 return int(n.meta["val"].shape[2])
         return 0
 

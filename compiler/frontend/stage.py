@@ -158,7 +158,8 @@ class StageModule(nn.Module):
         self.kv_windows = list(kv_windows) if kv_windows is not None else [None] * self.num_kv
         self.label = label
         self.has_loss = has_loss and self.is_last
-        self._kv_shapes, self._kv_dtypes = kv_shapes, kv_dtypes
+        # per cached tensor: batch -> its shape holding no tokens (the token axis 0), and its dtype
+        self.kv_shapes, self.kv_dtypes = list(kv_shapes), list(kv_dtypes)
         self.graph = graph
         code = graph.python_code(root_module="self")
         glb = dict(code.globals)
@@ -181,4 +182,4 @@ class StageModule(nn.Module):
         """Zero-length prefixes (slice 0 has no cached tokens)."""
         dev = next(iter(self.parameters()), None)
         dev = dev.device if dev is not None else torch.device("cpu")
-        return [torch.zeros(shape(batch), dtype=dt, device=dev) for shape, dt in zip(self._kv_shapes, self._kv_dtypes)]
+        return [torch.zeros(shape(batch), dtype=dt, device=dev) for shape, dt in zip(self.kv_shapes, self.kv_dtypes)]
