@@ -32,7 +32,7 @@ pads other than constant ones are refused too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -43,8 +43,9 @@ from tpc.compiler.frontend import ops
 from tpc.compiler.frontend.analyse import mixing_reason
 from tpc.compiler.frontend.axes import node_token_axes, size_expr
 from tpc.compiler.frontend.calls import call_args, op_name
-from tpc.compiler.frontend.source_locations import refuse
+from tpc.compiler.frontend.context import PassContext
 from tpc.compiler.frontend.data_independent import evaluate, prune_dead
+from tpc.compiler.frontend.source_locations import refuse
 
 aten = torch.ops.aten
 
@@ -422,9 +423,20 @@ def _culprit(w: _Window, n: fx.Node) -> _Window:
 
 # ------------------------------------------------------------------ the rewrite
 
-def carry_causal_state(graph: fx.Graph, ctx) -> list[StateSite]:
-    """Rewrite every pad that starts a causal window into `ops.causal_pad` over a carried
-    prefix; returns the state sites in graph order."""
+class CarryCausalState:
+    """Every pad that starts a causal window reads the last tokens of the slices before from a
+    carried prefix (the module docstring); the state sites join the context."""
+
+    name = "causal-state"
+
+    def run(self, ctx: PassContext) -> PassContext:
+        return replace(ctx, states=tuple(carry_causal_state(ctx)))
+
+
+def carry_causal_state(ctx: PassContext) -> list[StateSite]:
+    """Rewrite every pad of `ctx.graph` that starts a causal window into `ops.causal_pad` over a
+    carried prefix; returns the state sites in graph order."""
+    graph = ctx.graph
     _normalise(graph, ctx)
     entries = _follow(graph, ctx)
     sites: dict[fx.Node, StateSite] = {}
@@ -447,6 +459,5 @@ def carry_causal_state(graph: fx.Graph, ctx) -> list[StateSite]:
         if site.node is pad:
             site.node = new
     prune_dead(graph)
-    graph.lint()
     return list(sites.values())
 

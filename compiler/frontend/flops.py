@@ -56,6 +56,7 @@ import torch.fx as fx
 from tpc.compiler.frontend import ops
 from tpc.compiler.frontend.axes import size_expr
 from tpc.compiler.frontend.calls import op_name
+from tpc.compiler.frontend.context import PassContext
 
 aten = torch.ops.aten
 
@@ -313,6 +314,17 @@ def annotate_costs(graph: fx.Graph, static: set, weighted: set = frozenset()) ->
     accumulates a weight gradient)."""
     for n in graph.nodes:
         n.meta["tpc_cost"] = _held(n, op_cost(n, static), static, weighted)
+
+
+class AnnotateCosts:
+    """Every node of the rewritten graph gets its cost record, `node.meta["tpc_cost"]` (stage
+    graphs copy the records with their nodes)."""
+
+    name = "costs"
+
+    def run(self, ctx: PassContext) -> PassContext:
+        annotate_costs(ctx.graph, ctx.static, weighted_nodes(ctx.graph, ctx.static, ctx.param_names))
+        return ctx
 
 
 # ------------------------------------------------------------------------ per-unit sums

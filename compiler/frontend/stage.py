@@ -36,8 +36,9 @@ import torch.nn as nn
 
 from tpc.compiler.frontend import ops
 from tpc.compiler.frontend.axes import size_expr
-from tpc.compiler.frontend.flops import FREE
+from tpc.compiler.frontend.context import CacheSite, PassContext
 from tpc.compiler.frontend.data_independent import is_size_root, prune_dead
+from tpc.compiler.frontend.flops import FREE
 
 aten = torch.ops.aten
 
@@ -45,18 +46,19 @@ aten = torch.ops.aten
 _ANY_LAYOUT = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 
 
-def build_stage_graph(sm, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, list]:
-    """Extract units [lo, hi) of `sm` (a SlicedModel) into a new graph; returns it and its sites."""
-    units = sm._units[lo:hi]
-    sites = [s for s, u in zip(sm._cached, sm._site_units) if lo <= u < hi]
+def build_stage_graph(ctx: PassContext, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, list[CacheSite]]:
+    """Extract units [lo, hi) of the front end's final context (`SlicedModel.context`) into a
+    new graph; returns it and the cache sites of those units, in graph order."""
+    units = ctx.units[lo:hi]
+    sites = [s for s, u in zip(ctx.cache_sites, ctx.site_units) if lo <= u < hi]
     g = fx.Graph()
     x = g.placeholder("x")
     off = g.placeholder("offset")
-    env: dict[fx.Node, fx.Node] = {units[0].input: x, sm._offset: off}
+    env: dict[fx.Node, fx.Node] = {units[0].input: x, ctx.offset: off}
     prefixes = [prefix for s in sites for _, prefix, _, _ in s.cached]
     for prefix in prefixes:
         env[prefix] = g.placeholder(prefix.target)
-    targets = g.placeholder("targets") if (with_loss and hi == sm.num_units) else None
+    targets = g.placeholder("targets") if (with_loss and hi == len(ctx.units)) else None
     last_placeholder = targets or (env[prefixes[-1]] if prefixes else off)
     device: list[fx.Node] = []  # x.device, made when a node first needs it
 
@@ -84,10 +86,10 @@ def build_stage_graph(sm, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, 
     def get(n: fx.Node) -> fx.Node:
         if n in env:
             return env[n]
-        if is_size_root(n, sm._batch_sym, sm._seq_sym):
-            dim = 0 if size_expr(n.meta["val"]) == sm._batch_sym else 1
+        if is_size_root(n, ctx.batch_sym, ctx.seq_sym):
+            dim = 0 if size_expr(n.meta["val"]) == ctx.batch_sym else 1
             new = g.call_function(torch.ops.aten.sym_size.int, (x, dim))
-        elif n in sm._static:
+        elif n in ctx.static:
             new = g.get_attr(n.target) if n.op == "get_attr" else copy(n)
             new.meta = dict(n.meta)
         else:
