@@ -17,7 +17,7 @@ The masks are read exactly (`masks.py`): each is evaluated at the compile's full
 and must be causal or banded (a sliding window); anything else is refused, saying what the mask
 is. The finite part of an additive mask is a position bias (ALiBi), kept as a table its slices
 are rebuilt from (`bias.py`). Each attention becomes
-`ops.causal_attention(q, k, v, k_prefix, v_prefix, ..., window=w, bias=table, offset=offset)`:
+`runtime_ops.causal_attention(q, k, v, k_prefix, v_prefix, ..., window=w, bias=table, offset=offset)`:
 k_prefix/v_prefix are new graph placeholders; k and v (this slice's) are recorded as the site's
 cached values, which the stage graph returns so their gradients can flow back from later
 slices.
@@ -32,7 +32,7 @@ from types import MappingProxyType
 import torch
 import torch.fx as fx
 
-from tpc.compiler.frontend import bias, masks, ops
+from tpc.compiler.frontend import bias, masks, runtime_ops
 from tpc.compiler.frontend.axes import node_token_axes, size_expr
 from tpc.compiler.frontend.calls import call_args
 from tpc.compiler.frontend.context import PassContext
@@ -425,7 +425,7 @@ def _bias_table(m: _Match, biases: list, ctx) -> tuple[torch.Tensor, str]:
 
 
 class SliceAttention:
-    """Every causal or sliding-window attention becomes `ops.causal_attention` over a KV cache
+    """Every causal or sliding-window attention becomes `runtime_ops.causal_attention` over a KV cache
     (the module docstring); the sites and the position-bias tables join the context."""
 
     name = "attention"
@@ -475,7 +475,7 @@ def rewrite_attention(ctx: PassContext) -> tuple[list[AttentionSite], dict[str, 
             node.meta["val"] = table
             kwargs.update(bias=node, bias_kind=kind, offset=ctx.offset)
         with graph.inserting_before(m.last):
-            att = graph.call_function(ops.causal_attention, (m.q, k, v, kp, vp), kwargs)
+            att = graph.call_function(runtime_ops.causal_attention, (m.q, k, v, kp, vp), kwargs)
         att.meta = dict(m.last.meta)
         att.meta["tpc_kind"] = "attention"
         m.last.replace_all_uses_with(att)

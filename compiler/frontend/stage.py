@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from tpc.compiler.frontend import ops
+from tpc.compiler.frontend import runtime_ops
 from tpc.compiler.frontend.axes import size_expr
 from tpc.compiler.frontend.context import CacheSite, PassContext
 from tpc.compiler.frontend.data_independent import is_size_root, prune_dead
@@ -104,7 +104,7 @@ def build_stage_graph(ctx: PassContext, lo: int, hi: int, with_loss: bool) -> tu
             env[n] = copy(n)
     y = get(units[-1].output)
     if targets is not None:
-        y = g.call_function(ops.sum_token_loss, (y, targets))
+        y = g.call_function(runtime_ops.sum_token_loss, (y, targets))
     outs = [y]
     for s in sites:
         outs += [get(value) for value, *_ in s.cached]
