@@ -11,7 +11,7 @@ with what it made; after each, the graph is linted and its static values are rec
   causal-state        the last tokens of short causal mixers carried              carried_state.py
   token-independence  any other mixing of tokens refused                          analyse.py
   positions           positions put on the slice's window [offset, offset + l)   positions.py
-  units               cut where only the residual stream is live                  partition.py
+  units               cut where only the residual stream is live                  partition.py (`CutUnits` here)
   costs               a cost record on every node                                 flops.py
 
 Then the numeric self-check (`check_slicing`). Stage graphs are cut from the final context on
