@@ -241,7 +241,7 @@ def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu
             weight_fits.append(fit_curve(arr[:, 0], arr[:, 1], arr[:, 6]))
             held_fits.append(fit_stash(arr[:, 0], arr[:, 1], arr[:, 7], constant=True))
         kv_per_token = sum(_kv_row_bytes(shape, d, dt)
-                           for shape, d, dt in zip(stage._kv_shapes, stage.kv_dims, stage._kv_dtypes))
+                           for shape, d, dt in zip(stage.kv_shapes, stage.kv_dims, stage.kv_dtypes))
         params = sum(p.numel() * p.element_size() for p in stage.parameters())
         units.append(UnitProfile(label=stage.label, fwd=tuple(fwd_fits), bwd=tuple(bwd_fits),
                                  kv_bytes_per_token=int(kv_per_token), param_bytes=int(params),

@@ -20,7 +20,7 @@ whole prefix twice per slice: O(n²) copies for n slices.)
 
 The cached tensors are attention keys and values and the inputs of short causal mixers (a causal
 convolution of kernel k or a token shift reads the last k - 1 tokens of its input: a window of
-k, `compiler/frontend/state.py`); the runtime treats them alike.
+k, `compiler/frontend/carried_state.py`); the runtime treats them alike.
 
 Sliding-window layers (`module.kv_windows`, window w): a later slice reads only the last w - 1
 tokens, so the cache keeps only those plus the slice being appended. When the buffer is full, its

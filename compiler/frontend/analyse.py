@@ -15,7 +15,8 @@ import torch.fx as fx
 
 from tpc.compiler.frontend.axes import node_token_axes
 from tpc.compiler.frontend.calls import call_args, op_name
-from tpc.compiler.frontend.locate import refuse
+from tpc.compiler.frontend.context import PassContext
+from tpc.compiler.frontend.source_locations import refuse
 
 _ALONG_DIM = {
     "sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "cumsum", "cumprod", "cummax",
@@ -60,7 +61,7 @@ def _elementwise(n: fx.Node) -> bool:
 def mixing_reason(n: fx.Node, seq_sym) -> str | None:
     """Why this node mixes tokens, or None."""
     if n.op != "call_function" or n.meta.get("tpc_kind") in ("attention", "causal-window"):
-        return None  # a recognised attention; a causal window the state pass checked (state.py)
+        return None  # a recognised attention; a causal window the state pass checked (carried_state.py)
     name = op_name(n)
     ins = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     if not ins:
@@ -86,8 +87,19 @@ def mixing_reason(n: fx.Node, seq_sym) -> str | None:
     return None
 
 
-def check_token_independence(graph: fx.Graph, ctx) -> None:
-    for n in graph.nodes:
+class CheckTokenIndependence:
+    """Refuses the first value that mixes tokens (the module docstring); changes nothing."""
+
+    name = "token-independence"
+
+    def run(self, ctx: PassContext) -> PassContext:
+        check_token_independence(ctx)
+        return ctx
+
+
+def check_token_independence(ctx: PassContext) -> None:
+    """Refuse the first data value of `ctx.graph` that mixes tokens (`mixing_reason`)."""
+    for n in ctx.graph.nodes:
         if n in ctx.static:
             continue
         why = mixing_reason(n, ctx.seq_sym)

@@ -17,7 +17,7 @@ The masks are read exactly (`masks.py`): each is evaluated at the compile's full
 and must be causal or banded (a sliding window); anything else is refused, saying what the mask
 is. The finite part of an additive mask is a position bias (ALiBi), kept as a table its slices
 are rebuilt from (`bias.py`). Each attention becomes
-`ops.causal_attention(q, k, v, k_prefix, v_prefix, ..., window=w, bias=table, offset=offset)`:
+`runtime_ops.causal_attention(q, k, v, k_prefix, v_prefix, ..., window=w, bias=table, offset=offset)`:
 k_prefix/v_prefix are new graph placeholders; k and v (this slice's) are recorded as the site's
 cached values, which the stage graph returns so their gradients can flow back from later
 slices.
@@ -26,16 +26,18 @@ slices.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 import torch
 import torch.fx as fx
 
-from tpc.compiler.frontend import bias, masks, ops
+from tpc.compiler.frontend import bias, masks, runtime_ops
 from tpc.compiler.frontend.axes import node_token_axes, size_expr
 from tpc.compiler.frontend.calls import call_args
-from tpc.compiler.frontend.locate import refuse
-from tpc.compiler.frontend.static import evaluate, prune_dead
+from tpc.compiler.frontend.context import PassContext
+from tpc.compiler.frontend.data_independent import evaluate, prune_dead
+from tpc.compiler.frontend.source_locations import refuse
 
 aten = torch.ops.aten
 
@@ -338,16 +340,17 @@ def _repeated(x: fx.Node):
     return src, int(rep)
 
 
-def _pattern(m: _Match, ctx) -> tuple[masks.Pattern, list]:
+def _pattern(m: _Match, ctx: PassContext, readings: dict) -> tuple[masks.Pattern, list]:
     """The mask of a matched attention, read at the plan's length, and the position biases
-    among its terms ([(term, reading)]); refused unless the mask is causal or banded."""
+    among its terms ([(term, reading)]); refused unless the mask is causal or banded.
+    `readings`: the masks read so far ((node, how) -> masks.Reading), shared by the attentions."""
     n = ctx.seq_len
     if m.is_causal and not m.masks:
         return masks.Pattern("causal"), []
     keep = torch.ones(n, n, dtype=torch.bool).tril() if m.is_causal else None
     biases = []
     for term in m.masks:
-        reading = _read(term, m, ctx)
+        reading = _read(term, m, ctx, readings)
         keep = masks.both(keep, reading.keep)
         if reading.bias is not None:
             biases.append((term, reading))
@@ -368,7 +371,7 @@ def _pattern(m: _Match, ctx) -> tuple[masks.Pattern, list]:
     return found, [(t, r, keep) for t, r in biases]
 
 
-def _read(term: _Term, m: _Match, ctx) -> masks.Reading:
+def _read(term: _Term, m: _Match, ctx: PassContext, readings: dict) -> masks.Reading:
     node, how = term.node, term.how
     if not isinstance(node, fx.Node):
         raise masks.NotAMask("a constant mask")  # pragma: no cover - SDPA takes tensors
@@ -377,10 +380,10 @@ def _read(term: _Term, m: _Match, ctx) -> masks.Reading:
                            "computed from the data)",
                 "token slicing needs a mask that depends on positions only (causal or a sliding window)")
     key = (node, how)
-    if key not in ctx.keep_cache:
+    if key not in readings:
         try:
             value = evaluate(node, {ctx.seq_sym: ctx.seq_len, ctx.batch_sym: 2}, ctx.fetch)
-            ctx.keep_cache[key] = masks.read(value, how, ctx.seq_len)
+            readings[key] = masks.read(value, how, ctx.seq_len)
         except masks.NotAMask as e:
             _refuse(m.at, ctx, f"the attention's mask cannot be read as a mask: {e}",
                     "token slicing supports causal and sliding-window masks (0 / -inf or True / False) "
@@ -389,7 +392,7 @@ def _read(term: _Term, m: _Match, ctx) -> masks.Reading:
             _refuse(m.at, ctx, f"the attention's mask could not be evaluated at length {ctx.seq_len}: "
                                f"{type(e).__name__}: {e}",
                     "build the mask from sizes and positions only")
-    return ctx.keep_cache[key]
+    return readings[key]
 
 
 def _bias_table(m: _Match, biases: list, ctx) -> tuple[torch.Tensor, str]:
@@ -421,17 +424,31 @@ def _bias_table(m: _Match, biases: list, ctx) -> tuple[torch.Tensor, str]:
     return bias.table_of(total, keep)
 
 
-def rewrite_attention(graph: fx.Graph, ctx) -> list[AttentionSite]:
-    """Replace each recognised attention; returns the sites in graph order."""
-    matches = []
+class SliceAttention:
+    """Every causal or sliding-window attention becomes `runtime_ops.causal_attention` over a KV cache
+    (the module docstring); the sites and the position-bias tables join the context."""
+
+    name = "attention"
+
+    def run(self, ctx: PassContext) -> PassContext:
+        sites, tables = rewrite_attention(ctx)
+        return replace(ctx, attention=tuple(sites), constants=MappingProxyType({**ctx.constants, **tables}))
+
+
+def rewrite_attention(ctx: PassContext) -> tuple[list[AttentionSite], dict[str, torch.Tensor]]:
+    """Replace each recognised attention of `ctx.graph`; returns the sites in graph order and
+    the position-bias tables the rewritten graph reads (`get_attr` name -> table)."""
+    graph = ctx.graph
+    matches, readings = [], {}
     for n in graph.nodes:
         if n.op != "call_function":
             continue
         m = _match_sdpa(n, ctx) or _match_written_out(n, ctx)
         if m is not None:
-            matches.append((m, *_pattern(m, ctx)))
+            matches.append((m, *_pattern(m, ctx, readings)))
     anchor = ctx.ids
-    sites = []
+    sites: list[AttentionSite] = []
+    tables: dict[str, torch.Tensor] = {}
     for i, (m, pattern, biases) in enumerate(matches):
         k, v, rep = _ungroup(m.k, m.v)
         for t, what in ((k, "keys"), (v, "values")):
@@ -451,14 +468,14 @@ def rewrite_attention(graph: fx.Graph, ctx) -> list[AttentionSite]:
             kwargs["window"] = window
         if biases:
             table, kind = _bias_table(m, biases, ctx)
-            name = f"tpc_position_bias_{len(ctx.constants)}"
-            ctx.constants[name] = table
+            name = f"tpc_position_bias_{len(ctx.constants) + len(tables)}"
+            tables[name] = table
             with graph.inserting_before(m.last):
                 node = graph.get_attr(name)
             node.meta["val"] = table
             kwargs.update(bias=node, bias_kind=kind, offset=ctx.offset)
         with graph.inserting_before(m.last):
-            att = graph.call_function(ops.causal_attention, (m.q, k, v, kp, vp), kwargs)
+            att = graph.call_function(runtime_ops.causal_attention, (m.q, k, v, kp, vp), kwargs)
         att.meta = dict(m.last.meta)
         att.meta["tpc_kind"] = "attention"
         m.last.replace_all_uses_with(att)
@@ -466,6 +483,5 @@ def rewrite_attention(graph: fx.Graph, ctx) -> list[AttentionSite]:
         d = k.meta["val"].dim() - 2
         sites.append(AttentionSite(att, k, v, kp, vp, (d, v.meta["val"].dim() - 2), window))
     prune_dead(graph)
-    graph.lint()
-    return sites
+    return sites, tables
 

@@ -35,3 +35,12 @@ def is_seq(x, seq_sym) -> bool:
     if isinstance(x, fx.Node):
         x = x.meta.get("val")
     return isinstance(x, torch.SymInt) and x.node.expr == seq_sym
+
+
+def is_residual_stream(node: fx.Node, batch_sym, seq_sym) -> bool:
+    """Has this value the residual stream's shape: floating (batch, sequence, C), C a number?"""
+    v = node.meta.get("val")
+    if not isinstance(v, torch.Tensor) or v.dim() != 3 or not v.is_floating_point():
+        return False
+    b, t, c = (size_expr(d) for d in v.shape)
+    return b == batch_sym and t == seq_sym and c.is_Integer

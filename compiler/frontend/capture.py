@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 from contextlib import contextmanager
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy
 import torch
@@ -26,10 +26,12 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.export import Dim, export
 
+from tpc.compiler.frontend.axes import size_expr
+from tpc.compiler.frontend.context import PassContext
+from tpc.compiler.frontend.data_independent import prune_dead
 from tpc.compiler.frontend.functional import functionalize
-from tpc.compiler.frontend.locate import compact_stack_trace, loc_from_traceback
 from tpc.compiler.frontend.simplify import drop_noops
-from tpc.compiler.frontend.static import prune_dead
+from tpc.compiler.frontend.source_locations import compact_stack_trace, loc_from_traceback, refuse
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 
@@ -43,6 +45,37 @@ class Captured:
     model_file: str | None
     param_names: dict[str, str]  # get_attr target -> canonical parameter or buffer name
     full_range: bool  # captured for lengths 1..L (else 1..L-1, see capture())
+
+
+class CheckLogits:
+    """The captured model returns one tensor, the logits (batch, seq, vocab), which the loss is
+    appended to: its producer joins the context as `logits`; anything else is refused."""
+
+    name = "logits"
+
+    def run(self, ctx: PassContext) -> PassContext:
+        return replace(ctx, logits=check_logits(ctx))
+
+
+def check_logits(ctx: PassContext) -> fx.Node:
+    """The node whose value `ctx.graph` returns, when it is (batch, seq, vocab) logits."""
+    out = next(n for n in ctx.graph.nodes if n.op == "output")
+    vals = out.args[0]
+    vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+    producer = vals[0] if vals and isinstance(vals[0], fx.Node) else None
+    v = producer.meta.get("val") if producer is not None else None
+    ok = (len(vals) == 1 and isinstance(v, torch.Tensor) and v.dim() == 3
+          and size_expr(v.shape[0]) == ctx.batch_sym and size_expr(v.shape[1]) == ctx.seq_sym
+          and size_expr(v.shape[2]) == ctx.vocab)
+    if not ok:
+        got = tuple(v.shape) if isinstance(v, torch.Tensor) else f"{len(vals)} values"
+        message = f"the model must return logits of shape (batch, seq, vocab={ctx.vocab}); it returns {got}"
+        hint = ("forward(ids: (B, T) int64) must return one tensor (B, T, V); compute the loss outside "
+                "the model (tpc adds next-token cross-entropy itself)")
+        if producer is not None:
+            raise refuse(producer, ctx.model_file, message, hint)
+        raise TpirError(Diagnostic(message, where=ctx.model_name, hint=hint))
+    return producer
 
 
 def model_file_of(model: nn.Module) -> str | None:

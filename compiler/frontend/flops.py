@@ -18,9 +18,9 @@ Per op class (a "kernel" is one launch of eager PyTorch):
     inactive dropout): nothing;
   * matmul (`linear`, `mm`, `addmm`, `bmm`, `matmul`, `baddbmm`): 2*m*n*k (+ m*n for a bias),
     bytes of both operands and the result, one kernel;
-  * `ops.causal_pad` (a causal convolution's or shift's carried tokens joined to the slice's):
+  * `runtime_ops.causal_pad` (a causal convolution's or shift's carried tokens joined to the slice's):
     a copy, priced as a memory op;
-  * attention (`ops.causal_attention`): Q K^T and P V over `c + l` keys,
+  * attention (`runtime_ops.causal_attention`): Q K^T and P V over `c + l` keys,
     2*b*h*l*(c+l)*(d_qk + d_v), as one fused kernel that reads q and the full keys and values
     and writes the output (the scores stay on chip; on CUDA the bottom-right alignment is a
     causal bias, no mask is read); with a prefix, two more kernels concatenate cache and slice
@@ -53,9 +53,10 @@ import sympy
 import torch
 import torch.fx as fx
 
-from tpc.compiler.frontend import ops
+from tpc.compiler.frontend import runtime_ops
 from tpc.compiler.frontend.axes import size_expr
 from tpc.compiler.frontend.calls import op_name
+from tpc.compiler.frontend.context import PassContext
 
 aten = torch.ops.aten
 
@@ -231,11 +232,11 @@ def op_cost(n: fx.Node, static: set) -> OpCost:
     """The cost record of one node (see the module docstring)."""
     if n.op != "call_function":
         return FREE
-    if n.target is ops.causal_attention:
+    if n.target is runtime_ops.causal_attention:
         return _attention(n)
-    if n.target is ops.sum_token_loss:
+    if n.target is runtime_ops.sum_token_loss:
         return loss_cost(_val(n.args[0]))
-    if n.target is ops.causal_pad:  # the carried tokens, the slice's and the padding, joined
+    if n.target is runtime_ops.causal_pad:  # the carried tokens, the slice's and the padding, joined
         written = tensor_bytes(_val(n))
         return _memory(_ZERO, 2 * written, written)
     if n.target is operator.getitem or not hasattr(n.target, "_schema"):
@@ -263,7 +264,7 @@ def op_cost(n: fx.Node, static: set) -> OpCost:
 
 
 def loss_cost(logits) -> OpCost:
-    """`ops.sum_token_loss`: the cast of the logits to float32 (when they are narrower), log-softmax
+    """`runtime_ops.sum_token_loss`: the cast of the logits to float32 (when they are narrower), log-softmax
     over the vocabulary, and the summed negative log-likelihood of the targets."""
     n = numel(logits)
     tokens = n / size_expr(logits.shape[-1])
@@ -313,6 +314,17 @@ def annotate_costs(graph: fx.Graph, static: set, weighted: set = frozenset()) ->
     accumulates a weight gradient)."""
     for n in graph.nodes:
         n.meta["tpc_cost"] = _held(n, op_cost(n, static), static, weighted)
+
+
+class AnnotateCosts:
+    """Every node of the rewritten graph gets its cost record, `node.meta["tpc_cost"]` (stage
+    graphs copy the records with their nodes)."""
+
+    name = "costs"
+
+    def run(self, ctx: PassContext) -> PassContext:
+        annotate_costs(ctx.graph, ctx.static, weighted_nodes(ctx.graph, ctx.static, ctx.param_names))
+        return ctx
 
 
 # ------------------------------------------------------------------------ per-unit sums

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from tpc.compiler.frontend.locate import refuse
+from tpc.compiler.frontend.source_locations import refuse
 
 aten = torch.ops.aten
 

@@ -17,7 +17,7 @@ import sys
 import torch.nn as nn
 
 from tpc.compiler.frontend.hf import causal_lm_from_config, is_config_file
-from tpc.compiler.frontend.locate import loc_at, loc_from_traceback
+from tpc.compiler.frontend.source_locations import loc_at, loc_from_traceback
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Loc
 

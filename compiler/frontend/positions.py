@@ -14,8 +14,8 @@ sequence must be the unsliced model's value at the plan's length L, cut to the s
   and cut to the window: exact for the plan, whose sequences are L tokens long, at the price of
   computing it at full length in every slice. Its inputs are recomputed at length L beside it.
 
-`offset` is a new graph placeholder holding a Python int. A (T x T) value left after the
-attention pass is a mask no recognised attention consumed: refused.
+`offset` is the context's graph placeholder holding a Python int (made with the context). A
+(T x T) value left after the attention pass is a mask no recognised attention consumed: refused.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ import torch.fx as fx
 
 from tpc.compiler.frontend.analyse import mixing_reason
 from tpc.compiler.frontend.axes import is_seq, node_token_axes
-from tpc.compiler.frontend.locate import refuse
-from tpc.compiler.frontend.static import is_size_root
+from tpc.compiler.frontend.context import PassContext
+from tpc.compiler.frontend.data_independent import is_size_root, prune_dead
+from tpc.compiler.frontend.source_locations import refuse
 
 aten = torch.ops.aten
 
@@ -55,15 +56,22 @@ def _mentions_seq(x, ctx) -> bool:
     return isinstance(v, torch.SymInt) and ctx.seq_sym in v.node.expr.free_symbols
 
 
-def rewrite_positions(graph: fx.Graph, ctx) -> fx.Node:
-    """Put every static value over the sequence on the slice's window; returns the `offset`
-    placeholder (`ctx.offset`, made here when no pass before needed it)."""
-    offset = getattr(ctx, "offset", None)
-    if offset is None:
-        with graph.inserting_after(ctx.ids):
-            offset = graph.placeholder("offset")
-        offset.meta["val"] = 0
-    ctx.static.add(offset)
+class WindowPositions:
+    """Every static value over the sequence is put on the slice's window (the module
+    docstring); the values no longer used are dropped."""
+
+    name = "positions"
+
+    def run(self, ctx: PassContext) -> PassContext:
+        rewrite_positions(ctx)
+        prune_dead(ctx.graph)
+        return ctx
+
+
+def rewrite_positions(ctx: PassContext) -> None:
+    """Put every static value of `ctx.graph` over the sequence on the slice's window
+    `[ctx.offset, ctx.offset + l)`."""
+    graph, offset = ctx.graph, ctx.offset
     shift, full_length = _classify(graph, ctx)
     for n in full_length:  # before the shifts: the clones read the unshifted originals
         _at_full_length(graph, n, offset, ctx)
@@ -72,8 +80,6 @@ def rewrite_positions(graph: fx.Graph, ctx) -> fx.Node:
             _window_arange(graph, n, offset, ctx)
         else:
             _window_slice(graph, n, offset, ctx)
-    graph.lint()
-    return offset
 
 
 def _classify(graph: fx.Graph, ctx) -> tuple[list[fx.Node], list[fx.Node]]:

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from tpc.compiler.frontend.axes import size_expr
-from tpc.compiler.frontend.static import prune_dead
+from tpc.compiler.frontend.data_independent import prune_dead
 
 aten = torch.ops.aten
 _INT64_MAX = 2**63 - 1

@@ -1,33 +1,44 @@
 """`SlicedModel`: capture, analyse and rewrite a model once; cut it into stages on demand.
 
-Pipeline of passes (each ends with `graph.lint()`):
-  capture -> output check -> attention (sliced, KV cache, position biases)
-  -> causal state (short convolutions and shifts, their last tokens carried)
-  -> token-independence check -> positions (window [offset, offset + l)) -> units
-  -> numeric self-check.
+The capture (`capture.py`: torch.export, then a clean copy in which in-place writes are values,
+`functional.py`, and library no-ops are gone, `simplify.py`) makes the context (`context.py`).
+Then the passes of `PASSES` run in one loop, `run_passes`: each reads the context and returns it
+with what it made; after each, the graph is linted and its static values are recomputed.
+
+  pass                what it does                                               module
+  logits              the model returns (batch, seq, vocab) logits                capture.py
+  attention           causal attention sliced over a KV cache, masks read         attention.py
+  causal-state        the last tokens of short causal mixers carried              carried_state.py
+  token-independence  any other mixing of tokens refused                          analyse.py
+  positions           positions put on the slice's window [offset, offset + l)   positions.py
+  units               cut where only the residual stream is live                  partition.py (`CutUnits` here)
+  costs               a cost record on every node                                 flops.py
+
+Then the numeric self-check (`check_slicing`). Stage graphs are cut from the final context on
+demand (`stage_module`, `stage.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import replace
+from typing import Sequence
 
 import sympy
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from tpc.compiler.frontend.analyse import check_token_independence
-from tpc.compiler.frontend.attention import rewrite_attention
-from tpc.compiler.frontend.axes import size_expr
-from tpc.compiler.frontend.capture import capture
-from tpc.compiler.frontend.flops import (UnitCost, UnitCostFn, annotate_costs, loss_cost, numel as numel_of,
-                                         sum_costs, weighted_nodes)
-from tpc.compiler.frontend.locate import refuse
-from tpc.compiler.frontend.partition import _is_residual, make_units, partition_balanced
-from tpc.compiler.frontend.positions import rewrite_positions
+from tpc.compiler.frontend.analyse import CheckTokenIndependence
+from tpc.compiler.frontend.attention import SliceAttention
+from tpc.compiler.frontend.axes import is_residual_stream, size_expr
+from tpc.compiler.frontend.capture import Captured, CheckLogits, capture
+from tpc.compiler.frontend.carried_state import CarryCausalState
+from tpc.compiler.frontend.context import Pass, PassContext
+from tpc.compiler.frontend.flops import AnnotateCosts, UnitCost, UnitCostFn, loss_cost, numel as numel_of, sum_costs
+from tpc.compiler.frontend.partition import make_units, partition_balanced
+from tpc.compiler.frontend.positions import WindowPositions
+from tpc.compiler.frontend.source_locations import refuse
 from tpc.compiler.frontend.stage import StageModule, build_stage_graph
-from tpc.compiler.frontend.state import carry_causal_state
-from tpc.compiler.frontend.static import prune_dead, static_nodes
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Loc
 
@@ -35,19 +46,60 @@ from tpc.ir.nodes import Loc
 DEFAULT = object()  # from_model's default self-check slices
 
 
-@dataclass
-class _Ctx:
-    ids: fx.Node
-    batch_sym: object
-    seq_sym: object
-    model_file: str | None
-    fetch: object
-    seq_len: int  # the plan's length: masks are read, full-length positions computed, at it
-    param_names: set = field(default_factory=set)
-    static: set = field(default_factory=set)
-    keep_cache: dict = field(default_factory=dict)  # (mask node, encoding) -> masks.Reading
-    offset: fx.Node | None = None  # the slice's first token (a placeholder holding an int)
-    constants: dict = field(default_factory=dict)  # name -> tensor the rewritten graph reads (bias tables)
+class CutUnits:
+    """The data values cut into partition units where only the residual stream is live, merged
+    by the numbered block they belong to (`partition.py`)."""
+
+    name = "units"
+
+    def run(self, ctx: PassContext) -> PassContext:
+        output = next(n for n in ctx.graph.nodes if n.op == "output")
+        units = make_units(ctx.data_nodes, ctx.logits, output, ctx.batch_sym, ctx.seq_sym)
+        return replace(ctx, units=tuple(units))
+
+
+# the front end's passes, in the order they run (the module docstring)
+PASSES: tuple[Pass, ...] = (CheckLogits(), SliceAttention(), CarryCausalState(), CheckTokenIndependence(),
+                            WindowPositions(), CutUnits(), AnnotateCosts())
+
+
+def run_passes(ctx: PassContext, passes: Sequence[Pass] = PASSES) -> PassContext:
+    """Run `passes` in order over `ctx`; after each, lint the graph and recompute its static
+    values. Returns the last context."""
+    ctx = ctx.with_static()
+    for p in passes:
+        ctx = p.run(ctx)
+        try:
+            ctx.graph.lint()
+        except RuntimeError as e:
+            raise RuntimeError(f"internal: the graph is malformed after the front end's pass `{p.name}`: {e}") from e
+        ctx = ctx.with_static()
+    return ctx
+
+
+def initial_context(model: nn.Module, cap: Captured, seq_len: int, vocab: int) -> PassContext:
+    """The context the passes start from: the captured graph with an `offset` placeholder (the
+    slice's first token) after the ids, and `model`'s parameters and buffers to read."""
+    named = dict(model.named_parameters())
+    named_buf = dict(model.named_buffers())
+
+    def read_attr(name: str):
+        if name in named:
+            return named[name]
+        if name in named_buf:
+            return named_buf[name]
+        obj = cap.gm
+        for p in name.split("."):
+            obj = getattr(obj, p)
+        return obj
+
+    graph = cap.graph
+    with graph.inserting_after(cap.ids):
+        offset = graph.placeholder("offset")
+    offset.meta["val"] = 0
+    return PassContext(graph=graph, ids=cap.ids, offset=offset, batch_sym=cap.batch_sym, seq_sym=cap.seq_sym,
+                       seq_len=seq_len, vocab=vocab, model_name=type(model).__name__,
+                       model_file=cap.model_file, read_attr=read_attr, param_names=frozenset(named))
 
 
 class SlicedModel:
@@ -63,61 +115,19 @@ class SlicedModel:
     def __init__(self, model: nn.Module, seq_len: int, vocab: int, check_slices=DEFAULT):
         self.model, self.seq_len, self.vocab = model, seq_len, vocab
         cap = capture(model, seq_len)
-        self._gm, graph = cap.gm, cap.graph
         self._model_file = cap.model_file
-        self._original = fx.Graph()  # the captured graph before any pass: the self-check's reference
-        self._original.output(self._original.graph_copy(graph, {}))
         self._full_range = cap.full_range
-        self._batch_sym, self._seq_sym = cap.batch_sym, cap.seq_sym
-        named = dict(model.named_parameters())
-        named_buf = dict(model.named_buffers())
-        self._param_names = set(named)
-        constants: dict[str, torch.Tensor] = {}
-
-        def fetch(name):
-            if name in constants:
-                return constants[name]
-            if name in named:
-                return named[name]
-            if name in named_buf:
-                return named_buf[name]
-            obj = self._gm
-            for p in name.split("."):
-                obj = getattr(obj, p)
-            return obj
-
-        self._fetch = fetch
-        ctx = _Ctx(cap.ids, cap.batch_sym, cap.seq_sym, cap.model_file, fetch, seq_len, set(named),
-                   constants=constants)
-        with graph.inserting_after(cap.ids):
-            ctx.offset = graph.placeholder("offset")
-        ctx.offset.meta["val"] = 0
-        ctx.static = static_nodes(graph, cap.batch_sym, cap.seq_sym, {cap.ids})
-        out_val = self._check_output(graph, ctx)
-        sites = rewrite_attention(graph, ctx)
-        kv_in = {s.k_prefix for s in sites} | {s.v_prefix for s in sites}
-        ctx.static = static_nodes(graph, cap.batch_sym, cap.seq_sym, {cap.ids} | kv_in)
-        states = carry_causal_state(graph, ctx)
-        kv_in |= {s.prefix for s in states}
-        ctx.static = static_nodes(graph, cap.batch_sym, cap.seq_sym, {cap.ids} | kv_in)
-        check_token_independence(graph, ctx)
-        self._offset = rewrite_positions(graph, ctx)
-        prune_dead(graph)
-        graph.lint()
-        self._static = static_nodes(graph, cap.batch_sym, cap.seq_sym, {cap.ids} | kv_in)
-        self._graph, self._sites, self._states = graph, sites, states
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        # every site that caches tensors across slices (attention K/V, causal state), in graph order
-        self._cached = sorted(sites + states, key=lambda s: order[s.node])
-        output = next(n for n in graph.nodes if n.op == "output")
-        data = [n for n in graph.nodes if n not in self._static and n.op != "output" and n not in kv_in]
-        self._units = make_units(data, out_val, output, cap.batch_sym, cap.seq_sym)
-        pos = {n: i for i, u in enumerate(self._units) for n in u.nodes}
-        self._site_units = [pos[s.node] for s in self._cached]
+        self._original = fx.Graph()  # the captured graph before any pass: the self-check's reference
+        self._original.output(self._original.graph_copy(cap.graph, {}))
+        ctx = run_passes(initial_context(model, cap, seq_len, vocab))
+        self._ctx = ctx
+        # shorthands for the methods below (and the tests that inspect the rewrite)
+        self._graph, self._static, self._fetch = ctx.graph, ctx.static, ctx.fetch
+        self._batch_sym, self._seq_sym = ctx.batch_sym, ctx.seq_sym
+        self._sites, self._states = list(ctx.attention), list(ctx.states)
+        self._units = ctx.units
         self._unit_attrs = [self._attrs_used(u.nodes) for u in self._units]
-        self.hidden_size = self._hidden(data)
-        # cost records in node.meta["tpc_cost"] (stage graphs copy them with the nodes)
-        annotate_costs(graph, self._static, weighted_nodes(graph, self._static, set(named)))
+        self.hidden_size = self._hidden(ctx.data_nodes)
         self._cost_fns: dict[int, list[UnitCostFn]] = {}
         if check_slices is DEFAULT:
             check_slices = default_check_slices(seq_len)
@@ -125,6 +135,13 @@ class SlicedModel:
             self.check_slicing(check_slices)
 
     # ---------------------------------------------------------------- public API
+
+    @property
+    def context(self) -> PassContext:
+        """The front end's final context: the rewritten graph (`graph`), its units (`units`),
+        the sites that cache tensors across slices (`attention`, `states`, `cache_sites`), its
+        static values (`static`) and how to read its attributes (`fetch`)."""
+        return self._ctx
 
     @property
     def num_units(self) -> int:
@@ -159,7 +176,7 @@ class SlicedModel:
         means later slices read only the last w - 1 tokens, so the cache a runtime must keep is
         bounded by w - 1 tokens plus the slice being appended."""
         out: list[list] = [[] for _ in range(self.num_units)]
-        for s, u in zip(self._cached, self._site_units):
+        for s, u in zip(self._ctx.cache_sites, self._ctx.site_units):
             n = sum(self._per_token(value) for value, *_ in s.cached)
             out[u].append((n, s.window))
         return out
@@ -213,7 +230,7 @@ class SlicedModel:
         for s, (lo, hi) in enumerate(ranges):
             for u in range(lo, hi):
                 for a in self._unit_attrs[u]:
-                    if a in self._param_names and s not in users.setdefault(a, []):
+                    if a in self._ctx.param_names and s not in users.setdefault(a, []):
                         users[a].append(s)
         return [(name, tuple(st)) for name, st in sorted(users.items()) if len(st) >= 2]
 
@@ -223,7 +240,7 @@ class SlicedModel:
         (dropout off, `inference.py`)."""
         if not (0 <= lo < hi <= self.num_units):
             raise ValueError(f"unit range {lo}:{hi} is not inside 0:{self.num_units}")
-        graph, sites = build_stage_graph(self, lo, hi, with_loss)
+        graph, sites = build_stage_graph(self._ctx, lo, hi, with_loss)
         if evaluation:
             from tpc.compiler.frontend.inference import without_dropout
 
@@ -268,25 +285,6 @@ class SlicedModel:
                 where=type(self.model).__name__,
                 hint=f"choose between 1 and {self.num_units} stages"))
 
-    def _check_output(self, graph: fx.Graph, ctx) -> fx.Node:
-        out = next(n for n in graph.nodes if n.op == "output")
-        vals = out.args[0]
-        vals = vals if isinstance(vals, (tuple, list)) else (vals,)
-        producer = vals[0] if vals and isinstance(vals[0], fx.Node) else None
-        v = producer.meta.get("val") if producer is not None else None
-        ok = (len(vals) == 1 and isinstance(v, torch.Tensor) and v.dim() == 3
-              and size_expr(v.shape[0]) == ctx.batch_sym and size_expr(v.shape[1]) == ctx.seq_sym
-              and size_expr(v.shape[2]) == self.vocab)
-        if not ok:
-            got = tuple(v.shape) if isinstance(v, torch.Tensor) else f"{len(vals)} values"
-            message = f"the model must return logits of shape (batch, seq, vocab={self.vocab}); it returns {got}"
-            hint = ("forward(ids: (B, T) int64) must return one tensor (B, T, V); compute the loss outside "
-                    "the model (tpc adds next-token cross-entropy itself)")
-            if producer is not None:
-                raise refuse(producer, ctx.model_file, message, hint)
-            raise TpirError(Diagnostic(message, where=type(self.model).__name__, hint=hint))
-        return producer
-
     def _attrs_used(self, nodes) -> list[str]:
         seen, out, stack = set(), [], [a for n in nodes for a in n.all_input_nodes]
         while stack:
@@ -314,7 +312,7 @@ class SlicedModel:
         for u in self._units[:-1]:
             return int(u.output.meta["val"].shape[2])
         for n in data:
-            if _is_residual(n, self._batch_sym, self._seq_sym):
+            if is_residual_stream(n, self._batch_sym, self._seq_sym):
                 return int(n.meta["val"].shape[2])
         return 0
 
@@ -343,12 +341,12 @@ class SlicedModel:
             self._refuse_difference(ids, lens, full, bad)
 
     def _refuse_difference(self, ids, lens, full, token: int) -> None:
-        from tpc.compiler.frontend.localise import first_difference
+        from tpc.compiler.frontend.first_difference import first_difference
 
         what = f"slicing changes the model's output (first at token {token}, slices {_short(lens)})"
         hint = ("use only per-token operations, causal attention (scaled_dot_product_attention("
                 "is_causal=True)) and positions from arange(T) or buf[:T]")
-        node = first_difference(self, ids, lens, full)
+        node = first_difference(self._original, self._fetch, self._seq_sym, ids, lens, full)
         if node is None:
             raise TpirError(Diagnostic(what + ": the model mixes tokens in a way the front end does not "
                                        "recognise", where=type(self.model).__name__, hint=hint))

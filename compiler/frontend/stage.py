@@ -5,7 +5,7 @@ A stage graph takes (x, offset, k_prefix_0, v_prefix_0, ..., [targets]) and retu
 (y, k_0, v_0, ...): x is the token ids on the first stage, else the residual stream entering
 unit lo; y is the residual leaving unit hi-1, or on the last stage the summed token loss. The
 cached tensors are an attention's keys and values and a causal mixer's input (`state_prefix_i`,
-`state.py`), in graph order. Static
+`carried_state.py`), in graph order. Static
 values the stage needs (weight views, position tables) are recomputed inside it; the batch and
 sequence sizes are re-read from x.
 
@@ -34,10 +34,11 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from tpc.compiler.frontend import ops
+from tpc.compiler.frontend import runtime_ops
 from tpc.compiler.frontend.axes import size_expr
+from tpc.compiler.frontend.context import CacheSite, PassContext
+from tpc.compiler.frontend.data_independent import is_size_root, prune_dead
 from tpc.compiler.frontend.flops import FREE
-from tpc.compiler.frontend.static import is_size_root, prune_dead
 
 aten = torch.ops.aten
 
@@ -45,18 +46,19 @@ aten = torch.ops.aten
 _ANY_LAYOUT = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 
 
-def build_stage_graph(sm, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, list]:
-    """Extract units [lo, hi) of `sm` (a SlicedModel) into a new graph; returns it and its sites."""
-    units = sm._units[lo:hi]
-    sites = [s for s, u in zip(sm._cached, sm._site_units) if lo <= u < hi]
+def build_stage_graph(ctx: PassContext, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, list[CacheSite]]:
+    """Extract units [lo, hi) of the front end's final context (`SlicedModel.context`) into a
+    new graph; returns it and the cache sites of those units, in graph order."""
+    units = ctx.units[lo:hi]
+    sites = [s for s, u in zip(ctx.cache_sites, ctx.site_units) if lo <= u < hi]
     g = fx.Graph()
     x = g.placeholder("x")
     off = g.placeholder("offset")
-    env: dict[fx.Node, fx.Node] = {units[0].input: x, sm._offset: off}
+    env: dict[fx.Node, fx.Node] = {units[0].input: x, ctx.offset: off}
     prefixes = [prefix for s in sites for _, prefix, _, _ in s.cached]
     for prefix in prefixes:
         env[prefix] = g.placeholder(prefix.target)
-    targets = g.placeholder("targets") if (with_loss and hi == sm.num_units) else None
+    targets = g.placeholder("targets") if (with_loss and hi == len(ctx.units)) else None
     last_placeholder = targets or (env[prefixes[-1]] if prefixes else off)
     device: list[fx.Node] = []  # x.device, made when a node first needs it
 
@@ -84,10 +86,10 @@ def build_stage_graph(sm, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, 
     def get(n: fx.Node) -> fx.Node:
         if n in env:
             return env[n]
-        if is_size_root(n, sm._batch_sym, sm._seq_sym):
-            dim = 0 if size_expr(n.meta["val"]) == sm._batch_sym else 1
+        if is_size_root(n, ctx.batch_sym, ctx.seq_sym):
+            dim = 0 if size_expr(n.meta["val"]) == ctx.batch_sym else 1
             new = g.call_function(torch.ops.aten.sym_size.int, (x, dim))
-        elif n in sm._static:
+        elif n in ctx.static:
             new = g.get_attr(n.target) if n.op == "get_attr" else copy(n)
             new.meta = dict(n.meta)
         else:
@@ -102,7 +104,7 @@ def build_stage_graph(sm, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, 
             env[n] = copy(n)
     y = get(units[-1].output)
     if targets is not None:
-        y = g.call_function(ops.sum_token_loss, (y, targets))
+        y = g.call_function(runtime_ops.sum_token_loss, (y, targets))
     outs = [y]
     for s in sites:
         outs += [get(value) for value, *_ in s.cached]
@@ -158,7 +160,8 @@ class StageModule(nn.Module):
         self.kv_windows = list(kv_windows) if kv_windows is not None else [None] * self.num_kv
         self.label = label
         self.has_loss = has_loss and self.is_last
-        self._kv_shapes, self._kv_dtypes = kv_shapes, kv_dtypes
+        # per cached tensor: batch -> its shape holding no tokens (the token axis 0), and its dtype
+        self.kv_shapes, self.kv_dtypes = list(kv_shapes), list(kv_dtypes)
         self.graph = graph
         code = graph.python_code(root_module="self")
         glb = dict(code.globals)
@@ -181,4 +184,4 @@ class StageModule(nn.Module):
         """Zero-length prefixes (slice 0 has no cached tokens)."""
         dev = next(iter(self.parameters()), None)
         dev = dev.device if dev is not None else torch.device("cpu")
-        return [torch.zeros(shape(batch), dtype=dt, device=dev) for shape, dt in zip(self._kv_shapes, self._kv_dtypes)]
+        return [torch.zeros(shape(batch), dtype=dt, device=dev) for shape, dt in zip(self.kv_shapes, self.kv_dtypes)]

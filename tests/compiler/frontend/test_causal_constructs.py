@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tpc.compiler.frontend import SlicedModel, bias, load_model, ops
+from tpc.compiler.frontend import SlicedModel, bias, load_model
+from tpc.compiler.frontend import runtime_ops as ops
 from tpc.executors.oracle import reference_step
 from tpc.executors.stage_runtime import StageRuntime
 from tpc.ir.diagnostics import TpirError

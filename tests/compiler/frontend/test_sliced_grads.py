@@ -96,7 +96,7 @@ def test_fused_bottom_right_bias_matches_oracle(name, monkeypatch):
     """The causal bias CUDA tensors take for a slice with a prefix (`causal_lower_right`, so
     SDPA may pick the flash kernel) is forced here on CPU, where PyTorch materialises it: the
     same loss and gradients as the oracle, so the bias is aligned as the slicing needs."""
-    from tpc.compiler.frontend import ops
+    from tpc.compiler.frontend import runtime_ops as ops
 
     model, sm = sliced(name)  # built first: building checks slices of its own lengths
     used = []
@@ -125,7 +125,7 @@ def test_fused_bottom_right_under_bf16_autocast_takes_one_dtype(monkeypatch):
     kernel now gets q, k, v in the autocast dtype and the result is the reference's."""
     import torch.nn.attention.bias as bias_mod
 
-    from tpc.compiler.frontend import ops
+    from tpc.compiler.frontend import runtime_ops as ops
 
     got = []
 

@@ -49,10 +49,12 @@ def _module_for(graph: fx.Graph, fetch) -> fx.GraphModule:
     return fx.GraphModule(root, graph)
 
 
-def first_difference(sm, ids: torch.Tensor, lens, stage) -> fx.Node | None:
-    """The first node of `sm`'s captured graph whose value the sliced run changes, or None."""
+def first_difference(captured: fx.Graph, fetch, seq_sym, ids: torch.Tensor, lens, stage) -> fx.Node | None:
+    """The first node of `captured` (the graph before any pass; `fetch(name)` gives its
+    attributes, `seq_sym` is its sequence length) whose value the sliced run of `stage` (every
+    unit, no loss) on `ids` with slices `lens` changes, or None."""
     with torch.no_grad():
-        whole = _Recorder(_module_for(sm._original, sm._fetch))
+        whole = _Recorder(_module_for(captured, fetch))
         whole.run(ids)
         sliced = _Recorder(fx.GraphModule(stage, stage.graph))
         per_slice: dict[str, list] = {}
@@ -69,11 +71,11 @@ def first_difference(sm, ids: torch.Tensor, lens, stage) -> fx.Node | None:
                 per_slice.setdefault(name, []).append(v)
             off += ln
     stage_nodes = {n.name for n in stage.graph.nodes}
-    for n in sm._original.nodes:
+    for n in captured.nodes:
         if n.op != "call_function" or n.name not in per_slice or n.name not in stage_nodes:
             continue
         ref = whole.values.get(n.name)
-        axes = node_token_axes(n, sm._seq_sym)
+        axes = node_token_axes(n, seq_sym)
         if not isinstance(ref, torch.Tensor) or len(axes) != 1:
             continue
         if not (ref.is_floating_point() or ref.dtype == torch.long):

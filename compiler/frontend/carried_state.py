@@ -6,7 +6,7 @@ along the sequence padded on the left by k - 1, Mamba's and Hyena's short filter
 shift `ZeroPad2d((0, 0, 1, -1))`; a pad followed by `unfold`) needs, in a slice, the last k - 1
 tokens of the slices before it. Every such op starts at a pad along the sequence, which is where
 the past enters: the pad of `x` by p tokens before (and r after) becomes
-`ops.causal_pad(x, prefix, dim, p, r, value)`, where `prefix` is a new placeholder holding the
+`runtime_ops.causal_pad(x, prefix, dim, p, r, value)`, where `prefix` is a new placeholder holding the
 last p tokens of `x` from the earlier slices (the pad value where the sequence has none). `x` is
 cached the way attention keys are: the stage returns the slice's `x`, the runtime keeps its last
 p tokens (a window of p + 1: `StageModule.kv_windows`), and a later slice reads them as a leaf
@@ -32,19 +32,20 @@ pads other than constant ones are refused too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
 
 from torch._guards import detect_fake_mode
 
-from tpc.compiler.frontend import ops
+from tpc.compiler.frontend import runtime_ops
 from tpc.compiler.frontend.analyse import mixing_reason
 from tpc.compiler.frontend.axes import node_token_axes, size_expr
 from tpc.compiler.frontend.calls import call_args, op_name
-from tpc.compiler.frontend.locate import refuse
-from tpc.compiler.frontend.static import evaluate, prune_dead
+from tpc.compiler.frontend.context import PassContext
+from tpc.compiler.frontend.data_independent import evaluate, prune_dead
+from tpc.compiler.frontend.source_locations import refuse
 
 aten = torch.ops.aten
 
@@ -324,7 +325,7 @@ def _follow(graph: fx.Graph, ctx) -> list[tuple]:
         ins = [a for a in n.all_input_nodes if a in win]
         if not ins:
             continue
-        if n.target is ops.causal_attention:
+        if n.target is runtime_ops.causal_attention:
             for x, what in zip(n.args[:3], ("queries", "keys", "values")):
                 _sink(x, of(x), ctx, f"the attention's {what}")
             win[n] = _Window(0, 0)
@@ -422,9 +423,20 @@ def _culprit(w: _Window, n: fx.Node) -> _Window:
 
 # ------------------------------------------------------------------ the rewrite
 
-def carry_causal_state(graph: fx.Graph, ctx) -> list[StateSite]:
-    """Rewrite every pad that starts a causal window into `ops.causal_pad` over a carried
-    prefix; returns the state sites in graph order."""
+class CarryCausalState:
+    """Every pad that starts a causal window reads the last tokens of the slices before from a
+    carried prefix (the module docstring); the state sites join the context."""
+
+    name = "causal-state"
+
+    def run(self, ctx: PassContext) -> PassContext:
+        return replace(ctx, states=tuple(carry_causal_state(ctx)))
+
+
+def carry_causal_state(ctx: PassContext) -> list[StateSite]:
+    """Rewrite every pad of `ctx.graph` that starts a causal window into `runtime_ops.causal_pad` over a
+    carried prefix; returns the state sites in graph order."""
+    graph = ctx.graph
     _normalise(graph, ctx)
     entries = _follow(graph, ctx)
     sites: dict[fx.Node, StateSite] = {}
@@ -439,7 +451,7 @@ def carry_causal_state(graph: fx.Graph, ctx) -> list[StateSite]:
             site = sites[x] = StateSite(pad, x, prefix, d, left + 1)
         site.window = max(site.window, left + 1)
         with graph.inserting_before(pad):
-            new = graph.call_function(ops.causal_pad, (x, site.prefix, d, left, right, value))
+            new = graph.call_function(runtime_ops.causal_pad, (x, site.prefix, d, left, right, value))
         new.meta = dict(pad.meta)
         new.meta["tpc_kind"] = WINDOW_KIND
         pad.replace_all_uses_with(new)
@@ -447,6 +459,5 @@ def carry_causal_state(graph: fx.Graph, ctx) -> list[StateSite]:
         if site.node is pad:
             site.node = new
     prune_dead(graph)
-    graph.lint()
     return list(sites.values())
 
