@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from tpc.compiler.frontend.axes import size_expr
+from tpc.compiler.frontend.axes import is_residual_stream, size_expr
 from tpc.compiler.optimise.balance import minmax_partition
 
 
@@ -42,14 +42,6 @@ def _block_of(n: fx.Node) -> str | None:
     return m.group(1) if m else None
 
 
-def _is_residual(n: fx.Node, batch_sym, seq_sym) -> bool:
-    v = n.meta.get("val")
-    if not isinstance(v, torch.Tensor) or v.dim() != 3 or not v.is_floating_point():
-        return False
-    b, t, c = (size_expr(d) for d in v.shape)
-    return b == batch_sym and t == seq_sym and c.is_Integer
-
-
 def cut_candidates(data: list[fx.Node], output: fx.Node, batch_sym, seq_sym) -> dict[int, fx.Node]:
     """Positions p (index into `data`) after which a single residual-shaped value is live, and
     that value."""
@@ -70,7 +62,7 @@ def cut_candidates(data: list[fx.Node], output: fx.Node, batch_sym, seq_sym) -> 
             live.discard(dead)
         if i < len(data) - 1 and len(live) == 1:
             (only,) = live
-            if _is_residual(only, batch_sym, seq_sym):
+            if is_residual_stream(only, batch_sym, seq_sym):
                 out[i] = only
     return out
 
