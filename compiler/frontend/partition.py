@@ -13,10 +13,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 
-from tpc.compiler.frontend.axes import is_residual_stream, size_expr
+from tpc.compiler.frontend.axes import is_residual_stream
 from tpc.compiler.optimise.balance import minmax_partition
 
 
