@@ -12,6 +12,7 @@ import re
 from tpc.compiler.compile import CompileOptions, compile_to_file
 from tpc.compiler.slicing import AUTO, slice_example
 from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.semantics import DEFAULT_COMM
 
 
 def _error(option: str, message: str, hint: str) -> TpirError:
@@ -82,7 +83,7 @@ def parse_memory(text: str) -> float:
 def check_options(*, stages, microbatches, seq_len, batch, slices="1", schedule="seq1f1b", dp=1,
                   ranks=None, factory="model", cost=None, device_model=None,
                   memory_per_rank=None, explain=False, quiet=False, virtual_stages=1,
-                  recompute="none", comm="nccl") -> CompileOptions:
+                  recompute="none", comm=DEFAULT_COMM) -> CompileOptions:
     """The compile options as the command line spells them, read and checked. Nothing here
     needs the model: every mistake is reported before tracing."""
     schedule = str(schedule).strip()

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.semantics import DEFAULT_COMM, CommRules
 
 DESCRIPTION = """\
 tpc compiles a Transformer language model into a token-level pipeline-parallel training plan
@@ -46,7 +47,7 @@ def cmd_verify(args) -> int:
     from tpc.ir.verify.bundle import is_bundle, load_bundle
 
     if is_bundle(args.plan):
-        bundle = load_bundle(args.plan)
+        bundle = load_bundle(args.plan, args.comm)
         for plan in bundle.plans:
             n = sum(len(r.instrs) for r in plan.ranks)
             print(f"{plan.source}: ok (seq {plan.header.shape.seq}, batch {plan.header.shape.batch}, "
@@ -162,14 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--memory-per-rank", default=None, help="memory budget per rank for --schedule auto, e.g. 16GiB")
     c.add_argument("--explain", action="store_true", help="print the candidates the optimiser considered and why it chose")
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
-    c.add_argument("--comm", choices=("nccl", "gloo"), default="nccl", help="the backend the plan is for, whose communication rules it is lowered and verified under: nccl (CUDA, the default: a send completes only when its receive is posted, so sends and receives that two ranks must post together become one `exchange`) or gloo (CPU: buffered sends, no exchanges needed). A plan for nccl also runs on gloo (docs/training.md, 'Communication')")
+    c.add_argument("--comm", type=CommRules, choices=tuple(CommRules), default=DEFAULT_COMM, help=f"the backend the plan is for, whose communication rules it is lowered, searched and verified under (default: {DEFAULT_COMM}): nccl (CUDA: a send completes only when its receive is posted, so sends and receives that two ranks must post together become one `exchange`) or gloo (CPU: buffered sends, no exchanges needed). A plan for nccl also runs on gloo (docs/training.md, 'Communication')")
     c.set_defaults(func=cmd_compile)
 
     v = sub.add_parser("verify", help="check a plan: dependencies, matching sends, deadlock freedom",
                        description="Check every rule of the plan format and report every error with file:line:col.")
     v.add_argument("plan", help="a .tpir file, a plan bundle (its folder or index.tpir: every plan, and that "
                    "they share one model and stage split), or a torch.distributed.pipelining schedule .csv")
-    v.add_argument("--comm", choices=("nccl", "gloo"), default="nccl", help="check deadlock freedom under this backend's rules: nccl (the default: a send completes only when its receive is posted, one FIFO per rank pair, an `exchange` completes together) or gloo (buffered sends). A deadlock is reported with the ranks and lines of the wait cycle")
+    v.add_argument("--comm", type=CommRules, choices=tuple(CommRules), default=DEFAULT_COMM, help=f"check deadlock freedom under this backend's rules (default: {DEFAULT_COMM}): nccl (a send completes only when its receive is posted, one FIFO per rank pair, an `exchange` completes together) or gloo (buffered sends). A deadlock is reported with the ranks and lines of the wait cycle")
     v.set_defaults(func=cmd_verify)
 
     f = sub.add_parser("fmt", help="rewrite plans in canonical form",
@@ -195,11 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", help="write a Chrome-trace JSON (opens in Perfetto)")
     sim.add_argument("--png", help="write a Gantt chart picture")
     sim.add_argument("--compare", help="a measured trace from `tpc run --trace`: print predicted vs measured")
-    sim.add_argument("--comm", choices=("gloo", "nccl"), default="gloo",
-                     help="the rules messages move under: gloo (buffered sends: a send never waits, "
-                     "its transfer overlaps the receiver's work; the default) or nccl (each rank's "
-                     "sends and receives run in issue order, and a message moves only once both its "
-                     "ends have started; what a run on GPUs does)")
+    sim.add_argument("--comm", type=CommRules, choices=tuple(CommRules), default=DEFAULT_COMM,
+                     help="the rules messages move under, and the plan is checked under: nccl (each "
+                     "rank's sends and receives run in issue order, and a message moves only once both "
+                     "its ends have started; what a run on GPUs does, and what `tpc compile`'s search "
+                     "predicts) or gloo (buffered sends: a send never waits, its transfer overlaps the "
+                     f"receiver's work) (default: {DEFAULT_COMM}, as `tpc compile` and `tpc verify`)")
     sim.set_defaults(func=cmd_simulate)
 
     r = sub.add_parser("run", help="execute a plan (under torchrun, or --interpret in one process)",
@@ -219,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "same tokens (a bundle compiled with --constant-tokens) (default: seqlen_truncate)")
     r.add_argument("--interpret", action="store_true", help="run every rank in this process with the reference interpreter")
     r.add_argument("--steps", type=int, default=1, help="training steps (default: 1)")
-    r.add_argument("--comm", choices=("nccl", "gloo"), default=None, help="the communication rules to run under and verify the plan for (default: the backend's own: nccl on CUDA, gloo on the CPU and with --interpret). --comm nccl on the CPU runs NCCL's rules with the interpreter or gloo: a send completes only when its receive is posted, an `exchange` is one batch, so a plan that would hang on GPUs hangs (and is reported) here (docs/training.md, 'Communication')")
+    r.add_argument("--comm", type=CommRules, choices=tuple(CommRules), default=None, help="the communication rules to run under and verify the plan for (default: the backend's own: nccl on CUDA, gloo on the CPU and with --interpret). --comm nccl on the CPU runs NCCL's rules with the interpreter or gloo: a send completes only when its receive is posted, an `exchange` is one batch, so a plan that would hang on GPUs hangs (and is reported) here (docs/training.md, 'Communication')")
     r.add_argument("--verify-grads", action="store_true", help="compare loss and gradients with plain autograd on the unsliced model; exit 1 above --tolerance")
     r.add_argument("--tolerance", type=float, default=1e-5, help="largest relative gradient error for --verify-grads (default: 1e-5)")
     r.add_argument("--data", help="token file (.bin of uint16 ids, see examples/prepare_corpus.py); default: random tokens from --seed")

@@ -26,6 +26,7 @@ from tpc.compiler.schedules import SCHEDULES, build_schedule, replicas, stages_p
 from tpc.compiler.schedules.placement import vshape
 from tpc.compiler.slicing import AUTO, check_slices, equal_slices, ranges_of
 from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.semantics import COMMS, DEFAULT_COMM, CommRules
 from tpc.ir.nodes import (
     Header,
     MeshLine,
@@ -79,9 +80,9 @@ class CompileOptions:
     quiet: bool = False
     virtual_stages: int = 1  # stages per pipeline rank: `stages` ranks hold stages x V stages
     recompute: str = "none"  # none | full | auto (compiler/recompute.py)
-    # the backend whose communication rules the plan is lowered and verified for
-    # (tpc.ir.semantics.COMMS): "nccl" (CUDA; sends paired into exchanges) or "gloo" (CPU)
-    comm: str = "nccl"
+    # the communication rules the plan is lowered, searched and verified for (tpc.ir.semantics):
+    # NCCL's (CUDA; sends paired into exchanges; a plan for them also runs on gloo) or GLOO's (CPU)
+    comm: CommRules = DEFAULT_COMM
 
     def __post_init__(self):
         _check_options(self)
@@ -160,11 +161,11 @@ def _positive(option: str, value, what: str) -> int:
 
 def _check_options(o: CompileOptions) -> None:
     """Every option checked against the others; nothing here needs the model."""
-    from tpc.ir.semantics import COMMS
-
-    if o.comm not in COMMS:
-        raise _error("--comm", f"unknown backend {o.comm!r}",
-                     "choose " + " or ".join(f"{k} ({v})" for k, v in COMMS.items()))
+    try:
+        object.__setattr__(o, "comm", CommRules.of(o.comm))  # a spelling read once, here
+    except ValueError:
+        raise _error("--comm", f"unknown communication rules {o.comm!r}",
+                     "choose " + " or ".join(f"{k} ({v})" for k, v in COMMS.items())) from None
     if not o.stages_auto:
         _positive("--stages", o.stages, "the number of pipeline stages, e.g. --stages 2")
     if o.microbatches != AUTO:
@@ -589,9 +590,9 @@ def compile_to_file(model_path: str, output: str, options: CompileOptions) -> Pl
                       comm=options.comm)
 
 
-def write_plan(plan: Plan, output: str, *, quiet: bool = False, comm: str = "nccl") -> Plan:
+def write_plan(plan: Plan, output: str, *, quiet: bool = False, comm: CommRules = DEFAULT_COMM) -> Plan:
     """Write a verified plan to `output` atomically: the text is read back, parsed and verified
-    (under backend `comm`'s rules) before it replaces `output`. Says what was written unless
+    (under the communication rules `comm`, those it was compiled for) before it replaces `output`. Says what was written unless
     `quiet`."""
     from tpc.ir.parse import parse
     from tpc.ir.printer import print_plan

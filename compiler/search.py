@@ -60,6 +60,7 @@ from tpc.compiler.slice_optimiser import DEFAULT_GRANULARITY, Choice, optimise
 from tpc.compiler.slice_optimiser import explain as explain_choice
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Header, Microbatch
+from tpc.ir.semantics import DEFAULT_COMM, CommRules
 
 # the schedules `--schedule auto` compares, in the order that breaks ties
 # (the zero-bubble ones after the plain ones: a tie keeps the simpler schedule; the looped
@@ -118,7 +119,7 @@ class Space:
     ranges: Ranges | None = None
     # the backend the plan is for (`--comm`): candidates are lowered for it and simulated under
     # its rules (NCCL's: in-order streams and rendezvous transfers, compiler/simulate.py)
-    comm: str = "nccl"
+    comm: CommRules = DEFAULT_COMM
 
 
 @dataclass(frozen=True)
