@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
+    from tpc.compiler.options import DEFAULTS as D
+    from tpc.compiler.pipeline import PASS_NAMES
+
     c = sub.add_parser(
         "compile",
         help="compile a model file into a verified .tpir plan",
@@ -140,9 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", help="Python file defining a zero-argument callable that returns the model")
     c.add_argument("-o", "--output", required=True, help="where to write the plan (.tpir); with several "
                    "--seq-len lengths, the folder of the plan bundle (index.tpir and one seqL.tpir per length)")
-    c.add_argument("--factory", default="model", help="name of the callable in MODEL (default: model)")
-    c.add_argument("--stages", default=None, help="pipeline stages K, or 'auto' to search pipeline × data splits of --ranks (default: 2, or what --schedule-file runs)")
-    c.add_argument("--microbatches", default=None, help="micro-batches per step, or 'auto': the optimiser's batch knapsack chooses their number and sizes (needs --slices auto and a cost model) (default: 1, or what --schedule-file names)")
+    c.add_argument("--factory", default=D["factory"], help=f"name of the callable in MODEL (default: {D['factory']})")
+    c.add_argument("--stages", default=None, help=f"pipeline stages K, or 'auto' to search pipeline × data splits of --ranks (default: {D['stages']}, or what --schedule-file runs)")
+    c.add_argument("--microbatches", default=None, help=f"micro-batches per step, or 'auto': the optimiser's batch knapsack chooses their number and sizes (needs --slices auto and a cost model) (default: {D['microbatches']}, or what --schedule-file names)")
     c.add_argument("--seq-len", required=True, help="training sequence length L; or several, comma-separated "
                    "(e.g. 64,128,256,512): a plan bundle, one plan per length sharing one stage split, "
                    "written into the folder -o names (for `tpc run --curriculum`)")
@@ -151,19 +154,24 @@ def build_parser() -> argparse.ArgumentParser:
                    "(for `tpc run --curriculum-type seqlen_reshape`); default: --batch at every length "
                    "(seqlen_truncate)")
     c.add_argument("--batch", type=int, required=True, help="global batch size (sequences per step)")
-    c.add_argument("--slices", default="1", help="token slices per micro-batch: N (equal), l1,l2,... (lengths summing to L), or 'auto' (the optimiser chooses) (default: 1)")
-    c.add_argument("--schedule", default=None, help="gpipe | 1f1b | terapipe | seq1f1b | interleaved | looped-bfs | zb-h1 | zb-h2 | seq-zb | seq-interleaved | zbv | dualpipev | chimera (two pipelines over weight replicas; untied models) | auto (default: seq1f1b; docs/schedules.md)")
-    c.add_argument("--virtual-stages", type=int, default=1, metavar="V", help="stages per pipeline rank: --stages K ranks hold K x V stages, stage s on rank s mod K (interleaved, looped-bfs, ...; default: 1). Also: --stages K --ranks R with R / dp dividing K")
-    c.add_argument("--recompute", default="none", choices=("none", "full", "auto"), help="activation recomputation: none; full (every forward keeps only its input, a `recompute` rebuilds it before the backward); auto (per stage, the fewest stages that make every rank fit --memory-per-rank; needs a cost model) (default: none)")
+    c.add_argument("--slices", default=D["slices"], help=f"token slices per micro-batch: N (equal), l1,l2,... (lengths summing to L), or 'auto' (the optimiser chooses) (default: {D['slices']})")
+    c.add_argument("--schedule", default=None, help=f"gpipe | 1f1b | terapipe | seq1f1b | interleaved | looped-bfs | zb-h1 | zb-h2 | seq-zb | seq-interleaved | zbv | dualpipev | chimera (two pipelines over weight replicas; untied models) | auto (default: {D['schedule']}; docs/schedules.md)")
+    c.add_argument("--virtual-stages", type=int, default=D["virtual_stages"], metavar="V", help=f"stages per pipeline rank: --stages K ranks hold K x V stages, stage s on rank s mod K (interleaved, looped-bfs, ...; default: {D['virtual_stages']}). Also: --stages K --ranks R with R / dp dividing K")
+    c.add_argument("--recompute", default=D["recompute"], choices=("none", "full", "auto"), help=f"activation recomputation: none; full (every forward keeps only its input, a `recompute` rebuilds it before the backward); auto (per stage, the fewest stages that make every rank fit --memory-per-rank; needs a cost model) (default: {D['recompute']})")
     c.add_argument("--schedule-file", default=None, help="a torch.distributed.pipelining schedule CSV (_dump_csv) giving the compute order, stages, their ranks and the micro-batches (docs/torch-pipelining.md)")
-    c.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
-    c.add_argument("--ranks", type=int, default=None, help="total ranks: with --stages auto, the search splits them into pipeline x data; else stages x dp, or fewer for several stages per rank (R / dp dividing --stages, placed as the schedule needs)")
-    c.add_argument("--cost", default=None, help="measured cost profile (.msgpack from `tpc profile`) for --slices/--schedule auto")
-    c.add_argument("--device-model", default=None, help="analytic cost model instead of a profile: v100 | a100 | h100 | h200 | a spec file")
-    c.add_argument("--memory-per-rank", default=None, help="memory budget per rank for --schedule auto, e.g. 16GiB")
+    c.add_argument("--dp", type=int, default=D["dp"], help=f"data-parallel replicas (default: {D['dp']})")
+    c.add_argument("--ranks", type=int, default=D["ranks"], help="total ranks: with --stages auto, the search splits them into pipeline x data; else stages x dp, or fewer for several stages per rank (R / dp dividing --stages, placed as the schedule needs)")
+    c.add_argument("--cost", default=D["cost"], help="measured cost profile (.msgpack from `tpc profile`) for --slices/--schedule auto")
+    c.add_argument("--device-model", default=D["device_model"], help="analytic cost model instead of a profile: v100 | a100 | h100 | h200 | a spec file")
+    c.add_argument("--memory-per-rank", default=D["memory_per_rank"], help="memory budget per rank for --schedule auto, e.g. 16GiB")
     c.add_argument("--explain", action="store_true", help="print the candidates the optimiser considered and why it chose")
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
-    c.add_argument("--comm", type=CommRules, choices=tuple(CommRules), default=DEFAULT_COMM, help=f"the backend the plan is for, whose communication rules it is lowered, searched and verified under (default: {DEFAULT_COMM}): nccl (CUDA: a send completes only when its receive is posted, so sends and receives that two ranks must post together become one `exchange`) or gloo (CPU: buffered sends, no exchanges needed). A plan for nccl also runs on gloo (docs/training.md, 'Communication')")
+    c.add_argument("--comm", type=CommRules, choices=tuple(CommRules), default=D["comm"], help=f"the backend the plan is for, whose communication rules it is lowered, searched and verified under (default: {D['comm']}): nccl (CUDA: a send completes only when its receive is posted, so sends and receives that two ranks must post together become one `exchange`) or gloo (CPU: buffered sends, no exchanges needed). A plan for nccl also runs on gloo (docs/training.md, 'Communication')")
+    c.add_argument("--print-after", action="append", default=None, metavar="PASS",
+                   help="print the IR (canonical .tpir text, on stdout) after the pass PASS; several: "
+                   "repeat the flag or separate names by commas; 'all': after every pass. The passes, in "
+                   f"order: {', '.join(PASS_NAMES)} (with --schedule-file: load, trace, partition, header, "
+                   "csv-place, self-check, csv-import, eval). docs/debugging.md, 'The passes of tpc compile'")
     c.set_defaults(func=cmd_compile)
 
     v = sub.add_parser("verify", help="check a plan: dependencies, matching sends, deadlock freedom",
