@@ -25,12 +25,7 @@ from tpc.compiler.header import (  # noqa: F401
 from tpc.compiler.options import AUTO_SLICE_COUNT, CompileOptions, check_options  # noqa: F401
 from tpc.compiler.passes import CompileState, PassManager, Progress
 from tpc.compiler.pipeline import PASS_NAMES, Write, compile_passes, search_space, write_plan, written  # noqa: F401
-from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
-
-
-def _error(option: str, message: str, hint: str) -> TpirError:
-    return TpirError(Diagnostic(message, hint=hint, where=option))
 
 
 def compile_plan(model_path: str, options: CompileOptions, split=None, *, output: str | None = None) -> Plan:

@@ -37,9 +37,9 @@ def _error(option: str, message: str, hint: str) -> TpirError:
 
 @dataclass(frozen=True)
 class CompileOptions:
-    """What `tpc compile` is asked for, typed (the command line parses its strings into this,
-    `tpc.cli.compile`). Checked on construction against itself, before any model is traced;
-    every mistake is a TpirError naming the option.
+    """What `tpc compile` is asked for, typed (`check_options` reads the command line's
+    spellings into this). Checked on construction against itself, before any model is traced;
+    every mistake is a TpirError naming the option. Each default is the default of the flag.
 
     `stages`, `microbatches`, `slices` and `schedule` may be AUTO: the plan search chooses them,
     which needs a cost model (`cost`: a profile from `tpc profile`, or `device_model`).

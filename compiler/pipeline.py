@@ -30,10 +30,10 @@ from tpc.compiler.header import (
     slicings,
 )
 from tpc.compiler.options import CompileOptions
-from tpc.compiler.passes import CompileState, Pass
+from tpc.compiler.passes import Pass
 from tpc.compiler.schedules import stages_per_rank
 from tpc.ir.diagnostics import Diagnostic, TpirError
-from tpc.ir.nodes import Header, Plan
+from tpc.ir.nodes import Plan
 from tpc.ir.semantics import DEFAULT_COMM, CommRules
 
 
