@@ -1,7 +1,8 @@
 """Discrete-event simulation of a plan: predicted timeline, bubble, critical path and memory.
 
-`simulate(plan, costs)` runs every rank's stream under a cost model and honours every ordering
-rule of docs/ir.md:
+`simulate(plan, costs, comm)` runs every rank's stream under a cost model and the communication
+rules `comm` (NCCL's unless told GLOO, `DEFAULT_COMM`), and honours every ordering rule of
+docs/ir.md. Under gloo's rules (`comm=GLOO`, buffered sends):
 
 * program order: a rank runs one instruction at a time, in the order written;
 * a `send` never blocks and takes no time on the sender (it is buffered; the transfer runs on
