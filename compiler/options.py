@@ -158,6 +158,9 @@ def _check(o: CompileOptions) -> None:
     except ValueError:
         raise _error("--comm", f"unknown communication rules {o.comm!r}",
                      "choose " + " or ".join(f"{k} ({v})" for k, v in COMMS.items())) from None
+    # pass names (compiler/pipeline.py); which are valid, the pipeline of these options says
+    after = (o.print_after,) if isinstance(o.print_after, str) else tuple(o.print_after or ())
+    object.__setattr__(o, "print_after", after)
     if not o.stages_auto:
         _positive("--stages", o.stages, "the number of pipeline stages, e.g. --stages 2")
     if o.microbatches != AUTO:
