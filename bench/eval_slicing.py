@@ -85,11 +85,12 @@ def rank_alternate(rank: int, world: int, plan_path: str, repeats: int, block: i
 def predicted(plan, profile: str) -> float:
     from tpc.compiler.costmodel import load_cost_model
     from tpc.compiler.predict.simulate import simulate
+    from tpc.ir.semantics import GLOO
 
     h = plan.header
     costs = load_cost_model(cost=profile, stage_units=[s.units for s in h.stages], num_units=h.units.count,
                             model_sha256=h.model.sha256)
-    return simulate(plan.evaluation(), costs).iteration_time
+    return simulate(plan.evaluation(), costs, GLOO).iteration_time  # measured on gloo ranks
 
 
 def main(argv=None) -> int:

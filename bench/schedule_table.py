@@ -74,10 +74,11 @@ def predicted(plan_path: str, profile: str):
     """(iteration time s, per pipeline rank the bytes a step adds at its peak)."""
     from tpc.compiler.costmodel.resolve import plan_cost_model
     from tpc.compiler.predict.simulate import simulate
+    from tpc.ir.semantics import GLOO
     from tpc.ir.verify import verify_file
 
     plan = verify_file(plan_path)
-    result = simulate(plan, plan_cost_model(plan.header, cost=profile))
+    result = simulate(plan, plan_cost_model(plan.header, cost=profile), GLOO)  # measured on gloo ranks
     adds = []
     for r in result.ranks:
         m = r.peak_memory

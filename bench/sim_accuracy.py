@@ -49,10 +49,11 @@ def compare(plan_path: str, profile: str, trace: str):
     from tpc.compiler.predict.chrome_trace import read_trace
     from tpc.compiler.costmodel.resolve import plan_cost_model
     from tpc.compiler.predict.simulate import simulate
+    from tpc.ir.semantics import GLOO
     from tpc.ir.verify import verify_file
 
     plan = verify_file(plan_path)
-    result = simulate(plan, plan_cost_model(plan.header, cost=profile))
+    result = simulate(plan, plan_cost_model(plan.header, cost=profile), GLOO)  # measured on gloo ranks
     return timeline.compare(result, read_trace(trace)).rows
 
 

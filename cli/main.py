@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.semantics import DEFAULT_COMM, CommRules
 
 DESCRIPTION = """\
 tpc compiles a Transformer language model into a token-level pipeline-parallel training plan
@@ -46,7 +47,7 @@ def cmd_verify(args) -> int:
     from tpc.ir.verify.bundle import is_bundle, load_bundle
 
     if is_bundle(args.plan):
-        bundle = load_bundle(args.plan)
+        bundle = load_bundle(args.plan, args.comm)
         for plan in bundle.plans:
             n = sum(len(r.instrs) for r in plan.ranks)
             print(f"{plan.source}: ok (seq {plan.header.shape.seq}, batch {plan.header.shape.batch}, "
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
+    from tpc.compiler.options import DEFAULTS as D
+    from tpc.compiler.pipeline import PASS_NAMES
+
     c = sub.add_parser(
         "compile",
         help="compile a model file into a verified .tpir plan",
@@ -139,9 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("model", help="Python file defining a zero-argument callable that returns the model")
     c.add_argument("-o", "--output", required=True, help="where to write the plan (.tpir); with several "
                    "--seq-len lengths, the folder of the plan bundle (index.tpir and one seqL.tpir per length)")
-    c.add_argument("--factory", default="model", help="name of the callable in MODEL (default: model)")
-    c.add_argument("--stages", default=None, help="pipeline stages K, or 'auto' to search pipeline × data splits of --ranks (default: 2, or what --schedule-file runs)")
-    c.add_argument("--microbatches", default=None, help="micro-batches per step, or 'auto': the optimiser's batch knapsack chooses their number and sizes (needs --slices auto and a cost model) (default: 1, or what --schedule-file names)")
+    c.add_argument("--factory", default=D["factory"], help=f"name of the callable in MODEL (default: {D['factory']})")
+    c.add_argument("--stages", default=None, help=f"pipeline stages K, or 'auto' to search pipeline × data splits of --ranks (default: {D['stages']}, or what --schedule-file runs)")
+    c.add_argument("--microbatches", default=None, help=f"micro-batches per step, or 'auto': the optimiser's batch knapsack chooses their number and sizes (needs --slices auto and a cost model) (default: {D['microbatches']}, or what --schedule-file names)")
     c.add_argument("--seq-len", required=True, help="training sequence length L; or several, comma-separated "
                    "(e.g. 64,128,256,512): a plan bundle, one plan per length sharing one stage split, "
                    "written into the folder -o names (for `tpc run --curriculum`)")
@@ -150,26 +154,31 @@ def build_parser() -> argparse.ArgumentParser:
                    "(for `tpc run --curriculum-type seqlen_reshape`); default: --batch at every length "
                    "(seqlen_truncate)")
     c.add_argument("--batch", type=int, required=True, help="global batch size (sequences per step)")
-    c.add_argument("--slices", default="1", help="token slices per micro-batch: N (equal), l1,l2,... (lengths summing to L), or 'auto' (the optimiser chooses) (default: 1)")
-    c.add_argument("--schedule", default=None, help="gpipe | 1f1b | terapipe | seq1f1b | interleaved | looped-bfs | zb-h1 | zb-h2 | seq-zb | seq-interleaved | zbv | dualpipev | chimera (two pipelines over weight replicas; untied models) | auto (default: seq1f1b; docs/schedules.md)")
-    c.add_argument("--virtual-stages", type=int, default=1, metavar="V", help="stages per pipeline rank: --stages K ranks hold K x V stages, stage s on rank s mod K (interleaved, looped-bfs, ...; default: 1). Also: --stages K --ranks R with R / dp dividing K")
-    c.add_argument("--recompute", default="none", choices=("none", "full", "auto"), help="activation recomputation: none; full (every forward keeps only its input, a `recompute` rebuilds it before the backward); auto (per stage, the fewest stages that make every rank fit --memory-per-rank; needs a cost model) (default: none)")
+    c.add_argument("--slices", default=D["slices"], help=f"token slices per micro-batch: N (equal), l1,l2,... (lengths summing to L), or 'auto' (the optimiser chooses) (default: {D['slices']})")
+    c.add_argument("--schedule", default=None, help=f"gpipe | 1f1b | terapipe | seq1f1b | interleaved | looped-bfs | zb-h1 | zb-h2 | seq-zb | seq-interleaved | zbv | dualpipev | chimera (two pipelines over weight replicas; untied models) | auto (default: {D['schedule']}; docs/schedules.md)")
+    c.add_argument("--virtual-stages", type=int, default=D["virtual_stages"], metavar="V", help=f"stages per pipeline rank: --stages K ranks hold K x V stages, stage s on rank s mod K (interleaved, looped-bfs, ...; default: {D['virtual_stages']}). Also: --stages K --ranks R with R / dp dividing K")
+    c.add_argument("--recompute", default=D["recompute"], choices=("none", "full", "auto"), help=f"activation recomputation: none; full (every forward keeps only its input, a `recompute` rebuilds it before the backward); auto (per stage, the fewest stages that make every rank fit --memory-per-rank; needs a cost model) (default: {D['recompute']})")
     c.add_argument("--schedule-file", default=None, help="a torch.distributed.pipelining schedule CSV (_dump_csv) giving the compute order, stages, their ranks and the micro-batches (docs/torch-pipelining.md)")
-    c.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default: 1)")
-    c.add_argument("--ranks", type=int, default=None, help="total ranks: with --stages auto, the search splits them into pipeline x data; else stages x dp, or fewer for several stages per rank (R / dp dividing --stages, placed as the schedule needs)")
-    c.add_argument("--cost", default=None, help="measured cost profile (.msgpack from `tpc profile`) for --slices/--schedule auto")
-    c.add_argument("--device-model", default=None, help="analytic cost model instead of a profile: v100 | a100 | h100 | h200 | a spec file")
-    c.add_argument("--memory-per-rank", default=None, help="memory budget per rank for --schedule auto, e.g. 16GiB")
+    c.add_argument("--dp", type=int, default=D["dp"], help=f"data-parallel replicas (default: {D['dp']})")
+    c.add_argument("--ranks", type=int, default=D["ranks"], help="total ranks: with --stages auto, the search splits them into pipeline x data; else stages x dp, or fewer for several stages per rank (R / dp dividing --stages, placed as the schedule needs)")
+    c.add_argument("--cost", default=D["cost"], help="measured cost profile (.msgpack from `tpc profile`) for --slices/--schedule auto")
+    c.add_argument("--device-model", default=D["device_model"], help="analytic cost model instead of a profile: v100 | a100 | h100 | h200 | a spec file")
+    c.add_argument("--memory-per-rank", default=D["memory_per_rank"], help="memory budget per rank for --schedule auto, e.g. 16GiB")
     c.add_argument("--explain", action="store_true", help="print the candidates the optimiser considered and why it chose")
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
-    c.add_argument("--comm", choices=("nccl", "gloo"), default="nccl", help="the backend the plan is for, whose communication rules it is lowered and verified under: nccl (CUDA, the default: a send completes only when its receive is posted, so sends and receives that two ranks must post together become one `exchange`) or gloo (CPU: buffered sends, no exchanges needed). A plan for nccl also runs on gloo (docs/training.md, 'Communication')")
+    c.add_argument("--comm", type=CommRules, choices=tuple(CommRules), default=D["comm"], help=f"the backend the plan is for, whose communication rules it is lowered, searched and verified under (default: {D['comm']}): nccl (CUDA: a send completes only when its receive is posted, so sends and receives that two ranks must post together become one `exchange`) or gloo (CPU: buffered sends, no exchanges needed). A plan for nccl also runs on gloo (docs/training.md, 'Communication')")
+    c.add_argument("--print-after", action="append", default=None, metavar="PASS",
+                   help="print the IR (canonical .tpir text, on stdout) after the pass PASS; several: "
+                   "repeat the flag or separate names by commas; 'all': after every pass. The passes, in "
+                   f"order: {', '.join(PASS_NAMES)} (with --schedule-file: load, trace, partition, header, "
+                   "csv-place, self-check, csv-import, eval). docs/debugging.md, 'The passes of tpc compile'")
     c.set_defaults(func=cmd_compile)
 
     v = sub.add_parser("verify", help="check a plan: dependencies, matching sends, deadlock freedom",
                        description="Check every rule of the plan format and report every error with file:line:col.")
     v.add_argument("plan", help="a .tpir file, a plan bundle (its folder or index.tpir: every plan, and that "
                    "they share one model and stage split), or a torch.distributed.pipelining schedule .csv")
-    v.add_argument("--comm", choices=("nccl", "gloo"), default="nccl", help="check deadlock freedom under this backend's rules: nccl (the default: a send completes only when its receive is posted, one FIFO per rank pair, an `exchange` completes together) or gloo (buffered sends). A deadlock is reported with the ranks and lines of the wait cycle")
+    v.add_argument("--comm", type=CommRules, choices=tuple(CommRules), default=DEFAULT_COMM, help=f"check deadlock freedom under this backend's rules (default: {DEFAULT_COMM}): nccl (a send completes only when its receive is posted, one FIFO per rank pair, an `exchange` completes together) or gloo (buffered sends). A deadlock is reported with the ranks and lines of the wait cycle")
     v.set_defaults(func=cmd_verify)
 
     f = sub.add_parser("fmt", help="rewrite plans in canonical form",
@@ -195,11 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", help="write a Chrome-trace JSON (opens in Perfetto)")
     sim.add_argument("--png", help="write a Gantt chart picture")
     sim.add_argument("--compare", help="a measured trace from `tpc run --trace`: print predicted vs measured")
-    sim.add_argument("--comm", choices=("gloo", "nccl"), default="gloo",
-                     help="the rules messages move under: gloo (buffered sends: a send never waits, "
-                     "its transfer overlaps the receiver's work; the default) or nccl (each rank's "
-                     "sends and receives run in issue order, and a message moves only once both its "
-                     "ends have started; what a run on GPUs does)")
+    sim.add_argument("--comm", type=CommRules, choices=tuple(CommRules), default=DEFAULT_COMM,
+                     help="the rules messages move under, and the plan is checked under: nccl (each "
+                     "rank's sends and receives run in issue order, and a message moves only once both "
+                     "its ends have started; what a run on GPUs does, and what `tpc compile`'s search "
+                     "predicts) or gloo (buffered sends: a send never waits, its transfer overlaps the "
+                     f"receiver's work) (default: {DEFAULT_COMM}, as `tpc compile` and `tpc verify`)")
     sim.set_defaults(func=cmd_simulate)
 
     # the run flags' defaults are RunOptions' own (filled in by tpc.cli.run.options_from_args);
@@ -221,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "same tokens (a bundle compiled with --constant-tokens) (default: seqlen_truncate)")
     r.add_argument("--interpret", action="store_true", help="run every rank in this process with the reference interpreter")
     r.add_argument("--steps", type=int, default=None, help="training steps (default: 1)")
-    r.add_argument("--comm", choices=("nccl", "gloo"), default=None, help="the communication rules to run under and verify the plan for (default: the backend's own: nccl on CUDA, gloo on the CPU and with --interpret). --comm nccl on the CPU runs NCCL's rules with the interpreter or gloo: a send completes only when its receive is posted, an `exchange` is one batch, so a plan that would hang on GPUs hangs (and is reported) here (docs/training.md, 'Communication')")
+    r.add_argument("--comm", type=CommRules, choices=tuple(CommRules), default=None, help="the communication rules to run under and verify the plan for (default: the backend's own: nccl on CUDA, gloo on the CPU and with --interpret). --comm nccl on the CPU runs NCCL's rules with the interpreter or gloo: a send completes only when its receive is posted, an `exchange` is one batch, so a plan that would hang on GPUs hangs (and is reported) here (docs/training.md, 'Communication')")
     r.add_argument("--verify-grads", action="store_true", help="compare loss and gradients with plain autograd on the unsliced model; exit 1 above --tolerance")
     r.add_argument("--tolerance", type=float, default=None, help="largest relative gradient error for --verify-grads (default: 1e-5)")
     r.add_argument("--data", help="token file (.bin of uint16 ids, see examples/prepare_corpus.py); default: random tokens from --seed")

@@ -34,7 +34,7 @@ def cmd_simulate(args) -> int:
 
     if is_bundle(args.plan):
         return simulate_bundle(args)
-    plan = load_checked_plan(args.plan, needs_model=bool(args.cost or args.device_model))
+    plan = load_checked_plan(args.plan, needs_model=bool(args.cost or args.device_model), comm=args.comm)
     costs = plan_cost_model(plan.header, cost=args.cost, device_model=args.device_model,
                             source=args.plan)
     result = simulate(plan, costs, args.comm)
@@ -67,7 +67,7 @@ def simulate_bundle(args) -> int:
             raise TpirError(Diagnostic(
                 f"--{option} draws one plan, and {args.plan} is a plan bundle", where=f"--{option}",
                 hint=f"simulate one plan of it: `tpc simulate {args.plan}/seqL.tpir --{option} ...`"))
-    bundle = load_bundle(args.plan)
+    bundle = load_bundle(args.plan, args.comm)
     rows = []
     for member, plan in zip(bundle.index.members, bundle.plans):
         costs = plan_cost_model(plan.header, cost=args.cost, device_model=args.device_model,

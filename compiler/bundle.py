@@ -13,8 +13,8 @@ or with `constant_tokens` `--batch x longest / length` (`seqlen_reshape`: the to
 stay the same; each length must divide the longest).
 
 Written: FOLDER/seqL.tpir for each length, then FOLDER/index.tpir (ir/verify/bundle.py), each
-file atomically; the folder is read back and verified (every plan, and rules B1-B4) before the
-function returns.
+file atomically; the folder is read back and verified (every plan under the options' `comm`
+rules, and rules B1-B4) before the function returns.
 """
 
 from __future__ import annotations
@@ -97,12 +97,12 @@ def compile_bundle(model_path: str, output: str, options: CompileOptions, length
         plans[seq] = compile_plan(model_path, o, split)
     folder.mkdir(exist_ok=True)
     for seq in lengths:
-        write_plan(plans[seq], str(folder / member_file(seq)), quiet=options.quiet)
+        write_plan(plans[seq], str(folder / member_file(seq)), quiet=options.quiet, comm=options.comm)
     index = bundle_index(plans)
     from tpc.ir.printer import print_bundle
 
     _write_atomically(folder / INDEX, print_bundle(index))
-    loaded = load_bundle(str(folder))
+    loaded = load_bundle(str(folder), options.comm)
     say(f"wrote {folder / INDEX}: {len(lengths)} plans (lengths {', '.join(map(str, lengths))}), "
         f"one stage split")
     return loaded

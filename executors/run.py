@@ -29,6 +29,7 @@ from tpc.executors.plan_model import check_plan_model, load_plan_model
 from tpc.executors.training_loop import PlanSet
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
+from tpc.ir.semantics import DEFAULT_COMM, CommRules
 
 
 def batch_source(plan: Plan, options: RunOptions):
@@ -82,7 +83,8 @@ class RunSetup:
 
         run = None
         if curriculum is not None:
-            run = CurriculumRun(path, options, curriculum.spec, curriculum.data_type)
+            run = CurriculumRun(path, options, curriculum.spec, curriculum.data_type,
+                                options.comm_rules(device, interpreted=interpreted))
             plans = PlanSet(run.plans, run.length_of, curriculum=True)
             batches = run.batches(options)
         else:
@@ -267,12 +269,14 @@ class CurriculumRun:
     (every plan and rules B1-B4), the lengths the curriculum asks for, the batches the data type
     needs, and the model file (executors/curriculum.py)."""
 
-    def __init__(self, path: str, options: RunOptions, spec: str, data_type: str):
+    def __init__(self, path: str, options: RunOptions, spec: str, data_type: str,
+                 rules: CommRules = DEFAULT_COMM):
+        """Every plan of the bundle is verified under `rules`, the rules the run follows."""
         from tpc.executors.curriculum import check_curriculum, parse_curriculum
         from tpc.ir.verify.bundle import load_bundle
 
         self.curriculum = parse_curriculum(spec)  # the flag's spelling first: no file is read
-        self.bundle = load_bundle(path)
+        self.bundle = load_bundle(path, rules)
         check_curriculum(self.curriculum, self.bundle, data_type)
         self.data_type = data_type
         used = self.curriculum.lengths_used(self.bundle.lengths)

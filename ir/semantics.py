@@ -209,16 +209,6 @@ def allreduce_covers(stage_rank: Sequence[int], ties: Iterable[Iterable[int]], s
     return frozenset(group)
 
 
-def blocks(op: Op, comm: str = "gloo") -> bool:
-    """Whether an instruction can wait on another pipeline rank under `comm`'s rules: a
-    receive (for its send), a reduce-tied (for the tie's other ranks), and under `nccl` a send
-    (for its receive) and an exchange. Allreduce waits only on replicas running the same
-    stream."""
-    if op is Op.RECV or op is Op.REDUCE_TIED or op is Op.REDUCE_REPLICAS:
-        return True
-    return comm == NCCL and op in (Op.SEND, Op.EXCHANGE)
-
-
 # ------------------------------------------------------------------ the backends' rules
 
 class CommRules(str, Enum):
@@ -259,6 +249,17 @@ COMMS: dict[CommRules, str] = {
     NCCL: "rendezvous sends: a send or receive completes only when its partner is posted, one "
           "FIFO per rank pair; an exchange's sends and receives complete together",
 }
+
+
+
+def blocks(op: Op, comm: CommRules = DEFAULT_COMM) -> bool:
+    """Whether an instruction can wait on another pipeline rank under `comm`'s rules: a
+    receive (for its send), a reduce-tied (for the tie's other ranks), and under `nccl` a send
+    (for its receive) and an exchange. Allreduce waits only on replicas running the same
+    stream."""
+    if op is Op.RECV or op is Op.REDUCE_TIED or op is Op.REDUCE_REPLICAS:
+        return True
+    return comm == NCCL and op in (Op.SEND, Op.EXCHANGE)
 
 
 class RecvAhead:
@@ -382,7 +383,7 @@ class Stuck:
 
 
 def run_comm(entries: Sequence[Sequence[Entry]], tie_ranks: Mapping[str, frozenset[int]],
-             comm: str, repair=None) -> dict[int, Stuck]:
+             comm: CommRules, repair=None) -> dict[int, Stuck]:
     """Run every rank's entries under `comm`'s rules (GLOO or NCCL, the module docstring);
     the ranks that never finish, with where they block. Every receive must have its one
     send (the verifier runs this only then). A reduce-tied of a tie not in `tie_ranks` is

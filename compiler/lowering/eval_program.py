@@ -26,7 +26,7 @@ from typing import Sequence
 
 from tpc.compiler.lowering.lower import insert_comm, insert_exchanges, insert_free_kv, insert_loads
 from tpc.ir.nodes import EvalProgram, Header, Instr, Microbatch, Op, RankProgram
-from tpc.ir.semantics import NCCL
+from tpc.ir.semantics import DEFAULT_COMM, NCCL, CommRules
 
 EVAL_PASSES = (insert_loads, insert_comm, insert_free_kv)
 
@@ -48,7 +48,7 @@ def forward_order(header: Header) -> dict[int, list[Instr]]:
 
 
 def eval_program(header: Header, microbatches: Sequence[Microbatch] | None = None,
-                 comm: str = NCCL) -> EvalProgram:
+                 comm: CommRules = DEFAULT_COMM) -> EvalProgram:
     """The evaluation program of `header`'s mesh and stages, over `microbatches` (default: the
     training program's), on replica 0 of stages with weight replicas, for backend `comm`:
     under NCCL's rendezvous rules a rank holding several stages can wait on a neighbour that

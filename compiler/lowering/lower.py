@@ -26,7 +26,7 @@ else an executor needs, one small named pass at a time, each a pure function
 8. `append_step`       `step` at the end.
 
 `lower(header, compute, comm=...)` runs them in that order and checks the result with the
-verifier under the rules of `comm` ("nccl" unless told "gloo": then `insert_exchanges` is left
+verifier under the rules of `comm` (NCCL, `DEFAULT_COMM`, unless told GLOO: then `insert_exchanges` is left
 out, since buffered sends need no exchange).
 
 How `insert_exchanges` finds the exchanges, from any compute order (no schedule is special):
@@ -51,8 +51,10 @@ from typing import Callable, Mapping, Sequence
 
 from tpc.ir.nodes import BACKWARD_OPS, COMPUTE_OPS, Header, Instr, Op, Plan, RankProgram
 from tpc.ir.semantics import (
+    DEFAULT_COMM,
     GLOO,
     NCCL,
+    CommRules,
     Entry,
     Stuck,
     allreduce_covers,
@@ -338,9 +340,9 @@ def to_plan(header: Header, streams: Streams) -> Plan:
 
 
 def lower(header: Header, compute: Mapping[int, Sequence[Instr]], *, verify: bool = True,
-          comm: str = NCCL) -> Plan:
+          comm: CommRules = DEFAULT_COMM) -> Plan:
     """Run every pass over the schedule's compute order and return the plan for backend `comm`
-    ("nccl": with exchanges; "gloo": without), verified under its rules unless `verify=False`
+    (NCCL: with exchanges; GLOO: without), verified under its rules unless `verify=False`
     (for a caller that checks it itself, as `tpc compile` does in a step of its own, or a test
     that studies an unverifiable intermediate)."""
     streams: Streams = {r: tuple(compute.get(r, ())) for r in range(header.mesh.pipe)}

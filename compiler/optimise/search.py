@@ -61,6 +61,7 @@ from tpc.compiler.optimise.slicing import even_split
 from tpc.compiler.predict.quantities import format_bytes
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Header, Microbatch
+from tpc.ir.semantics import DEFAULT_COMM, CommRules
 
 # the schedules `--schedule auto` compares, in the order that breaks ties
 # (the zero-bubble ones after the plain ones: a tie keeps the simpler schedule; the looped
@@ -119,7 +120,7 @@ class Space:
     ranges: Ranges | None = None
     # the backend the plan is for (`--comm`): candidates are lowered for it and simulated under
     # its rules (NCCL's: in-order streams and rendezvous transfers, compiler/predict/simulate.py)
-    comm: str = "nccl"
+    comm: CommRules = DEFAULT_COMM
 
 
 @dataclass(frozen=True)

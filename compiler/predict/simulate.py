@@ -1,7 +1,8 @@
 """Discrete-event simulation of a plan: predicted timeline, bubble, critical path and memory.
 
-`simulate(plan, costs)` runs every rank's stream under a cost model and honours every ordering
-rule of docs/ir.md:
+`simulate(plan, costs, comm)` runs every rank's stream under a cost model and the communication
+rules `comm` (NCCL's unless told GLOO, `DEFAULT_COMM`), and honours every ordering rule of
+docs/ir.md. Under gloo's rules (`comm=GLOO`, buffered sends):
 
 * program order: a rank runs one instruction at a time, in the order written;
 * a `send` never blocks and takes no time on the sender (it is buffered; the transfer runs on
@@ -13,7 +14,7 @@ rule of docs/ir.md:
   rank: the executor waits for it where its value is used, so the compute that consumes it
   starts at max(its own turn, the message's arrival) and carries the wait. (The simulation
   predicts time, not deadlock freedom: the verifier checks that under the backend's rules.)
-* with `comm="nccl"` (`tpc simulate --comm nccl`), NCCL's rules instead: each rank's sends and
+* with `comm=NCCL` (the default, `DEFAULT_COMM`; `tpc simulate --comm nccl`), NCCL's rules instead: each rank's sends and
   receives run in issue order on one stream (every one a `batch_isend_irecv`, an exchange one
   batch), and a message moves only once both its send and its receive have started. So an
   operation starts at max(when its rank issues it, when that rank's previous operation ended),
@@ -61,7 +62,7 @@ from tpc.compiler.costmodel.base import CostModel
 from tpc.compiler.predict.memory import Memory, rank_memory, slice_extent
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Header, Instr, Op, Plan
-from tpc.ir.semantics import (GLOO, NCCL, RecvAhead, compute_messages, exchange_span, message_key, replica_group,
+from tpc.ir.semantics import (DEFAULT_COMM, GLOO, NCCL, CommRules, RecvAhead, compute_messages, exchange_span, message_key, replica_group,
                                tie_ranks)
 
 # ---------------------------------------------------------------------------------- results
@@ -160,9 +161,8 @@ class _Sim:
     """The state of one simulation; `run` advances every rank as far as its dependencies let
     it, round after round, until all are done or none can move (a deadlock)."""
 
-    def __init__(self, plan: Plan, costs: CostModel, comm: str = GLOO):
-        if comm not in (GLOO, NCCL):
-            raise ValueError(f"comm must be {GLOO!r} or {NCCL!r}, not {comm!r}")
+    def __init__(self, plan: Plan, costs: CostModel, comm: CommRules = DEFAULT_COMM):
+        comm = CommRules.of(comm)
         self.nccl = comm == NCCL
         self.plan = plan
         self.header = plan.header
@@ -431,7 +431,7 @@ class _Sim:
         return tuple(reversed(path))
 
 
-def simulate(plan: Plan, costs: CostModel, comm: str = GLOO) -> SimResult:
+def simulate(plan: Plan, costs: CostModel, comm: CommRules = DEFAULT_COMM) -> SimResult:
     """Predict the plan's timeline under `costs` and the rules of `comm` (gloo's buffered
     sends, or NCCL's rendezvous; see the module docstring)."""
     sim = _Sim(plan, costs, comm)

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from tpc.compiler.passes import Pass
+from tpc.compiler.pipeline import PASS_NAMES as _PIPELINE_NAMES
 from tpc.compiler.optimise.slicing import AUTO
 from tpc.compiler.torch_schedule.actions import read_csv
 from tpc.compiler.torch_schedule.importer import plan_from_schedule
@@ -22,6 +26,7 @@ from tpc.compiler.torch_schedule.layout import layout_of, place
 from tpc.compiler.torch_schedule.slice_map import SliceMap, find_map, map_path
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan, ScheduleLine
+from tpc.ir.semantics import NCCL
 
 
 def _error(option: str, message: str, hint: str) -> TpirError:
@@ -31,13 +36,16 @@ def _error(option: str, message: str, hint: str) -> TpirError:
 def compile_schedule_file(model_path: str, schedule_file: str, *, seq_len: int, batch: int,
                           microbatches: int | None = None, slices: int | tuple[int, ...] = 1,
                           dp: int = 1, stages: int | None = None, factory: str = "model",
-                          quiet: bool = False) -> Plan:
+                          quiet: bool = False, print_after: tuple[str, ...] = ()) -> Plan:
     """The verified plan of `schedule_file` on the model of `model_path` (module docstring).
     `microbatches` and `stages` may be left None: the CSV says them. `slices` is a count of
     equal token slices per micro-batch or their lengths (the CSV fixes the units of work, so
-    not AUTO)."""
-    from tpc.compiler.compile import CompileOptions, build_header, check_plan_slices
-    from tpc.compiler.frontend import read_vocab
+    not AUTO). The passes: `tpc compile`'s front half (load, trace, partition, header), then
+    csv-place, self-check, csv-import and eval, run by the same driver (compiler/passes.py;
+    `print_after` as `tpc compile --print-after`)."""
+    from tpc.compiler.options import CompileOptions
+    from tpc.compiler.passes import CompileState, PassManager
+    from tpc.compiler.pipeline import Evaluation, SelfCheck, front_passes
 
     sched = read_csv(schedule_file)
     layout = layout_of(sched)
@@ -63,33 +71,62 @@ def compile_schedule_file(model_path: str, schedule_file: str, *, seq_len: int, 
                          f"{layout.microbatches} micro-batches {schedule_file} names",
                          f"leave out --microbatches (it is {count} here)")
         cuts = slices
+    # the header's stages and micro-batches as `tpc compile` makes them; csv-place then puts
+    # them where the CSV runs them
     opts = CompileOptions(stages=layout.stages, microbatches=count, seq_len=seq_len, batch=batch,
                           slices=cuts, schedule="gpipe", dp=dp, factory=factory, quiet=quiet)
-    from tpc.compiler.frontend import SlicedModel, file_sha256, load_model
+    passes = (*front_passes(opts, schedule_file=schedule_file), PlaceCsv(schedule_file, layout, slice_map),
+              SelfCheck(), ImportCsv(schedule_file, sched, layout, slice_map),
+              # the evaluation program: the forward of the header's micro-batches and slices, as
+              # `tpc compile` writes it without a cost model
+              Evaluation(NCCL))
+    manager = PassManager(passes, comm=NCCL, print_after=tuple(print_after), quiet=quiet, known=PASS_NAMES)
+    return manager.run(CompileState(model_path=model_path, factory=factory)).plan
 
-    model = load_model(model_path, factory)
-    vocab = read_vocab(model, model_path)
-    # the numeric self-check runs once the header says the plan's slices
-    sliced = SlicedModel.from_model(model, seq_len=opts.seq_len, vocab=vocab, check_slices=None)
-    if layout.stages > sliced.num_units:
-        raise _error("--schedule-file", f"{schedule_file} runs {layout.stages} stages but the model has "
-                     f"only {sliced.num_units} partition units", "use a schedule with fewer stages")
-    ranges = [tuple(r) for r in sliced.partition_by_params(layout.stages)]
-    header = build_header(model_path=model_path, sha256=file_sha256(model_path), factory=factory, opts=opts,
-                          vocab=vocab, unit_labels=sliced.unit_labels, ranges=ranges, ties=sliced.ties(ranges))
-    if slice_map is not None:
-        header = dataclasses.replace(header, microbatches=slice_map.header_microbatches())
-    header = dataclasses.replace(place(header, layout, "--schedule-file"),
-                                 schedule=ScheduleLine(name=f"torch csv {Path(schedule_file).name}"))
-    check_plan_slices(sliced, header)
-    imported = plan_from_schedule(sched, header, slice_map.units if slice_map else None)
-    say(f"  schedule   {schedule_file}: {layout.ranks} ranks, {layout.stages} stages, "
-        f"{layout.microbatches} torch micro-batches; {imported.summary()}")
-    from tpc.compiler.lowering.eval_program import eval_program
 
-    # the evaluation program: the forward of the header's micro-batches and slices, as `tpc
-    # compile` writes it without a cost model
-    return dataclasses.replace(imported.plan, eval=eval_program(imported.plan.header))
+@dataclass(frozen=True)
+class PlaceCsv(Pass):
+    """The header's stages on the ranks whose rows run them, the slice map's micro-batches and
+    slices when there is one, and the schedule named after the file."""
+
+    name = "csv-place"
+    summary = "stages on the CSV's ranks, its micro-batches, the schedule named after the file"
+    schedule_file: str
+    layout: Any
+    slice_map: SliceMap | None = None
+
+    def run(self, state, note):
+        header = state.header
+        if self.slice_map is not None:
+            header = dataclasses.replace(header, microbatches=self.slice_map.header_microbatches())
+        header = dataclasses.replace(place(header, self.layout, "--schedule-file"),
+                                     schedule=ScheduleLine(name=f"torch csv {Path(self.schedule_file).name}"))
+        note(f"{self.layout.ranks} ranks, {self.layout.stages} stages")
+        return state.but(header=header)
+
+
+@dataclass(frozen=True)
+class ImportCsv(Pass):
+    """The CSV's compute order (and its own sends and receives, when it has them) lowered for
+    NCCL's rules onto the header (importer.py); verified by the driver."""
+
+    name = "csv-import"
+    summary = "the CSV's actions as the plan, lowered for NCCL"
+    changes_plan = True
+    schedule_file: str
+    sched: Any
+    layout: Any
+    slice_map: SliceMap | None = None
+
+    def run(self, state, note):
+        imported = plan_from_schedule(self.sched, state.header, self.slice_map.units if self.slice_map else None)
+        note(f"{self.schedule_file}: {self.layout.ranks} ranks, {self.layout.stages} stages, "
+             f"{self.layout.microbatches} torch micro-batches; {imported.summary()}")
+        return state.but(plan=imported.plan)
+
+
+# every pass `tpc compile --print-after` knows, the schedule file's among them
+PASS_NAMES = (*_PIPELINE_NAMES, PlaceCsv.name, ImportCsv.name)
 
 
 def _slice_count(slices) -> int:

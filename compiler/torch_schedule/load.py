@@ -14,6 +14,7 @@ from tpc.compiler.torch_schedule.layout import csv_header, layout_of
 from tpc.compiler.torch_schedule.slice_map import find_map
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
+from tpc.ir.semantics import DEFAULT_COMM, CommRules
 
 
 def import_csv(path: str) -> Imported:
@@ -29,7 +30,7 @@ def import_csv(path: str) -> Imported:
     return plan_from_schedule(sched, header, slice_map.units if slice_map else None)
 
 
-def load_checked_plan(path: str, *, needs_model: bool = False, comm: str = "gloo") -> Plan:
+def load_checked_plan(path: str, *, needs_model: bool = False, comm: CommRules = DEFAULT_COMM) -> Plan:
     """The verified plan at `path`: a `.tpir` file (parsed and verified under backend `comm`'s
     rules), or a torch schedule CSV (imported for NCCL, errors at its cells). `needs_model`:
     the caller will build the plan's model (a cost model of its stages), which a CSV alone does

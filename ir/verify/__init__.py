@@ -140,7 +140,7 @@ from pathlib import Path
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
-from tpc.ir.semantics import COMMS, GLOO
+from tpc.ir.semantics import COMMS, DEFAULT_COMM, CommRules
 from tpc.ir.verify.comm import check_deadlock, check_exchanges, check_fifo
 from tpc.ir.verify.evaluation import check_evaluation
 from tpc.ir.verify.header import DTYPES, check_header
@@ -160,12 +160,11 @@ __all__ = ["verify", "check", "verify_file", "DTYPES", "COMMS"]
 # ------------------------------------------------------------------------------ public API
 
 
-def verify(plan: Plan, comm: str = GLOO) -> list[Diagnostic]:
-    """Every error of `plan` under the rules of backend `comm` (a key of `COMMS`: "gloo",
-    buffered sends, or "nccl", rendezvous sends), sorted by line (by rank and instruction when
-    there are no lines)."""
-    if comm not in COMMS:
-        raise ValueError(f"unknown communication rules {comm!r}: one of {', '.join(COMMS)}")
+def verify(plan: Plan, comm: CommRules = DEFAULT_COMM) -> list[Diagnostic]:
+    """Every error of `plan` under the communication rules `comm` (`CommRules`: GLOO, buffered
+    sends, or NCCL, rendezvous sends; a spelling is read by `CommRules.of`), sorted by line (by
+    rank and instruction when there are no lines)."""
+    comm = CommRules.of(comm)
     report = Report(plan)
     if check_header(plan, report):
         _check_program(plan, report, comm)
@@ -174,7 +173,7 @@ def verify(plan: Plan, comm: str = GLOO) -> list[Diagnostic]:
     return report.sorted()
 
 
-def check(plan: Plan, comm: str = GLOO) -> Plan:
+def check(plan: Plan, comm: CommRules = DEFAULT_COMM) -> Plan:
     """`plan` itself if it is valid under `comm`'s rules; otherwise a `TpirError` carrying every
     diagnostic."""
     diagnostics = verify(plan, comm)
@@ -183,7 +182,7 @@ def check(plan: Plan, comm: str = GLOO) -> Plan:
     return plan
 
 
-def verify_file(path: str, comm: str = GLOO) -> Plan:
+def verify_file(path: str, comm: CommRules = DEFAULT_COMM) -> Plan:
     """Read, parse and check a `.tpir` file under `comm`'s rules; errors carry its text so
     carets render."""
     from tpc.ir.parse import parse
@@ -209,7 +208,7 @@ def verify_file(path: str, comm: str = GLOO) -> Plan:
     return plan
 
 
-def _check_program(plan: Plan, rep: Report, comm: str) -> None:
+def _check_program(plan: Plan, rep: Report, comm: CommRules) -> None:
     """The instruction rules (O, C, R, F, X, D; in a forward-only plan E2-E4) of one program."""
     shape = Shape.of(plan)
     valid = check_operands(plan, shape, rep)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Bundle, Plan
+from tpc.ir.semantics import DEFAULT_COMM, CommRules
 from tpc.ir.verify.header import require_version
 from tpc.ir.verify.report import Report
 
@@ -72,8 +73,9 @@ def is_bundle(path: str) -> bool:
     return len(words) == 2 and words[0].startswith("tpir") and words[1] == "bundle"
 
 
-def load_bundle(path: str) -> LoadedBundle:
-    """Read and verify the bundle at `path` (its folder or its index); every error at once."""
+def load_bundle(path: str, comm: CommRules = DEFAULT_COMM) -> LoadedBundle:
+    """Read and verify the bundle at `path` (its folder or its index), every plan under the
+    communication rules `comm`; every error at once."""
     from tpc.ir.parse import parse_bundle
     from tpc.ir.verify import verify_file
 
@@ -93,7 +95,7 @@ def load_bundle(path: str) -> LoadedBundle:
             for k, member in enumerate(bundle.members):
                 file = index.parent / member.path
                 try:
-                    plans[k] = verify_file(str(file))
+                    plans[k] = verify_file(str(file), comm)
                 except TpirError as e:
                     if not file.is_file():
                         rep.add(member.loc, f"index, plan line {k}", (1, k),

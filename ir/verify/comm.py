@@ -8,6 +8,7 @@ from collections import defaultdict
 from tpc.ir.nodes import Plan
 from tpc.ir.semantics import (
     GLOO,
+    CommRules,
     NCCL,
     comm_entries,
     exchange_span,
@@ -94,7 +95,7 @@ def check_exchanges(plan: Plan, rep: Report) -> None:
 # -------------------------------------------------------------------------------- deadlock
 
 
-def check_deadlock(plan: Plan, shape: Shape, idx: Index, rep: Report, comm: str = GLOO) -> None:
+def check_deadlock(plan: Plan, shape: Shape, idx: Index, rep: Report, comm: CommRules) -> None:
     """D1: run every rank under `comm`'s rules (tpc.ir.semantics): a receive waits for its send,
     reduce-tied for its tie's ranks, and under NCCL a send or an exchange for its partners."""
     entries = [comm_entries(r, rp.instrs, keep=idx.valid[r].__getitem__)

@@ -65,3 +65,22 @@ def test_bad_options_are_refused_before_tracing(tmp_path, capsys, argv, flag, me
     err = capsys.readouterr().err
     assert err.startswith(f"{flag}: error: ") and message in err, err
     assert not out.exists()
+
+
+def test_a_bundle_for_gloo_is_written_and_checked_under_gloo(tmp_path, capsys):
+    """`--comm gloo` holds for every plan of a bundle: each is lowered, re-read and verified under
+    gloo's rules (1F1B without exchanges is valid there and not under NCCL's), and `tpc verify
+    --comm gloo` accepts the folder."""
+    from tpc.ir.semantics import GLOO, NCCL
+    from tpc.ir.verify import verify
+
+    out = tmp_path / "plans"
+    assert main(["compile", model_file("gpt"), "-o", str(out), "--seq-len", "16,32", "--batch", "4",
+                 "--stages", "2", "--microbatches", "3", "--schedule", "1f1b", "--comm", "gloo",
+                 "-q"]) == 0, capsys.readouterr().err
+    bundle = load_bundle(str(out), comm=GLOO)
+    assert bundle.lengths == (16, 32)
+    assert all(verify(plan, NCCL) for plan in bundle.plans)  # the case in point: gloo's plans only
+    assert main(["verify", str(out), "--comm", "gloo"]) == 0
+    assert main(["verify", str(out), "--comm", "nccl"]) == 1
+    assert "deadlock under NCCL's rules" in capsys.readouterr().err

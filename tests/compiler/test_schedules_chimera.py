@@ -21,6 +21,7 @@ from tpc.compiler.lowering.lower import lower
 from tpc.compiler.predict.memory import rank_memory
 from tpc.compiler.schedules import build_schedule, replicas, with_replicas
 from tpc.compiler.predict.simulate import simulate
+from tpc.ir.semantics import GLOO
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.nodes import Op
 from tpc.ir.parse import parse
@@ -73,12 +74,12 @@ def test_the_lowering_sums_each_stage_over_its_replicas_before_the_step():
 
 def run(D, N, backward=2.0, slices=1):
     h = chimera(D, mbs=N, slices=slices)
-    return simulate(lower(h, build_schedule("chimera", h)), UnitCosts(backward=backward))
+    return simulate(lower(h, build_schedule("chimera", h)), UnitCosts(backward=backward), GLOO)
 
 
 def run_1f1b(D, N, backward=2.0):
     h = make_header(D, mbs=N, schedule="1f1b")
-    return simulate(lower(h, build_schedule("1f1b", h)), UnitCosts(backward=backward))
+    return simulate(lower(h, build_schedule("1f1b", h)), UnitCosts(backward=backward), GLOO)
 
 
 @pytest.mark.parametrize("D,k", [(2, 1), (2, 3), (4, 1), (4, 2), (4, 3), (6, 1), (6, 3), (8, 1), (8, 2)])
@@ -129,7 +130,7 @@ def test_the_simulator_prices_reduce_replicas_as_an_all_reduce_of_the_stage():
             return nbytes / 100.0 * (n - 1)
 
     h = chimera(4, mbs=4)
-    result = simulate(lower(h, build_schedule("chimera", h)), Weighted())
+    result = simulate(lower(h, build_schedule("chimera", h)), Weighted(), GLOO)
     events = [e for e in result.events if e.instr.op is Op.REDUCE_REPLICAS]
     assert len(events) == 8 and all(e.work == pytest.approx(10.0) for e in events)
 

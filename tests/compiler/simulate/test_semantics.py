@@ -11,6 +11,7 @@ from tests.compiler.simulate.plans import make_header, make_plan
 from tpc.compiler.predict.memory import rank_memory
 from tpc.compiler.costmodel.unit import UnitCosts
 from tpc.compiler.predict.simulate import simulate
+from tpc.ir.semantics import GLOO
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Instr, Op, Payload, Plan, RankProgram, Tie
 from tpc.ir.parse import parse
@@ -23,7 +24,7 @@ def by_text(result, rank: int, text: str):
 
 
 def test_a_receive_waits_for_its_send_plus_the_transfer():
-    result = simulate(make_plan("gpipe", 2, 1), UnitCosts(p2p=0.5))
+    result = simulate(make_plan("gpipe", 2, 1), UnitCosts(p2p=0.5), GLOO)
     recv = by_text(result, 1, "recv act stage 1 mb 0 slice 0 from 0")
     assert (recv.start, recv.end, recv.wait) == (0.0, 1.5, 1.5)  # sent at 1, there at 1.5
     assert by_text(result, 1, "forward stage 1 mb 0 slice 0").start == 1.5
@@ -50,7 +51,7 @@ class CollectiveCosts(UnitCosts):
 
 def test_reduce_tied_starts_when_every_rank_of_the_tie_is_there():
     plan = make_plan("gpipe", 3, 1, ties=(Tie("wte", (0, 2)),))
-    result = simulate(plan, CollectiveCosts())
+    result = simulate(plan, CollectiveCosts(), GLOO)
     # forwards end at 1, 2, 3; backwards: rank 2 [3,5), rank 1 [5,7), rank 0 [7,9)
     early = by_text(result, 2, 'reduce-tied "wte"')
     late = by_text(result, 0, 'reduce-tied "wte"')
@@ -62,7 +63,7 @@ def test_reduce_tied_starts_when_every_rank_of_the_tie_is_there():
 
 def test_allreduce_costs_the_gradient_sync_of_its_stage():
     plan = make_plan("gpipe", 2, 1, data=2)
-    result = simulate(plan, CollectiveCosts())
+    result = simulate(plan, CollectiveCosts(), GLOO)
     assert by_text(result, 0, "allreduce stage 0").work == 0.25
     assert by_text(result, 1, "allreduce stage 1").work == 0.5
     assert result.ranks[0].busy == 3.25 and result.ranks[0].compute == 3.0
@@ -74,7 +75,7 @@ def test_a_deadlock_names_the_stuck_instruction_of_every_rank():
     r1 = (Instr(Op.RECV, payload=Payload.ACT, stage=1, mb=0, slice=0, peer=0),)
     plan = Plan(header, (RankProgram(0, r0), RankProgram(1, r1)))
     with pytest.raises(TpirError) as err:
-        simulate(plan, UnitCosts())
+        simulate(plan, UnitCosts(), GLOO)
     text = str(err.value)
     assert len(err.value.diagnostics) == 2
     assert "rank 0 is stuck at instruction 0 `recv grad stage 0 mb 0 slice 0 from 1`" in text
@@ -87,7 +88,7 @@ def test_a_deadlock_names_the_stuck_instruction_of_every_rank():
     ("seq1f1b", 3, 3, 4, 0.5),
 ])
 def test_the_critical_path_explains_the_iteration_time(schedule, p, m, n, p2p):
-    result = simulate(make_plan(schedule, p, m, n), UnitCosts(p2p=p2p))
+    result = simulate(make_plan(schedule, p, m, n), UnitCosts(p2p=p2p), GLOO)
     path = result.critical_path
     assert path[0].start == 0.0
     assert path[-1].end == result.iteration_time
@@ -112,7 +113,7 @@ def test_the_critical_path_explains_the_iteration_time(schedule, p, m, n, p2p):
 def test_events_carry_the_plan_line_of_their_instruction():
     text = print_plan(make_plan("1f1b", 2, 2, 2))
     plan = parse(text, file="p.tpir")
-    result = simulate(plan, UnitCosts())
+    result = simulate(plan, UnitCosts(), GLOO)
     lines = text.splitlines()
     assert len(result.events) == sum(len(r.instrs) for r in plan.ranks)
     for e in result.events:
@@ -152,7 +153,7 @@ def test_memory_counts_parameters_optimizer_activations_kv_and_kv_gradients():
     # after free-kv only the step-long state is left
     free = next(i for i, ins in enumerate(last) if ins.op is Op.FREE_KV)
     assert mem.during[free + 1].total == 800
-    assert simulate(plan, ByteCosts()).ranks[1].peak_memory == peak
+    assert simulate(plan, ByteCosts(), GLOO).ranks[1].peak_memory == peak
 
 
 def test_checkpointed_forward_keeps_no_graph_until_recompute():
@@ -168,5 +169,5 @@ def test_checkpointed_forward_keeps_no_graph_until_recompute():
          Instr(Op.STEP)]
     mem = rank_memory(header, 0, tuple(f), UnitCosts())
     assert [m.activations for m in mem.during] == [0, 0, 0, 1, 1, 1, 1, 0, 0]
-    result = simulate(Plan(header, (RankProgram(0, tuple(f)),)), UnitCosts())
+    result = simulate(Plan(header, (RankProgram(0, tuple(f)),)), UnitCosts(), GLOO)
     assert result.iteration_time == 2 + 2 + 4  # two forwards, two recomputes, two backwards

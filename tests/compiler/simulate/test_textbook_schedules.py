@@ -21,6 +21,7 @@ from tpc.compiler.schedules import build_schedule
 from tpc.compiler.schedules.placement import looped, place, vshape
 from tpc.compiler.costmodel.unit import UnitCosts
 from tpc.compiler.predict.simulate import simulate
+from tpc.ir.semantics import GLOO
 from tpc.ir.nodes import COMPUTE_OPS, Op
 
 
@@ -29,7 +30,7 @@ def run(schedule: str, p: int, m: int, v: int = 1, slices: int = 1, choice: str 
     if v > 1:
         header = place(header, looped(p * v, p))
     compute = recompute.apply(build_schedule(schedule, header, **params), recompute.uniform(header, choice))
-    return simulate(lower(header, compute), UnitCosts())
+    return simulate(lower(header, compute), UnitCosts(), GLOO)
 
 
 def span_idle(result) -> list[float]:
@@ -191,7 +192,7 @@ def test_recompute_runs_in_the_wait_for_a_gradient(schedule):
 def run_v(schedule: str, p: int, m: int, slices: int = 1):
     """2p chunks of half a 1F1B stage on p ranks in a V; unit costs per chunk (F 1, B 2, W 1)."""
     header = place(make_header(2 * p, m, slices, schedule=schedule), vshape(2 * p, p))
-    return simulate(lower(header, build_schedule(schedule, header)), UnitCosts())
+    return simulate(lower(header, build_schedule(schedule, header)), UnitCosts(), GLOO)
 
 
 @pytest.mark.parametrize("p,m", [(2, 3), (2, 4), (3, 5), (3, 6), (4, 7), (4, 8), (4, 12)])

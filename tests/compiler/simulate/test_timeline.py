@@ -13,6 +13,7 @@ from tpc.compiler.costmodel.unit import UnitCosts
 from tpc.compiler.predict.simulate import simulate
 from tpc.compiler.predict.chrome_trace import TimedInstr, read_trace
 from tpc.compiler.predict.timeline import compare, predicted_trace, write_gantt
+from tpc.ir.semantics import GLOO
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.nodes import Op
 from tpc.ir.parse import parse
@@ -29,7 +30,7 @@ def plan_file(tmp_path):
 def test_trace_has_one_event_per_instruction_and_a_flow_per_message(plan_file):
     text = plan_file.read_text()
     plan = parse(text, file=str(plan_file))
-    result = simulate(plan, UnitCosts(p2p=0.25))
+    result = simulate(plan, UnitCosts(p2p=0.25), GLOO)
     trace = json.loads(json.dumps(predicted_trace(result, str(plan_file))))  # valid JSON
     events = trace["traceEvents"]
     xs = [e for e in events if e["ph"] == "X"]
@@ -64,7 +65,7 @@ def test_trace_has_one_event_per_instruction_and_a_flow_per_message(plan_file):
 def test_trace_pairs_each_send_with_its_receive(plan_file):
     from tpc.compiler.predict.timeline import message_pairs
 
-    result = simulate(parse(plan_file.read_text(), file="p"), UnitCosts())
+    result = simulate(parse(plan_file.read_text(), file="p"), UnitCosts(), GLOO)
     pairs = message_pairs(result.events)
     assert len(pairs) == sum(e.instr.op is Op.SEND for e in result.events)
     for send, recv in pairs:
@@ -77,7 +78,7 @@ def test_trace_pairs_each_send_with_its_receive(plan_file):
 def test_gantt_png_is_written_and_shows_forward_and_backward(tmp_path):
     import matplotlib.image
 
-    result = simulate(make_plan("terapipe", 4, 1, 8), UnitCosts())
+    result = simulate(make_plan("terapipe", 4, 1, 8), UnitCosts(), GLOO)
     out = tmp_path / "t.png"
     write_gantt(result, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -121,7 +122,7 @@ def test_compare_fits_the_unit_and_reports_relative_errors():
     """Unit costs predict 6 units and 3 of compute per rank. The measured step spans 7.5 ms;
     rank 0 computes 4.5 ms, rank 1 3.0 ms: 7.5 ms of compute for 6 predicted units, so one
     unit is fitted to 1.25 ms and the prediction reads 7.5 ms, 3.75 ms and 3.75 ms."""
-    result = simulate(make_plan("gpipe", 2, 1), UnitCosts())
+    result = simulate(make_plan("gpipe", 2, 1), UnitCosts(), GLOO)
     measured = [TimedInstr(r, i, ts * 1e3, d * 1e3) for r, i, ts, d in GPIPE_2x1]
     comparison = compare(result, measured)
     assert comparison.ms_per_unit == pytest.approx(1.25)
@@ -142,7 +143,7 @@ class Seconds(UnitCosts):
 
 
 def test_compare_takes_a_prediction_in_seconds_as_it_is():
-    result = simulate(make_plan("gpipe", 2, 1), Seconds())
+    result = simulate(make_plan("gpipe", 2, 1), Seconds(), GLOO)
     measured = [TimedInstr(r, i, ts * 1e3, d * 1e3) for r, i, ts, d in GPIPE_2x1]
     comparison = compare(result, measured)
     assert comparison.ms_per_unit is None
@@ -178,7 +179,7 @@ def test_simulate_cli_prints_the_table_and_writes_trace_and_picture(plan_file, t
     trace, png = tmp_path / "t.json", tmp_path / "t.png"
     assert main(["simulate", str(plan_file), "--trace", str(trace), "--png", str(png)]) == 0
     out = capsys.readouterr().out
-    result = simulate(parse(plan_file.read_text(), file="p"), UnitCosts())
+    result = simulate(parse(plan_file.read_text(), file="p"), UnitCosts(), GLOO)
     assert f"iteration time: {result.iteration_time:.4g} units" in out
     for r in result.ranks:
         row = next(line for line in out.splitlines() if line.split()[:1] == [str(r.rank)])
@@ -232,7 +233,7 @@ def test_gantt_draws_the_way_up_of_a_v_in_a_second_palette(tmp_path):
     from tpc.ir.show import direction_of
 
     h = make_header(4, mbs=4, schedule="zbv", stage_ranks=vshape(4, 2))
-    result = simulate(lower(h, build_schedule("zbv", h)), UnitCosts())
+    result = simulate(lower(h, build_schedule("zbv", h)), UnitCosts(), GLOO)
     ways, chunk_of = direction_of(h), _chunk_of(h)
     colours = {(e.instr.op, e.instr.stage): box_colour(e.instr, chunk_of, ways)
                for e in result.events if e.instr.op in UP_COLOURS}
@@ -253,7 +254,7 @@ def test_gantt_draws_chimeras_up_pipeline_in_a_second_palette(tmp_path):
 
     h = with_replicas(make_header(4, mbs=4, schedule="chimera"))
     plan = lower(h, build_schedule("chimera", h))
-    result = simulate(plan, UnitCosts())
+    result = simulate(plan, UnitCosts(), GLOO)
     ways, chunk_of = direction_of(h), _chunk_of(h)
     colours = {(e.instr.op, e.instr.mb): box_colour(e.instr, chunk_of, ways)
                for e in result.events if e.instr.op in (Op.FORWARD, Op.BACKWARD)}

@@ -1,0 +1,447 @@
+"""The passes of `tpc compile`, and the pipeline the options make of them.
+
+    load -> trace -> partition -> header                    (no cost model)
+    load -> trace -> costs -> search -> eval-dp             (--cost / --device-model)
+         -> self-check -> schedule [-> recompute] -> lower -> eval [-> write]
+
+Each pass is a small named object with its options as fields (compiler/passes.py says what a
+pass is and what the driver does between passes: the plan verified after `lower` and `eval`,
+the IR printed after any pass `--print-after` names). `compile_passes(options)` is the list a
+compile runs; `tpc compile --schedule-file` runs the same front half (`front_passes`) and its
+own passes after it (compiler/torch_schedule/compile.py). `PASS_NAMES` are every pass's names,
+in pipeline order, for `--print-after` and `--help`.
+
+Every pass imports what it runs when it runs: this module, like the options, reads without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from tpc.compiler.header import (
+    check_plan_slices,
+    header_maker,
+    place_chunks,
+    slicing_summary,
+    slicings,
+)
+from tpc.compiler.options import CompileOptions
+from tpc.compiler.passes import Pass
+from tpc.compiler.schedules import stages_per_rank
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import Plan
+from tpc.ir.semantics import DEFAULT_COMM, CommRules
+
+
+def _error(option: str, message: str, hint: str) -> TpirError:
+    return TpirError(Diagnostic(message, hint=hint, where=option))
+
+
+def _say(quiet: bool, text: str) -> None:
+    if not quiet:
+        print(text, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------ the front half
+
+
+@dataclass(frozen=True)
+class Load(Pass):
+    """The model file: its module, content hash and vocabulary."""
+
+    name = "load"
+    summary = "the model file: module, content hash, vocabulary"
+    factory: str = "model"
+
+    def run(self, state, note):
+        from tpc.compiler.frontend import file_sha256, load_model, read_vocab
+
+        model = load_model(state.model_path, self.factory)
+        vocab = read_vocab(model, state.model_path)
+        note(f"vocab {vocab}")
+        return state.but(model=model, sha256=file_sha256(state.model_path), vocab=vocab, factory=self.factory)
+
+
+@dataclass(frozen=True)
+class Trace(Pass):
+    """The front end: capture, refuse token mixing, rewrite attention and positions, cut units
+    (compiler/frontend/sliced.py). The numeric self-check waits for the plan's own slices
+    (`self-check`). `stages`: refused when the model has fewer units (None: not known yet)."""
+
+    name = "trace"
+    summary = "the front end: capture, rewrite for token slices, cut units"
+    seq_len: int
+    stages: int | None = None
+    stages_option: str = "--stages"
+    schedule_file: str | None = None  # the stages are the schedule file's (`--schedule-file`)
+
+    def run(self, state, note):
+        from tpc.compiler.frontend import SlicedModel
+
+        sliced = SlicedModel.from_model(state.model, seq_len=self.seq_len, vocab=state.vocab, check_slices=None)
+        note(f"{sliced.num_units} units, vocab {state.vocab}")
+        if self.stages is not None and self.stages > sliced.num_units:
+            if self.schedule_file is not None:
+                raise _error("--schedule-file", f"{self.schedule_file} runs {self.stages} stages but the model "
+                             f"has only {sliced.num_units} partition units", "use a schedule with fewer stages")
+            raise _error(self.stages_option,
+                         f"{self.stages} stages but the model has only {sliced.num_units} partition units",
+                         f"use at most {sliced.num_units} stages")
+        return state.but(sliced=sliced)
+
+
+@dataclass(frozen=True)
+class Partition(Pass):
+    """Stage partition without a cost model: parameter-balanced (or the bundle's `split`)."""
+
+    name = "partition"
+    summary = "the stages' units, balanced by parameters (no cost model)"
+    stages: int
+    ranges: tuple[tuple[int, int], ...] | None = None  # fixed (a bundle's shared split)
+
+    def run(self, state, note):
+        ranges = self.ranges if self.ranges is not None else tuple(
+            tuple(r) for r in state.sliced.partition_by_params(self.stages))
+        note(" | ".join(f"{lo}:{hi}" for lo, hi in ranges))
+        return state.but(ranges=tuple(ranges))
+
+
+@dataclass(frozen=True)
+class BuildHeader(Pass):
+    """The header of the options on the partition: mesh, stages on ranks, ties, micro-batches
+    and slices (with several stages per rank, in the placement the schedule is made for)."""
+
+    name = "header"
+    summary = "the plan header: mesh, stages, ties, micro-batches, slices"
+    options: CompileOptions
+
+    def run(self, state, note):
+        o = self.options
+        make = header_maker(model_path=state.model_path, sha256=state.sha256, factory=o.factory, opts=o,
+                            vocab=state.vocab, sliced=state.sliced)
+        ranges = list(state.ranges)
+        if o.chunks > 1 and stages_per_rank(o.schedule) == 1:
+            header = place_chunks(make(o.num_stages, o.dp, ranges, o.schedule), o.pipe)
+        else:
+            header = make(o.pipe, o.dp, ranges, o.schedule)
+        if o.slices_auto:  # no cost model: the equal slices of `cuts`, said in one line
+            _say(o.quiet, f"--slices auto: {len(o.cuts)} equal slices of ~{o.seq_len // len(o.cuts)} "
+                 "tokens (give --cost or --device-model for the optimiser's choice)")
+        note(slicing_summary(header))
+        return state.but(header=header)
+
+
+def front_passes(options: CompileOptions, *, split=None, schedule_file: str | None = None) -> list[Pass]:
+    """What a compile without a cost model starts with: load, trace, partition, header (`split`:
+    a bundle's fixed stage partition; `schedule_file`: the stages are that file's)."""
+    o = options
+    option = "--virtual-stages" if o.virtual_stages > 1 else "--stages"
+    ranges = None if split is None else tuple(tuple(r) for r in split[2])
+    return [Load(o.factory), Trace(o.seq_len, o.num_stages, option, schedule_file),
+            Partition(o.num_stages, ranges), BuildHeader(o)]
+
+
+# ------------------------------------------------------------------------------ the plan search
+
+
+@dataclass(frozen=True)
+class Costs(Pass):
+    """The cost models --cost / --device-model name, for any stage partition of this model. A
+    device model prices the traced graph's own FLOPs, bytes and kernels (costmodel/graph.py)."""
+
+    name = "costs"
+    summary = "cost models for any partition (--cost or --device-model)"
+    cost: str | None = None
+    device_model: str | None = None
+
+    def run(self, state, note):
+        from tpc.compiler.costmodel.resolve import load_cost_source
+
+        sliced = state.sliced
+        source = load_cost_source(cost=self.cost, device_model=self.device_model,
+                                  sliced=sliced if self.device_model else None, num_units=sliced.num_units,
+                                  model_sha256=state.sha256 if self.cost else None)
+        note(f"--cost {self.cost}" if self.cost else f"--device-model {self.device_model}")
+        return state.but(source=source)
+
+
+def search_space(opts: CompileOptions, num_units: int, split=None):
+    """What the plan search may choose (compiler/optimise/search.py): the meshes of --stages auto
+    --ranks N or the given one, every schedule or the given one, the optimiser's slicing or
+    the given slices. `split` (pipe, data, ranges) fixes the mesh and the stage partition."""
+    from tpc.compiler.optimise.search import AUTO_SCHEDULES, Space, meshes_for_ranks
+
+    if opts.stages_auto:
+        meshes, skipped = meshes_for_ranks(opts.ranks, num_units, opts.batch, opts.microbatch_count or 1)
+        if not meshes:
+            raise _error(
+                "--stages",
+                f"no pipeline x data split of --ranks {opts.ranks} fits: " + "; ".join(skipped),
+                "change --ranks, --batch or --microbatches",
+            )
+    else:
+        meshes, skipped = [(opts.pipe, opts.dp)], []
+    return Space(
+        seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.microbatch_count,
+        meshes=tuple(meshes), schedules=AUTO_SCHEDULES if opts.schedule_auto else (opts.schedule,),
+        # with --recompute auto the budget is met by recomputation after the search
+        slices=None if opts.slices_auto else opts.cuts,
+        budget=None if opts.recompute == "auto" else opts.memory_per_rank,
+        skipped=tuple(skipped),
+        ranges=None if split is None else tuple(split[2]),
+        comm=opts.comm,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Search(Pass):
+    """The header of the plan the search chooses among what the 'auto' options leave open, by
+    simulated step time under the options' communication rules; with nothing open, the given
+    plan on the cost-balanced partition (on `split`'s, when given)."""
+
+    name = "search"
+    summary = "mesh x partition x slicing x schedule, by simulated step time (a cost model)"
+    options: CompileOptions
+    split: tuple | None = None  # (pipe, data, ranges): a bundle's shared mesh and partition
+
+    def run(self, state, note):
+        from tpc.compiler.optimise.search import explain as explain_search
+        from tpc.compiler.optimise.search import search_plan
+
+        o = self.options
+        make = header_maker(model_path=state.model_path, sha256=state.sha256, factory=o.factory, opts=o,
+                            vocab=state.vocab, sliced=state.sliced)
+        result = search_plan(state.source, search_space(o, state.source.num_units, self.split), make)
+        best = result.best
+        note(f"{len(result.candidates)} candidates; {best.pipe}x{best.data} {best.schedule}, "
+             f"predicted step {best.time:.4g} s")
+        if o.explain:
+            _say(o.quiet, explain_search(result))
+        return state.but(header=best.header)
+
+
+@dataclass(frozen=True)
+class EvalSlicing(Pass):
+    """The evaluation program's own micro-batches and slices: the DP without backward."""
+
+    name = "eval-dp"
+    summary = "the evaluation's micro-batches and slices (the DP without backward)"
+    microbatches: int | None = None
+
+    def run(self, state, note):
+        from tpc.compiler.lowering.eval_program import eval_slicing
+
+        header = state.header
+        mbs = eval_slicing(state.source.for_stages([st.units for st in header.stages]), header,
+                           microbatches=self.microbatches)
+        note(slicing_summary(dataclasses.replace(header, microbatches=mbs)))
+        return state.but(eval_microbatches=tuple(mbs))
+
+
+# ------------------------------------------------------------------------------ the back half
+
+
+@dataclass(frozen=True)
+class SelfCheck(Pass):
+    """The front end's numeric self-check (sliced vs unsliced model at the full length) with each
+    slicing the plan uses, the evaluation's too: what the plan will run is what is checked."""
+
+    name = "self-check"
+    summary = "sliced vs unsliced model, with every slicing the plan uses"
+
+    def run(self, state, note):
+        extra = state.eval_microbatches or ()
+        check_plan_slices(state.sliced, state.header, extra)
+        note(f"{len(slicings(state.header, extra))} slicing(s) at length {state.header.shape.seq}")
+        return state
+
+
+@dataclass(frozen=True)
+class Schedule(Pass):
+    """Each rank's compute order, from the schedule the header names (compiler/schedules/)."""
+
+    name = "schedule"
+    summary = "each rank's compute order (compiler/schedules/)"
+
+    def run(self, state, note):
+        from tpc.compiler.schedules import build_schedule
+
+        header = state.header
+        compute = build_schedule(header.schedule.name, header)
+        note(f"{header.schedule.name}: {slicing_summary(header)}")
+        return state.but(compute=compute)
+
+
+@dataclass(frozen=True)
+class Recompute(Pass):
+    """`--recompute full`: every stage's forwards checkpointed and recomputed before their
+    backward; `auto`: the stage-aware planner's choice under `budget` (compiler/lowering/recompute.py),
+    with `explain` each rank's peak before and after."""
+
+    name = "recompute"
+    summary = "activation recomputation (--recompute full|auto)"
+    mode: str = "full"
+    budget: float | None = None
+    explain: bool = False
+    quiet: bool = False
+
+    def run(self, state, note):
+        from tpc.compiler.lowering import recompute
+
+        header, compute = state.header, state.compute
+        if self.mode == "auto":
+            costs = state.source.for_stages([st.units for st in header.stages])
+            before = recompute.peaks(header, compute, costs)
+            choice = recompute.choose(header, compute, costs, self.budget)
+        else:
+            choice = recompute.uniform(header, self.mode)
+        out = recompute.apply(compute, choice)
+        full = [s for s, c in sorted(choice.items()) if c == "full"]
+        note(f"{self.mode}: " + (f"stage{'s' * (len(full) != 1)} {', '.join(map(str, full))} recomputed"
+                                 if full else "nothing recomputed"))
+        if self.mode == "auto" and self.explain:
+            from tpc.compiler.predict.quantities import format_quantity
+
+            after = recompute.peaks(header, out, costs)
+
+            def fmt(n):
+                return format_quantity(n, costs.memory_unit)
+
+            lines = [f"recompute auto, budget {fmt(self.budget)} per rank (stage-aware: the stage "
+                     "of a rank over budget whose recomputation lowers its peak most, until it fits):"]
+            for r in sorted(before):
+                stages = sorted(header.stages_of_rank(r))
+                lines.append(f"  rank {r}: stages {', '.join(map(str, stages))}: peak {fmt(before[r])} -> "
+                             f"{fmt(after[r])}; recomputed: "
+                             f"{', '.join(str(s) for s in stages if choice[s] == 'full') or 'none'}")
+            _say(self.quiet, "\n".join(lines))
+        return state.but(compute=out)
+
+
+@dataclass(frozen=True)
+class Lower(Pass):
+    """Compute order to complete plan: loads, sends and receives, free-kv, reductions, the
+    exchanges NCCL's rules need, step (compiler/lowering/lower.py); verified by the driver."""
+
+    name = "lower"
+    summary = "loads, sends/receives, free-kv, reductions, exchanges (NCCL), step"
+    changes_plan = True
+    comm: CommRules = DEFAULT_COMM
+
+    def run(self, state, note):
+        from tpc.compiler.lowering.lower import lower
+
+        plan = lower(state.header, state.compute, verify=False, comm=self.comm)  # the driver verifies
+        note(f"{sum(len(p.instrs) for p in plan.ranks)} instructions")
+        return state.but(plan=plan)
+
+
+@dataclass(frozen=True)
+class Evaluation(Pass):
+    """The plan's forward-only evaluation program (compiler/lowering/eval_program.py), on the evaluation's
+    own micro-batches when `eval-dp` chose them, else the training program's."""
+
+    name = "eval"
+    summary = "the forward-only evaluation program"
+    changes_plan = True
+    comm: CommRules = DEFAULT_COMM
+
+    def run(self, state, note):
+        from tpc.compiler.lowering.eval_program import eval_program
+
+        plan = state.plan
+        ev = eval_program(plan.header, state.eval_microbatches, self.comm)
+        plan = dataclasses.replace(plan, eval=ev)
+        note(f"forward only, {sum(len(p.instrs) for p in ev.ranks)} instructions")
+        return state.but(plan=plan)
+
+
+@dataclass(frozen=True)
+class Write(Pass):
+    """The plan written to `output` atomically, after the written text is read back, parsed and
+    verified under `comm`'s rules (compiler/compile.py, `write_plan`)."""
+
+    name = "write"
+    summary = "print, re-read and verify, write atomically"
+    output: str
+    comm: CommRules = DEFAULT_COMM
+
+    def run(self, state, note):
+        write_plan(state.plan, self.output, quiet=True, comm=self.comm)  # the driver's caller says it
+        note(self.output)
+        return state
+
+
+def write_plan(plan: Plan, output: str, *, quiet: bool = False, comm: CommRules = DEFAULT_COMM) -> Plan:
+    """Write a verified plan to `output` atomically: the text is read back, parsed and verified
+    (under the communication rules `comm`, those it was compiled for) before it replaces
+    `output`. Says what was written unless `quiet`."""
+    from tpc.ir.parse import parse
+    from tpc.ir.printer import print_plan
+    from tpc.ir.verify import check
+
+    text = print_plan(plan)
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise _error("--output", f"no such folder: {folder}", "create the folder first, or write the plan elsewhere")
+    fd, tmp = tempfile.mkstemp(prefix=".tpir-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+        with open(tmp, encoding="utf-8") as f:
+            back = f.read()
+        check(parse(back, file=output), comm)
+        os.replace(tmp, output)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    if not quiet:
+        print(written(plan, output))
+    return plan
+
+
+def written(plan: Plan, output: str) -> str:
+    """What `write_plan` says it wrote."""
+    h = plan.header
+    n = sum(len(p.instrs) for p in plan.ranks)
+    return (f"wrote {output}: {h.num_stages} stage{'s' * (h.num_stages != 1)}"
+            f"{f' ({h.replicas} weight replicas each)' if h.replicas > 1 else ''} x "
+            f"{h.mesh.data} data replica{'s' * (h.mesh.data != 1)}, "
+            f"{slicing_summary(h)}, "
+            f"schedule {h.schedule.name}, {n} instructions")
+
+
+def back_passes(comm: CommRules) -> list[Pass]:
+    """After the header: self-check, schedule, lower, eval (recompute goes before lower)."""
+    return [SelfCheck(), Schedule(), Lower(comm), Evaluation(comm)]
+
+
+def compile_passes(options: CompileOptions, split=None) -> list[Pass]:
+    """The passes a compile with `options` runs (the module docstring). `split`, a (pipe, data,
+    stage unit ranges) triple, fixes the mesh and the stage partition (a bundle's plans share
+    one)."""
+    o = options
+    if o.searching:
+        # a cost model is named: the partition comes from its unit times, and whatever is 'auto'
+        # is chosen by simulated step time
+        passes = [Load(o.factory), Trace(o.seq_len, None if o.stages_auto else o.num_stages,
+                                         "--virtual-stages" if o.virtual_stages > 1 else "--stages"),
+                  Costs(o.cost, o.device_model), Search(o, split), EvalSlicing(o.microbatch_count)]
+    else:
+        passes = front_passes(o, split=split)
+    back = back_passes(o.comm)
+    if o.recompute != "none":
+        back.insert(2, Recompute(o.recompute, o.memory_per_rank, o.explain, o.quiet))
+    return passes + back
+
+
+# every pass of `tpc compile`, in pipeline order (`--schedule-file` runs the front half, then
+# its own `csv-place` and `csv-import`: compiler/torch_schedule/compile.py)
+PASSES = (Load, Trace, Partition, BuildHeader, Costs, Search, EvalSlicing, SelfCheck, Schedule, Recompute,
+          Lower, Evaluation, Write)
+PASS_NAMES = tuple(p.name for p in PASSES)
