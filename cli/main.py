@@ -67,6 +67,8 @@ def cmd_fmt(args) -> int:
     from tpc.ir.printer import print_document
 
     status = 0
+    from tpc.ir.files import atomic_write_text
+
     for path in args.plans:
         text = _read_text(path)
         canonical = print_document(parse_document(text, file=path))
@@ -76,7 +78,7 @@ def cmd_fmt(args) -> int:
             print(f"{path}: not canonical (run `tpc fmt {path}`)")
             status = 1
         else:
-            Path(path).write_text(canonical, encoding="utf-8")
+            atomic_write_text(path, canonical)  # a full disk leaves the hand-edited plan as it was
             print(f"{path}: reformatted")
     return status
 

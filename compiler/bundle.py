@@ -20,8 +20,6 @@ rules, and rules B1-B4) before the function returns.
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 from pathlib import Path
 
 from tpc.compiler.compile import CompileOptions, compile_plan, write_plan
@@ -99,9 +97,10 @@ def compile_bundle(model_path: str, output: str, options: CompileOptions, length
     for seq in lengths:
         write_plan(plans[seq], str(folder / member_file(seq)), quiet=options.quiet, comm=options.comm)
     index = bundle_index(plans)
+    from tpc.ir.files import atomic_write_text
     from tpc.ir.printer import print_bundle
 
-    _write_atomically(folder / INDEX, print_bundle(index))
+    atomic_write_text(folder / INDEX, print_bundle(index))
     loaded = load_bundle(str(folder), options.comm)
     say(f"wrote {folder / INDEX}: {len(lengths)} plans (lengths {', '.join(map(str, lengths))}), "
         f"one stage split")
@@ -115,15 +114,3 @@ def bundle_index(plans: dict[int, Plan]) -> Bundle:
                     for seq in sorted(plans))
     return Bundle(bundle=BundleLine(), model=longest.model, mesh=longest.mesh, units=longest.units,
                   stages=longest.stages, ties=longest.ties, members=members)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tpir-", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tpc.compiler.optimise.slicing import even_split
 from tpc.compiler.options import CompileOptions
 from tpc.compiler.schedules import stages_per_rank, with_replicas
 from tpc.compiler.schedules.placement import vshape
@@ -24,8 +25,7 @@ from tpc.ir.nodes import (
 
 def microbatch_sizes(rows: int, count: int) -> list[int]:
     """`rows` split into `count` sizes that differ by at most one (larger first)."""
-    base, extra = divmod(rows, count)
-    return [base + 1 if m < extra else base for m in range(count)]
+    return list(even_split(rows, count))
 
 
 def stage_label(labels, lo: int, hi: int) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 
 from tpc.compiler.header import (
@@ -380,6 +379,7 @@ def write_plan(plan: Plan, output: str, *, quiet: bool = False, comm: CommRules 
     """Write a verified plan to `output` atomically: the text is read back, parsed and verified
     (under the communication rules `comm`, those it was compiled for) before it replaces
     `output`. Says what was written unless `quiet`."""
+    from tpc.ir.files import atomic_path
     from tpc.ir.parse import parse
     from tpc.ir.printer import print_plan
     from tpc.ir.verify import check
@@ -388,18 +388,12 @@ def write_plan(plan: Plan, output: str, *, quiet: bool = False, comm: CommRules 
     folder = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(folder):
         raise _error("--output", f"no such folder: {folder}", "create the folder first, or write the plan elsewhere")
-    fd, tmp = tempfile.mkstemp(prefix=".tpir-", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+    with atomic_path(output) as tmp:  # replaces `output` only if the block ends normally
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
             f.write(text)
         with open(tmp, encoding="utf-8") as f:
             back = f.read()
         check(parse(back, file=output), comm)
-        os.replace(tmp, output)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     if not quiet:
         print(written(plan, output))
     return plan

@@ -26,11 +26,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 from tpc.compiler.torch_schedule.actions import format_csv
 from tpc.compiler.torch_schedule.slice_map import SliceMap, map_path
 from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.files import atomic_write_text
 from tpc.ir.nodes import Op, Payload, Plan
 
 FORMATS = ("compute_only", "compute_comms")
@@ -163,8 +163,8 @@ def export_schedule(plan: Plan, output: str, *, fmt: str = "compute_only", plan_
     info = slice_map.to_json(plan=plan_name, format_of_csv=fmt, exact_in_torch=exact, notes=notes,
                              stages=[{"stage": st.index, "rank": st.rank, "label": st.label}
                                      for st in plan.header.stages])
-    Path(output).write_text(format_csv([list(r) for r in rows]), encoding="utf-8", newline="")
+    atomic_write_text(output, format_csv([list(r) for r in rows]), newline="")
     mp = map_path(output)
-    Path(mp).write_text(_json_lines(info), encoding="utf-8")
+    atomic_write_text(mp, _json_lines(info))
     return Exported(rows, output, mp, left_out, exact)
 
