@@ -101,7 +101,6 @@ SLOW = (
     "tests/compiler/test_auto.py::test_microbatches_auto_compiles_and_trains_like_autograd",
     "tests/compiler/test_auto.py::test_pruning_bound_is_a_lower_bound",
     "tests/compiler/test_auto.py::test_schedule_auto_is_the_fastest_schedule_that_fits",
-    "tests/compiler/test_auto.py::test_schedule_auto_with_slices_auto_matches_each_schedule_searched_alone",
     "tests/compiler/test_auto.py::test_stages_auto_over_four_ranks_matches_brute_force",
     "tests/compiler/test_compile.py::test_a_failed_compile_leaves_an_existing_plan_untouched",
     "tests/compiler/test_compile.py::test_auto_slices_take_the_optimisers_choice",
