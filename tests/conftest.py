@@ -26,3 +26,130 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def examples_dir() -> Path:
     return ROOT / "examples"
+
+
+# ------------------------------------------------------------------------------ the fast tier
+#
+# `pytest -m "not slow"` is the fast tier (a few minutes on 2 cores); the full suite is CI's.
+# The tests below are marked slow here, in one place, by node id: a test file, a test function
+# (every case of it) or one case. Slow are the multi-process tests (torchrun ranks, bench scripts
+# run as programs), the Hugging Face models, long single runs, and the matrices of cases and the
+# end-to-end runs whose every module keeps a faster test in the tier (durations measured with
+# --durations=0 on the 2-core machine). tests/test_tiers.py checks that each entry still names a
+# test. (A module may also mark itself: `pytestmark = pytest.mark.slow`.)
+SLOW = (
+    # multi-process: ranks under torchrun (gloo), bench scripts run as programs
+    "tests/bench/test_gpu_checks_smoke.py",
+    "tests/bench/test_gpu_slicing_smoke.py::test_smoke_run_prints_three_filled_tables",
+    "tests/bench/test_gpu_slicing_smoke.py::test_timed_steps_size_kv_as_the_engine_and_copy_no_gradients",
+    "tests/executors/test_evaluation.py::test_torchrun_eval_loss_is_the_interpreters_and_plain_pytorch",
+    "tests/executors/test_multinode.py",
+    "tests/executors/training/test_curriculum.py::test_two_gloo_ranks_match_plain_pytorch_and_resume_mid_curriculum",
+    "tests/executors/training/test_reshard.py::test_gloo_ranks_resume_under_another_split",
+    "tests/executors/training/test_resume.py::test_a_kill_during_a_save_leaves_a_checkpoint_that_resumes",
+    "tests/executors/training/test_resume.py::test_two_gloo_ranks_stop_and_resume",
+    # (tests/executors/test_distributed_*.py mark themselves)
+    # Hugging Face models (the fast tier still reads a config.json: test_hf_cli.py)
+    "tests/compiler/costmodel/test_held_grads.py::test_a_hugging_face_block_keeps_what_the_graph_counts",
+    "tests/compiler/frontend/test_causal_constructs.py::test_hyena_and_lfm2_convolutions_are_exact",
+    "tests/compiler/frontend/test_causal_constructs.py::test_more_alibi_families_are_exact",
+    "tests/compiler/frontend/test_hf_cli.py::test_chimera_refuses_a_tied_hugging_face_model",
+    "tests/compiler/frontend/test_hf_cli.py::test_config_json_compiles_and_runs_exactly",
+    "tests/compiler/frontend/test_hf_cli.py::test_config_json_runs_exactly_under_chimera",
+    "tests/compiler/frontend/test_hf_cli.py::test_config_json_runs_exactly_with_several_chunks_per_rank",
+    "tests/compiler/frontend/test_hf_families.py",
+    "tests/compiler/frontend/test_masks_exact.py::test_a_bidirectional_config_json_is_refused_at_the_library_line",
+    "tests/compiler/frontend/test_masks_exact.py::test_a_bidirectional_encoder_is_refused_at_the_library_line_with_its_module",
+    "tests/compiler/frontend/test_masks_exact.py::test_a_user_wrapper_with_the_generation_cache_on_compiles",
+    "tests/compiler/frontend/test_masks_exact.py::test_mistral_sliding_window_is_exact_not_causal",
+    "tests/compiler/frontend/test_masks_exact.py::test_mistral_window_smaller_than_slices_with_checkpoint_and_split_backward",
+    "tests/compiler/frontend/test_masks_exact.py::test_opt_positions_are_computed_at_full_length",
+    "tests/compiler/frontend/test_masks_exact.py::test_qwen2_mixes_full_and_windowed_layers",
+    "tests/compiler/frontend/test_masks_exact.py::test_simulated_kv_memory_of_a_windowed_model_is_bounded_by_the_window",
+    "tests/compiler/frontend/test_masks_exact.py::test_windowed_kv_cache_and_its_gradients_are_bounded_by_the_window",
+    "tests/executors/test_evaluation.py::test_hugging_face_windowed_caches_evaluate_as_plain_pytorch",
+    "tests/executors/training/test_init_from.py::test_a_hugging_face_config_that_differs_is_said",
+    "tests/executors/training/test_init_from.py::test_export_of_a_hugging_face_model_is_a_directory_from_pretrained_loads",
+    "tests/executors/training/test_init_from.py::test_init_from_a_hugging_face_directory_gives_its_own_loss",
+    # long single-process runs: a large model, many steps, a resumed run, a whole corpus
+    "tests/compiler/costmodel/test_host_bound.py::test_a_short_slice_on_a_hopper_gpu_waits_on_the_host",
+    "tests/executors/test_run_cli.py::test_verify_grads_builds_its_reference_as_the_model_file_does",
+    "tests/executors/test_torch_schedules_grads.py::test_compile_a_torch_schedule_and_run_it_from_the_command_line",
+    "tests/executors/training/test_curriculum.py::test_a_misspelt_curriculum_names_the_flag",
+    "tests/executors/training/test_curriculum.py::test_resume_under_another_curriculum_is_refused",
+    "tests/executors/training/test_curriculum.py::test_stop_and_resume_in_the_middle_of_the_curriculum",
+    "tests/executors/training/test_init_from.py::test_init_from_with_resume_starts_once_then_resumes",
+    "tests/executors/training/test_resume.py::test_stop_at_20_and_resume_to_30_is_the_uninterrupted_run",
+    "tests/executors/training/test_token_file.py::test_corpus_is_byte_tokens_of_python_source",
+    "tests/executors/training/test_train_vs_pytorch.py",
+    "tests/ir/test_roundtrip_property.py::test_mutated_text_parses_or_fails_located",
+    # matrices of cases and further end-to-end runs (compile, train, compare against autograd)
+    # of what faster tests of the same modules check
+    "tests/compiler/costmodel/test_graph_costs.py::test_compile_and_simulate_price_any_capturable_model",
+    "tests/compiler/frontend/test_causal_constructs.py::test_sliced_equals_autograd",
+    "tests/compiler/frontend/test_masks_exact.py::test_a_banded_mask_is_sliced_exactly_at_its_width",
+    "tests/compiler/frontend/test_masks_exact.py::test_other_masks_are_refused_saying_what_they_are",
+    "tests/compiler/frontend/test_masks_exact.py::test_the_self_check_runs_the_given_slices_at_the_plans_length",
+    "tests/compiler/frontend/test_portable_stages.py::test_math_sdpa_backend_matches_oracle",
+    "tests/compiler/frontend/test_portable_stages.py::test_stage_graphs_have_no_view",
+    "tests/compiler/frontend/test_units_and_runtime.py::test_mask_buffer_as_long_as_the_sequence",
+    "tests/compiler/simulate/test_timeline.py::test_device_model_prices_a_compiled_plan_in_seconds",
+    "tests/compiler/simulate/test_timeline.py::test_gantt_png_is_written_and_shows_forward_and_backward",
+    "tests/compiler/test_auto.py::test_chimera_is_searched_for_an_untied_model",
+    "tests/compiler/test_auto.py::test_chosen_plan_is_never_slower_than_equal_slicing",
+    "tests/compiler/test_auto.py::test_compile_stages_auto_end_to_end_trains_like_autograd",
+    "tests/compiler/test_auto.py::test_microbatches_auto_compiles_and_trains_like_autograd",
+    "tests/compiler/test_auto.py::test_pruning_bound_is_a_lower_bound",
+    "tests/compiler/test_auto.py::test_schedule_auto_is_the_fastest_schedule_that_fits",
+    "tests/compiler/test_auto.py::test_stages_auto_over_four_ranks_matches_brute_force",
+    "tests/compiler/test_compile.py::test_a_failed_compile_leaves_an_existing_plan_untouched",
+    "tests/compiler/test_compile.py::test_auto_slices_take_the_optimisers_choice",
+    "tests/compiler/test_compile.py::test_compile_each_schedule",
+    "tests/compiler/test_compile.py::test_compile_lowers_and_verifies_for_the_backend_it_targets",
+    "tests/compiler/test_compile_options_17.py::test_recompute_auto_recomputes_the_stages_over_the_budget_and_says_so",
+    "tests/compiler/test_compile_options_17.py::test_virtual_stages_loop_the_stages_over_the_ranks",
+    "tests/compiler/test_compile_options_17.py::test_virtual_stages_with_data_parallel_replicas",
+    "tests/compiler/test_nccl_rules.py::test_every_schedule_passes_nccl_rules",
+    "tests/compiler/test_schedules_chimera.py::test_every_shape_lowers_to_a_plan_verified_under_both_backends",
+    "tests/compiler/test_schedules_chunks.py::test_looped_placements_lower_to_verified_plans",
+    "tests/compiler/test_schedules_vshape.py::test_v_shapes_lower_to_verified_plans",
+    "tests/executors/test_interpreter_fake.py::test_gradients_match_autograd",
+    "tests/executors/test_interpreter_models.py::test_carried_state_and_position_biases_match_autograd",
+    "tests/executors/test_interpreter_models.py::test_gpt_every_schedule_matches_autograd",
+    "tests/executors/test_interpreter_models.py::test_other_models_match_autograd",
+    "tests/executors/test_interpreter_schedules.py::test_chimera_matches_autograd",
+    "tests/executors/test_interpreter_schedules.py::test_two_chunks_per_rank_match_autograd",
+    "tests/executors/test_run_cli.py::test_a_trace_that_cuts_other_units_is_refused",
+    "tests/executors/test_run_cli.py::test_changed_model_file_is_refused",
+    "tests/executors/test_run_cli.py::test_metrics_file",
+    "tests/executors/test_run_cli.py::test_trace_is_chrome_json",
+    "tests/executors/test_run_cli.py::test_verify_grads_fails_above_tolerance",
+    "tests/executors/test_run_cli.py::test_warmup_and_clipping",
+    "tests/executors/test_sent_buffers.py::test_a_stage_keeps_no_activation_it_sent_and_its_backward_is_unchanged",
+    "tests/executors/test_torch_schedules_grads.py::test_torch_schedule_runs_exactly",
+    "tests/executors/test_weight_grads.py::test_split_backward_is_one_backward[first-gpt]",
+    "tests/executors/test_weight_grads.py::test_split_backward_is_one_backward[first-llama]",
+    "tests/executors/test_weight_grads.py::test_split_backward_is_one_backward[last-llama]",
+    "tests/executors/test_weight_grads.py::test_split_backward_is_one_backward[middle-llama]",
+    "tests/executors/test_weight_grads.py::test_split_backward_is_one_backward[whole-gpt]",
+    "tests/executors/test_weight_grads.py::test_split_backward_is_one_backward[whole-llama]",
+    "tests/executors/training/test_curriculum.py::test_reshape_keeps_the_tokens_of_a_step_and_matches_plain_pytorch",
+    "tests/executors/training/test_init_from.py::test_a_pickle_that_is_not_weights_only_is_refused",
+    "tests/executors/training/test_init_from.py::test_init_from_an_export_gives_the_exporting_runs_loss",
+    "tests/executors/training/test_init_from.py::test_truncated_files_are_refused",
+    "tests/executors/training/test_init_from.py::test_weights_of_another_model_are_refused",
+    "tests/executors/training/test_resume.py::test_export_computes_what_the_pipeline_computes",
+)
+
+
+def _is_slow(nodeid: str) -> bool:
+    for entry in SLOW:
+        if nodeid == entry or (nodeid.startswith(entry) and nodeid[len(entry)] in ":[/"):
+            return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _is_slow(item.nodeid):
+            item.add_marker(pytest.mark.slow)
