@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.executors.fake import HIDDEN, FakeLM, fake_factory, fake_plan, reference
-from tpc.executors.engine import Blocked, RankEngine, RankError, chrome_trace
+from tpc.executors.engine import Blocked, RankEngine, RankError, measured_trace
 from tpc.executors.oracle import relative_error
 from tpc.executors.options import RunOptions
 from tpc.executors.training.batches import RandomTokens
@@ -54,6 +54,16 @@ class WireEnd:
 
     def __init__(self, wire: Wire, me: int):
         self.wire, self.me = wire, me
+        self.steps: list[int] = []  # the steps the engine started on this transport
+
+    def start_step(self, step):
+        self.steps.append(step)
+
+    def before_instruction(self, index):
+        pass  # buffered sends: nothing to post ahead or to wait for
+
+    def claim(self, key):
+        pass  # a received value is here once its receive returned
 
     def send(self, key, tensor, dst, index):
         self.wire.queue(self.me, dst).append((key, tensor))
@@ -316,7 +326,7 @@ def test_a_broken_stream_names_the_instruction_and_what_is_missing(breakage, cau
         err.value.diagnostics[0].message
 
 
-def test_trace_events_and_the_chrome_trace():
+def test_trace_events_and_the_measured_trace():
     plan = located(fake_plan(schedule="1f1b", stages=2, slices="3", microbatches=2))
     wire = Wire()
     _, ranks = engines(plan, [WireEnd(wire, 0), WireEnd(wire, 1)], trace=True)
@@ -326,7 +336,8 @@ def test_trace_events_and_the_chrome_trace():
     for r in ranks:
         assert [e.line for e in r.events] == [i.loc.line for i in plan.ranks[r.pipe_rank].instrs]
         assert all(e.end >= e.start for e in r.events)
-    trace = chrome_trace(events)
+    trace = measured_trace(events)
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(xs) == len(events) and {e["pid"] for e in xs} == {0, 1}
-    assert [e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"] == ["rank 0", "rank 1"]
+    assert [e["args"]["name"] for e in trace["traceEvents"]
+            if e["ph"] == "M" and e["name"] == "process_name"] == ["rank 0", "rank 1"]
