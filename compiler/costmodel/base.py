@@ -84,6 +84,18 @@ class CostModel(ABC):
         half = self.slice_time(stage, l, c, mb_size)[1] / 2
         return half, half
 
+    def split_backward_times(self, stage: int, l, c, mb) -> tuple[np.ndarray, np.ndarray]:
+        """`split_backward_time` over arrays l, c, mb broadcast together."""
+        if type(self).split_backward_time is CostModel.split_backward_time:  # halves of `slice_times`
+            b = self.slice_times(stage, l, c, mb)[1]
+            return b / 2, b / 2
+        l, c, mb = np.broadcast_arrays(np.asarray(l), np.asarray(c), np.asarray(mb))
+        t_in = np.empty(l.shape)
+        t_w = np.empty(l.shape)
+        for idx in np.ndindex(l.shape):
+            t_in[idx], t_w[idx] = self.split_backward_time(stage, int(l[idx]), int(c[idx]), int(mb[idx]))
+        return t_in, t_w
+
     def stash_bytes(self, stage: int, l: int, c: int, mb_size: int) -> float:
         """Bytes a slice's forward keeps for its backward."""
         return self.activation_bytes(l, mb_size)
