@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from abc import ABC, abstractmethod
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Sequence, TextIO
@@ -57,7 +58,7 @@ class CompileState:
         return dataclasses.replace(self, **changes)
 
 
-class Pass:
+class Pass(ABC):
     """One step of a compile. Subclasses set `name` and `summary`, hold their options as
     fields (dataclasses), and define `run`. `changes_plan`: the pass makes or changes
     `state.plan`, which the driver then verifies."""
@@ -66,8 +67,9 @@ class Pass:
     summary: ClassVar[str] = ""
     changes_plan: ClassVar[bool] = False
 
+    @abstractmethod
     def run(self, state: CompileState, note: Callable[[str], None]) -> CompileState:
-        raise NotImplementedError
+        """The state after this pass; `note(text)` adds to the pass's progress line."""
 
 
 def ir_text(state: CompileState) -> str | None:
