@@ -146,6 +146,14 @@ def parse_curriculum(spec: str) -> Curriculum:
                           "e.g. fixed_discrete:64,128,256:100,200")
         if steps != sorted(steps):
             raise _refuse(f"--curriculum {spec!r}: the max steps must increase", "e.g. 100,200")
+        if any(b <= a for a, b in zip(lengths, lengths[1:])):
+            # DeepSpeed's update_difficulty stops at max_difficulty: a length after a longer one
+            # would never be reached, so the schedule would silently differ from what it says
+            raise _refuse(f"--curriculum {spec!r}: the lengths must increase, each longer than the "
+                          "one before (the curriculum goes from short sequences to long ones, and "
+                          "stays at the longest once it gets there)",
+                          f"e.g. fixed_discrete:{','.join(map(str, sorted(set(lengths))))}:"
+                          f"{','.join(map(str, steps[:max(len(set(lengths)) - 1, 1)]))}")
         if not steps:
             raise _refuse(f"--curriculum {spec!r}: fixed_discrete needs two lengths or more",
                           "e.g. fixed_discrete:64,128:100")

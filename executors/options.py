@@ -8,6 +8,7 @@ construction: a meaningless setting is a TpirError naming its flag, before any w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,6 +75,15 @@ class RunOptions:
     save_best: bool = False
 
     def __post_init__(self):
+        # (the optimizer's numbers are checked by OptimSpec)
+        for flag, value, example in (("--grad-clip", self.grad_clip, "--grad-clip 1.0, or 0 for none"),
+                                     ("--timeout", self.timeout, "--timeout 120"),
+                                     ("--tolerance", self.tolerance, "--tolerance 1e-5")):
+            # nan passes the comparisons below and inf means nothing here: --grad-clip nan would
+            # turn clipping off, --grad-clip inf scale gradients by inf, --tolerance inf pass any
+            # gradient check, --timeout inf fail as a rendezvous error
+            if not math.isfinite(value):
+                raise _refuse(flag, f"{flag} must be a finite number, got {value}", f"e.g. {example}")
         if self.steps < 1:
             raise _refuse("--steps", f"--steps must be >= 1, got {self.steps}", "e.g. --steps 10")
         if self.timeout <= 0:

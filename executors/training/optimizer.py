@@ -9,6 +9,7 @@ same summed gradient everywhere, so its copies stay equal.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -34,11 +35,11 @@ class OptimSpec:
         if self.kind not in KINDS:
             raise TpirError(Diagnostic(f"unknown optimizer {self.kind!r}",
                                        where="--optimizer", hint=f"use one of: {', '.join(KINDS)}"))
-        if not self.lr > 0:
-            raise TpirError(Diagnostic(f"learning rate must be > 0, got {self.lr}", where="--lr",
-                                       hint="e.g. --lr 3e-4"))
-        if self.weight_decay < 0:
-            raise TpirError(Diagnostic(f"weight decay must be >= 0, got {self.weight_decay}",
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise TpirError(Diagnostic(f"learning rate must be a finite number > 0, got {self.lr}",
+                                       where="--lr", hint="e.g. --lr 3e-4"))
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise TpirError(Diagnostic(f"weight decay must be a finite number >= 0, got {self.weight_decay}",
                                        where="--weight-decay", hint="e.g. --weight-decay 0.1"))
 
 

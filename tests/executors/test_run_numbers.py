@@ -1,0 +1,40 @@
+"""Numbers `tpc run` reads that would make a run silently wrong are refused before any work:
+non-finite learning rates, weight decays, clipping norms, timeouts and tolerances (nan passes
+every comparison, inf means nothing for these), and a discrete curriculum whose lengths do not
+increase (DeepSpeed stays at the longest length once there, so a shorter one after it would
+never run)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpc.cli.main import main
+from tpc.executors.curriculum import parse_curriculum
+from tpc.executors.options import RunOptions
+from tpc.executors.training.optimizer import OptimSpec
+from tpc.ir.diagnostics import TpirError
+
+
+@pytest.mark.parametrize("flag", ["--lr", "--weight-decay", "--grad-clip", "--timeout", "--tolerance"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_non_finite_number_is_refused_naming_its_flag(flag, value, tmp_path, capsys):
+    status = main(["run", "--interpret", str(tmp_path / "absent.tpir"), flag, value])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert flag in err and "finite" in err and value in err, err
+    assert "Traceback" not in err
+
+
+def test_the_library_refuses_them_too():
+    with pytest.raises(TpirError, match="--grad-clip must be a finite number"):
+        RunOptions(grad_clip=float("nan"))
+    with pytest.raises(TpirError, match="finite number > 0, got inf"):
+        OptimSpec(lr=float("inf"))
+    assert RunOptions(grad_clip=1.0, timeout=5.0).grad_clip == 1.0  # finite numbers still pass
+
+
+@pytest.mark.parametrize("spec", ["fixed_discrete:64,32:2", "fixed_discrete:32,64,64:2,4"])
+def test_a_discrete_curriculum_whose_lengths_do_not_increase_is_refused(spec):
+    with pytest.raises(TpirError, match="the lengths must increase"):
+        parse_curriculum(spec)
+    assert parse_curriculum("fixed_discrete:32,64:2").difficulties == (32, 64)
