@@ -146,14 +146,17 @@ def parse_curriculum(spec: str) -> Curriculum:
                           "e.g. fixed_discrete:64,128,256:100,200")
         if steps != sorted(steps):
             raise _refuse(f"--curriculum {spec!r}: the max steps must increase", "e.g. 100,200")
-        if any(b <= a for a, b in zip(lengths, lengths[1:])):
-            # DeepSpeed's update_difficulty stops at max_difficulty: a length after a longer one
-            # would never be reached, so the schedule would silently differ from what it says
-            raise _refuse(f"--curriculum {spec!r}: the lengths must increase, each longer than the "
-                          "one before (the curriculum goes from short sequences to long ones, and "
-                          "stays at the longest once it gets there)",
-                          f"e.g. fixed_discrete:{','.join(map(str, sorted(set(lengths))))}:"
-                          f"{','.join(map(str, steps[:max(len(set(lengths)) - 1, 1)]))}")
+        top = lengths.index(max(lengths))
+        never = [l for l in lengths[top + 1:] if l < lengths[top]]
+        if never:
+            # DeepSpeed's update_difficulty stops once it reaches max_difficulty (the longest
+            # length): a length after that would never run, and the schedule would silently
+            # differ from what it says
+            raise _refuse(f"--curriculum {spec!r}: {', '.join(map(str, never))} come(s) after the longest "
+                          f"length {lengths[top]}, and the curriculum stays at the longest once it gets "
+                          "there: it would never run", "put the longest length last, e.g. "
+                          f"fixed_discrete:{','.join(map(str, [*lengths[:top], *never, lengths[top]]))}:"
+                          f"{','.join(map(str, steps))}")
         if not steps:
             raise _refuse(f"--curriculum {spec!r}: fixed_discrete needs two lengths or more",
                           "e.g. fixed_discrete:64,128:100")

@@ -1,8 +1,7 @@
 """Numbers `tpc run` reads that would make a run silently wrong are refused before any work:
 non-finite learning rates, weight decays, clipping norms, timeouts and tolerances (nan passes
-every comparison, inf means nothing for these), and a discrete curriculum whose lengths do not
-increase (DeepSpeed stays at the longest length once there, so a shorter one after it would
-never run)."""
+every comparison, inf means nothing for these), and a discrete curriculum with a length after
+its longest (DeepSpeed stays at the longest length once there, so that one would never run)."""
 
 from __future__ import annotations
 
@@ -33,8 +32,9 @@ def test_the_library_refuses_them_too():
     assert RunOptions(grad_clip=1.0, timeout=5.0).grad_clip == 1.0  # finite numbers still pass
 
 
-@pytest.mark.parametrize("spec", ["fixed_discrete:64,32:2", "fixed_discrete:32,64,64:2,4"])
-def test_a_discrete_curriculum_whose_lengths_do_not_increase_is_refused(spec):
-    with pytest.raises(TpirError, match="the lengths must increase"):
+@pytest.mark.parametrize("spec", ["fixed_discrete:64,32:2", "fixed_discrete:32,128,64:2,4"])
+def test_a_length_after_the_longest_is_refused(spec):
+    with pytest.raises(TpirError, match="after the longest length"):
         parse_curriculum(spec)
-    assert parse_curriculum("fixed_discrete:32,64:2").difficulties == (32, 64)
+    # going down before the longest is DeepSpeed's too, and runs (test_curriculum.py)
+    assert parse_curriculum("fixed_discrete:64,32,128:5,10").difficulties == (64, 32, 128)
