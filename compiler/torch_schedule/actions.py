@@ -112,12 +112,31 @@ def parse_csv(text: str, path: str = "<schedule.csv>") -> TorchCsv:
             loc = Loc(path, rank + 1, col)
             row += _parse_cell(cell, loc, rank, column, problems)
         rows.append(tuple(row))
+    if not problems:
+        problems += _beyond_the_file(rows)
     if problems:
         raise TpirError(problems, source=text)
     if not rows:
         raise TpirError(Diagnostic(f"{path} is empty", where=path,
                                    hint="a schedule CSV has one row of actions per pipeline rank"))
     return TorchCsv(path=path, text=text, rows=tuple(rows))
+
+
+def _beyond_the_file(rows: list[tuple[Action, ...]]) -> list[Diagnostic]:
+    """A stage or micro-batch number no schedule of this file's size could have: a schedule
+    names stages 0..S-1 and micro-batches 0..M-1 and runs every one of them, so each index is
+    below the number of actions. Refused here, located, before anything is sized by them (a
+    stray `999999999F0` would otherwise make the plan that big)."""
+    n = sum(len(r) for r in rows)
+    out = []
+    for action in (a for r in rows for a in r):
+        for what, whats, value in (("stage", "stages", action.stage), ("micro-batch", "micro-batches", action.mb)):
+            if value is not None and value >= n:
+                out.append(Diagnostic(
+                    f"{what} {value} is beyond any schedule this file could hold: it has {n} actions, "
+                    f"and a schedule runs every {what} from 0 up, each in actions of its own",
+                    loc=action.loc, hint=f"number the {whats} from 0 without gaps"))
+    return out
 
 
 def _lines(text: str) -> list[str]:

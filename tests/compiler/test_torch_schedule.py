@@ -369,3 +369,23 @@ def test_compile_refuses_a_schedule_choice_beside_a_schedule_file(tmp_path, caps
     assert main(["compile", "model.py", "-o", str(tmp_path / "p.tpir"), "--seq-len", "8", "--batch", "2",
                  "--schedule-file", str(csv), "--schedule", "1f1b"]) == 1
     assert "--schedule with --schedule-file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rows,cell", [
+    (["0F0,0F1,,,0B1,0B0,0F999999", ",1F0,1F1,1B1,1B0"], "1:19"),  # 1.2 GB and no end, before
+    (["0F0,0F1,,,0B1,0B0", ",1F0,1F1,1B1,1B0,999999999F0"], "2:18"),
+    (["0F0,0F1,,,0B1,0B0,0F100000000000000000000", ",1F0,1F1,1B1,1B0"], "1:19"),
+])
+def test_a_huge_stage_or_micro_batch_number_is_refused_at_its_cell(tmp_path, capsys, rows, cell):
+    """Every size read from a CSV is bounded before anything is sized by it: a stray huge
+    number in an otherwise valid file is refused at its cell, at once (a stray `0F999999` in
+    rank 0's row made `tpc verify` run without end while its memory grew)."""
+    import time
+
+    bad = write(tmp_path, "huge.csv", rows)
+    started = time.monotonic()
+    assert main(["verify", str(bad)]) == 1
+    assert time.monotonic() - started < 30
+    err = capsys.readouterr().err
+    assert f"{bad}:{cell}: error: " in err
+    assert "is beyond any schedule this file could hold: it has 9 actions" in err
