@@ -12,7 +12,8 @@ model (`ModelNames`), the same check on every rank:
   differ are refused, listing the first few of each.
 
 Then each rank reads only the tensors of the parameters its own stages hold, cast to the
-parameter's dtype (a bfloat16 file starts a float32 run).
+parameter's dtype (a bfloat16 file starts a float32 run). A parameter stored as integers or
+booleans is refused: cast to float it would train from garbage.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def match(names: ModelNames, weights: WeightFile) -> dict[str, list[str]]:
     first when present); refused, naming them, when the file and the model disagree."""
     entries = weights.entries()
     chosen: dict[str, list[str]] = {}
-    missing, wrong = [], []
+    missing, wrong, kinds = [], [], []
     known: set[str] = set(names.buffers)
     for canonical, alias in names.aliases.items():
         known.update(alias)
@@ -88,7 +89,17 @@ def match(names: ModelNames, weights: WeightFile) -> dict[str, list[str]]:
         shape = entries[present[0]][0]
         if shape != names.shapes[canonical]:
             wrong.append(f"{present[0]}: file {list(shape)}, model {list(names.shapes[canonical])}")
+        dtype = entries[present[0]][1]
+        if not dtype.is_floating_point:  # cast to float it would train from its integer values
+            kinds.append(f"{present[0]}: {str(dtype).removeprefix('torch.')}")
     extra = sorted(n for n in entries if n not in known)
+    if kinds and not (missing or extra or wrong):
+        raise TpirError(Diagnostic(
+            f"{weights.path}: the {weights.what} holds parameters that are not floating-point numbers "
+            f"({len(kinds)}): {listing(kinds, '; ')}",
+            where="--init-from",
+            hint="a parameter's weights are floating-point (float32, bfloat16, float16): give the file "
+                 "the model was trained into, not one of token ids, masks or quantised weights"))
     if missing or extra or wrong:
         parts = ([f"missing from the file ({len(missing)}): {listing(missing)}"] if missing else []) + \
                 ([f"not in the model ({len(extra)}): {listing(extra)}"] if extra else []) + \

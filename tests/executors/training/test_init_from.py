@@ -208,6 +208,19 @@ def test_a_state_dict_with_missing_and_extra_names_is_refused_listing_them(expor
     assert "... (8 more)" in err and "hint:" in err
 
 
+@pytest.mark.parametrize("kind", ["int64", "bool"])
+def test_integer_or_boolean_weights_are_refused_not_cast(exported, tmp_path, capsys, kind):
+    """A parameter stored as integers or booleans has the right names and shapes, and cast to
+    float it would train from garbage: refused, naming it, before any training."""
+    plan, _, d, _ = exported
+    sd = torch.load(d / "gpt.pt", weights_only=True)
+    name = next(k for k in sd if k.endswith("ln_f.weight"))
+    sd[name] = sd[name].to(getattr(torch, kind))
+    torch.save(sd, tmp_path / "ints.pt")
+    err = refused(plan, tmp_path, capsys, tmp_path / "ints.pt")
+    assert "holds parameters that are not floating-point numbers (1): " + f"{name}: {kind}" in err, err
+
+
 def test_a_pickle_that_is_not_weights_only_is_refused(exported, tmp_path, capsys):
     import argparse
 
