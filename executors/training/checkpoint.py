@@ -196,7 +196,10 @@ def latest_checkpoint(dir: str | os.PathLike) -> Path | None:
         return None
     pointer = root / LATEST
     if pointer.is_file():
-        name = pointer.read_text(encoding="utf-8").strip()
+        try:
+            name = pointer.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            name = ""  # unreadable: the newest complete step_* directory decides, as below
         if name.startswith(_PREFIX) and "/" not in name and is_complete(root / name):
             return root / name
     steps = sorted(p for p in root.glob(_PREFIX + "*") if p.is_dir() and is_complete(p))

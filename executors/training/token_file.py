@@ -39,7 +39,8 @@ class TokenFileBatches:
             raise _refuse(f"{path}: {size} bytes is not a whole number of {np.dtype(dtype).name} tokens "
                           "(truncated or of another dtype)",
                           "re-create the file with examples/prepare_corpus.py, or fix dtype in meta.json")
-        self.tokens = np.memmap(self.path, dtype=dtype, mode="r")
+        # an empty file cannot be mapped; it holds no sequence either
+        self.tokens = np.memmap(self.path, dtype=dtype, mode="r") if size else np.zeros(0, dtype=dtype)
         if len(self.tokens) < seq + 2:
             raise _refuse(f"{path}: {len(self.tokens)} tokens, fewer than one sequence of {seq + 1}",
                           "use a larger corpus or a shorter --seq-len at compile time")

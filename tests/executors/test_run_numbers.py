@@ -38,3 +38,22 @@ def test_a_length_after_the_longest_is_refused(spec):
         parse_curriculum(spec)
     # going down before the longest is DeepSpeed's too, and runs (test_curriculum.py)
     assert parse_curriculum("fixed_discrete:64,32,128:5,10").difficulties == (64, 32, 128)
+
+
+def test_an_empty_token_file_is_refused_not_a_traceback(tmp_path):
+    from tpc.executors.training.eval_data import EvalBatches
+    from tpc.executors.training.token_file import TokenFileBatches
+
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    with pytest.raises(TpirError, match="0 tokens, fewer than one sequence of 17"):
+        TokenFileBatches(str(empty), seed=0, batch=2, seq=16, vocab=256)
+    with pytest.raises(TpirError, match="0 tokens, fewer than one sequence of 17"):
+        EvalBatches(str(empty), batch=2, seq=16, vocab=256, count=1)
+
+
+def test_a_latest_pointer_that_is_not_text_falls_back_to_the_newest_complete_step(tmp_path):
+    from tpc.executors.training import checkpoint
+
+    (tmp_path / checkpoint.LATEST).write_bytes(b"\xff\xfe step")
+    assert checkpoint.latest_checkpoint(tmp_path) is None  # no step directory: nothing to resume
