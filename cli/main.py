@@ -268,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "evaluation, each of the plan's batch x seq, the same K every time (default: 4)")
     r.add_argument("--save-best", action="store_true", help="also keep the checkpoint of the lowest "
                    "validation loss, as DIR/best beside DIR/latest (needs --checkpoint-dir, --eval-data)")
+    r.add_argument("--allow-nonfinite-loss", action="store_true", help="train on when a step's loss "
+                   "is nan or inf (by default the run stops there, before anything of that step is saved)")
     r.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     r.set_defaults(func=cmd_run)
 

@@ -66,6 +66,9 @@ class RunOptions:
     # and in the interpreter); "nccl" on the CPU runs NCCL's rules there (the interpreter and
     # gloo: a send completes only when its receive is posted), so CPU tests exercise them
     comm: CommRules | None = None  # a spelling ("gloo") is read as CommRules
+    # a step whose loss is nan or inf stops the run before anything of it is saved, unless this
+    # says to train on regardless
+    allow_nonfinite_loss: bool = False
     # validation (executors/evaluation.py): the plan's evaluation program on `eval_batches`
     # batches of this token file, before the first step, every `eval_every` steps (0: only
     # then) and after the last; `save_best` keeps the checkpoint of the lowest validation loss

@@ -22,8 +22,9 @@ What the loop does, in order:
    step to start at read from it;
 3. `executor.start()` (the distributed executor: a barrier, and the trace clock);
 4. an evaluation before the first step, when the run starts at step 0;
-5. each step: the plan of its length runs on `batches.get(step)` and gives the global loss;
-   the first step's gradients are kept; the evaluation when due; `on_step(step, loss, info)`;
+5. each step: the plan of its length runs on `batches.get(step)` and gives the global loss
+   (a loss that is not a finite number stops the run there, before anything of the step is
+   saved, unless `options.allow_nonfinite_loss`); the first step's gradients are kept; the evaluation when due; `on_step(step, loss, info)`;
    a checkpoint when due (and the best one after an evaluation, with --save-best).
 
 This loop is what a library user will drive (tpc as a library); it holds no process state of
@@ -33,12 +34,14 @@ its own beyond what `run` returns.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Mapping, Protocol
 
 import torch
 
+from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
 
 
@@ -187,6 +190,8 @@ class TrainingLoop:
                 executor.about_to_step(current)
                 started = time.perf_counter()
                 loss = current.step(step, self.batches.get(step))
+                if not math.isfinite(loss) and not options.allow_nonfinite_loss:
+                    raise nonfinite_loss(step, loss, self.checkpoints)
                 out.losses.append(loss)
                 if step == start:
                     out.first_grads = current.gradients()
@@ -210,6 +215,18 @@ class TrainingLoop:
         finally:
             executor.close()
         return out
+
+
+def nonfinite_loss(step: int, loss: float, checkpoints) -> TpirError:
+    """The error that stops a run whose loss is not a finite number, before anything of that
+    step is saved (the loss is the global one, the same on every rank: all stop alike)."""
+    kept = ("the checkpoints saved before it are as they were"
+            if checkpoints is not None and checkpoints.dir is not None else "nothing was saved")
+    return TpirError(Diagnostic(
+        f"step {step + 1}: the loss is {loss}; the run stops before saving anything of this step "
+        f"({kept})", where="the loss",
+        hint="lower --lr, clip gradients (--grad-clip 1.0), or check the data; resume from the last "
+             "checkpoint with --resume. --allow-nonfinite-loss trains on regardless"))
 
 
 def no_wait(what: str) -> ContextManager:

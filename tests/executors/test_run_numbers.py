@@ -57,3 +57,33 @@ def test_a_latest_pointer_that_is_not_text_falls_back_to_the_newest_complete_ste
 
     (tmp_path / checkpoint.LATEST).write_bytes(b"\xff\xfe step")
     assert checkpoint.latest_checkpoint(tmp_path) is None  # no step directory: nothing to resume
+
+
+def _nan_run(allow: bool, tmp_path):
+    import torch
+
+    from tests.executors.fake import FakeLM, fake_factory, fake_plan
+    from tpc.executors.interpreter import interpret
+    from tpc.executors.training.run_checkpoints import RunCheckpoints
+
+    plan = fake_plan(schedule="1f1b", stages=2, slices="3", microbatches=2)
+    torch.manual_seed(0)
+    model = FakeLM(n_layer=2)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    options = RunOptions(steps=2, optim=OptimSpec("sgd", 0.1), checkpoint_dir=str(tmp_path / "ck"),
+                         save_every=1, allow_nonfinite_loss=allow)
+    checkpoints = RunCheckpoints.from_options(plan, options, model=model)
+    return interpret(plan, options, model=model, stage_factory_for=fake_factory, hidden_size=8,
+                     checkpoints=checkpoints)
+
+
+def test_a_nan_loss_stops_the_run_before_it_is_saved(tmp_path):
+    """One training loop checks the loss of every step, for both executors: a nan loss never
+    becomes a checkpoint (or `latest`) unless asked for."""
+    with pytest.raises(TpirError, match=r"step 1: the loss is nan; the run stops before saving anything"):
+        _nan_run(False, tmp_path)
+    assert not list((tmp_path / "ck").glob("step_*"))
+    result = _nan_run(True, tmp_path)  # asked for: it trains on, and saves
+    assert len(result.losses) == 2 and all(loss != loss for loss in result.losses)
+    assert sorted(p.name for p in (tmp_path / "ck").glob("step_*")) == ["step_000001", "step_000002"]
