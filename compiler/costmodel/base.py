@@ -72,12 +72,7 @@ class CostModel(ABC):
 
     def slice_times(self, stage: int, l, c, mb) -> tuple[np.ndarray, np.ndarray]:
         """`slice_time` over arrays l, c, mb broadcast together: (forward, backward) arrays."""
-        l, c, mb = np.broadcast_arrays(np.asarray(l), np.asarray(c), np.asarray(mb))
-        f = np.empty(l.shape)
-        b = np.empty(l.shape)
-        for idx in np.ndindex(l.shape):
-            f[idx], b[idx] = self.slice_time(stage, int(l[idx]), int(c[idx]), int(mb[idx]))
-        return f, b
+        return _elementwise(self.slice_time, stage, l, c, mb)
 
     def split_backward_time(self, stage: int, l: int, c: int, mb_size: int) -> tuple[float, float]:
         """(backward-input, backward-weight) of a split backward: half the backward each."""
@@ -89,12 +84,7 @@ class CostModel(ABC):
         if type(self).split_backward_time is CostModel.split_backward_time:  # halves of `slice_times`
             b = self.slice_times(stage, l, c, mb)[1]
             return b / 2, b / 2
-        l, c, mb = np.broadcast_arrays(np.asarray(l), np.asarray(c), np.asarray(mb))
-        t_in = np.empty(l.shape)
-        t_w = np.empty(l.shape)
-        for idx in np.ndindex(l.shape):
-            t_in[idx], t_w[idx] = self.split_backward_time(stage, int(l[idx]), int(c[idx]), int(mb[idx]))
-        return t_in, t_w
+        return _elementwise(self.split_backward_time, stage, l, c, mb)
 
     def stash_bytes(self, stage: int, l: int, c: int, mb_size: int) -> float:
         """Bytes a slice's forward keeps for its backward."""
@@ -179,3 +169,13 @@ def transfer_times(cost: CostModel, l, mb, backward: bool = True) -> np.ndarray:
         return np.zeros(np.broadcast(l, np.asarray(mb)).shape)
     nbytes = np.asarray(cost.activation_bytes_array(l, mb), dtype=np.float64)
     return (2 if backward else 1) * np.asarray(cost.p2p_times(nbytes), dtype=np.float64)
+
+
+def _elementwise(pair, stage: int, l, c, mb) -> tuple[np.ndarray, np.ndarray]:
+    """`pair(stage, l, c, mb) -> (a, b)` of one slice, over arrays l, c, mb broadcast together."""
+    l, c, mb = np.broadcast_arrays(np.asarray(l), np.asarray(c), np.asarray(mb))
+    a = np.empty(l.shape)
+    b = np.empty(l.shape)
+    for idx in np.ndindex(l.shape):
+        a[idx], b[idx] = pair(stage, int(l[idx]), int(c[idx]), int(mb[idx]))
+    return a, b
