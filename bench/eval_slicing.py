@@ -59,16 +59,16 @@ def rank_alternate(rank: int, world: int, plan_path: str, repeats: int, block: i
 
     from common import tpc_setup
     from tpc.executors.distributed import Distributed, World
-    from tpc.executors.engine import stage_factory_from_model
     from tpc.executors.evaluation import Evaluation
     from tpc.executors.options import RunOptions
+    from tpc.executors.plan_model import StageSource
     from tpc.executors.training_loop import PlanSet
 
     plan, model, sliced = tpc_setup(plan_path)
     options = RunOptions(steps=1, timeout=600.0, eval_data="random")
-    executor = Distributed(World(rank, world, rank), options, torch.device("cpu"), PlanSet.single(plan),
-                           stages_for=lambda p, ev: stage_factory_from_model(sliced, model, evaluation=ev),
-                           hidden_size_for=lambda p: sliced.hidden_size)
+    plans = PlanSet.single(plan)
+    executor = Distributed(World(rank, world, rank), options, torch.device("cpu"), plans,
+                           stages=StageSource.of(plans, model, sliced=sliced), model=model)
     evals = [Evaluation(_Batches(p.header), 0, 1, executor.build_eval(p, None).evaluate)
              for _, p in variants(plan)]
     times = [[] for _ in evals]

@@ -152,16 +152,14 @@ class DistTransport:
         self.instrs = plan.program(self.pipe_rank).instrs
         self.groups, self.device, self.timeout = groups, device, timeout
         self.hidden_size, self.dtype, self.wire = hidden_size, dtype, wire
-        self.tags = wire is Wire.BUFFERED  # tagged isend/irecv; else batches of one, matched by order
-        self.nccl = wire is Wire.NCCL
-        self.rendezvous = wire is Wire.RENDEZVOUS
-        self.early = self.tags  # post receives ahead: gloo's buffered rules only, see `ahead`
+        # the global rank of each pipeline rank of this replica (a message's peer), once
+        self.peers = tuple(self.mesh.rank(pipe=p, data=self.data_rank) for p in range(self.mesh.pipe))
         self.posted: dict[int, tuple[object, torch.Tensor]] = {}
         self.ahead = RecvAhead(self.instrs, self._recv_bytes, self.LOOKAHEAD_COMPUTES, self.LOOKAHEAD_BYTES)
         self.sends: list[tuple[object, torch.Tensor, str]] = []
         # gloo: its point-to-point works say they are completed only once waited on, so a send
         # kept for `flush` would hold its tensor the whole step; a thread waits on them instead
-        self.reaper = SendReaper(timeout) if self.tags else None
+        self.reaper = SendReaper(timeout) if self.buffered else None
         self.channels = channels if channels is not None else Channels()
         # the current exchange: its members' positions, and its sends until it is issued
         self.exchange_span: range = range(0)
@@ -176,8 +174,22 @@ class DistTransport:
         self.batched: set[int] = set()  # positions of receives posted by an exchange
         self.deferred: dict[Message, tuple[object, str]] = {}  # NCCL: receives waited at their use
 
+    @property
+    def buffered(self) -> bool:
+        """gloo's buffered rules: tagged isend/irecv, receives posted ahead (`RecvAhead`);
+        otherwise batches of one, matched by order, each receive at its own instruction."""
+        return self.wire is Wire.BUFFERED
+
+    @property
+    def nccl(self) -> bool:
+        return self.wire is Wire.NCCL
+
+    @property
+    def rendezvous(self) -> bool:
+        return self.wire is Wire.RENDEZVOUS
+
     def _global(self, pipe_rank: int) -> int:
-        return self.mesh.rank(pipe=pipe_rank, data=self.data_rank)
+        return self.peers[pipe_rank]
 
     @contextmanager
     def waiting(self, what: str):
@@ -204,7 +216,7 @@ class DistTransport:
         back this rank's later sends to that peer, which the peer may need first (1F1B: the
         activation one way while the gradient comes back). On NCCL each receive is issued
         at its own instruction, where the plan's order (verified deadlock-free) applies."""
-        if not self.early:
+        if not self.buffered:
             return
         for j in self.ahead.before(index):
             self._post(j)
@@ -235,7 +247,7 @@ class DistTransport:
         (tpc.ir.semantics), and each lazy creation blocks the host until the peer creates it
         too. Batches only, every send and receive of a rank runs in issue order on one stream,
         as the rules say."""
-        if self.tags:
+        if self.buffered:
             return op(tensor, peer, tag=tag)
         return dist.batch_isend_irecv([dist.P2POp(op, tensor, peer)])[0]
 
@@ -293,7 +305,7 @@ class DistTransport:
         """The next `count` instructions (sends, then receives) are one batch. With gloo's
         buffered rules a batch changes nothing (sends never block there), so it is issued as
         separate operations."""
-        if self.tags:
+        if self.buffered:
             return
         self.exchange_span = range(index + 1, min(index + 1 + count, len(self.instrs)))
         self.exchange_sends = []

@@ -29,9 +29,9 @@ import torch
 import torch.distributed as dist
 
 from tpc.executors.dist_transport import Channels, DistTransport, Wire
-from tpc.executors.engine import DTYPES, Clock, RankEngine, stage_factory_from_model
+from tpc.executors.engine import DTYPES, Clock, RankEngine
 from tpc.executors.options import RunOptions
-from tpc.executors.plan_model import slice_model
+from tpc.executors.plan_model import StageSource, slice_model
 from tpc.executors.run import CurriculumFlags, RunSetup, write_trace
 from tpc.executors.training_loop import PlanSet, TrainingLoop
 from tpc.executors.world import World, backend_cause, check_world, init, make_groups, report_layout
@@ -130,14 +130,13 @@ class Distributed:
     and one optimizer; each plan has its own engine and transport, which share the channels'
     message counts, so switching plans between steps needs no communication.
 
-    `stages_for(plan, evaluation) -> StageFactory` and `hidden_size_for(plan)` say where a
-    plan's stages come from. `before_instr(engine, index)` runs before each instruction (tests
-    inject faults with it)."""
+    `stages` (a StageSource) says where a plan's stages come from. `before_instr(engine,
+    index)` runs before each instruction (tests inject faults with it)."""
 
     def __init__(self, world: World, options: RunOptions, device: torch.device, plans: PlanSet, *,
-                 stages_for, hidden_size_for, before_instr=None):
+                 stages: StageSource, model: torch.nn.Module | None = None, before_instr=None):
         self.world, self.options, self.device = world, options, device
-        self.stages_for, self.hidden_size_for = stages_for, hidden_size_for
+        self.stages, self.model = stages, model
         self.before_instr = before_instr
         self.groups = make_groups(plans.full, world, options.timeout, pipeline=options.needs_grad_norm)
         self.wire = Wire.of(dist.get_backend(), options.comm_rules(device))
@@ -150,12 +149,12 @@ class Distributed:
     def _ranks(self, plan: Plan, *, evaluation: bool, channels: Channels, optimizer=None,
                loss_rank: int | None = None) -> DistRanks:
         mesh = plan.header.mesh.value
-        hidden = self.hidden_size_for(plan)
+        hidden = self.stages.hidden_size(plan)
         transport = DistTransport(plan, self.world.rank, self.groups, wire=self.wire, device=self.device,
                                   hidden_size=hidden, dtype=self.dtype, timeout=self.options.timeout,
                                   channels=channels)
         engine = RankEngine(plan, mesh.pipe_rank(self.world.rank), mesh.data_rank(self.world.rank), transport,
-                            self.stages_for(plan, evaluation), hidden_size=hidden, options=self.options,
+                            self.stages.stages(plan, self.model, evaluation), hidden_size=hidden, options=self.options,
                             device=self.device, before_instr=None if evaluation else self.before_instr,
                             optimizer=optimizer, clock=self.clock)
         return DistRanks(plan, engine, transport, self.device, loss_rank)
@@ -206,27 +205,9 @@ def run_plan(plan: "Plan | PlanSet", world: World, options: RunOptions, *, model
     sliced model (or a mapping length -> sliced model; traced here when not given);
     `stage_factory` with `hidden_size` replaces the front end (tests)."""
     plans = plan if isinstance(plan, PlanSet) else PlanSet.single(plan)
-    if stage_factory is not None:
-        def stages_for(p: Plan, evaluation: bool):
-            if evaluation:
-                raise TpirError(Diagnostic("evaluation needs the model's front end (`sliced`)",
-                                           hint="run with the plan's model, not a stand-in stage factory"))
-            return stage_factory
-
-        def hidden_size_for(p: Plan) -> int:
-            return hidden_size
-    else:
-        if sliced is not None and not isinstance(sliced, dict):
-            sliced = {plans.full.header.shape.seq: sliced}
-        traced = {seq: (sliced or {}).get(seq) or slice_model(model, p) for seq, p in plans.plans.items()}
-
-        def stages_for(p: Plan, evaluation: bool):
-            return stage_factory_from_model(traced[p.header.shape.seq], model, evaluation=evaluation)
-
-        def hidden_size_for(p: Plan) -> int:
-            return traced[p.header.shape.seq].hidden_size
-    executor = Distributed(world, options, device, plans, stages_for=stages_for,
-                           hidden_size_for=hidden_size_for, before_instr=before_instr)
+    stages = StageSource.of(plans, model, sliced=sliced, hidden_size=hidden_size,
+                            factory_for=None if stage_factory is None else (lambda _copy: stage_factory))
+    executor = Distributed(world, options, device, plans, stages=stages, model=model, before_instr=before_instr)
     out = TrainingLoop(plans, executor, options, batches=batches, eval_batches=eval_batches,
                        checkpoints=checkpoints, on_step=on_step, on_eval=on_eval).run()
     engine = out.last.engine

@@ -21,6 +21,7 @@ rank order), so the interpreter is deterministic.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections import deque
@@ -29,12 +30,12 @@ from dataclasses import dataclass, field
 import torch
 
 from tpc.executors.training.batches import BatchSource, RandomTokens
-from tpc.executors.engine import Blocked, Clock, RankEngine, RankError, TraceEvent, stage_factory_from_model
+from tpc.executors.engine import Blocked, Clock, RankEngine, RankError, TraceEvent
 from tpc.executors.options import RunOptions
-from tpc.executors.plan_model import load_plan_model, slice_model
+from tpc.executors.plan_model import StageSource, load_plan_model
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
-from tpc.executors.training_loop import PlanSet, TrainingLoop, no_wait
+from tpc.executors.training_loop import PlanSet, TrainingLoop
 from tpc.ir.mesh import DATA, PIPE
 from tpc.ir.verify import check
 from tpc.ir.semantics import NCCL, Message, wait_chain
@@ -114,13 +115,17 @@ class LocalTransport:
         self.mesh = plan.header.mesh.value
         self.pipe_rank, self.data_rank = pipe_rank, data_rank
         self.me = self.mesh.rank(pipe=pipe_rank, data=data_rank)
+        # the groups this rank's collectives sum over, once
+        self.peers = tuple(self.mesh.rank(pipe=p, data=data_rank) for p in range(self.mesh.pipe))
+        self.data_group = self.mesh.group(DATA, self.me)
+        self.pipeline = self.mesh.group(PIPE, self.me)
         self.step = 0
         self.rendezvous = rendezvous
         self.unreceived: list[tuple[Message, int, tuple[int, int], int]] = []  # sends not yet taken
         self.exchange_end = 0  # the instruction after the members of the current exchange
 
     def _global(self, pipe_rank: int) -> int:
-        return self.mesh.rank(pipe=pipe_rank, data=self.data_rank)
+        return self.peers[pipe_rank]
 
     def start_step(self, step: int) -> None:
         self.step = step
@@ -174,7 +179,7 @@ class LocalTransport:
         return (self.step, *kind)
 
     def allreduce(self, stage: int, tensors: list[torch.Tensor]) -> None:
-        members = self.mesh.group(DATA, self.me)
+        members = self.data_group
         self.hub.collective(self._occurrence(("allreduce", stage, self.pipe_rank)), members, self.me,
                             tensors, f"allreduce stage {stage}")
 
@@ -189,7 +194,7 @@ class LocalTransport:
                             tensors, f"reduce-replicas stage {stage}")
 
     def reduce_loss(self, tensor: torch.Tensor) -> None:
-        members = self.mesh.group(DATA, self.me)
+        members = self.data_group
         self.hub.collective(self._occurrence(("reduce-loss", self.pipe_rank)), members, self.me,
                             [tensor], "reduce-loss")
 
@@ -197,7 +202,7 @@ class LocalTransport:
         pass  # in-memory sends complete at once
 
     def sum_over_pipeline(self, tensor: torch.Tensor) -> torch.Tensor:
-        members = self.mesh.group(PIPE, self.me)
+        members = self.pipeline
         self.hub.collective(self._occurrence(("pipeline-sum", self.data_rank)), members, self.me,
                             [tensor], "the global gradient norm")
         return tensor
@@ -258,13 +263,12 @@ class Interpreted:
     own copy of the model, as separate processes would, and the plans of a set share those
     copies (and, through `shared`, the optimizers): switching plans moves no weight.
 
-    `stages_for(plan, model_copy, evaluation) -> StageFactory` and `hidden_size_for(plan)` say
-    where a plan's stages come from (the front end's sliced model, or a stand-in in tests)."""
+    `stages` (a StageSource) says where a plan's stages come from (the front end's sliced
+    model, or a stand-in in tests)."""
 
     def __init__(self, options: RunOptions, device: torch.device, model: torch.nn.Module | None,
-                 stages_for, hidden_size_for, rendezvous: bool):
-        self.options, self.device, self.model = options, device, model
-        self.stages_for, self.hidden_size_for = stages_for, hidden_size_for
+                 stages: StageSource, rendezvous: bool):
+        self.options, self.device, self.model, self.stages = options, device, model, stages
         self.rendezvous = rendezvous
         self.hub = _Hub()  # the training plans' network: the channels' counts run on across plans
         self.copies: dict[int, torch.nn.Module | None] = {}  # global rank -> its model copy
@@ -283,7 +287,7 @@ class Interpreted:
             p, d = mesh.pipe_rank(r), mesh.data_rank(r)
             engines.append(RankEngine(
                 plan, p, d, LocalTransport(hub, plan, p, d, rendezvous),
-                self.stages_for(plan, self._copy(r), evaluation), hidden_size=self.hidden_size_for(plan),
+                self.stages.stages(plan, self._copy(r), evaluation), hidden_size=self.stages.hidden_size(plan),
                 options=self.options, device=self.device, clock=self.clock,
                 optimizer=shared.engines[r].optimizer if shared is not None else None))
         return engines
@@ -300,16 +304,16 @@ class Interpreted:
         return InterpretedRanks(view, engines, self.model, self.device, loss_rank=last)
 
     def waiting(self, what: str):
-        return no_wait(what)
+        return contextlib.nullcontext()  # a blocked rank here raises Blocked; nothing waits
 
     def start(self) -> None:
         self.clock.start()
 
     def about_to_step(self, ranks) -> None:
-        pass
+        pass  # no watchdog: a stuck plan is a deadlock `run_cooperatively` reports
 
     def close(self) -> None:
-        pass
+        pass  # no thread or process group of its own to let go of
 
 
 class InterpretedRanks:
@@ -381,32 +385,12 @@ def interpret(plan: "Plan | PlanSet", options: RunOptions | None = None, *,
     full = plans.full
     if model is None and stage_factory_for is None:
         model = load_plan_model(full, options.seed)
-    if stage_factory_for is not None:
-        if hidden_size is None:
-            raise TpirError(Diagnostic("the hidden size of the model is unknown",
-                                       hint="pass hidden_size with stage_factory_for"))
-
-        def stages_for(p: Plan, copy_, evaluation: bool):
-            if evaluation:
-                raise TpirError(Diagnostic("evaluation needs the model's front end (`sliced`)",
-                                           hint="run with the plan's model, not a stand-in stage factory"))
-            return stage_factory_for(copy_)
-
-        def hidden_size_for(p: Plan) -> int:
-            return hidden_size
-    else:
-        traced = _sliced_by_length(plans, model, sliced)
-
-        def stages_for(p: Plan, copy_, evaluation: bool):
-            return stage_factory_from_model(traced[p.header.shape.seq], copy_, evaluation=evaluation)
-
-        def hidden_size_for(p: Plan) -> int:
-            return traced[p.header.shape.seq].hidden_size
+    stages = StageSource.of(plans, model, sliced=sliced, factory_for=stage_factory_for, hidden_size=hidden_size)
     shape = full.header.shape
     batches = batches or RandomTokens(options.seed, shape.batch, shape.seq, shape.vocab)
     if keep_grads:
         options = dataclasses.replace(options, record_grads=True)
-    executor = Interpreted(options, device, model, stages_for, hidden_size_for, rules == NCCL)
+    executor = Interpreted(options, device, model, stages, rules == NCCL)
     loop = TrainingLoop(plans, executor, options, batches=batches, eval_batches=eval_batches,
                         checkpoints=checkpoints, on_step=on_step, on_eval=on_eval)
     out = loop.run()
@@ -422,18 +406,6 @@ def interpret(plan: "Plan | PlanSet", options: RunOptions | None = None, *,
         first_grads=out.first_grads,
         eval_losses=out.eval_losses,
     )
-
-
-def _sliced_by_length(plans: PlanSet, model, sliced) -> dict[int, object]:
-    """The front end's sliced model of each plan's length: `sliced` as given (one, or by
-    length), else traced now."""
-    if sliced is not None and not isinstance(sliced, dict):
-        sliced = {plans.full.header.shape.seq: sliced}
-    sliced = dict(sliced or {})
-    for seq, p in plans.plans.items():
-        if seq not in sliced:
-            sliced[seq] = slice_model(model, p)
-    return sliced
 
 
 def _gather(engines: list[RankEngine], items) -> dict[str, torch.Tensor]:

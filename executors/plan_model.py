@@ -1,5 +1,5 @@
 """The model a plan names: check its file, build it, trace it, and check that it still cuts
-into the plan's units.
+into the plan's units; and where each plan's stages come from (`StageSource`).
 
 A plan records its model file's SHA-256 and the number of partition units the front end found
 (`units N`). Both executors rebuild the model from the file and re-trace it; a changed file, or
@@ -10,7 +10,9 @@ with a located message before any work.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -48,3 +50,44 @@ def slice_model(model: torch.nn.Module, plan: Plan) -> SlicedModel:
     """The front end's `SlicedModel` of `model` at the plan's shape; refused when its trace cuts
     the model into another number of units than the plan was compiled for."""
     return sliced_for_header(model, plan.header, plan.source)
+
+
+@dataclass(frozen=True)
+class StageSource:
+    """Where the stages of each plan of a run come from, for both executors: the front end's
+    sliced model of the plan's length, cut from a rank's copy of the model (`sliced`, by
+    length), or a stand-in (`factory_for(model_copy) -> StageFactory`, with its `hidden`
+    size: tests)."""
+
+    sliced: dict | None = None
+    factory_for: Callable | None = None
+    hidden: int | None = None
+
+    @staticmethod
+    def of(plans, model, *, sliced=None, factory_for=None, hidden_size: int | None = None) -> "StageSource":
+        """`plans`: a PlanSet. `sliced`: one sliced model (the longest plan's) or a mapping
+        length -> sliced model; the plans it lacks are traced from `model` now."""
+        if factory_for is not None:
+            if hidden_size is None:
+                raise TpirError(Diagnostic("the hidden size of the model is unknown",
+                                           hint="pass hidden_size with a stand-in stage factory"))
+            return StageSource(factory_for=factory_for, hidden=hidden_size)
+        if sliced is not None and not isinstance(sliced, dict):
+            sliced = {plans.full.header.shape.seq: sliced}
+        given = dict(sliced or {})
+        return StageSource(sliced={seq: given.get(seq) or slice_model(model, p) for seq, p in plans.plans.items()})
+
+    def stages(self, plan: Plan, model_copy, evaluation: bool = False):
+        """The StageFactory of `plan`'s stages over `model_copy`'s parameters (`evaluation`: as
+        `model.eval()` runs them, for the evaluation program)."""
+        if self.factory_for is not None:
+            if evaluation:
+                raise TpirError(Diagnostic("evaluation needs the model's front end (`sliced`)",
+                                           hint="run with the plan's model, not a stand-in stage factory"))
+            return self.factory_for(model_copy)
+        from tpc.executors.engine import stage_factory_from_model
+
+        return stage_factory_from_model(self.sliced[plan.header.shape.seq], model_copy, evaluation=evaluation)
+
+    def hidden_size(self, plan: Plan) -> int:
+        return self.hidden if self.factory_for is not None else self.sliced[plan.header.shape.seq].hidden_size

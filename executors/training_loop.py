@@ -33,7 +33,6 @@ its own beyond what `run` returns.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -227,8 +226,3 @@ def nonfinite_loss(step: int, loss: float, checkpoints) -> TpirError:
         f"({kept})", where="the loss",
         hint="lower --lr, clip gradients (--grad-clip 1.0), or check the data; resume from the last "
              "checkpoint with --resume. --allow-nonfinite-loss trains on regardless"))
-
-
-def no_wait(what: str) -> ContextManager:
-    """`Executor.waiting` of an executor whose waits never block (the interpreter)."""
-    return contextlib.nullcontext()

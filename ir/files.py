@@ -80,7 +80,7 @@ def fsync_folder(folder: str | os.PathLike) -> None:
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        pass  # best effort (module docstring): the rename itself is atomic either way
     finally:
         os.close(fd)
 
@@ -108,7 +108,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
-            pass
+            pass  # already gone: nothing of the write is left
         if isinstance(e, OSError):
             raise write_error(target, e) from e
         raise

@@ -54,7 +54,7 @@ def test_a_new_file_gets_the_mode_open_would_give_and_an_old_file_keeps_its_own(
 
 
 class _Boom(Exception):
-    pass
+    """A failure in the middle of a write, raised by the test itself."""
 
 
 @pytest.mark.parametrize("error", [OSError(28, "No space left on device"), _Boom("the caller failed"),
