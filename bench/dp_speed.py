@@ -36,7 +36,8 @@ def run_search(L: int, batch: int, microbatches: int, ranks: int):
     from types import SimpleNamespace
 
     from tpc.cli.compile import check_options
-    from tpc.compiler.compile import header_maker, search_space
+    from tpc.compiler.header import header_maker
+    from tpc.compiler.pipeline import search_space
     from tpc.compiler.costmodel.resolve import load_cost_source
     from tpc.compiler.optimise.search import search_plan
 

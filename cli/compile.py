@@ -93,7 +93,7 @@ def cmd_compile(args) -> int:
                        constant_tokens=args.constant_tokens)
         return 0
     if args.schedule_file:
-        from tpc.compiler.compile import write_plan
+        from tpc.compiler.pipeline import write_plan
 
         write_plan(compile_schedule_from_args(args), args.output, quiet=args.quiet, comm=args.comm)
     else:

@@ -22,7 +22,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from tpc.compiler.compile import CompileOptions, compile_plan, write_plan
+from tpc.compiler.compile import compile_plan
+
+from tpc.compiler.options import CompileOptions
+
+from tpc.compiler.pipeline import write_plan
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Bundle, BundleLine, BundleMember, Plan
 from tpc.ir.verify.bundle import INDEX, LoadedBundle, load_bundle

@@ -13,18 +13,9 @@ what was verified.
 
 from __future__ import annotations
 
-# what callers of the compile use, from where it lives
-from tpc.compiler.header import (  # noqa: F401
-    build_header,
-    check_plan_slices,
-    header_maker,
-    microbatch_sizes,
-    place_chunks,
-    slicing_summary,
-)
-from tpc.compiler.options import AUTO_SLICE_COUNT, CompileOptions, check_options  # noqa: F401
+from tpc.compiler.options import CompileOptions
 from tpc.compiler.passes import CompileState, PassManager, Progress
-from tpc.compiler.pipeline import PASS_NAMES, Write, compile_passes, search_space, write_plan, written  # noqa: F401
+from tpc.compiler.pipeline import PASS_NAMES, Write, compile_passes, written
 from tpc.ir.nodes import Plan
 
 

@@ -16,7 +16,9 @@ from types import SimpleNamespace
 import pytest
 
 from tpc.cli.compile import check_options, parse_memory
-from tpc.compiler.compile import compile_plan, header_maker, microbatch_sizes, search_space
+from tpc.compiler.compile import compile_plan
+from tpc.compiler.header import header_maker, microbatch_sizes
+from tpc.compiler.pipeline import search_space
 from tpc.compiler.frontend import read_vocab
 from tpc.compiler.costmodel.resolve import load_cost_source
 from tpc.compiler.costmodel.store import save_profile

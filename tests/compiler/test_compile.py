@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from tpc.cli.compile import check_options
-from tpc.compiler.compile import compile_plan, compile_to_file, microbatch_sizes
+from tpc.compiler.compile import compile_plan, compile_to_file
+from tpc.compiler.header import microbatch_sizes
 from tpc.compiler.optimise.slicing import equal_slices, ranges_of
 from tpc.ir.diagnostics import TpirError
 

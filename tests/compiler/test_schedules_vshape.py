@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from tpc.compiler.compile import CompileOptions
+from tpc.compiler.options import CompileOptions
 from tpc.compiler.lowering.lower import lower
 from tpc.compiler.schedules import build_schedule, placement_of, stages_per_rank
 from tpc.compiler.schedules.placement import vshape

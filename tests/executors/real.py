@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tpc.cli.compile import check_options
-from tpc.compiler.compile import build_header
+from tpc.compiler.header import build_header
 from tpc.compiler.frontend import read_vocab
 from tpc.compiler.frontend import SlicedModel, file_sha256
 from tpc.compiler.lowering.lower import lower

@@ -14,7 +14,7 @@ from torch.distributed.pipelining import schedules as S
 from tests.compiler.torch_schedules import CASES, build, dump
 from tests.executors.real import model_file, traced
 from tpc.cli.compile import check_options
-from tpc.compiler.compile import build_header
+from tpc.compiler.header import build_header
 from tpc.compiler.frontend import file_sha256
 from tpc.compiler.torch_schedule.actions import read_csv
 from tpc.compiler.torch_schedule.importer import plan_from_schedule
