@@ -161,18 +161,18 @@ class TrainingLoop:
         if self.eval_batches is not None:
             require_eval_program(plans.full)
         ranks: dict[int, Ranks] = {}
-        first: Ranks | None = None
-        for seq in plans.lengths:
-            ranks[seq] = executor.build(plans.plans[seq], first)
-            first = first or ranks[seq]
-        evaluation = None
-        if self.eval_batches is not None:
-            full = ranks[max(ranks)]
-            program = executor.build_eval(plans.full, full)
-            evaluation = Evaluation(self.eval_batches, options.eval_every, options.steps,
-                                    program.evaluate, executor.device)
-        out = LoopOutcome(losses=[], first_grads={}, ranks=ranks, last=first)
-        try:
+        out = LoopOutcome(losses=[], first_grads={}, ranks=ranks)
+        try:  # from the first build on: the executor may hold a thread (the watchdog) to end
+            first: Ranks | None = None
+            for seq in plans.lengths:
+                ranks[seq] = executor.build(plans.plans[seq], first)
+                first = first or ranks[seq]
+            out.last = first
+            evaluation = None
+            if self.eval_batches is not None:
+                program = executor.build_eval(plans.full, ranks[max(ranks)])
+                evaluation = Evaluation(self.eval_batches, options.eval_every, options.steps,
+                                        program.evaluate, executor.device)
             start = 0
             if self.checkpoints is not None:
                 with executor.waiting("the other ranks to load the checkpoint"):
