@@ -154,7 +154,7 @@ class Distributed:
                                   hidden_size=hidden, dtype=self.dtype, timeout=self.options.timeout,
                                   channels=channels)
         engine = RankEngine(plan, mesh.pipe_rank(self.world.rank), mesh.data_rank(self.world.rank), transport,
-                            self.stages.stages(plan, self.model, evaluation), hidden_size=hidden, options=self.options,
+                            self.stages.stages(plan, self.model, evaluation, self.options), hidden_size=hidden, options=self.options,
                             device=self.device, before_instr=None if evaluation else self.before_instr,
                             optimizer=optimizer, clock=self.clock)
         return DistRanks(plan, engine, transport, self.device, loss_rank)

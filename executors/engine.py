@@ -149,20 +149,41 @@ class BuiltStage:
 StageFactory = Callable[[Stage, float], BuiltStage]
 
 
-def stage_factory_from_model(sliced, model_copy: torch.nn.Module, evaluation: bool = False) -> StageFactory:
+def stage_factory_from_model(sliced, model_copy: torch.nn.Module, evaluation: bool = False,
+                             programs: Callable[[Stage], "ProgramOptions | None"] | None = None) -> StageFactory:
     """Stages cut from the front end's `SlicedModel`, sharing parameters with `model_copy` (so
     that two stages of one rank share a tied parameter, and the copy's state_dict is current).
     `evaluation`: the stages of the evaluation program, as `model.eval()` runs them (dropout
-    off), sharing the same parameters with the training stages."""
+    off), sharing the same parameters with the training stages. `programs(stage)`: how the
+    stage runs its programs (`programs_for`), None for eager autograd."""
 
     def build(stage: Stage, loss_scale: float) -> BuiltStage:
+        from tpc.compiler.programs.stage_programs import StagePrograms
         from tpc.executors.stage_runtime import StageRuntime
 
         lo, hi = stage.units
         module = sliced.stage_module(lo, hi, params_from=model_copy, evaluation=evaluation)
-        return BuiltStage(StageRuntime(module, loss_scale), list(module.named_parameters()))
+        how = programs(stage) if programs is not None else None
+        runtime = StageRuntime(module, loss_scale, None if how is None else StagePrograms(module, how))
+        return BuiltStage(runtime, list(module.named_parameters()))
 
     return build
+
+
+def programs_for(plan: Plan, options: RunOptions) -> Callable[[Stage], "ProgramOptions | None"]:
+    """How each stage of `plan` runs: through its programs compiled (`options.compile`); through
+    its traced programs where the plan splits the stage's backward (`backward-input`, what the
+    programs' halves are for); else eagerly under autograd (None), which costs no trace."""
+    from tpc.compiler.programs.stage_programs import ProgramOptions
+
+    split = {i.stage for prog in plan.ranks for i in prog.instrs if i.op is Op.BACKWARD_INPUT}
+
+    def how(stage: Stage):
+        if options.compile:
+            return ProgramOptions(compile=True)
+        return ProgramOptions() if stage.index in split else None
+
+    return how
 
 
 @dataclass

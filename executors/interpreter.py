@@ -287,7 +287,7 @@ class Interpreted:
             p, d = mesh.pipe_rank(r), mesh.data_rank(r)
             engines.append(RankEngine(
                 plan, p, d, LocalTransport(hub, plan, p, d, rendezvous),
-                self.stages.stages(plan, self._copy(r), evaluation), hidden_size=self.stages.hidden_size(plan),
+                self.stages.stages(plan, self._copy(r), evaluation, self.options), hidden_size=self.stages.hidden_size(plan),
                 options=self.options, device=self.device, clock=self.clock,
                 optimizer=shared.engines[r].optimizer if shared is not None else None))
         return engines

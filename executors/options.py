@@ -72,6 +72,10 @@ class RunOptions:
     # validation (executors/evaluation.py): the plan's evaluation program on `eval_batches`
     # batches of this token file, before the first step, every `eval_every` steps (0: only
     # then) and after the last; `save_best` keeps the checkpoint of the lowest validation loss
+    # run every stage through its programs (tpc.compiler.programs) compiled with torch.compile;
+    # without it a stage runs eagerly, under autograd, unless its plan splits its backward
+    # (then through its traced programs, uncompiled)
+    compile: bool = False
     eval_data: str | None = None
     eval_every: int = 0
     eval_batches: int = 4

@@ -77,17 +77,20 @@ class StageSource:
         given = dict(sliced or {})
         return StageSource(sliced={seq: given.get(seq) or slice_model(model, p) for seq, p in plans.plans.items()})
 
-    def stages(self, plan: Plan, model_copy, evaluation: bool = False):
+    def stages(self, plan: Plan, model_copy, evaluation: bool = False, options=None):
         """The StageFactory of `plan`'s stages over `model_copy`'s parameters (`evaluation`: as
-        `model.eval()` runs them, for the evaluation program)."""
+        `model.eval()` runs them, for the evaluation program), each run as `options` (RunOptions)
+        and the plan say (`engine.programs_for`)."""
         if self.factory_for is not None:
             if evaluation:
                 raise TpirError(Diagnostic("evaluation needs the model's front end (`sliced`)",
                                            hint="run with the plan's model, not a stand-in stage factory"))
             return self.factory_for(model_copy)
-        from tpc.executors.engine import stage_factory_from_model
+        from tpc.executors.engine import programs_for, stage_factory_from_model
+        from tpc.executors.options import RunOptions
 
-        return stage_factory_from_model(self.sliced[plan.header.shape.seq], model_copy, evaluation=evaluation)
+        return stage_factory_from_model(self.sliced[plan.header.shape.seq], model_copy, evaluation=evaluation,
+                                        programs=programs_for(plan, options or RunOptions()))
 
     def hidden_size(self, plan: Plan) -> int:
         return self.hidden if self.factory_for is not None else self.sliced[plan.header.shape.seq].hidden_size

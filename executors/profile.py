@@ -14,7 +14,7 @@ At every point one more, untimed forward measures the stash: the bytes of the te
 saves for the slice's backward (parameters and KV caches excluded: they are counted apart), fitted
 per unit and micro-batch size by `fit.fit_stash` (the form is `fit.StashFit`'s). The split
 pass also measures what `backward_input` keeps for `backward_weight` (the output gradients of
-the linear layers, and the weight gradients other ops hand over: `DeferredWeightGrads.held_bytes`),
+the linear layers, and the weight gradients other ops hand over: `StageRuntime.held_bytes`),
 fitted the same way plus a constant (the handed weight gradients do not grow with the slice): a
 plan that splits its backward holds it from one half to the other.
 """
@@ -31,8 +31,9 @@ import torch
 from tpc.compiler.costmodel.fit import fit_curve, fit_stash
 from tpc.compiler.costmodel.store import Profile, UnitProfile
 from tpc.compiler.frontend import SlicedModel, file_sha256, load_model, read_vocab
+from tpc.compiler.programs.stage_programs import StagePrograms
 from tpc.executors.stage_runtime import StageRuntime
-from tpc.executors.weight_grads import storage_key
+from tpc.executors.stage_runtime import storage_key
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 # a loopback gloo transfer on one host: latency and bandwidth of a memcpy through a socket
@@ -95,23 +96,23 @@ def _slice_inputs(stage, dev, vocab, hidden, b):
     return make_input, targets
 
 
-def _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats):
+def _time_point(rt, split_rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats):
     """Median (forward, backward, backward-input, backward-weight) seconds of one slice of
     length l after a c-token prefix: a plain backward, and in a second pass the split one; and
-    the bytes the split backward kept between its halves (`DeferredWeightGrads.held_bytes`)."""
+    the bytes the split backward kept between its halves (`StageRuntime.held_bytes`)."""
     make_input, targets = _slice_inputs(stage, dev, vocab, hidden, b)
 
     def grad_out(y):
         return None if stage.is_last else torch.randn_like(y)
 
-    def prefix():
+    def prefix(rt):
         if c:
             rt.forward(0, 0, make_input(c), 0, targets(c))
         return 1 if c else 0
 
     fs, bs, bis, bws = [], [], [], []
     for rep in range(warmup + repeats):
-        sl = prefix()
+        sl = prefix(rt)
         x, tg = make_input(l), targets(l)
         _sync(dev)
         t0 = time.perf_counter()
@@ -125,20 +126,21 @@ def _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup, repeats):
             rt.backward(0, 0, None if stage.is_last else torch.randn(b, c, hidden, device=dev))
         rt.free_kv(0)
         stage.zero_grad(set_to_none=True)
-        # the split backward of the same slice: a fresh prefix and forward (untimed), then the
-        # two halves (the prefix's own backward is not needed: free_kv drops its graph)
-        sl = prefix()
-        g = grad_out(rt.forward(0, sl, make_input(l), c, targets(l)))
+        # the split backward of the same slice, through the stage's programs (what runs it): a
+        # fresh prefix and forward (untimed), then the two halves (the prefix's own backward is
+        # not needed: free_kv drops what it saved)
+        sl = prefix(split_rt)
+        g = grad_out(split_rt.forward(0, sl, make_input(l), c, targets(l)))
         _sync(dev)
         t3 = time.perf_counter()
-        rt.backward_input(0, sl, g)
+        split_rt.backward_input(0, sl, g)
         _sync(dev)
         t4 = time.perf_counter()
-        held = rt.held_bytes(0, sl)
-        rt.backward_weight(0, sl)
+        held = split_rt.held_bytes(0, sl)
+        split_rt.backward_weight(0, sl)
         _sync(dev)
         t5 = time.perf_counter()
-        rt.free_kv(0)
+        split_rt.free_kv(0)
         stage.zero_grad(set_to_none=True)
         if rep >= warmup:
             fs.append(t1 - t0)
@@ -220,13 +222,14 @@ def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu
     for u in range(sliced.num_units):
         stage = sliced.stage_module(u, u + 1).to(dev)
         rt = StageRuntime(stage, 1.0)
+        split_rt = StageRuntime(stage, 1.0, StagePrograms(stage))
         fwd_fits, bwd_fits, stash_fits, samples, stash_samples = [], [], [], [], []
         input_fits, weight_fits, held_fits, held_samples = [], [], [], []
         for b in sizes:
             pts = []
             for l in lengths:
                 for c in grid_contexts(seq_len, l):
-                    tf, tb, ti, tw, held = _time_point(rt, stage, dev, vocab, hidden, l, c, b, warmup,
+                    tf, tb, ti, tw, held = _time_point(rt, split_rt, stage, dev, vocab, hidden, l, c, b, warmup,
                                                        repeats)
                     nbytes = stash_point(rt, stage, dev, vocab, hidden, l, c, b)
                     pts.append((l, c, tf, tb, nbytes, ti, tw, held))

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tpc.compiler.frontend import StageModule
-from tpc.executors import weight_grads
+from tpc.compiler.programs.joint import Programs, Shape
+from tpc.compiler.programs.stage_programs import StagePrograms
 
 
 @dataclass
@@ -52,13 +53,20 @@ class _Slice:
     start: int  # tokens of this micro-batch before this slice (its prefix length)
     length: int  # tokens of this slice
     prefix: list = field(default_factory=list)  # the leaves this slice read its prefix through
-    saved: list | None = None  # checkpointed: copies of its windowed prefixes, to recompute from
+    window_copies: list | None = None  # checkpointed: copies of its windowed prefixes, to recompute from
     # the graph-connected output (None while checkpointed): on the last stage the loss; on
     # any other its gradient edge only (`_output`), so that the activation itself is freed
     # once its send completes, not held until the backward
     y: object = None
     kv_out: list = field(default_factory=list)  # graph-connected K/V outputs
-    weights: object = None  # what backward_input left for backward_weight (DeferredWeightGrads)
+    # with programs (`StageRuntime.programs`), what stands for the autograd graph: the slice's
+    # programs, the values its forward saved for the backward (None while checkpointed), what
+    # its backward_input held for backward_weight, and its keys/values' (shape, dtype)
+    programs: Programs | None = None
+    values: list | None = None
+    held: list | None = None
+    kv_meta: list = field(default_factory=list)
+    y_meta: tuple | None = None
     sent_kv_grads: bool = False  # backward (or backward_input) ran: earlier slices' K/V grads are final
 
 
@@ -80,6 +88,12 @@ class _Cache:
     base: list = field(default_factory=list)  # per cached tensor: the token at buffer index 0
 
 
+def storage_key(t: torch.Tensor) -> tuple:
+    """What tells one tensor's storage from another's (views of one storage share it)."""
+    st = t.untyped_storage()
+    return st.device.type, st.data_ptr()
+
+
 def _leaf(cached: torch.Tensor) -> torch.Tensor:
     """A slice's view of cached tokens as a leaf: one that requires grad, so the slice's backward
     leaves in it the gradients it sends into the earlier slices; a cache of token ids (a shift
@@ -89,9 +103,14 @@ def _leaf(cached: torch.Tensor) -> torch.Tensor:
 
 
 class StageRuntime:
-    def __init__(self, module: StageModule, loss_scale: float):
+    """`programs`: run the slices through the stage's programs derived from its joint graph
+    (`tpc.compiler.programs`), compiled or not, instead of eager autograd: what a split backward
+    (`backward_input`, `backward_weight`) needs, and what `--compile` runs."""
+
+    def __init__(self, module: StageModule, loss_scale: float, programs: StagePrograms | None = None):
         self.module = module
         self.loss_scale = float(loss_scale)
+        self.programs = programs
         self._slices: dict[tuple[int, int], _Slice] = {}
         self._caches: dict[int, _Cache] = {}
         self._empty: dict[tuple[int, torch.device], list] = {}
@@ -112,15 +131,20 @@ class StageRuntime:
                                    f"whose forward has not run (or was freed) on stage {self.module.lo}:{self.module.hi}")
         if self.module.is_last and targets is None:
             raise RuntimeError(f"the last stage needs targets for micro-batch {mb} slice {sl}")
-        if not self.module.is_first:
+        if self.programs is not None:
+            x = x.detach()
+        elif not self.module.is_first:
             x = x.detach().requires_grad_(True)
         cache = self._caches.get(mb)
         start = cache.length if cache is not None else 0
         rec = _Slice(mb, x, int(offset), targets, start, x.size(1))
-        with torch.set_grad_enabled(not checkpoint):
-            y, kv = self._run(rec, checkpoint)
+        if self.programs is not None:
+            y, kv = self._run_programs(rec, keep=not checkpoint, checkpoint=checkpoint)
+        else:
+            with torch.set_grad_enabled(not checkpoint):
+                y, kv = self._run(rec, checkpoint)
         self._append(mb, kv, capacity)
-        if not checkpoint:
+        if not checkpoint and self.programs is None:
             rec.y, rec.kv_out = self._output(y), kv
         self._slices[(mb, sl)] = rec
         return self._scaled(y).detach()
@@ -150,8 +174,11 @@ class StageRuntime:
     def recompute(self, mb: int, sl: int) -> None:
         """Rebuild the autograd graph of a checkpointed forward (same inputs, same cached prefix)."""
         rec = self._get(mb, sl, "recompute")
-        if rec.y is not None:
+        if rec.y is not None or rec.values is not None:
             raise RuntimeError(f"recompute of micro-batch {mb} slice {sl}: its graph is already held")
+        if self.programs is not None:
+            self._run_programs(rec, keep=True)
+            return
         with torch.enable_grad():
             y, rec.kv_out = self._run(rec)
         rec.y = self._output(y)
@@ -164,25 +191,46 @@ class StageRuntime:
             return y
         return torch.autograd.graph.get_gradient_edge(y)
 
+    def _prefix(self, rec: _Slice, checkpoint: bool = False) -> list:
+        """The cached tokens a slice reads: views of the cache (the empty caches of a first
+        slice); a windowed cache's last w - 1 tokens only. A checkpointed slice keeps copies of
+        its windowed prefixes, which later slices may overwrite before it is recomputed."""
+        if rec.start == 0:
+            return self._empty_kv(rec.x.size(0), rec.x.device)
+        cache = self._caches[rec.mb]
+        if rec.window_copies is not None:  # a recompute: the windowed prefixes may have been overwritten
+            return [copy if copy is not None else self._prefix_view(cache, t, rec.start)
+                    for t, copy in enumerate(rec.window_copies)]
+        prefix = [self._prefix_view(cache, t, rec.start) for t in range(len(cache.kv))]
+        if checkpoint and any(w is not None for w in self.module.kv_windows):
+            rec.window_copies = [p.detach().clone() if w is not None else None
+                                 for p, w in zip(prefix, self.module.kv_windows)]
+        return prefix
+
     def _run(self, rec: _Slice, checkpoint: bool = False):
-        """The module on one slice, its prefix read as leaves viewing the cache (empty: none); a
-        windowed cache's last w - 1 tokens only."""
+        """The module on one slice under autograd, its prefix read as leaves viewing the cache."""
+        prefix = self._prefix(rec, checkpoint)
         if rec.start == 0:
             rec.prefix = []
-            prefix = self._empty_kv(rec.x.size(0), rec.x.device)
-        elif rec.saved is not None:  # a recompute: the windowed prefixes may have been overwritten
-            cache = self._caches[rec.mb]
-            rec.prefix = [_leaf(saved if saved is not None else self._prefix_view(cache, t, rec.start))
-                          for t, saved in enumerate(rec.saved)]
-            prefix = rec.prefix
         else:
-            cache = self._caches[rec.mb]
-            rec.prefix = [_leaf(self._prefix_view(cache, t, rec.start)) for t in range(len(cache.kv))]
-            prefix = rec.prefix
-            if checkpoint and any(w is not None for w in self.module.kv_windows):
-                rec.saved = [leaf.detach().clone() if w is not None else None
-                             for leaf, w in zip(rec.prefix, self.module.kv_windows)]
+            rec.prefix = prefix = [_leaf(p) for p in prefix]
         return self.module(rec.x, rec.offset, prefix, rec.targets)
+
+    def _run_programs(self, rec: _Slice, keep: bool, checkpoint: bool = False):
+        """The forward program of the slice's shape; keeps what its backward reads (`keep`)."""
+        prefix = self._prefix(rec, checkpoint)
+        x = rec.x
+        progs = self.programs.get(Shape.of(x, rec.offset, prefix, self.module.kv_dims), x, prefix, rec.targets)
+        with torch.no_grad():
+            outs = progs.forward(*self.programs.state(), x, *prefix,
+                                 *([] if rec.targets is None else [rec.targets]))
+        n = self.module.num_kv
+        y, kv = outs[0], list(outs[1:1 + n])
+        rec.programs = progs
+        rec.values = list(outs[1 + n:]) if keep else None
+        rec.kv_meta = [(k.shape, k.dtype) for k in kv]
+        rec.y_meta = (y.shape, y.dtype)
+        return y, kv
 
     def _prefix_view(self, cache: _Cache, t: int, start: int) -> torch.Tensor:
         """Tokens [start - p, start) of cached tensor t: p = start, or at most w - 1 for a window."""
@@ -247,32 +295,63 @@ class StageRuntime:
         if rec.y is None:
             raise RuntimeError(f"backward of micro-batch {mb} slice {sl}: its forward was checkpointed; "
                                "recompute it first")
-        later = self._slices.get((mb, sl + 1))
-        if later is not None and not later.sent_kv_grads:
-            raise RuntimeError(f"backward of micro-batch {mb} slice {sl} needs the backward of slice {sl + 1} first "
-                               "(its gradients into this slice's keys and values)")
         if self.module.is_last:
             outs, grads = [self._scaled(rec.y)], [torch.ones_like(rec.y) if grad_out is None else grad_out]
         else:
             if grad_out is None:
                 raise RuntimeError(f"backward of micro-batch {mb} slice {sl} needs the output gradient")
             outs, grads = [rec.y], [grad_out]
+        for out, g in zip(rec.kv_out, self._kv_grads(mb, sl, rec)):
+            if g is not None:
+                outs.append(out)
+                grads.append(g)
+        return outs, grads
+
+    def _kv_grads(self, mb: int, sl: int, rec: _Slice) -> list:
+        """Per cached tensor, the gradients later slices sent into this slice's tokens of it
+        (None: none did)."""
+        later = self._slices.get((mb, sl + 1))
+        if later is not None and not later.sent_kv_grads:
+            raise RuntimeError(f"backward of micro-batch {mb} slice {sl} needs the backward of slice {sl + 1} first "
+                               "(its gradients into this slice's keys and values)")
         cache = self._caches[mb]
-        for t, (out, d) in enumerate(zip(rec.kv_out, self.module.kv_dims)):
+        got = []
+        for t, d in enumerate(self.module.kv_dims):
             acc = cache.grad[t] if cache.grad is not None else None
-            if acc is None:
-                continue
-            lo, hi = max(rec.start, acc.base), min(rec.start + rec.length, acc.base + acc.g.size(d))
-            if lo >= hi:  # no later slice read these tokens
+            lo = max(rec.start, acc.base) if acc is not None else 0
+            hi = min(rec.start + rec.length, acc.base + acc.g.size(d)) if acc is not None else 0
+            if acc is None or lo >= hi:  # no later slice read these tokens
+                got.append(None)
                 continue
             part = acc.g.narrow(d, lo - acc.base, hi - lo)
             if hi - lo < rec.length:  # a windowed cache: later slices read only its last tokens
-                g = part.new_zeros(out.shape)
+                shape = list(part.shape)
+                shape[d] = rec.length
+                g = part.new_zeros(shape)
                 g.narrow(d, lo - rec.start, hi - lo).copy_(part)
                 part = g
-            outs.append(out)
-            grads.append(part)
-        return outs, grads
+            got.append(part)
+        return got
+
+    def _tangents(self, mb: int, sl: int, rec: _Slice, grad_out) -> list:
+        """The upstream gradients of every output of the slice's programs: y's (the loss scale
+        on the last stage), then each cached tensor's (zeros where no later slice sent any)."""
+        if rec.values is None:
+            raise RuntimeError(f"backward of micro-batch {mb} slice {sl}: its forward was checkpointed; "
+                               "recompute it first")
+        shape, dtype = rec.y_meta
+        if self.module.is_last:
+            g = torch.ones(shape, dtype=dtype, device=rec.x.device) if grad_out is None else grad_out
+            g = g * self.loss_scale
+        else:
+            if grad_out is None:
+                raise RuntimeError(f"backward of micro-batch {mb} slice {sl} needs the output gradient")
+            g = grad_out
+        out = [g.to(dtype).contiguous()]  # the programs take them contiguous (joint.py)
+        for (kv_shape, kv_dtype), part in zip(rec.kv_meta, self._kv_grads(mb, sl, rec)):
+            out.append(torch.zeros(kv_shape, dtype=kv_dtype, device=rec.x.device) if part is None
+                       else part.to(kv_dtype).contiguous())
+        return out
 
     def _input_grad(self, rec: _Slice):
         """The slice's input gradient, to send (None on stage 0); the record lets go of it, so
@@ -282,53 +361,73 @@ class StageRuntime:
         g, rec.x.grad = rec.x.grad, None
         return g
 
-    def _send_prefix_grads(self, rec: _Slice) -> None:
-        """Add what this slice's backward left in its prefix leaves to the cache's gradients,
-        where the earlier slices find theirs."""
-        if rec.prefix:
+    def _send_prefix_grads(self, rec: _Slice, grads: list | None = None) -> None:
+        """Add the gradients this slice's backward sent into its prefix (`grads`, per cached
+        tensor, with programs; else what autograd left in its prefix leaves) to the cache's
+        gradients, where the earlier slices find theirs."""
+        if rec.start > 0:
             cache = self._caches[rec.mb]
             if cache.grad is None:
                 cache.grad = [None] * len(cache.kv)
-            for t, (leaf, d, w) in enumerate(zip(rec.prefix, self.module.kv_dims, self.module.kv_windows)):
-                if leaf.requires_grad:  # not a cache of token ids
-                    cache.grad[t] = self._accumulate(cache.grad[t], leaf, d, rec.start, w is None)
+            for t, (d, w) in enumerate(zip(self.module.kv_dims, self.module.kv_windows)):
+                if grads is not None:
+                    if not cache.kv[t].is_floating_point():  # a cache of token ids
+                        continue
+                    p = rec.programs.shape.prefix[t]
+                    shape = cache.kv[t].shape[:d] + (p,) + cache.kv[t].shape[d + 1:]
+                    g, dtype = grads[t], cache.kv[t].dtype
+                else:
+                    leaf = rec.prefix[t]
+                    if not leaf.requires_grad:  # a cache of token ids
+                        continue
+                    shape, g, dtype = leaf.shape, leaf.grad, leaf.dtype
                     # added in: the graph a split backward keeps for its weight half holds the
                     # leaf, whose gradient is a view of all of the attention's key gradient
                     leaf.grad = None
+                cache.grad[t] = self._accumulate(cache.grad[t], g, shape, dtype, d, rec.start, w is None)
         rec.prefix = []
         rec.sent_kv_grads = True
 
     @staticmethod
-    def _accumulate(acc: _Acc | None, leaf: torch.Tensor, d: int, start: int, full: bool) -> _Acc | None:
-        """The gradients of a cached tensor after `leaf` (its tokens [start - p, start)) sent
-        its own. Summed in fp32 at least: under bf16 autocast the cache is bf16, and each later
-        slice adds into the gradients of every earlier slice's keys/values.
+    def _accumulate(acc: _Acc | None, grad, shape, dtype, d: int, start: int, full: bool) -> _Acc | None:
+        """The gradients of a cached tensor after a slice whose prefix of it (`shape`: tokens
+        [start - p, start)) received `grad` (None: nothing). Summed in fp32 at least: under bf16
+        autocast the cache is bf16, and each later slice adds into the gradients of every
+        earlier slice's keys/values.
 
         A full cache's first backward (the last slice's: nothing sends gradients into the last
         slice's keys) allocates tokens [0, start), which covers every earlier slice. A windowed
         one keeps only tokens that no backward has consumed yet: [start - p, start) and what is
         left below `start` of the previous region."""
-        p = leaf.size(d)
-        dtype = torch.promote_types(leaf.dtype, torch.float32)
+        p = shape[d]
+        dtype = torch.promote_types(dtype, torch.float32)
         if full:
             if acc is None:
-                acc = _Acc(torch.zeros_like(leaf, dtype=dtype), 0)
-            if leaf.grad is not None:
-                acc.g.narrow(d, start - p, p).add_(leaf.grad)
+                acc = _Acc(torch.zeros(shape, dtype=dtype, device=grad.device if grad is not None else None), 0)
+            if grad is not None:
+                acc.g.narrow(d, start - p, p).add_(grad)
             return acc
         lo = start - p if acc is None else min(start - p, acc.base)
-        g = leaf.new_zeros((*leaf.shape[:d], start - lo, *leaf.shape[d + 1:]), dtype=dtype)
+        device = acc.g.device if acc is not None else (grad.device if grad is not None else None)
+        g = torch.zeros((*shape[:d], start - lo, *shape[d + 1:]), dtype=dtype, device=device)
         if acc is not None:
             keep = min(start, acc.base + acc.g.size(d)) - acc.base
             if keep > 0:
                 g.narrow(d, acc.base - lo, keep).add_(acc.g.narrow(d, 0, keep))
-        if leaf.grad is not None:
-            g.narrow(d, start - p - lo, p).add_(leaf.grad)
+        if grad is not None:
+            g.narrow(d, start - p - lo, p).add_(grad)
         return _Acc(g, lo)
 
     def backward(self, mb: int, sl: int, grad_out=None):
         """Input and weight gradients of one slice; returns the input gradient (None on stage 0)."""
         rec = self._get(mb, sl, "backward")
+        if self.programs is not None:
+            with torch.no_grad():
+                got = rec.programs.backward(*rec.values, *self._tangents(mb, sl, rec, grad_out))
+            rec.values = None
+            n = len(rec.programs.input_grads)
+            self._add_param_grads(got[n:])
+            return self._take_input_grads(rec, got[:n])
         outs, grads = self._upstream(mb, sl, rec, grad_out)
         torch.autograd.backward(outs, grads)
         self._send_prefix_grads(rec)
@@ -337,30 +436,63 @@ class StageRuntime:
 
     def backward_input(self, mb: int, sl: int, grad_out=None):
         """Split backward, first half: gradients of the input and of the cached prefix (what the
-        previous stage and the earlier slices wait for). The graph is kept for backward_weight."""
+        previous stage and the earlier slices wait for). What the weight half needs is held
+        for backward_weight (the stage's programs: `tpc.compiler.programs.joint`)."""
         rec = self._get(mb, sl, "backward-input")
-        outs, grads = self._upstream(mb, sl, rec, grad_out)
-        inputs = ([] if self.module.is_first else [rec.x]) + rec.prefix
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        got, rec.weights = weight_grads.backward_input(outs, grads, inputs, params)
-        for t, g in zip(inputs, got):
-            if g is not None:
-                t.grad = g if t.grad is None else t.grad + g
-        self._send_prefix_grads(rec)
-        return self._input_grad(rec)
+        if self.programs is None:
+            raise RuntimeError(f"backward-input of micro-batch {mb} slice {sl} on stage {self.module.lo}:"
+                               f"{self.module.hi}: a split backward runs the stage's programs; this stage "
+                               "was built without them")
+        with torch.no_grad():
+            got = rec.programs.backward_input(*rec.values, *self._tangents(mb, sl, rec, grad_out))
+        rec.values = None
+        n = len(rec.programs.input_grads)
+        rec.held = list(got[n:])
+        return self._take_input_grads(rec, got[:n])
+
+    def _take_input_grads(self, rec: _Slice, grads) -> torch.Tensor | None:
+        """Hand a program's input gradients on: the prefixes' into the cache, x's returned."""
+        by_input: list = [None] * (1 + self.module.num_kv)
+        for i, g in zip(rec.programs.input_grads, grads):
+            by_input[i] = g
+        self._send_prefix_grads(rec, by_input[1:])
+        return None if self.module.is_first else by_input[0]
+
+    def _add_param_grads(self, grads) -> None:
+        """Accumulate a program's parameter gradients into `.grad`, as autograd does: the first
+        into a buffer of the parameter's own (a program's output may share storage with what it
+        read), later ones added in place, all in one foreach call (one dispatch, not one a
+        parameter)."""
+        into, add = [], []
+        for p, g in zip(self.programs.trainable(), grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = torch.empty_like(p).copy_(g)
+            else:
+                into.append(p.grad)
+                add.append(g)
+        if into:
+            torch._foreach_add_(into, add)
 
     def held_bytes(self, mb: int, sl: int) -> int:
-        """What the slice's backward_input keeps for its backward_weight (0 before or after)."""
+        """What the slice's backward_input keeps for its backward_weight (0 before or after),
+        each storage once."""
         rec = self._slices.get((mb, sl))
-        return 0 if rec is None or rec.weights is None else rec.weights.held_bytes()
+        if rec is None or rec.held is None:
+            return 0
+        seen = {storage_key(t): t.untyped_storage().nbytes() for t in rec.held if isinstance(t, torch.Tensor)}
+        return int(sum(seen.values()))
 
     def backward_weight(self, mb: int, sl: int) -> None:
         """Split backward, second half: parameter gradients, accumulated into .grad."""
         rec = self._slices.get((mb, sl))
-        if rec is None or rec.weights is None:
+        if rec is None or rec.held is None:
             raise RuntimeError(f"backward-weight of micro-batch {mb} slice {sl} needs its backward-input first")
-        rec.weights.apply()
-        rec.y, rec.kv_out, rec.weights = None, [], None
+        with torch.no_grad():
+            got = rec.programs.backward_weight(*rec.held)
+        rec.held = None
+        self._add_param_grads(got)
 
     def _get(self, mb: int, sl: int, what: str) -> _Slice:
         rec = self._slices.get((mb, sl))
@@ -388,5 +520,5 @@ class StageRuntime:
 
     @property
     def live_activations(self) -> int:
-        """Slices whose autograd graph is currently held."""
-        return sum(1 for r in self._slices.values() if r.y is not None)
+        """Slices whose autograd graph (or saved values) is currently held."""
+        return sum(1 for r in self._slices.values() if r.y is not None or r.values is not None)

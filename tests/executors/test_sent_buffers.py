@@ -14,6 +14,7 @@ import torch
 from tests.compiler.frontend.harness import tiny_model
 from tpc.compiler.frontend import SlicedModel
 from tpc.executors.dist_transport import SendReaper
+from tpc.compiler.programs.stage_programs import StagePrograms
 from tpc.executors.stage_runtime import StageRuntime
 
 
@@ -92,7 +93,7 @@ def test_a_stage_keeps_no_activation_it_sent_and_its_backward_is_unchanged(split
         torch.manual_seed(0)
         for p in stage.parameters():
             p.grad = None
-        rt = StageRuntime(stage, 1.0)
+        rt = StageRuntime(stage, 1.0, StagePrograms(stage) if split else None)
         x = torch.randn(2, 8, sm.hidden_size)
         out = rt.forward(0, 0, x, 0, None, capacity=16)
         alive = _storage_alive(out)

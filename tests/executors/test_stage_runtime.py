@@ -22,6 +22,7 @@ import torch
 
 from tests.executors.real import fresh_model
 from tpc.executors.oracle import gradient_error, relative_error
+from tpc.compiler.programs.stage_programs import StagePrograms
 from tpc.executors.stage_runtime import StageRuntime
 
 SEQ, B = 16, 2
@@ -87,7 +88,8 @@ def sliced_run(stage, x, targets, grad_out, *, scale: float = 1.0, capacity: int
     slice's input half then its weight half) or 'deferred' (every input half, then every weight
     half in forward order, as zero-bubble schedules do)."""
     _zero(stage)
-    rt = StageRuntime(stage, scale)
+    # a split backward runs the stage's programs (tpc.compiler.programs)
+    rt = StageRuntime(stage, scale, None if backward == "plain" else StagePrograms(stage))
     cuts = bounds(lens)
     outs = []
     for i, (lo, hi) in enumerate(cuts):

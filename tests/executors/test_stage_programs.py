@@ -1,6 +1,6 @@
-"""Split backward does the work of one backward, not two: the weight half starts from the
-gradients the input half left at the intermediates, so no activation gradient is computed
-twice; and the gradients are those of a plain backward, on every kind of stage."""
+"""A stage's programs (tpc.compiler.programs.joint) give eager autograd's numbers, and their
+split backward does the work of one backward, not two: the weight half starts from what the
+input half held, so no activation gradient is computed twice; on every kind of stage."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.compiler.frontend.harness import tiny_model
 from tpc.compiler.frontend import SlicedModel
+from tpc.compiler.programs.stage_programs import StagePrograms
 from tpc.executors.stage_runtime import StageRuntime
 
 SEQ, LENS = 16, (5, 6, 5)
@@ -27,13 +28,15 @@ class CountGemms(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _run(stage, hidden, split: bool):
-    """Forward 3 slices, then backward (plain, or every input half then every weight half);
-    the parameter gradients and the GEMMs each phase ran."""
+def _run(stage, hidden, split: bool, programs: bool | None = None):
+    """Forward 3 slices, then backward (plain, or every input half then every weight half),
+    eagerly under autograd or through the stage's programs (`programs`, default: when split);
+    the parameter gradients, the input gradients and the GEMMs each phase ran."""
     torch.manual_seed(3)
     for p in stage.parameters():
         p.grad = None
-    rt = StageRuntime(stage, 1.0)
+    programs = split if programs is None else programs
+    rt = StageRuntime(stage, 1.0, StagePrograms(stage) if programs else None)
     start = 0
     gouts = []
     for i, n in enumerate(LENS):
@@ -43,15 +46,16 @@ def _run(stage, hidden, split: bool):
         gouts.append(None if stage.is_last else torch.randn(2, n, hidden))
         start += n
     count_in, count_w = CountGemms(), CountGemms()
+    inputs = {}
     with count_in:
         for i in reversed(range(len(LENS))):
-            (rt.backward_input if split else rt.backward)(0, i, gouts[i])
+            inputs[i] = (rt.backward_input if split else rt.backward)(0, i, gouts[i])
     if split:
         with count_w:
             for i in reversed(range(len(LENS))):
                 rt.backward_weight(0, i)
     assert rt.live_activations == 0
-    return {n: p.grad.clone() for n, p in stage.named_parameters()}, count_in.n, count_w.n
+    return {n: p.grad.clone() for n, p in stage.named_parameters()}, inputs, count_in.n, count_w.n
 
 
 @pytest.mark.parametrize("name", ["gpt", "llama"])
@@ -61,10 +65,17 @@ def test_split_backward_is_one_backward(name, where):
     n = sm.num_units
     lo, hi = {"first": (0, 2), "middle": (1, n - 1), "last": (n - 2, n), "whole": (0, n)}[where]
     stage = sm.stage_module(lo, hi)
-    plain, gemms, _ = _run(stage, sm.hidden_size, split=False)
-    split, gemms_in, gemms_w = _run(stage, sm.hidden_size, split=True)
-    assert set(split) == set(plain)
-    for k in plain:
-        torch.testing.assert_close(split[k], plain[k], rtol=1e-5, atol=1e-7, msg=k)
+    plain, plain_in, gemms, _ = _run(stage, sm.hidden_size, split=False)
+    whole, whole_in, gemms_whole, _ = _run(stage, sm.hidden_size, split=False, programs=True)
+    split, split_in, gemms_in, gemms_w = _run(stage, sm.hidden_size, split=True)
+    assert set(split) == set(plain) == set(whole)
+    for k in plain:  # the programs run the ops eager autograd runs: the same numbers, bitwise
+        assert torch.equal(whole[k], plain[k]), k
+        assert torch.equal(split[k], plain[k]), k
+    for i in plain_in:
+        if plain_in[i] is None:
+            assert whole_in[i] is None and split_in[i] is None
+        else:
+            assert torch.equal(whole_in[i], plain_in[i]) and torch.equal(split_in[i], plain_in[i])
     assert gemms_w > 0
-    assert gemms_in + gemms_w == gemms  # nothing computed twice
+    assert gemms_in + gemms_w == gemms == gemms_whole  # nothing computed twice
