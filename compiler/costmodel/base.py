@@ -98,7 +98,7 @@ class CostModel(ABC):
     def held_grad_bytes(self, stage: int, l: int, c: int, mb_size: int) -> float:
         """Bytes a split backward of one slice keeps from `backward-input` to `backward-weight`
         beyond the stash: the output gradients of the ops that join a parameter with an
-        activation (dY of dW = dY^T X; executors/weight_grads.py). 0 where the model does not
+        activation (dY of dW = dY^T X; compiler/programs/joint.py). 0 where the model does not
         know them."""
         return 0.0
 

@@ -80,7 +80,7 @@ class StashFit:
 
     A fit of what a split backward holds between its halves has a fifth coefficient, s0 bytes
     whatever the slice: the weight gradients of norms, biases and scales, handed over in the
-    input half (executors/weight_grads.py)."""
+    input half (compiler/programs/joint.py)."""
 
     coef: tuple  # s1, s2, s3, s4 (bytes), all >= 0; then s0 for a fit with a constant
     rel_error: float  # root-mean-square relative error of the fit over the samples
