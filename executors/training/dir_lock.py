@@ -18,7 +18,8 @@ lock whose holder is gone is stale and taken over with a warning:
 
 Under torchrun one process, global rank 0, holds the lock for the whole run (every process
 writes into DIR, and all of them run or none does; the caller shares rank 0's outcome).
-`release()` removes the file; it runs on every way out of the training loop, and `release_held()`
+`release()` removes the file (and the folder, when the lock created it and the run saved nothing
+into it); it runs on every way out of the training loop, and `release_held()`
 lets a process that leaves at once (os._exit) drop its locks first.
 """
 
@@ -95,6 +96,7 @@ class DirLock:
         self.say = say or (lambda text: print(text, file=sys.stderr, flush=True))
         self._fd: int | None = None
         self._flocked = False  # the file system gave us an flock (else the record alone decides)
+        self._created = False  # acquire() created the folder
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
 
@@ -103,6 +105,7 @@ class DirLock:
     def acquire(self) -> "DirLock":
         """Hold the lock, taking over a stale one (said with a warning); a TpirError naming the
         holder when a live run holds it."""
+        self._created = not self.folder.exists()  # removed again by release() if left empty
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -252,6 +255,11 @@ class DirLock:
             pass  # the next run finds a file no one holds: a stale lock, taken over
         finally:
             os.close(fd)  # drops the flock
+        if self._created:
+            try:
+                self.folder.rmdir()  # a run that saved nothing leaves no folder behind
+            except OSError:
+                pass  # not empty: it holds checkpoints
 
     def __enter__(self) -> "DirLock":
         return self.acquire()
