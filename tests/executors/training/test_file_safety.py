@@ -303,3 +303,54 @@ def test_a_read_only_checkpoint_folder_is_refused_before_the_run(files, tmp_path
     assert f"--checkpoint-dir: error: cannot write {ck}: cannot create files in {ck}: the file system is " \
            "read-only" in err
     assert checkpoint.latest_checkpoint(ck) is None
+
+
+# ------------------------------------------------------------------------ under torchrun
+
+
+def _dist_worker(rank, world, path, port, holder_pid):
+    from tests.executors.training.test_checkpoint import _part
+    from tpc.executors.training.run_checkpoints import RunCheckpoints
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        net, ranks, opts = _trained()
+        root = Path(path) / "saves"
+        save_checkpoint(root, 1, _part(ranks[rank], opts[rank], 1, rank), META)
+        if rank == 1:  # one rank's disk fills: every rank says so, and the half is removed
+            dcp_files._write_item = _failing_write(OSError(errno.ENOSPC, "No space left"))
+        try:
+            save_checkpoint(root, 2, _part(ranks[rank], opts[rank], 2, rank), META)
+            raise SystemExit(f"rank {rank}: a save on a full disk did not fail")
+        except TpirError as e:
+            if "the disk is full" not in str(e) or "step_000001, is as it was" not in str(e):
+                raise SystemExit(f"rank {rank}: {e}")
+        torch.distributed.barrier()
+        if latest_checkpoint(root).name != "step_000001" or any(p.name.startswith(".tmp_") for p in root.iterdir()):
+            raise SystemExit(f"rank {rank}: the failed save left {sorted(p.name for p in root.iterdir())}")
+
+        # the folder is locked by the parent: rank 0 finds out, and every rank refuses alike
+        ck = RunCheckpoints(dir=Path(path) / "ck", every=0, total=1, resume=False, meta={}, seed=0, source="random")
+        try:
+            ck.lock()
+            raise SystemExit(f"rank {rank}: took a lock held by another process")
+        except TpirError as e:
+            if f"in use by another run: process {holder_pid} on" not in str(e):
+                raise SystemExit(f"rank {rank}: {e}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_under_torchrun_every_rank_refuses_a_locked_folder_and_reports_a_full_disk(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with DirLock(tmp_path / "ck"):
+        mp.start_processes(_dist_worker, args=(2, str(tmp_path), port, os.getpid()), nprocs=2, join=True,
+                           start_method="fork")
+    assert not (tmp_path / "ck").exists()
