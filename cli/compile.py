@@ -82,8 +82,13 @@ def compile_schedule_from_args(args):
 
 
 def cmd_compile(args) -> int:
+    from tpc.ir.files import check_output
+
     lengths = parse_lengths(args.seq_len)
-    if len(lengths) > 1 or args.constant_tokens:
+    bundle = len(lengths) > 1 or args.constant_tokens
+    # before the compile (minutes for a large model): could -o be written at all?
+    check_output(args.output, option="--output", folder=bundle)
+    if bundle:
         from tpc.compiler.bundle import compile_bundle
 
         if args.schedule_file:

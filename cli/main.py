@@ -329,8 +329,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(e.render(), file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        if args.debug:
+            raise
+        # a save that was cut says what it kept (executors/training/checkpoint.py)
+        print(f"interrupted: {e}" if str(e) else "interrupted", file=sys.stderr)
         return 130
 
 

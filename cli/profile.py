@@ -18,7 +18,10 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 
 def cmd_profile(args) -> int:
+    from tpc.ir.files import check_output
+
     sizes = parse_batch_sizes(args.batch_sizes)
+    check_output(args.output, option="--output")  # before minutes of measuring
     t0 = time.perf_counter()
     prof = profile_model(args.model, args.seq_len, sizes, device=args.device, factory=args.factory,
                          log=print)

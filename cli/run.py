@@ -37,6 +37,7 @@ def cmd_run(args) -> int:
     from tpc.ir.verify.bundle import is_bundle
 
     options = options_from_args(args)
+    options.check_outputs()  # an unusable output path is refused now, not after the training
     bundle = is_bundle(args.plan)
     if args.curriculum and not bundle:
         raise TpirError(Diagnostic(f"--curriculum switches between the plans of a bundle, and {args.plan} "

@@ -30,8 +30,12 @@ def _writing(option: str, path: str, write) -> None:
 
 
 def cmd_simulate(args) -> int:
+    from tpc.ir.files import check_output
     from tpc.ir.verify.bundle import is_bundle
 
+    for option, path in (("--trace", args.trace), ("--png", args.png)):
+        if path:
+            check_output(path, option=option)  # before the simulation
     if is_bundle(args.plan):
         return simulate_bundle(args)
     plan = load_checked_plan(args.plan, needs_model=bool(args.cost or args.device_model), comm=args.comm)

@@ -33,6 +33,7 @@ from tpc.executors.engine import DTYPES, Clock, RankEngine
 from tpc.executors.options import RunOptions
 from tpc.executors.plan_model import StageSource, slice_model
 from tpc.executors.run import CurriculumFlags, RunSetup, write_trace
+from tpc.executors.training.dir_lock import release_held
 from tpc.executors.training_loop import PlanSet, TrainingLoop
 from tpc.executors.world import World, backend_cause, check_world, init, make_groups, report_layout
 from tpc.ir.diagnostics import Diagnostic, TpirError
@@ -69,6 +70,7 @@ def fail(message: str | TpirError, hint: str = "") -> None:
     """Print the error and leave at once with status 1 (no teardown that might wait on peers)."""
     text = message.render() if isinstance(message, TpirError) else TpirError(Diagnostic(message, hint=hint)).render()
     try:
+        release_held()  # os._exit runs no `finally`: the checkpoint folder's lock goes first
         sys.stdout.flush()
         print(text, file=sys.stderr, flush=True)
     finally:

@@ -142,6 +142,23 @@ class RunOptions:
                           "e.g. --checkpoint-dir ckpt --save-best (the best checkpoint is DIR/best)")
         self.lr_at(0)  # refuses a meaningless schedule (warm-up past the end) now
 
+    def check_outputs(self) -> None:
+        """Refuse, before any work, an output that could not be written when the run gets to it:
+        --trace (written at the end), --metrics (at the first step), --checkpoint-dir (at the
+        first save; and not in use by another run). Each is a located TpirError naming the
+        path and what to do (tpc.ir.files.check_output)."""
+        from tpc.ir.files import check_output
+
+        if self.trace_path:
+            check_output(self.trace_path, option="--trace", parents=True)
+        if self.metrics:
+            check_output(self.metrics, option="--metrics", parents=True)
+        if self.checkpoint_dir:
+            from tpc.executors.training.dir_lock import DirLock
+
+            check_output(self.checkpoint_dir, option="--checkpoint-dir", folder=True, parents=True)
+            DirLock(self.checkpoint_dir).check_free()
+
     @property
     def traced(self) -> bool:
         """Each instruction's start and end are recorded (asked for, or to write a trace file)."""

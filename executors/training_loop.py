@@ -175,6 +175,8 @@ class TrainingLoop:
                                         program.evaluate, executor.device)
             start = 0
             if self.checkpoints is not None:
+                with executor.waiting("rank 0 to lock the checkpoint folder"):
+                    self.checkpoints.lock()  # one run per folder: before anything is loaded or saved
                 with executor.waiting("the other ranks to load the checkpoint"):
                     start = self.checkpoints.start(first.engines)
             executor.start()
@@ -213,6 +215,8 @@ class TrainingLoop:
                             self.checkpoints.after_eval(current.engines, step + 1, val)
         finally:
             executor.close()
+            if self.checkpoints is not None:
+                self.checkpoints.unlock()
         return out
 
 

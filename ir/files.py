@@ -11,6 +11,7 @@ the temporary file and leaves the target as it was.
     atomic_write_bytes(path, data)
     with atomic_writer(path, "w") as f: ...    # a file object, for writers that stream
     with atomic_path(path) as tmp: ...          # a path, for libraries that write by name
+    check_output(path, option="-o")             # before the work: could it be written at all?
 
 An `OSError` reaches the user as a located `TpirError` that names the file and says what went
 wrong in words ("the disk is full", "the file system is read-only"). Nothing here knows torch.
@@ -45,10 +46,50 @@ _REASONS = {
 }
 
 
+def describe_os_error(error: OSError) -> tuple[str, str]:
+    """What `error` means to someone writing a file, and what to do: ("the disk is full", "free
+    some space, or write it elsewhere")."""
+    return _REASONS.get(error.errno, (error.strerror or type(error).__name__, "check the path and the disk"))
+
+
 def write_error(path: str | os.PathLike, error: OSError) -> TpirError:
     """The located error for `error` while writing `path`."""
-    reason, hint = _REASONS.get(error.errno, (error.strerror or type(error).__name__, "check the path and the disk"))
+    reason, hint = describe_os_error(error)
     return TpirError(Diagnostic(f"cannot write {os.fspath(path)}: {reason}", hint=hint, where=os.fspath(path)))
+
+
+def check_output(path: str | os.PathLike, *, option: str, folder: bool = False, parents: bool = False) -> None:
+    """Refuse, before any work, an output that could not be written at the end of it: `path` is
+    a file to write (`folder=False`: not an existing folder) or a folder to write into
+    (`folder=True`: not an existing file); the folder it goes in must be a folder this process may
+    create files in (tried: a file is created there and removed), and must exist unless `parents`
+    (the writer creates missing folders: then the nearest existing one must be usable). A
+    TpirError located at `option` (the flag that named the path) says which and what to do."""
+    target = Path(path)
+
+    def refuse(message: str, hint: str) -> TpirError:
+        return TpirError(Diagnostic(f"cannot write {os.fspath(path)}: {message}", where=option, hint=hint))
+
+    if target.is_dir() and not folder:
+        raise refuse("it is a folder, and a file is written here",
+                     f"give a file name (e.g. {os.fspath(target / 'NAME')}), or remove the folder")
+    if target.exists() and not target.is_dir() and folder:
+        raise refuse("it is a file, and a folder is written here", "give a folder name, or remove the file")
+    home = target if folder and target.is_dir() else target.absolute().parent
+    nearest = home
+    while not nearest.exists() and nearest != nearest.parent:
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise refuse(f"{nearest} is a file, not a folder", "check the path: a file cannot hold other files")
+    if nearest != home and not parents:
+        raise refuse(f"its folder {home} does not exist", f"create it first (mkdir -p {home}), or write elsewhere")
+    try:
+        fd, probe = _temporary_beside(nearest / ".tpc-write-check")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        reason, hint = describe_os_error(e)
+        raise refuse(f"cannot create files in {nearest}: {reason}", hint) from None
 
 
 def _temporary_beside(target: Path) -> tuple[int, Path]:

@@ -47,6 +47,7 @@ SLOW = (
     "tests/executors/training/test_curriculum.py::test_two_gloo_ranks_match_plain_pytorch_and_resume_mid_curriculum",
     "tests/executors/training/test_reshard.py::test_gloo_ranks_resume_under_another_split",
     "tests/executors/training/test_resume.py::test_a_kill_during_a_save_leaves_a_checkpoint_that_resumes",
+    "tests/executors/training/test_file_safety.py::test_a_file_size_limit_during_a_save_is_said_and_keeps_the_previous_checkpoint",
     "tests/executors/training/test_resume.py::test_two_gloo_ranks_stop_and_resume",
     # (tests/executors/test_distributed_*.py mark themselves)
     # Hugging Face models (the fast tier still reads a config.json: test_hf_cli.py)

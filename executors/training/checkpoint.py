@@ -19,7 +19,15 @@ interpreter passes everything from one process (`no_dist`). Both write the same 
 Saving is atomic: the shards go to DIR/.tmp_step_000020, tpc.json is written last, then the
 directory is renamed to step_000020 and `latest` is replaced via a temporary file and
 os.replace. A crash at any point before the rename leaves `latest` naming the previous complete
-checkpoint, which still loads; a stale .tmp_ directory is removed by the next save.
+checkpoint, which still loads; a stale .tmp_ directory is removed by the next save. A save that
+fails (a full disk, a read-only folder: an OSError) or is interrupted (Ctrl-C) removes its
+temporary directory and says so, naming the checkpoint that is still the latest; Ctrl-C during
+the final renames waits for them.
+
+Checksums: tpc.json records the sha256 and size of every other file of the checkpoint ("files");
+a load verifies the files it reads (the DCP .metadata and the data files of its entries) and
+refuses one that changed since it was saved (a flipped byte, a truncated copy), naming it.
+Checkpoints written before checksums were recorded load unverified (`is_verified`).
 
 Loading is in place: the caller passes a template holding the live tensors (parameters,
 optimizer state) under the stored keys and DCP copies the stored values into them; each process
@@ -29,11 +37,15 @@ template.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import signal
+import threading
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -44,7 +56,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
-from tpc.ir.files import atomic_write_text, fsync_folder
+from tpc.ir.files import atomic_write_text, describe_os_error, fsync_folder
 
 FORMAT = 2  # the layout `tpc run` writes (model_state.py)
 READABLE = (1, 2)  # the layouts this version reads
@@ -124,27 +136,41 @@ def save_checkpoint(dir: str | os.PathLike, step: int, shards: dict[str, Any], m
     root = Path(dir)
     final = root / (name or step_dir_name(step))
     tmp = root / (_TMP + final.name)
-    distributed = _distributed(process_group)
+    distributed = is_distributed(process_group)
     leader = not distributed or dist.get_rank(process_group) == 0
+    failed = _SaveFailure(root, final, step, tmp, leader)
 
+    # 1. a fresh temporary directory (rank 0), which every rank then writes into
+    problem = failed.run(lambda: _fresh_dir(root, tmp)) if leader else None
+    failed.agree(problem, process_group, distributed)
+    # 2. the shards, every rank its own (DCP tells every rank of any rank's failure)
+    try:
+        _write_shards(tmp, shards, process_group, distributed)
+    except BaseException as e:  # noqa: BLE001 - a full disk, Ctrl-C: said in words, below
+        raise failed.translate(e) from None
+    # 3. their checksums, each rank a share of the files, gathered by rank 0 into tpc.json
+    files = _gather_checksums(tmp, process_group, distributed, failed)
+    # 4. tpc.json and the rename into place (rank 0), not to be cut by Ctrl-C half-way
+    problem = None
     if leader:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # left by a save that crashed
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    if distributed:
-        dist.barrier(group=process_group)
-    _write_shards(tmp, shards, process_group, distributed)
-    if leader:
-        _write_meta(tmp, {"format": FORMAT, **meta, "step": step})
-        if name is None:
-            _publish(root, tmp, final)
-        else:
-            _replace_dir(root, tmp, final)
-    if distributed:
-        # no rank goes on (and possibly exits) before the checkpoint is complete
-        dist.barrier(group=process_group)
+        def publish():
+            with _interrupt_deferred():
+                _write_meta(tmp, {"format": FORMAT, **meta, "step": step, "files": files})
+                if name is None:
+                    _publish(root, tmp, final)
+                else:
+                    _replace_dir(root, tmp, final)
+        problem = failed.run(publish)
+    # no rank goes on (and possibly exits) before the checkpoint is complete
+    failed.agree(problem, process_group, distributed)
     return final
+
+
+def _fresh_dir(root: Path, tmp: Path) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():  # left by a save that crashed
+        shutil.rmtree(tmp)
+    tmp.mkdir()
 
 
 def _write_shards(tmp: Path, shards: dict, process_group, distributed: bool) -> None:
@@ -152,6 +178,188 @@ def _write_shards(tmp: Path, shards: dict, process_group, distributed: bool) -> 
         # DCP warns that it assumes a single process when none is initialised: that is intended
         warnings.simplefilter("ignore")
         dcp.save(shards, checkpoint_id=str(tmp), process_group=process_group, no_dist=not distributed)
+
+
+class _SaveFailure:
+    """What a save that failed says, and the cleaning up after it: the half-written temporary
+    directory goes (a full disk gets its space back); `latest` and the checkpoints before it were
+    never touched. A full disk or a read-only folder (an OSError) and Ctrl-C are said in words;
+    anything else is a bug and propagates as it is."""
+
+    def __init__(self, root: Path, final: Path, step: int, tmp: Path, leader: bool):
+        self.root, self.final, self.step, self.tmp, self.leader = root, final, step, tmp, leader
+
+    def run(self, fn) -> "list[Diagnostic] | None":
+        """Run rank 0's part; the diagnostics of its failure (raised here too unless an OSError,
+        which every rank raises alike in `agree`)."""
+        try:
+            fn()
+            return None
+        except BaseException as e:  # noqa: BLE001 - translated, or re-raised as it is
+            error = self.translate(e)
+            if isinstance(error, TpirError):
+                return error.diagnostics
+            raise error from None
+
+    def agree(self, problem, process_group, distributed: bool) -> None:
+        """Every rank learns rank 0's outcome (a sync point) and fails alike."""
+        if distributed:
+            box = [problem]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0)
+                                       if process_group is not None else 0, group=process_group)
+            problem = box[0]
+        if problem:
+            raise TpirError(problem)
+
+    def translate(self, e: BaseException) -> BaseException:
+        """The error to raise for `e`: a TpirError for an OSError, a KeyboardInterrupt that says
+        what was kept for Ctrl-C, `e` itself otherwise. Cleans up first (rank 0)."""
+        cause = _root_cause(e)
+        if isinstance(cause, KeyboardInterrupt):
+            self.clean()
+            return KeyboardInterrupt(f"while saving checkpoint {self.final.name} (step {self.step}): "
+                                     f"nothing of it was kept; {self.kept()}")
+        if isinstance(cause, TpirError):  # a write of ir/files.py, already in words
+            self.clean()
+            return TpirError([Diagnostic(f"{self.what()}: {d.message}", hint=self.hint(d.hint))
+                              for d in cause.diagnostics])
+        if isinstance(cause, OSError):
+            self.clean()
+            reason, hint = describe_os_error(cause)
+            where = f" ({cause.filename})" if getattr(cause, "filename", None) else ""
+            return TpirError(Diagnostic(f"{self.what()}: {reason}{where}", hint=self.hint(hint)))
+        return e
+
+    def what(self) -> str:
+        return f"cannot save checkpoint {self.final.name} (step {self.step}) in {self.root}"
+
+    def kept(self) -> str:
+        before = latest_checkpoint(self.root) if self.root.is_dir() else None
+        if before is None:
+            return "no earlier checkpoint of this run was saved"
+        return f"the checkpoint before it, {before}, is as it was (--resume continues from it)"
+
+    def hint(self, hint: str | None) -> str:
+        return f"{hint + '; ' if hint else ''}nothing of this checkpoint was kept, and {self.kept()}"
+
+    def clean(self) -> None:
+        if self.leader:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The OSError, KeyboardInterrupt or TpirError behind `e` (DCP wraps each rank's failure in a
+    CheckpointException), else `e`."""
+    seen = set()
+    todo = [e]
+    while todo:
+        x = todo.pop(0)
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, (OSError, KeyboardInterrupt, TpirError)):
+            return x
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, Mapping):
+            for f in failures.values():
+                todo.extend(v for v in (f if isinstance(f, (list, tuple)) else [f])
+                            if isinstance(v, BaseException))
+        todo += [x.__cause__, x.__context__]
+    return e
+
+
+@contextmanager
+def _interrupt_deferred():
+    """Ctrl-C waits until the block is done (main thread only): renaming a checkpoint into place
+    and pointing `latest` at it are done whole, not half."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+# ------------------------------------------------------------------------------ checksums
+
+
+def _checksummed(tmp: Path) -> list[str]:
+    """The files of a checkpoint whose checksums tpc.json records: every file but tpc.json."""
+    return sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file() and p.name != META_FILE)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _gather_checksums(tmp: Path, process_group, distributed: bool, failed: _SaveFailure) -> dict:
+    """{file: {"sha256", "size"}} of the shards just written; under torchrun each rank hashes a
+    share of the files (they are on one file system) and rank 0 gathers them."""
+    names = _checksummed(tmp)
+    share, count = (dist.get_rank(process_group), dist.get_world_size(process_group)) if distributed else (0, 1)
+    mine: dict | str = {}
+    try:
+        for name in names[share::count]:
+            mine[name] = {"sha256": file_sha256(tmp / name), "size": (tmp / name).stat().st_size}
+    except BaseException as e:  # noqa: BLE001 - every rank must reach the gather below
+        mine = e if isinstance(e, KeyboardInterrupt) else OSError(getattr(e, "errno", None), str(e))
+    parts = [mine]
+    if distributed:
+        parts = [None] * count
+        dist.all_gather_object(parts, mine, group=process_group)
+    files: dict = {}
+    for part in parts:
+        if isinstance(part, BaseException):
+            raise failed.translate(part) from None
+        files.update(part)
+    return files
+
+
+def verify_files(step_dir: Path, names=None) -> bool:
+    """Check the files of `step_dir` (`names`, default all) against the checksums its tpc.json
+    records; False when it records none (a checkpoint of an earlier tpc: not verified), True
+    when they match; a corrupt-checkpoint error naming the first file that does not."""
+    recorded = _recorded_checksums(step_dir)
+    if recorded is None:
+        return False
+    for name in sorted(recorded if names is None else names):
+        entry = recorded.get(name)
+        if entry is None:
+            continue  # a file written after the checksums (none today)
+        f = step_dir / name
+        if not f.is_file():
+            raise _corrupt(step_dir, f"the file {name} is missing")
+        size = f.stat().st_size
+        if size != entry.get("size", size):
+            raise _corrupt(step_dir, f"the file {name} is {size} bytes, {entry['size']} when it was saved "
+                                     f"(cut short by a full disk or an interrupted copy?)")
+        if file_sha256(f) != entry.get("sha256"):
+            raise _corrupt(step_dir, f"the file {name} does not match the checksum recorded when it was "
+                                     f"saved (its bytes changed since: a bad disk or copy)")
+    return True
+
+
+def _recorded_checksums(step_dir: Path) -> dict | None:
+    try:
+        meta = json.loads((step_dir / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # read_meta says what is wrong with it
+    files = meta.get("files") if isinstance(meta, dict) else None
+    return files if isinstance(files, dict) else None
+
+
+def is_verified(meta: dict) -> bool:
+    """Whether a checkpoint's tpc.json records checksums of its files (loads verify them)."""
+    return isinstance(meta.get("files"), dict)
 
 
 def _write_meta(tmp: Path, meta: dict) -> None:
@@ -255,12 +463,12 @@ def _read_metadata(step_dir: Path):
         raise _corrupt(step_dir, f"the DCP metadata is unreadable ({type(e).__name__}: {e})") from None
 
 
-def _check_data_files(step_dir: Path, keys) -> None:
+def _check_data_files(step_dir: Path, keys) -> list[str]:
     """The data files holding `keys` exist and are as long as the metadata says (a shard cut short
-    by a full disk or an interrupted copy is named before anything is read)."""
+    by a full disk or an interrupted copy is named before anything is read); returns their names."""
     storage = getattr(_read_metadata(step_dir), "storage_data", None)
     if not isinstance(storage, Mapping):
-        return
+        return []
     keys = set(keys)
     need: dict[str, int] = {}
     for index, info in storage.items():
@@ -273,6 +481,7 @@ def _check_data_files(step_dir: Path, keys) -> None:
         have = f.stat().st_size
         if have < size:
             raise _corrupt(step_dir, f"the data file {name} is {have} bytes, its entries need {size} (truncated)")
+    return sorted(need)
 
 
 # ------------------------------------------------------------------------------ loading
@@ -286,18 +495,21 @@ def load_checkpoint(path: str | os.PathLike, shards_template: dict[str, Any], *,
     values are replaced. Keys stored but not in the template are ignored, so each process reads
     only what its template names; RNG states the checkpoint lacks (another device kind, another
     rank) are left as they are. A template entry that is not stored, or stored with another
-    shape or dtype, is refused before anything is read. `no_dist=True` reads in this process
-    alone even under torchrun (every rank reading weights for itself, no collective).
+    shape or dtype, is refused before anything is read, and so is a file whose checksum is not
+    the one recorded when it was saved (`verify_files`; a checkpoint of an earlier tpc records
+    none and loads unverified). `no_dist=True` reads in this process alone even under torchrun
+    (every rank reading weights for itself, no collective).
     """
     step_dir = resolve_checkpoint(path)
     read_meta(step_dir)
     _check_structure(shards_template, "")
+    verify_files(step_dir, [".metadata"])  # before it is unpickled
     stored = stored_entries(step_dir)
     to_load = _without_missing_optional(shards_template, stored)
     flat = _flatten(to_load)
     _check_against_stored(step_dir, flat, stored)
-    _check_data_files(step_dir, flat)
-    distributed = _distributed(process_group) if no_dist is None else not no_dist
+    verify_files(step_dir, _check_data_files(step_dir, flat))  # the files this process reads
+    distributed = is_distributed(process_group) if no_dist is None else not no_dist
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -410,8 +622,10 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 # ------------------------------------------------------------------------------ helpers
 
 
-def _distributed(process_group) -> bool:
+def is_distributed(process_group=None) -> bool:
+    """Whether a save or load with `process_group` is a collective of several processes."""
     return process_group is not None or (dist.is_available() and dist.is_initialized())
+
 
 
 def _check_structure(tree: Any, prefix: str) -> None:
@@ -439,9 +653,11 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
 
 
 def _corrupt(step_dir: Path, what: str) -> TpirError:
+    aside = step_dir.parent / f"damaged_{step_dir.name}"
     return TpirError(Diagnostic(f"{step_dir}: corrupt checkpoint: {what}",
-                                hint="resume from an earlier step directory, or delete this one "
-                                     "(`latest` falls back to the newest complete checkpoint)"))
+                                hint=f"set it aside (`mv {step_dir} {aside}`): `latest` then falls back to "
+                                     "the newest complete checkpoint before it, which --resume continues "
+                                     "from; or give an earlier step directory"))
 
 
 def _cause(e: BaseException) -> str:

@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from tpc.ir.files import atomic_write_text
+from tpc.ir.files import atomic_write_text, write_error
 
 _RECENT = 10
 
@@ -160,24 +160,32 @@ class MetricsWriter:
     def __init__(self, path: str | os.PathLike, *, append: bool = False, keep_through: int | None = None):
         self.path = os.fspath(path)
         parent = os.path.dirname(self.path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        if append and keep_through is not None and os.path.isfile(self.path):
-            _truncate_after(self.path, keep_through)
-        self._f = open(self.path, "a" if append else "w", encoding="utf-8")
+        try:
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            if append and keep_through is not None and os.path.isfile(self.path):
+                _truncate_after(self.path, keep_through)
+            self._f = open(self.path, "a" if append else "w", encoding="utf-8")
+        except OSError as e:
+            raise write_error(self.path, e) from None
+
+    def _line(self, record: dict) -> None:
+        try:
+            self._f.write(json.dumps({k: _finite(v) for k, v in record.items()}) + "\n")
+            self._f.flush()
+        except OSError as e:  # a full disk: said in words, naming the file
+            raise write_error(self.path, e) from None
 
     def write(self, step: int, *, loss: float, lr: float, grad_norm: float | None, tokens_per_s: float,
               step_time: float, **extra: Any) -> None:
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "step_time": step_time, **extra}
-        self._f.write(json.dumps({k: _finite(v) for k, v in record.items()}) + "\n")
-        self._f.flush()
+        self._line(record)
 
     def write_eval(self, step: int, *, val_loss: float, val_ppl: float) -> None:
         """A row of an evaluation alone (before the first step: {"step": 0, "val_loss": ...})."""
         record = {"step": step, "val_loss": val_loss, "val_ppl": val_ppl}
-        self._f.write(json.dumps({k: _finite(v) for k, v in record.items()}) + "\n")
-        self._f.flush()
+        self._line(record)
 
     def close(self) -> None:
         self._f.close()

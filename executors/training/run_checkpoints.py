@@ -30,7 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+import torch.distributed as dist
+
 from tpc.executors.training import checkpoint
+from tpc.executors.training.dir_lock import DirLock
 from tpc.executors.training.model_state import Layout, load_state, state_to_save
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
@@ -73,6 +76,7 @@ class RunCheckpoints:
     best: float = float("inf")  # its validation loss (read back from DIR/best when resuming)
     # a sequence-length curriculum: {"spec", "type", "length_of": step -> length}; None: none
     curriculum: dict | None = None
+    dir_lock: DirLock | None = None  # held from `lock()` to `unlock()` (by global rank 0 under torchrun)
 
     @staticmethod
     def from_options(plan, options, say: Callable[[str], None] | None = None,
@@ -96,6 +100,36 @@ class RunCheckpoints:
             seed=options.seed, source=str(Path(options.data).name) if options.data else "random",
             plan=plan, init_from=options.init_from, model_names=names, say=say or (lambda text: None),
             save_best=options.save_best, curriculum=curriculum)
+
+    # ------------------------------------------------------------------------- the lock
+
+    def lock(self, *, process_group=None) -> None:
+        """Lock DIR for this run before anything is loaded or saved (dir_lock.py): a second run on
+        it is refused, naming the first. Under torchrun global rank 0 takes the lock and every
+        process learns the outcome, so all go on or all refuse alike. A no-op without DIR."""
+        if self.dir is None:
+            return
+        distributed = checkpoint.is_distributed(process_group)
+        problems = None
+        if not distributed or dist.get_rank() == 0:
+            held = DirLock(self.dir)  # a stale lock taken over is said on stderr, even with -q
+            try:
+                held.acquire()
+                self.dir_lock = held
+            except TpirError as e:
+                problems = e.diagnostics
+        if distributed:
+            box = [problems]
+            dist.broadcast_object_list(box, src=0, group=process_group)
+            problems = box[0]
+        if problems:
+            raise TpirError(problems)
+
+    def unlock(self) -> None:
+        """Release DIR's lock (every way out of a run ends here); a no-op when not held."""
+        held, self.dir_lock = self.dir_lock, None
+        if held is not None:
+            held.release()
 
     # ------------------------------------------------------------------------ starting
 
@@ -207,6 +241,9 @@ class RunCheckpoints:
                 hint="resume from an earlier step directory, or delete this one"))
         if loaded.rng is not None:
             checkpoint.restore_rng(loaded.rng)
+        if not checkpoint.is_verified(meta):
+            self.say(f"note: {found} records no checksums (written by an earlier tpc): its files "
+                     "were loaded without verifying them")
         at = (f" at length {data.get('seq')} of --curriculum {self.curriculum['spec']}"
               if self.curriculum and data.get("seq") is not None else "")
         self.say(describe_resume(meta, self.meta, found, step) + at +

@@ -99,6 +99,12 @@ def test_interpreter_eval_loss_is_plain_pytorch(case, tmp_path):
 class _Engines:
     """Stands where `RunCheckpoints` would: keeps the training engines to look at afterwards."""
 
+    def lock(self):
+        pass
+
+    def unlock(self):
+        pass
+
     def start(self, engines):
         self.engines = engines
         return 0

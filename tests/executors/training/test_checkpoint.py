@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -209,6 +210,10 @@ def test_missing_empty_mismatched_and_corrupt_checkpoints_are_refused(tmp_path):
     shard = next((tmp_path / "step_000001").glob("*.distcp"))
     good = shard.read_bytes()
     shard.write_bytes(b"\0" * len(good))  # the right length, damaged contents
+    with pytest.raises(TpirError, match=rf"corrupt checkpoint: the file {shard.name} does not match the checksum"):
+        load_checkpoint(tmp_path, _fresh_template()[3])
+    meta_file = tmp_path / "step_000001" / "tpc.json"  # without checksums (an earlier tpc's) DCP finds it
+    meta_file.write_text(json.dumps({k: v for k, v in json.loads(meta_file.read_text()).items() if k != "files"}))
     with pytest.raises(TpirError, match=r"corrupt checkpoint: reading the shards failed \(\w+Error: "):
         load_checkpoint(tmp_path, _fresh_template()[3])
     shard.write_bytes(good[:50])

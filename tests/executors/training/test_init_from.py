@@ -255,7 +255,7 @@ def test_truncated_files_are_refused(exported, tmp_path, capsys):
     assert run(plan, out, "--steps", "5", "--data", data, "--checkpoint-dir", str(ck), "--resume") == 1
     err = capsys.readouterr().err
     assert f"{ck / 'step_000004'}: corrupt checkpoint: the data file {shard.name} is 100 bytes, its entries need " in err
-    assert "(truncated)" in err and "hint: resume from an earlier step directory" in err
+    assert "(truncated)" in err and "--resume continues from" in err
     assert not out.exists() and not (ck / "step_000005").exists()
 
 

@@ -136,6 +136,12 @@ class Watch:
     def after_step(self, engines, done):
         return self.inner.after_step(engines, done)
 
+    def lock(self):
+        self.inner.lock()
+
+    def unlock(self):
+        self.inner.unlock()
+
 
 def train(plan, name: str, steps: int, ck: Path, resume: bool = False):
     """`tpc run --interpret` of `plan` (library form): losses, and what it held after starting."""
