@@ -31,13 +31,14 @@ with a boolean mask (they run `nonzero`). And, by wrapping the methods while it 
 `Tensor.tolist()`, `Tensor.numpy()` and `Tensor.cpu()` (which on CPU tensors never reach the
 dispatcher).
 
-What it cannot see on the CPU. A copy between devices: `.to("cpu")`, `.to(other_device)` or a
-`copy_` from a GPU tensor is a plain copy when every tensor is on the CPU, and so is a
+What it cannot see on the CPU. A copy between devices: with every tensor on the CPU there is
+none (`.to("cpu")`, `.to(device)` and `copy_` stay on the CPU, most of them without reaching the
+dispatcher), so a device-to-host copy (`.to("cpu")` of a GPU tensor) goes unseen, and so does a
 host-to-device copy from pageable memory, which on CUDA waits for the stream too (`.to(device)`
 without `non_blocking`). Explicit `torch.cuda.synchronize()` calls (the engine makes one per
 instruction when tracing, on purpose: the trace's times need it). And anything another thread
 does (the mode is per thread: the distributed executor's watchdog and gloo send threads are not
-watched). On a GPU, `torch.cuda.set_sync_debug_mode("error")` catches these.
+watched). On a GPU, `torch.cuda.set_sync_debug_mode("error")` catches the copies.
 
 Reads of host tensors that exist on any device are not device syncs and are not recorded:
 torch.optim keeps each parameter's step count as a CPU tensor (unless `capturable` or `fused`)
