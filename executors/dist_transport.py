@@ -398,7 +398,7 @@ class DistTransport:
         t = tensor.to(self.device)
         work = dist.all_reduce(t, group=self.groups.pipeline, async_op=True)
         self.wait(work, "the gradient norms of the other pipeline ranks")
-        return t.cpu()
+        return t  # on the device: the step reads it once, with its loss
 
     # ---------------------------------------------------------------------------- waits
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from tpc.executors.dist_transport import Channels, DistTransport, Wire
-from tpc.executors.engine import DTYPES, Clock, RankEngine
+from tpc.executors.engine import DTYPES, Clock, RankEngine, loss_vector, read_step
 from tpc.executors.options import RunOptions
 from tpc.executors.plan_model import StageSource, slice_model
 from tpc.executors.run import CurriculumFlags, RunSetup, write_trace
@@ -105,22 +105,23 @@ class DistRanks:
         self.loss_rank = loss_rank  # evaluation: the global rank whose loss is broadcast
 
     def step(self, step: int, tokens: torch.Tensor) -> float:
-        """One training step; the step's loss, summed over all ranks."""
-        self.engine.run_step(step, tokens)
-        total = torch.tensor([self.engine.step_loss], dtype=torch.float64, device=self.device)
+        """One training step; the step's loss, summed over all ranks. The sum stays on the
+        device until the step's one read, with the gradient norm."""
+        total = loss_vector(self.engine.run_step(step, tokens), self.device)
         with self.transport.waiting("the loss of the other ranks"):
             dist.all_reduce(total)
-        return float(total)
+        return read_step([total], [self.engine])[0]
 
-    def evaluate(self, k: int, tokens: torch.Tensor) -> float:
+    def evaluate(self, k: int, tokens: torch.Tensor) -> torch.Tensor:
         """The evaluation program on batch `tokens`; the loss is broadcast from the last stage's
-        rank of replica 0 (after `reduce-loss` it holds the sum over the replicas)."""
-        self.engine.run_step(k, tokens)
+        rank of replica 0 (after `reduce-loss` it holds the sum over the replicas). On the
+        device: the evaluation reads its batches' losses once."""
+        own = self.engine.run_step(k, tokens)
         mine = self.engine.global_rank == self.loss_rank
-        loss = torch.tensor([self.engine.step_loss if mine else 0.0], dtype=torch.float64, device=self.device)
+        loss = loss_vector(own if mine else 0.0, self.device)
         work = dist.broadcast(loss, src=self.loss_rank, async_op=True)
         self.transport.wait(work, f"the evaluation loss from rank {self.loss_rank}")
-        return float(loss[0])
+        return loss[0]
 
     def gradients(self) -> dict[str, torch.Tensor]:
         return dict(self.engine.grads)

@@ -242,8 +242,10 @@ class RankEngine:
         self.peak_live = 0
         self.events: list[TraceEvent] = []
         self.clock = clock or Clock()
-        self.losses: list[float] = []
         self.grads: dict[str, torch.Tensor] = {}
+        # the step's global sum of squared gradients, on the device until the step's one read
+        # (`read_step`), and the norm the read gives (None when not computed)
+        self.grad_sq: torch.Tensor | None = None
         self.grad_norm: float | None = None
         self.step = -1
         self.pc = len(self.instrs)
@@ -271,11 +273,16 @@ class RankEngine:
         """Start one pass over the stream with the global batch `tokens` (batch, seq+1)."""
         self.step, self.pc = step, 0
         self.transport.start_step(step)
+        if tokens.device.type == "cpu" and self.device.type == "cuda":
+            # once per step, from pinned memory: a copy from pageable memory would wait for the
+            # stream (the loads then cut the micro-batches from it on the device)
+            tokens = tokens.pin_memory().to(self.device, non_blocking=True)
         self.tokens = tokens
         self.env: dict[Message, torch.Tensor] = {}
         self.ids: dict[int, torch.Tensor] = {}
         self.targets: dict[int, torch.Tensor] = {}
-        self.step_loss = 0.0
+        self.step_loss: torch.Tensor | float = 0.0  # on the device from the first loss on
+        self.grad_sq, self.grad_norm = None, None
         self.reduced: set[int] = set()  # ids of parameters already allreduced this step
 
     @property
@@ -286,16 +293,19 @@ class RankEngine:
     def current(self) -> Instr | None:
         return None if self.done else self.instrs[self.pc]
 
-    def run_step(self, step: int, tokens: torch.Tensor) -> float:
-        """Run the whole stream once (a transport that blocks instead of raising `Blocked`)."""
+    def run_step(self, step: int, tokens: torch.Tensor) -> torch.Tensor | float:
+        """Run the whole stream once (a transport that blocks instead of raising `Blocked`);
+        `end_step`'s loss, not read."""
         self.begin_step(step, tokens)
         while not self.done:
             self.execute_next()
         return self.end_step()
 
-    def end_step(self) -> float:
+    def end_step(self) -> torch.Tensor | float:
         """Finish a pass: every message handed off, nothing left behind. Returns the loss this
-        rank computed (the sum of its last-stage slices' scaled losses; 0 elsewhere)."""
+        rank computed (the sum of its last-stage slices' scaled losses, a float64 scalar on the
+        device; 0.0 elsewhere), not read: the executor reads it with the step's other values in
+        one transfer (`read_step`)."""
         self.transport.flush()
         if self.env:
             left = ", ".join(str(k) for k in sorted(self.env, key=_key_order))
@@ -304,8 +314,6 @@ class RankEngine:
                 loc=self.plan.program(self.pipe_rank).loc, where=self.plan.source,
                 hint="every forward output needs a send (or the next stage on this rank), every "
                      "received tensor a compute that uses it"))
-        self.step_loss = float(self.step_loss)  # the step's one wait for the device
-        self.losses.append(self.step_loss)
         return self.step_loss
 
     def execute_next(self) -> None:
@@ -522,7 +530,7 @@ class RankEngine:
         self.transport.reduce_replicas(instr.stage, grads)
 
     def _reduce_loss(self, instr: Instr) -> None:
-        total = torch.as_tensor(self.step_loss, dtype=torch.float64, device=self.device).reshape(1).clone()
+        total = loss_vector(self.step_loss, self.device)
         self.transport.reduce_loss(total)
         self.step_loss = total[0]
 
@@ -535,11 +543,11 @@ class RankEngine:
 
             for _, p in self.named_parameters:
                 _grad_of(p)
-            self.grad_norm = clip_global(
+            self.grad_sq = clip_global(
                 self.named_parameters, self.options.grad_clip,
                 skip=copies_not_owned(self.header, self.pipe_rank, {
                     s: [n for n, _ in st.named_parameters] for s, st in self.stages.items()}),
-                sum_over_pipeline=self.transport.sum_over_pipeline)
+                sum_over_pipeline=self.transport.sum_over_pipeline, device=self.device)
         self.optimizer.set_lr(self.options.lr_at(self.step))
         self.optimizer.step()
 
@@ -550,6 +558,30 @@ class RankEngine:
             if n == name:
                 return p
         return None
+
+
+STEP_READ = "the step's loss and gradient norm"
+
+
+def read_step(losses: list, engines: list[RankEngine]) -> list[float]:
+    """The step's one wait for the device: `losses` (tensors on the device, or numbers) and the
+    summed squared gradients of every engine that computed them, read in one transfer
+    (tpc.executors.host_sync.read). Sets each engine's `grad_norm`; returns the losses."""
+    from tpc.executors.host_sync import read
+    from tpc.executors.training.clip import grad_norm
+
+    got = read([*losses, *(e.grad_sq for e in engines)], STEP_READ)
+    for e, sq in zip(engines, got[len(losses):]):
+        e.grad_norm = None if sq is None else grad_norm(sq)
+    return got[:len(losses)]
+
+
+def loss_vector(loss: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    """A rank's loss as a fresh float64 vector of one element on `device`, to sum over ranks in
+    place (a rank without the last stage has 0.0: a zero made there, nothing copied over)."""
+    if isinstance(loss, torch.Tensor):
+        return loss.detach().to(torch.float64).reshape(1).clone()
+    return torch.full((1,), float(loss), dtype=torch.float64, device=device)
 
 
 def _grad_of(p: torch.nn.Parameter) -> torch.Tensor:

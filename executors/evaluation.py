@@ -14,7 +14,8 @@ the one it would have been).
 
 Each executor gives `Evaluation` one function, `run_batch(k, tokens) -> loss`, that runs the
 evaluation program once on every rank it holds and returns the loss (the same on every rank:
-the interpreter reads it from the last stage, the distributed executor broadcasts it from there).
+the interpreter takes it from the last stage, the distributed executor broadcasts it from
+there), on the device: the evaluation reads its batches' losses in one transfer at its end.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from tpc.executors.host_sync import read
 from tpc.executors.options import RunOptions
 from tpc.executors.training.progress import perplexity  # noqa: F401 - the one definition, re-exported
 from tpc.ir.diagnostics import Diagnostic, TpirError
@@ -68,7 +70,7 @@ class Evaluation:
     batches: object  # EvalBatches: get(k), count
     every: int
     total: int  # the step the run ends at
-    run_batch: Callable[[int, torch.Tensor], float]
+    run_batch: Callable[[int, torch.Tensor], "torch.Tensor | float"]
     device: torch.device = torch.device("cpu")
 
     def due(self, done: int) -> bool:
@@ -80,5 +82,6 @@ class Evaluation:
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             losses = [self.run_batch(k, self.batches.get(k)) for k in range(self.batches.count)]
+        losses = read(losses, "the validation loss")  # one wait for the device, for all batches
         return math.fsum(losses) / len(losses)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpc.executors.training.batches import BatchSource, RandomTokens
-from tpc.executors.engine import Blocked, Clock, RankEngine, RankError, TraceEvent
+from tpc.executors.engine import Blocked, Clock, RankEngine, RankError, TraceEvent, read_step
 from tpc.executors.options import RunOptions
 from tpc.executors.plan_model import StageSource, load_plan_model
 from tpc.ir.diagnostics import Diagnostic, TpirError
@@ -324,19 +324,20 @@ class InterpretedRanks:
         self.plan, self.engines, self.model, self.device = plan, engines, model, device
         self.loss_rank = loss_rank
 
-    def _run(self, step: int, tokens: torch.Tensor) -> list[float]:
+    def _run(self, step: int, tokens: torch.Tensor) -> list:
+        """Every engine's stream once; their losses, on the device (not read)."""
         for e in self.engines:
             e.begin_step(step, tokens)
         run_cooperatively(self.engines)
-        losses = [e.end_step() for e in self.engines]
-        if self.device.type == "cuda":  # the optimizer's kernels may still be running
-            torch.cuda.synchronize(self.device)
-        return losses
+        return [e.end_step() for e in self.engines]
 
     def step(self, step: int, tokens: torch.Tensor) -> float:
-        return sum(self._run(step, tokens))
+        # the step's one read: every rank's loss and gradient norm in one transfer, queued after
+        # the optimizer's kernels, so the step is done on the device when it returns
+        return sum(read_step(self._run(step, tokens), self.engines))
 
-    def evaluate(self, k: int, tokens: torch.Tensor) -> float:
+    def evaluate(self, k: int, tokens: torch.Tensor) -> torch.Tensor | float:
+        """The loss of batch `k`, on the device: the evaluation reads its batches' losses once."""
         return self._run(k, tokens)[self.loss_rank]
 
     def gradients(self) -> dict[str, torch.Tensor]:
@@ -369,7 +370,7 @@ def interpret(plan: "Plan | PlanSet", options: RunOptions | None = None, *,
     and saves all ranks' state when due.
     `verify=False` skips the verifier (to study a broken plan). `keep_grads=False` keeps no
     copy of the gradients (benchmarks time steps without that copy). On CUDA each step's time
-    is taken after the device has finished the step.
+    is taken after the device has finished the step (the step's one read waits for it).
     `eval_batches` (`tpc.executors.training.eval_data.EvalBatches`: get(k), count) runs the
     (longest) plan's evaluation program (executors/evaluation.py) before the first step (of a
     run from step 0), after every `options.eval_every` steps and after the last; `on_eval(done,

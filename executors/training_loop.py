@@ -24,7 +24,9 @@ What the loop does, in order:
 4. an evaluation before the first step, when the run starts at step 0;
 5. each step: the plan of its length runs on `batches.get(step)` and gives the global loss
    (a loss that is not a finite number stops the run there, before anything of the step is
-   saved, unless `options.allow_nonfinite_loss`); the first step's gradients are kept; the evaluation when due; `on_step(step, loss, info)`;
+   saved, unless `options.allow_nonfinite_loss`); the step reads the device once, for its loss
+   and gradient norm together (executors/host_sync.py: each step and evaluation is `watched`);
+   the first step's gradients are kept; the evaluation when due; `on_step(step, loss, info)`;
    a checkpoint when due (and the best one after an evaluation, with --save-best).
 
 This loop is what a library user will drive (tpc as a library); it holds no process state of
@@ -40,6 +42,7 @@ from typing import Callable, ContextManager, Mapping, Protocol
 
 import torch
 
+from tpc.executors.host_sync import watched
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
 
@@ -181,7 +184,7 @@ class TrainingLoop:
                     start = self.checkpoints.start(first.engines)
             executor.start()
             if evaluation is not None and start == 0:
-                with executor.waiting("the evaluation before the first step"):
+                with executor.waiting("the evaluation before the first step"), watched("the evaluation"):
                     out.eval_losses.append((0, evaluation.run()))
                 if self.on_eval is not None:
                     self.on_eval(0, out.eval_losses[-1][1])
@@ -189,25 +192,26 @@ class TrainingLoop:
                 seq, plan = plans.plan_at(step)
                 current = out.last = ranks[seq]
                 executor.about_to_step(current)
-                started = time.perf_counter()
-                loss = current.step(step, self.batches.get(step))
-                if not math.isfinite(loss) and not options.allow_nonfinite_loss:
-                    raise nonfinite_loss(step, loss, self.checkpoints)
-                out.losses.append(loss)
-                if step == start:
-                    out.first_grads = current.gradients()
-                step_time = time.perf_counter() - started
-                val = None
-                if evaluation is not None and evaluation.due(step + 1):
-                    with executor.waiting("the evaluation"):
-                        val = evaluation.run()
-                    out.eval_losses.append((step + 1, val))
-                if self.on_step is not None:
-                    info = dict(lr=options.lr_at(step), grad_norm=current.engines[0].grad_norm,
-                                step_time=step_time, val_loss=val)
-                    if plans.curriculum:
-                        info.update(seq=seq, tokens=plan.header.tokens_per_step)
-                    self.on_step(step, loss, info)
+                with watched(f"step {step + 1}"):  # the device is read once, by the step itself
+                    started = time.perf_counter()
+                    loss = current.step(step, self.batches.get(step))
+                    if not math.isfinite(loss) and not options.allow_nonfinite_loss:
+                        raise nonfinite_loss(step, loss, self.checkpoints)
+                    out.losses.append(loss)
+                    if step == start:
+                        out.first_grads = current.gradients()
+                    step_time = time.perf_counter() - started
+                    val = None
+                    if evaluation is not None and evaluation.due(step + 1):
+                        with executor.waiting("the evaluation"):
+                            val = evaluation.run()
+                        out.eval_losses.append((step + 1, val))
+                    if self.on_step is not None:
+                        info = dict(lr=options.lr_at(step), grad_norm=current.engines[0].grad_norm,
+                                    step_time=step_time, val_loss=val)
+                        if plans.curriculum:
+                            info.update(seq=seq, tokens=plan.header.tokens_per_step)
+                        self.on_step(step, loss, info)
                 if self.checkpoints is not None:
                     with executor.waiting("the other ranks to write their checkpoint shards"):
                         self.checkpoints.after_step(current.engines, step + 1)

@@ -43,6 +43,7 @@ SLOW = (
     "tests/bench/test_gpu_slicing_smoke.py::test_smoke_run_prints_three_filled_tables",
     "tests/bench/test_gpu_slicing_smoke.py::test_timed_steps_size_kv_as_the_engine_and_copy_no_gradients",
     "tests/executors/test_evaluation.py::test_torchrun_eval_loss_is_the_interpreters_and_plain_pytorch",
+    "tests/executors/test_host_sync.py::test_two_gloo_ranks_read_the_device_once_a_step",
     "tests/executors/test_multinode.py",
     "tests/executors/training/test_curriculum.py::test_two_gloo_ranks_match_plain_pytorch_and_resume_mid_curriculum",
     "tests/executors/training/test_reshard.py::test_gloo_ranks_resume_under_another_split",

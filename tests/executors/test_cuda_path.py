@@ -94,39 +94,25 @@ def test_allreduce_keeps_one_flat_buffer_the_gradients_live_in(one_process_group
     assert t.allreduce(0, [c]) is not None and torch.equal(t.flat[0], c)
 
 
-class _Total:
-    """The summed squares as a device tensor would be: counts its transfers to the host."""
-
-    def __init__(self, value: float):
-        self.value, self.transfers = value, 0
-
-    def __float__(self):
-        self.transfers += 1
-        return self.value
-
-
-def test_the_gradient_norm_reaches_the_host_once_per_step():
-    from tpc.executors.training.clip import clip_global, local_sq_norm
+def test_clipping_by_the_gradient_norm_never_reads_the_device():
+    from tpc.executors.host_sync import HostSyncMonitor
+    from tpc.executors.training.clip import clip_global, grad_norm, local_sq_norm
 
     params = [(f"p{k}", torch.nn.Parameter(torch.randn(4, 4))) for k in range(5)]
     for _, p in params:
         p.grad = torch.randn(4, 4)
-    # the rank's share stays on the gradients' device (here: meta, which has no host copy)
+    # the rank's share stays on the gradients' device (here: meta, which has no host copy), and
+    # so do the pipeline's sum and the factor: the step reads the sum once, with its loss
     meta = [(n, torch.nn.Parameter(torch.empty(4, 4, device="meta"))) for n, _ in params]
     for _, p in meta:
         p.grad = torch.empty(4, 4, device="meta")
     assert local_sq_norm(meta).device.type == "meta"
-    seen = []
-
-    def sum_over_pipeline(t):
-        total = _Total(float(t))
-        seen.append(total)
-        return total
-
+    assert clip_global(meta, 1e-3, sum_over_pipeline=lambda t: t).device.type == "meta"
     want = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for _, p in params)))
-    norm = clip_global(params, 1e-3, sum_over_pipeline=sum_over_pipeline)
-    assert seen[0].transfers == 1
-    assert norm == pytest.approx(want, rel=1e-6)
+    with HostSyncMonitor() as monitor:
+        total = clip_global(params, 1e-3, sum_over_pipeline=lambda t: t)
+    assert not monitor.syncs, monitor.report()
+    assert grad_norm(total) == pytest.approx(want, rel=1e-6)
     clipped = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for _, p in params)))
     assert clipped == pytest.approx(1e-3, rel=1e-4)
 

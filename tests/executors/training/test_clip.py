@@ -79,8 +79,10 @@ def test_clip_global_with_a_summing_callback_matches_clip_grad_norm():
     shares = [local_sq_norm(r, s) for r, s in zip(ranks, skips)]
     # what an all_reduce over the pipeline group returns: every rank's share summed. Here the two
     # "ranks" share one tied tensor (real ranks hold copies), so rank 1 must not scale it again.
-    norms = [clip_global(r if i == 0 else [(n, p) for n, p in r if n not in skips[1]], 0.5, skip=skips[i],
-                         sum_over_pipeline=lambda _: shares[0] + shares[1]) for i, r in enumerate(ranks)]
+    # clip_global returns the summed squares (on the device); the norm is their root on the host
+    norms = [grad_norm(clip_global(r if i == 0 else [(n, p) for n, p in r if n not in skips[1]], 0.5,
+                                   skip=skips[i], sum_over_pipeline=lambda _: shares[0] + shares[1]))
+             for i, r in enumerate(ranks)]
     assert norms[0] == norms[1] and math.isclose(norms[0], float(total_ref), rel_tol=1e-6)
     for (n, a), b in zip(ref.named_parameters(), mine.parameters()):
         assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=0), n
