@@ -78,16 +78,20 @@ def _same_but_within_exchanges(batched, ordered):
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
 def test_every_schedule_passes_nccl_rules_with_ordered_exchanges(name):
-    """Printed and read back as `tpc compile` writes it, the evaluation program included."""
+    """The evaluation program included; the first of each schedule's plans printed and read
+    back as `tpc compile` writes it."""
     count = split = 0
     for header in _headers(name):
         compute = build_schedule(name, header)
         batched = lower(header, compute, verify=False)
         plan = lower(header, compute, verify=False, exchanges="ordered")
         plan = dataclasses.replace(plan, eval=eval_program(plan.header, None, "nccl", Exchanges.ORDERED))
-        text = print_plan(plan)
-        assert "exchange" not in text.replace(ORDERED_NOTE, "")
-        diags = verify(parse(text, file="plan.tpir"), "nccl")
+        assert not any(i.op is Op.EXCHANGE for p in (*plan.ranks, *plan.eval.ranks) for i in p.instrs)
+        if count == 0:  # as `tpc compile` writes it (printing and parsing cost more than the rest)
+            text = print_plan(plan)
+            assert "exchange" not in text.replace(ORDERED_NOTE, "")
+            plan = parse(text, file="plan.tpir")
+        diags = verify(plan, "nccl")
         where = f"{name} {header.mesh} slices {header.microbatches[0].lengths}"
         assert diags == [], f"{where}: {diags[0].render()}"
         _same_but_within_exchanges(batched.ranks, plan.ranks)
