@@ -52,7 +52,9 @@ batched plan's events (a message, matched when both its ends are posted; a colle
 order each rank imposes on them (every event of an entry before every event of the rank's next
 entry: `semantics.comm_entries`), a directed graph, and sorts it topologically, choosing among
 the events that are free the one with the lowest (sender rank, receiver rank, sender position).
-Each rank writes each exchange's members in that order. The order is deadlock-free under NCCL's
+Each rank writes each exchange's members in that order, and each receive among them goes back
+down past the computes towards its consumer (single, it would hold the compute after it), but
+never past another operation. The order is deadlock-free under NCCL's
 rules: the earliest event not yet done has, on each of its ranks, every earlier operation done,
 so both its ends are posted. In a cycle of two ranks the lower rank sends first and the higher
 receives first; in a ring the lowest rank sends first and every other rank receives first. The
@@ -392,15 +394,40 @@ def order_exchanges(header: Header, streams: Streams) -> Streams:
                 members[e.at] = [p for p, _, _, _ in ops]
                 inside.update(range(e.at, e.at + 1 + (stream[e.at].count or 0)))
         new: list[Instr] = []
+        moved: list[int] = []  # positions in `new` of the exchanges' receives
         for p, instr in enumerate(stream):
             if p in members:
-                new += [stream[q] for q in members[p]]
+                for q in members[p]:
+                    if stream[q].op is Op.RECV:
+                        moved.append(len(new))
+                    new.append(stream[q])
             elif p not in inside:
                 new.append(instr)
+        for at in reversed(moved):
+            _sink(new, at)
         out[r] = tuple(new)
     if order:
         check_ordered(header, out)
     return out
+
+
+def _sink(stream: list[Instr], at: int) -> None:
+    """Move the receive at `at` down past the computes (and loads, free-kvs) of other (stage,
+    micro-batch)s, up to its consumer or the rank's next other instruction. An exchange's
+    receive was moved up to its partner's send; single, it holds what follows it on the rank
+    (NCCL orders the compute after it), so it goes back towards its consumer, but never past
+    another send, receive or collective: the order of the rank's operations, which
+    `order_exchanges` chose, is kept."""
+    recv = stream[at]
+    j = at
+    while j + 1 < len(stream):
+        nxt = stream[j + 1]
+        passable = nxt.op in COMPUTE_OPS or nxt.op in (Op.LOAD, Op.FREE_KV)
+        if not passable or (nxt.stage, nxt.mb) == (recv.stage, recv.mb):
+            break
+        j += 1
+    if j > at:
+        stream[at:j + 1] = stream[at + 1:j + 1] + [recv]
 
 
 def check_ordered(header: Header, streams: Streams) -> None:

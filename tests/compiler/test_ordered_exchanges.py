@@ -3,8 +3,8 @@ rendezvous rules run (compiler/lowering/lower.py, `order_exchanges`).
 
 Every schedule the compiler ships x pipeline ranks {2, 4} x stages per rank x slices {1, 3,
 unequal} x dp {1, 2} lowers to a plan with no `exchange` that the verifier passes under NCCL's
-rules, its evaluation program too, with the batched plan's instructions reordered only inside
-each exchange; in a pair of ranks the lower sends first, in a ring the lowest; the plan says on
+rules, its evaluation program too, with the batched plan's operations reordered only inside
+each exchange (and its receives moved down towards their consumers); in a pair of ranks the lower sends first, in a ring the lowest; the plan says on
 its `schedule` line how it was lowered; an order in which both ranks send first is a deadlock
 the verifier reports, and lowering refuses one, naming the schedule and the ranks."""
 
@@ -21,7 +21,7 @@ from tpc.compiler.options import check_options
 from tpc.compiler.schedules import SCHEDULES, build_schedule, placement_of, stages_per_rank, with_replicas
 from tpc.compiler.schedules.placement import PLACEMENTS
 from tpc.ir.diagnostics import TpirError
-from tpc.ir.nodes import Op
+from tpc.ir.nodes import COMPUTE_OPS, Op
 from tpc.ir.parse import parse
 from tpc.ir.printer import print_plan
 from tpc.ir.verify import verify
@@ -65,15 +65,22 @@ def _groups(instrs):
     return out
 
 
+WORK = COMPUTE_OPS | {Op.LOAD, Op.FREE_KV}  # what an exchange's receive may sink past
+
+
 def _same_but_within_exchanges(batched, ordered):
-    """`ordered` is `batched` without its `exchange` lines, each exchange's members permuted."""
+    """`ordered` is `batched` without its `exchange` lines: the computes, loads and free-kvs in
+    the same order, and the sends, receives and collectives in the same order but for each
+    exchange's members, permuted (a receive may have sunk past computes towards its consumer)."""
     for b, o in zip(batched, ordered):
+        assert [i for i in o.instrs if i.op in WORK] == [i for i in b.instrs if i.op in WORK]
+        comm = [i for i in o.instrs if i.op not in WORK]
         at = 0
-        for group in _groups(b.instrs):
-            mine = o.instrs[at: at + len(group)]
+        for group in _groups([i for i in b.instrs if i.op not in WORK]):
+            mine = comm[at: at + len(group)]
             assert sorted(map(str, mine)) == sorted(map(str, group)), (b.rank, at, group, mine)
             at += len(group)
-        assert at == len(o.instrs)
+        assert at == len(comm)
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
@@ -214,3 +221,15 @@ def test_compile_help_says_what_each_choice_does(capsys):
     text = " ".join(sub.format_help().split())
     assert "--exchanges {batched,ordered}" in text
     assert "(default: batched)" in text and "the lower sends first" in text
+
+
+def test_a_receive_moved_up_to_its_exchange_goes_back_down_to_the_next_operation():
+    """1F1B, 3 slices: rank 0 sends the activation of mb 1 slice 0 and then takes the gradient
+    of mb 0 slice 2, which it needs only for its backward after two more forwards. Single, that
+    receive would hold the forward after it (NCCL orders the compute after a receive), so it
+    sinks to just before the rank's next send; the order of the operations stays."""
+    header = make_header(2, slices=3, mbs=4, schedule="1f1b")
+    instrs = [str(i) for i in lower(header, build_schedule("1f1b", header), exchanges="ordered").ranks[0].instrs]
+    at = instrs.index("recv grad stage 0 mb 0 slice 2 from 1")
+    assert instrs[at - 2: at + 2] == ["send act stage 0 mb 1 slice 0 to 1", "forward stage 0 mb 1 slice 1",
+                                      "recv grad stage 0 mb 0 slice 2 from 1", "send act stage 0 mb 1 slice 1 to 1"]
