@@ -4,9 +4,10 @@ rendezvous rules run (compiler/lowering/lower.py, `order_exchanges`).
 Every schedule the compiler ships x pipeline ranks {2, 4} x stages per rank x slices {1, 3,
 unequal} x dp {1, 2} lowers to a plan with no `exchange` that the verifier passes under NCCL's
 rules, its evaluation program too, with the batched plan's operations reordered only inside
-each exchange (and its receives moved down towards their consumers); in a pair of ranks the lower sends first, in a ring the lowest; the plan says on
-its `schedule` line how it was lowered; an order in which both ranks send first is a deadlock
-the verifier reports, and lowering refuses one, naming the schedule and the ranks."""
+each exchange (and its receives moved down towards their consumers); in a pair of ranks the
+lower sends first, in a ring the lowest; the plan says on its `schedule` line how it was
+lowered; an order in which both ranks send first is a deadlock the verifier reports, and
+lowering refuses one, naming the schedule and the ranks."""
 
 from __future__ import annotations
 
@@ -185,7 +186,8 @@ def test_both_ranks_sending_first_is_a_deadlock_the_verifier_reports():
     for d, (r, peer) in zip(diags, ((0, 1), (1, 0))):
         assert d.message == (f"deadlock under NCCL's rules: rank {r} waits here forever for rank "
                              f"{peer} to post the matching receive")
-        assert str(plan.ranks[r].instrs[[i.loc.line for i in plan.ranks[r].instrs].index(d.loc.line)]).startswith("send")
+        at = next(i for i in plan.ranks[r].instrs if i.loc.line == d.loc.line)
+        assert at.op is Op.SEND, at
 
 
 def test_lowering_refuses_an_order_that_blocks_naming_the_schedule_and_the_ranks():
@@ -233,3 +235,15 @@ def test_a_receive_moved_up_to_its_exchange_goes_back_down_to_the_next_operation
     at = instrs.index("recv grad stage 0 mb 0 slice 2 from 1")
     assert instrs[at - 2: at + 2] == ["send act stage 0 mb 1 slice 0 to 1", "forward stage 0 mb 1 slice 1",
                                       "recv grad stage 0 mb 0 slice 2 from 1", "send act stage 0 mb 1 slice 1 to 1"]
+
+
+def test_a_schedule_file_is_lowered_batched_only():
+    from tpc.cli.compile import compile_schedule_from_args
+    from tpc.cli.main import build_parser
+
+    args = build_parser().parse_args(["compile", "m.py", "-o", "p.tpir", "--seq-len", "16", "--batch", "2",
+                                      "--schedule-file", "s.csv", "--exchanges", "ordered"])
+    with pytest.raises(TpirError) as err:  # before any file is read
+        compile_schedule_from_args(args)
+    d = err.value.diagnostics[0]
+    assert d.where == "--exchanges" and "--schedule-file" in d.message and "leave out --exchanges" in d.hint
