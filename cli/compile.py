@@ -36,7 +36,8 @@ def parse_lengths(spec) -> tuple[int, ...]:
 
 # the options `tpc compile` has a flag for, by field name (seq_len and batch are read apart)
 FLAGS = ("stages", "microbatches", "slices", "schedule", "dp", "ranks", "factory", "cost", "device_model",
-         "memory_per_rank", "explain", "quiet", "virtual_stages", "recompute", "comm", "print_after")
+         "memory_per_rank", "explain", "quiet", "virtual_stages", "recompute", "comm", "exchanges",
+         "print_after")
 
 
 def print_after_names(values) -> tuple[str, ...]:
@@ -68,6 +69,10 @@ def compile_schedule_from_args(args):
         if value is not None:
             raise _error(option, f"{option} with --schedule-file: the schedule file fixes the schedule, "
                          "the stages and their placement", f"leave out {option}")
+    if args.exchanges is not None and args.exchanges != DEFAULTS["exchanges"]:
+        raise _error("--exchanges", f"--exchanges {args.exchanges} with --schedule-file: the plan of a "
+                     "schedule file is lowered with batched exchanges only",
+                     "leave out --exchanges, or compile a built-in schedule (--schedule NAME)")
     stages = None if args.stages is None else parse_stages(args.stages)
     microbatches = None if args.microbatches is None else parse_microbatches(args.microbatches)
     for option, value in (("--stages", stages), ("--microbatches", microbatches)):

@@ -132,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
+    from tpc.compiler.lowering.lower import Exchanges
     from tpc.compiler.options import DEFAULTS as D
     from tpc.compiler.pipeline import PASS_NAMES
 
@@ -169,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--explain", action="store_true", help="print the candidates the optimiser considered and why it chose")
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     c.add_argument("--comm", type=CommRules, choices=tuple(CommRules), default=D["comm"], help=f"the backend the plan is for, whose communication rules it is lowered, searched and verified under (default: {D['comm']}): nccl (CUDA: a send completes only when its receive is posted, so sends and receives that two ranks must post together become one `exchange`) or gloo (CPU: buffered sends, no exchanges needed). A plan for nccl also runs on gloo (docs/training.md, 'Communication')")
+    c.add_argument("--exchanges", default=None, choices=tuple(e.value for e in Exchanges), help=f"with --comm nccl, how the sends and receives two or more ranks must post at the same time are written (default: {D['exchanges']}): batched (one `exchange N`, issued as one batch_isend_irecv, both directions' transfers overlapping) or ordered (single sends and receives, in an order NCCL's rules run without a batch: in a pair of ranks the lower sends first; for GPUs on which batched exchanges hang; docs/training.md, 'Communication')")
     c.add_argument("--print-after", action="append", default=None, metavar="PASS",
                    help="print the IR (canonical .tpir text, on stdout) after the pass PASS; several: "
                    "repeat the flag or separate names by commas; 'all': after every pass. The passes, in "

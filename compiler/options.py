@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from tpc.compiler.schedules import SCHEDULES, replicas, stages_per_rank
 from tpc.compiler.optimise.slicing import AUTO, check_slices, equal_slices, ranges_of, slice_example
 from tpc.ir.diagnostics import Diagnostic, TpirError
-from tpc.ir.semantics import COMMS, DEFAULT_COMM, CommRules
+from tpc.compiler.lowering.lower import DEFAULT_EXCHANGES, EXCHANGES, Exchanges
+from tpc.ir.semantics import COMMS, DEFAULT_COMM, GLOO, CommRules
 
 # Without a cost model (which the optimiser needs), `--slices auto` cuts the sequence into
 # this many equal slices (about L/8 tokens each): enough to fill a short pipeline, few enough
@@ -69,6 +70,11 @@ class CompileOptions:
     # the communication rules the plan is lowered, searched and verified for (tpc.ir.semantics):
     # NCCL's (CUDA; sends paired into exchanges; a plan for them also runs on gloo) or GLOO's (CPU)
     comm: CommRules = DEFAULT_COMM
+    # how a plan for NCCL carries the sends and receives ranks must post together
+    # (compiler/lowering/lower.py): batched, one `exchange N` (one batch_isend_irecv) each, where
+    # both directions' transfers overlap; or ordered, single operations in a deadlock-free order,
+    # for GPUs on which a batched exchange hangs (docs/training.md, 'Communication')
+    exchanges: Exchanges = DEFAULT_EXCHANGES
     # the passes after which the compile prints the IR (compiler/passes.py; "all": every one)
     print_after: tuple[str, ...] = ()
 
@@ -158,6 +164,15 @@ def _check(o: CompileOptions) -> None:
     except ValueError:
         raise _error("--comm", f"unknown communication rules {o.comm!r}",
                      "choose " + " or ".join(f"{k} ({v})" for k, v in COMMS.items())) from None
+    try:
+        object.__setattr__(o, "exchanges", Exchanges.of(o.exchanges))
+    except ValueError:
+        raise _error("--exchanges", f"unknown exchange lowering {o.exchanges!r}",
+                     "choose " + " or ".join(f"{k} ({v})" for k, v in EXCHANGES.items())) from None
+    if o.exchanges is not DEFAULT_EXCHANGES and o.comm == GLOO:
+        raise _error("--exchanges", f"--exchanges {o.exchanges} with --comm gloo: a plan for gloo's "
+                     "buffered sends has no exchange to order",
+                     "leave out --exchanges, or compile for --comm nccl")
     # pass names (compiler/pipeline.py); which are valid, the pipeline of these options says
     after = (o.print_after,) if isinstance(o.print_after, str) else tuple(o.print_after or ())
     object.__setattr__(o, "print_after", after)
@@ -355,4 +370,6 @@ def check_options(**given) -> CompileOptions:
         o["recompute"] = str(o["recompute"]).strip().lower()
     if "print_after" in o:
         o["print_after"] = tuple(o["print_after"] or ())
+    if isinstance(o.get("exchanges"), str):
+        o["exchanges"] = o["exchanges"].strip().lower()
     return CompileOptions(**o)

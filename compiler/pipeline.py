@@ -28,6 +28,7 @@ from tpc.compiler.header import (
     slicing_summary,
     slicings,
 )
+from tpc.compiler.lowering.lower import DEFAULT_EXCHANGES, Exchanges
 from tpc.compiler.options import CompileOptions
 from tpc.compiler.passes import Pass
 from tpc.compiler.schedules import stages_per_rank
@@ -193,6 +194,7 @@ def search_space(opts: CompileOptions, num_units: int, split=None):
         skipped=tuple(skipped),
         ranges=None if split is None else tuple(split[2]),
         comm=opts.comm,
+        exchanges=opts.exchanges,
     )  # fmt: skip
 
 
@@ -324,17 +326,20 @@ class Recompute(Pass):
 @dataclass(frozen=True)
 class Lower(Pass):
     """Compute order to complete plan: loads, sends and receives, free-kv, reductions, the
-    exchanges NCCL's rules need, step (compiler/lowering/lower.py); verified by the driver."""
+    exchanges NCCL's rules need (batched, or `exchanges=ordered`: single operations in order),
+    step (compiler/lowering/lower.py); verified by the driver."""
 
     name = "lower"
     summary = "loads, sends/receives, free-kv, reductions, exchanges (NCCL), step"
     changes_plan = True
     comm: CommRules = DEFAULT_COMM
+    exchanges: Exchanges = DEFAULT_EXCHANGES
 
     def run(self, state, note):
         from tpc.compiler.lowering.lower import lower
 
-        plan = lower(state.header, state.compute, verify=False, comm=self.comm)  # the driver verifies
+        plan = lower(state.header, state.compute, verify=False, comm=self.comm,
+                     exchanges=self.exchanges)  # the driver verifies
         note(f"{sum(len(p.instrs) for p in plan.ranks)} instructions")
         return state.but(plan=plan)
 
@@ -348,12 +353,13 @@ class Evaluation(Pass):
     summary = "the forward-only evaluation program"
     changes_plan = True
     comm: CommRules = DEFAULT_COMM
+    exchanges: Exchanges = DEFAULT_EXCHANGES
 
     def run(self, state, note):
         from tpc.compiler.lowering.eval_program import eval_program
 
         plan = state.plan
-        ev = eval_program(plan.header, state.eval_microbatches, self.comm)
+        ev = eval_program(plan.header, state.eval_microbatches, self.comm, self.exchanges)
         plan = dataclasses.replace(plan, eval=ev)
         note(f"forward only, {sum(len(p.instrs) for p in ev.ranks)} instructions")
         return state.but(plan=plan)
@@ -410,9 +416,9 @@ def written(plan: Plan, output: str) -> str:
             f"schedule {h.schedule.name}, {n} instructions")
 
 
-def back_passes(comm: CommRules) -> list[Pass]:
+def back_passes(comm: CommRules, exchanges: Exchanges = DEFAULT_EXCHANGES) -> list[Pass]:
     """After the header: self-check, schedule, lower, eval (recompute goes before lower)."""
-    return [SelfCheck(), Schedule(), Lower(comm), Evaluation(comm)]
+    return [SelfCheck(), Schedule(), Lower(comm, exchanges), Evaluation(comm, exchanges)]
 
 
 def compile_passes(options: CompileOptions, split=None) -> list[Pass]:
@@ -428,7 +434,7 @@ def compile_passes(options: CompileOptions, split=None) -> list[Pass]:
                   Costs(o.cost, o.device_model), Search(o, split), EvalSlicing(o.microbatch_count)]
     else:
         passes = front_passes(o, split=split)
-    back = back_passes(o.comm)
+    back = back_passes(o.comm, o.exchanges)
     if o.recompute != "none":
         back.insert(2, Recompute(o.recompute, o.memory_per_rank, o.explain, o.quiet))
     return passes + back

@@ -45,6 +45,7 @@ SLOW = (
     "tests/executors/test_evaluation.py::test_torchrun_eval_loss_is_the_interpreters_and_plain_pytorch",
     "tests/executors/test_host_sync.py::test_two_gloo_ranks_read_the_device_once_a_step",
     "tests/executors/test_multinode.py",
+    "tests/executors/test_ordered_exchanges.py::test_two_gloo_ranks_with_the_rendezvous_wire_match_the_interpreter_and_autograd",
     "tests/executors/training/test_curriculum.py::test_two_gloo_ranks_match_plain_pytorch_and_resume_mid_curriculum",
     "tests/executors/training/test_reshard.py::test_gloo_ranks_resume_under_another_split",
     "tests/executors/training/test_resume.py::test_a_kill_during_a_save_leaves_a_checkpoint_that_resumes",

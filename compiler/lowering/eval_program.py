@@ -6,7 +6,8 @@ whole batch, counted over the micro-batches in order, reaches stage s at step g 
 several stages takes its forwards by that step, then by stage, which is one order for all ranks
 that every dependency respects, so the program cannot deadlock). Lowering is the training
 program's own passes, `insert_loads`, `insert_comm` and `insert_free_kv` (activations only: a
-forward sends nothing back; for NCCL, `insert_exchanges` as in training), and, with more than one data-parallel replica, `reduce-loss` on the
+forward sends nothing back; for NCCL, `insert_exchanges` as in training, and `order_exchanges` when
+the training's exchanges are ordered), and, with more than one data-parallel replica, `reduce-loss` on the
 rank of the last stage after its last forward. Nothing is stashed: the executors run these
 forwards without an autograd graph, and each micro-batch's KV cache is freed after its last
 slice.
@@ -24,7 +25,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from tpc.compiler.lowering.lower import insert_comm, insert_exchanges, insert_free_kv, insert_loads
+from tpc.compiler.lowering.lower import (
+    DEFAULT_EXCHANGES,
+    Exchanges,
+    insert_comm,
+    insert_exchanges,
+    insert_free_kv,
+    insert_loads,
+    order_exchanges,
+)
 from tpc.ir.nodes import EvalProgram, Header, Instr, Microbatch, Op, RankProgram
 from tpc.ir.semantics import DEFAULT_COMM, NCCL, CommRules
 
@@ -48,18 +57,20 @@ def forward_order(header: Header) -> dict[int, list[Instr]]:
 
 
 def eval_program(header: Header, microbatches: Sequence[Microbatch] | None = None,
-                 comm: CommRules = DEFAULT_COMM) -> EvalProgram:
+                 comm: CommRules = DEFAULT_COMM, exchanges: Exchanges = DEFAULT_EXCHANGES) -> EvalProgram:
     """The evaluation program of `header`'s mesh and stages, over `microbatches` (default: the
     training program's), on replica 0 of stages with weight replicas, for backend `comm`:
     under NCCL's rendezvous rules a rank holding several stages can wait on a neighbour that
     waits on it (rank 0 sends stage 0's output while rank 1 sends stage 1's back to rank 0),
-    so, as in training, `insert_exchanges` pairs those sends and receives."""
+    so, as in training, `insert_exchanges` pairs those sends and receives (and with
+    `exchanges=ORDERED`, `order_exchanges` writes them as single operations)."""
     mbs = tuple(microbatches) if microbatches is not None else header.microbatches
     # the evaluation runs on replica 0's pipeline (rule E1), where its loss is summed
     mbs = tuple(dataclasses.replace(m, replica=0) if m.replica else m for m in mbs)
     eval_header = dataclasses.replace(header, microbatches=mbs)
     streams = {r: tuple(v) for r, v in forward_order(eval_header).items()}
-    for run in EVAL_PASSES + ((insert_exchanges,) if comm == NCCL else ()):
+    nccl = (insert_exchanges,) + ((order_exchanges,) if Exchanges.of(exchanges) is Exchanges.ORDERED else ())
+    for run in EVAL_PASSES + (nccl if comm == NCCL else ()):
         streams = run(eval_header, streams)
     last = header.stage_ranks(header.num_stages - 1)[0]
     if header.mesh.data > 1:

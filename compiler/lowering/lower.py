@@ -16,6 +16,8 @@ else an executor needs, one small named pass at a time, each a pure function
 4. `insert_allreduce`  `allreduce stage S` after the last backward of S, when data > 1;
 5. `insert_exchanges`  (for NCCL's rules, tpc.ir.semantics) the sends and receives that ranks
                        must post at the same time become one `exchange N` on each rank;
+   `order_exchanges`   (`--exchanges ordered` only) each exchange written back as its single
+                       sends and receives, in an order NCCL's rules run without a batch;
 6. `insert_reduce_tied` `reduce-tied "NAME"` for each tie spanning several ranks, after every
                        backward and allreduce of the rank, in header order on every rank, so
                        the collectives of different ties can never wait on each other;
@@ -25,9 +27,9 @@ else an executor needs, one small named pass at a time, each a pure function
                        in one order, with no message left to wait for;
 8. `append_step`       `step` at the end.
 
-`lower(header, compute, comm=...)` runs them in that order and checks the result with the
-verifier under the rules of `comm` (NCCL, `DEFAULT_COMM`, unless told GLOO: then `insert_exchanges` is left
-out, since buffered sends need no exchange).
+`lower(header, compute, comm=..., exchanges=...)` runs them in that order and checks the result
+with the verifier under the rules of `comm` (NCCL, `DEFAULT_COMM`, unless told GLOO: then
+`insert_exchanges` is left out, since buffered sends need no exchange).
 
 How `insert_exchanges` finds the exchanges, from any compute order (no schedule is special):
 on NCCL a send completes only when its receive is posted, and the sends and receives between
@@ -42,13 +44,36 @@ always move up (it needs only its buffer, and stays above its consumer); a send 
 compute. The run then goes on, so every cycle is broken where it first appears, and a send is
 never delayed. An exchange is written where its first operation was, sends first. A cycle that
 cannot be broken this way is left for the verifier to report.
+
+How `order_exchanges` writes an exchange as single operations (`Exchanges.ORDERED`, for GPUs on
+which a batched send/receive hangs): each send and receive then blocks its rank on its own, so
+the members of the ranks' exchanges need one order that every rank follows. The pass takes the
+batched plan's events (a message, matched when both its ends are posted; a collective) and the
+order each rank imposes on them (every event of an entry before every event of the rank's next
+entry: `semantics.comm_entries`), a directed graph, and sorts it topologically, choosing among
+the events that are free the one with the lowest (sender rank, receiver rank, sender position).
+Each rank writes each exchange's members in that order, and each receive among them goes back
+down past the computes towards its consumer (single, it would hold the compute after it), but
+never past another operation. The order is deadlock-free under NCCL's
+rules: the earliest event not yet done has, on each of its ranks, every earlier operation done,
+so both its ends are posted. In a cycle of two ranks the lower rank sends first and the higher
+receives first; in a ring the lowest rank sends first and every other rank receives first. The
+graph has a cycle exactly when the batched plan deadlocks too (an event of a later entry is
+matched only after the earlier entries' events), so ordering resolves every plan batching
+does; the result is run once more under NCCL's rules (`check_ordered`) before it is written,
+and a plan that still blocks is refused, naming its schedule and ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
+from enum import Enum
 from typing import Callable, Mapping, Sequence
 
+import networkx as nx
+
+from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import BACKWARD_OPS, COMPUTE_OPS, Header, Instr, Op, Plan, RankProgram
 from tpc.ir.semantics import (
     DEFAULT_COMM,
@@ -67,6 +92,46 @@ from tpc.ir.semantics import (
 
 Streams = dict[int, tuple[Instr, ...]]
 Pass = Callable[[Header, Streams], Streams]
+
+
+class Exchanges(str, Enum):
+    """How a plan for NCCL's rules carries the sends and receives that ranks must post at the
+    same time (the module docstring): one `exchange N` each, issued as one `batch_isend_irecv`
+    (BATCHED), or single operations in an order that runs without a batch (ORDERED). A `str`
+    enum: `Exchanges("ordered")` reads a flag's spelling."""
+
+    BATCHED = "batched"
+    ORDERED = "ordered"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def summary(self) -> str:
+        return EXCHANGES[self]
+
+    @classmethod
+    def of(cls, value: "Exchanges | str") -> "Exchanges":
+        """`value` as an Exchanges, or its spelling; ValueError otherwise."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown exchange lowering {value!r}: use "
+                             + " or ".join(c.value for c in cls)) from None
+
+
+# The default: batched, one operation for the group, where both ranks' transfers overlap
+DEFAULT_EXCHANGES = Exchanges.BATCHED
+EXCHANGES: dict[Exchanges, str] = {
+    Exchanges.BATCHED: "each group of sends and receives ranks must post together is one "
+                       "`exchange N`, one batch_isend_irecv",
+    Exchanges.ORDERED: "no batch: the group's single sends and receives, in an order NCCL's rules "
+                       "run (in a pair of ranks the lower sends first), one after another",
+}
+# what an ordered plan says on its `schedule` line (a comment: no new syntax)
+ORDERED_NOTE = "--exchanges ordered: single sends and receives, no batch_isend_irecv of several"
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -287,6 +352,106 @@ def _can_move_up(stream: Sequence[Instr], entries: list, current: int, later: in
     return not any(_is_compute(stream[p]) for p in range(entries[current].at, op[0]))
 
 
+def order_exchanges(header: Header, streams: Streams) -> Streams:
+    """Each `exchange N` written as its N sends and receives, in the order of the topological
+    sort of the plan's events (the module docstring), so that single operations, each blocking
+    its rank until its partner is posted, run without a batch. Checked by `check_ordered`. A
+    plan that deadlocks batched too is written with each exchange's members as they were, for
+    the verifier to report."""
+    ranks = sorted(streams)
+    entries = {r: comm_entries(r, streams[r]) for r in ranks}
+    groups = collective_groups(header)
+    graph = nx.DiGraph()
+    priority: dict = {}
+    for r in ranks:
+        before: tuple = ()
+        for e in entries[r]:
+            if e.tie is not None:
+                if e.tie not in groups:
+                    continue  # run_comm skips it too
+                events: tuple = (("collective", e.tie),)
+                priority[events[0]] = (1, repr(e.tie))
+            else:
+                events = tuple(key for _, key, _, _ in e.p2p)
+                for p, key, is_send, _ in e.p2p:
+                    if is_send or key not in priority:  # the sender's position decides
+                        priority[key] = (0, key[0], key[1], p)
+            graph.add_nodes_from(events)
+            graph.add_edges_from((u, v) for u in before for v in events if u != v)
+            before = events
+    try:
+        order = {ev: i for i, ev in enumerate(nx.lexicographical_topological_sort(graph, key=priority.__getitem__))}
+    except nx.NetworkXUnfeasible:  # deadlocks batched too: the verifier says where
+        order = {}
+    out: Streams = {}
+    for r in ranks:
+        stream = streams[r]
+        members: dict[int, list[int]] = {}
+        inside: set[int] = set()
+        for e in entries[r]:
+            if stream[e.at].op is Op.EXCHANGE:
+                ops = sorted(e.p2p, key=lambda o: order.get(o[1], 0))  # stable: as written
+                members[e.at] = [p for p, _, _, _ in ops]
+                inside.update(range(e.at, e.at + 1 + (stream[e.at].count or 0)))
+        new: list[Instr] = []
+        moved: list[int] = []  # positions in `new` of the exchanges' receives
+        for p, instr in enumerate(stream):
+            if p in members:
+                for q in members[p]:
+                    if stream[q].op is Op.RECV:
+                        moved.append(len(new))
+                    new.append(stream[q])
+            elif p not in inside:
+                new.append(instr)
+        for at in reversed(moved):
+            _sink(new, at)
+        out[r] = tuple(new)
+    if order:
+        check_ordered(header, out)
+    return out
+
+
+def _sink(stream: list[Instr], at: int) -> None:
+    """Move the receive at `at` down past the computes (and loads, free-kvs) of other (stage,
+    micro-batch)s, up to its consumer or the rank's next other instruction. An exchange's
+    receive was moved up to its partner's send; single, it holds what follows it on the rank
+    (NCCL orders the compute after it), so it goes back towards its consumer, but never past
+    another send, receive or collective: the order of the rank's operations, which
+    `order_exchanges` chose, is kept."""
+    recv = stream[at]
+    j = at
+    while j + 1 < len(stream):
+        nxt = stream[j + 1]
+        passable = nxt.op in COMPUTE_OPS or nxt.op in (Op.LOAD, Op.FREE_KV)
+        if not passable or (nxt.stage, nxt.mb) == (recv.stage, recv.mb):
+            break
+        j += 1
+    if j > at:
+        stream[at:j + 1] = stream[at + 1:j + 1] + [recv]
+
+
+def check_ordered(header: Header, streams: Streams) -> None:
+    """Refuse (a TpirError at `--exchanges`) single sends and receives that block under NCCL's
+    rules: the ranks of the wait cycle, where each waits, and what would run instead."""
+    ranks = sorted(streams)
+    stuck = run_comm([comm_entries(r, streams[r]) for r in ranks], collective_groups(header), NCCL)
+    if not stuck:
+        return
+    waits = {r: b.waits_for for r, b in stuck.items()}
+    chain = wait_chain(waits, min(stuck))
+    cycle = chain[chain.index(chain[-1]):-1] if chain[-1] in chain[:-1] else chain
+    where = "; ".join(f"rank {r} at `{streams[r][stuck[r].at]}`, waiting for rank "
+                      f"{', '.join(map(str, stuck[r].waits_for))}" for r in cycle)
+    names = ", ".join(map(str, cycle[:-1])) + f" and {cycle[-1]}" if len(cycle) > 1 else str(cycle[0])
+    raise TpirError(Diagnostic(
+        f"schedule {header.schedule.name!r}: the exchanges of ranks {names} cannot run as single "
+        f"sends and receives in this order under NCCL's rules (each blocks its rank until its "
+        f"partner is posted): {where}",
+        hint="compile with --exchanges batched (the default): the sends and receives those ranks "
+             "must post together become one `exchange`, issued as one batch_isend_irecv",
+        where="--exchanges"))
+
+
 def insert_reduce_tied(header: Header, streams: Streams) -> Streams:
     """`reduce-tied "NAME"` at the end of each rank holding a stage of a tie that spans more
     than one rank. Placing them after every backward and allreduce, in header order, means
@@ -327,6 +492,7 @@ PASSES: tuple[tuple[str, Pass], ...] = (
     ("insert_free_kv", insert_free_kv),
     ("insert_allreduce", insert_allreduce),
     ("insert_exchanges", insert_exchanges),
+    ("order_exchanges", order_exchanges),
     ("insert_reduce_tied", insert_reduce_tied),
     ("insert_reduce_replicas", insert_reduce_replicas),
     ("append_step", append_step),
@@ -339,17 +505,36 @@ def to_plan(header: Header, streams: Streams) -> Plan:
     return Plan(header=header, ranks=ranks)
 
 
+def ordered_header(header: Header) -> Header:
+    """`header` with `ORDERED_NOTE` at the end of its `schedule` line: a reader of the plan sees
+    how it was lowered (a comment: the plan's meaning is its instructions)."""
+    line = header.schedule
+    note = ORDERED_NOTE if not line.note else (line.note if ORDERED_NOTE in line.note
+                                                 else f"{line.note}; {ORDERED_NOTE}")
+    return dataclasses.replace(header, schedule=line.with_trivia(note=note))
+
+
+def passes_for(comm: CommRules = DEFAULT_COMM, exchanges: Exchanges = DEFAULT_EXCHANGES) -> tuple:
+    """The passes `lower` runs for backend `comm` and the exchange lowering `exchanges`: without
+    `insert_exchanges` for GLOO, with `order_exchanges` only for NCCL with ORDERED."""
+    exchanges = Exchanges.of(exchanges)
+    skip = ({"insert_exchanges", "order_exchanges"} if comm == GLOO
+            else set() if exchanges is Exchanges.ORDERED else {"order_exchanges"})
+    return tuple((name, run) for name, run in PASSES if name not in skip)
+
+
 def lower(header: Header, compute: Mapping[int, Sequence[Instr]], *, verify: bool = True,
-          comm: CommRules = DEFAULT_COMM) -> Plan:
+          comm: CommRules = DEFAULT_COMM, exchanges: Exchanges = DEFAULT_EXCHANGES) -> Plan:
     """Run every pass over the schedule's compute order and return the plan for backend `comm`
-    (NCCL: with exchanges; GLOO: without), verified under its rules unless `verify=False`
-    (for a caller that checks it itself, as `tpc compile` does in a step of its own, or a test
-    that studies an unverifiable intermediate)."""
+    (NCCL: with exchanges, batched or `exchanges=ORDERED`; GLOO: without), verified under its
+    rules unless `verify=False` (for a caller that checks it itself, as `tpc compile` does in a
+    step of its own, or a test that studies an unverifiable intermediate). An ordered plan says
+    so on its `schedule` line (`ordered_header`)."""
     streams: Streams = {r: tuple(compute.get(r, ())) for r in range(header.mesh.pipe)}
-    for name, run in PASSES:
-        if name == "insert_exchanges" and comm == GLOO:
-            continue
+    for _, run in passes_for(comm, exchanges):
         streams = run(header, streams)
+    if comm == NCCL and Exchanges.of(exchanges) is Exchanges.ORDERED:
+        header = ordered_header(header)
     plan = to_plan(header, streams)
     if verify:
         from tpc.ir.verify import check

@@ -54,6 +54,7 @@ import numpy as np
 
 from tpc.compiler.costmodel.base import transfer_times
 from tpc.compiler.costmodel.source import CostSource
+from tpc.compiler.lowering.lower import DEFAULT_EXCHANGES, Exchanges
 from tpc.compiler.optimise.balance import Ranges, best_partition, minmax_partition
 from tpc.compiler.optimise.slice_optimiser import DEFAULT_GRANULARITY, Choice, optimise
 from tpc.compiler.optimise.slice_optimiser import explain as explain_choice
@@ -121,6 +122,8 @@ class Space:
     # the backend the plan is for (`--comm`): candidates are lowered for it and simulated under
     # its rules (NCCL's: in-order streams and rendezvous transfers, compiler/predict/simulate.py)
     comm: CommRules = DEFAULT_COMM
+    # how NCCL's exchanges are lowered (`--exchanges`): the candidates are the plans written
+    exchanges: Exchanges = DEFAULT_EXCHANGES
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,7 @@ def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> Se
                     if len(space.schedules) == 1:
                         raise  # the schedule the user named refuses this plan: say why
                     continue  # e.g. dualpipev with fewer than 2 x pipe micro-batches
-                plan = lower(header, compute, verify=False, comm=space.comm)
+                plan = lower(header, compute, verify=False, comm=space.comm, exchanges=space.exchanges)
                 sim = simulate(plan, cost, space.comm)
                 peak = max(r.peak_memory.total for r in sim.ranks)
                 fits = space.budget is None or peak <= space.budget

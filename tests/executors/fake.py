@@ -204,6 +204,7 @@ def fake_header(*, schedule: str, stages: int = 2, ranks: list[int] | None = Non
     )
 
 
-def fake_plan(**kw):
+def fake_plan(*, exchanges: str = "batched", **kw):
+    """The verified plan of `fake_header(**kw)`, its NCCL exchanges lowered `exchanges`."""
     header = fake_header(**kw)
-    return lower(header, build_schedule(header.schedule.name, header))
+    return lower(header, build_schedule(header.schedule.name, header), exchanges=exchanges)
