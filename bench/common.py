@@ -196,9 +196,10 @@ def tpc_setup(plan_path: str, seed: int = 0, comm: str = "gloo"):
 
 
 def tpc_run(plan, model, sliced, rank: int, world: int, steps: int, *, optim=("sgd", 1e-4, 0.0),
-            record=False, trace=False, on_step=None, before=None, comm=None):
+            record=False, trace=False, on_step=None, before=None, comm=None, compile=False):
     """`tpc run`'s distributed executor (`run_plan`) on this rank's process group, random tokens
-    of seed 0, `optim` = (kind, lr, weight decay) (default: plain SGD); returns its RankOutcome."""
+    of seed 0, `optim` = (kind, lr, weight decay) (default: plain SGD); returns its RankOutcome.
+    `compile`: `tpc run --compile` (the programs of a process are compiled once, at its first run)."""
     import torch
 
     from tpc.executors.training.batches import RandomTokens
@@ -208,17 +209,18 @@ def tpc_run(plan, model, sliced, rank: int, world: int, steps: int, *, optim=("s
 
     h = plan.header.shape
     options = RunOptions(steps=steps, optim=OptimSpec(*optim), lr_schedule="constant", record_grads=record,
-                         trace=trace, timeout=600.0, comm=comm)
+                         trace=trace, timeout=600.0, comm=comm, compile=compile, quiet=True)
     return run_plan(plan, World(rank, world, rank), options, model=model, device=torch.device("cpu"),
                     sliced=sliced, batches=RandomTokens(0, h.batch, h.seq, h.vocab), on_step=on_step,
                     before_instr=before)
 
 
-def tpc_step_times(plan, model, sliced, rank: int, world: int, steps: int) -> list[float]:
+def tpc_step_times(plan, model, sliced, rank: int, world: int, steps: int, compile: bool = False) -> list[float]:
     """Wall time of each step of a `run_plan` of `steps` steps (each ends with the all-reduce of
     the loss, a sync point of every rank)."""
     times = []
-    tpc_run(plan, model, sliced, rank, world, steps, on_step=lambda s, loss, info: times.append(info["step_time"]))
+    tpc_run(plan, model, sliced, rank, world, steps, on_step=lambda s, loss, info: times.append(info["step_time"]),
+            compile=compile)
     return times
 
 
@@ -227,15 +229,16 @@ def load_note() -> str:
     return f"load average {os.getloadavg()[0]:.1f}"
 
 
-def rank_alternate(rank: int, world: int, pairs: list, repeats: int, block: int):
+def rank_alternate(rank: int, world: int, pairs: list, repeats: int, block: int, compile: bool = False):
     """For each (unsliced, sliced) plan pair: `repeats` x (a block of unsliced steps, a block of
-    sliced steps); the step times of each, first step of every block left out."""
+    sliced steps); the step times of each, first step of every block left out. `compile`: both
+    run `--compile`."""
     out = []
     for plans in pairs:
         setups = [tpc_setup(p) for p in plans]
         times = [[], []]
         for _ in range(repeats):
             for which, (plan, model, sliced) in enumerate(setups):
-                times[which] += tpc_step_times(plan, model, sliced, rank, world, block + 1)[1:]
+                times[which] += tpc_step_times(plan, model, sliced, rank, world, block + 1, compile)[1:]
         out.append(times)
     return out

@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block", type=int, default=3, help="timed steps per block (default: 3)")
     ap.add_argument("--profile", help="use this CPU profile instead of running `tpc profile` first")
     ap.add_argument("--schedules", default=",".join(SCHEDULES), help=f"schedules (default: {','.join(SCHEDULES)})")
+    ap.add_argument("--compile", action="store_true", help="both sides `tpc run --compile` (the profile "
+                    "too: `tpc profile --compile`, so the slices follow what a compiled slice costs)")
     args = ap.parse_args(argv)
     at_root()
 
@@ -69,7 +71,7 @@ def main(argv=None) -> int:
                               compile_plan(MODEL, Path(tmp) / f"{schedule}{L}-auto.tpir", slices="auto",
                                            cost=profile, **common)))
             t0 = time.monotonic()
-            measured = launch(2, rank_alternate, pairs, args.repeats, args.block)
+            measured = launch(2, rank_alternate, pairs, args.repeats, args.block, args.compile)
             print(f"  runs at L={L}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
             for schedule, (plain, sliced), times in zip(schedules, pairs, measured[0]):
                 t_plain, t_sliced = median(times[0]), median(times[1])
@@ -89,6 +91,7 @@ def main(argv=None) -> int:
                 ok_all &= best >= BEST_TARGET
                 summary = f"best sliced plan at L=1024: {which}, {best:.2f}x (target >= {BEST_TARGET}x: {ok(best >= BEST_TARGET)})"
     print(f"token slicing on {MACHINE}: GPT 4x256 untied, 2 stages on 2 gloo ranks (1 thread each), "
+          f"{'compiled (--compile)' if args.compile else 'eager'}, "
           f"1 micro-batch of {args.batch} sequence(s); {args.repeats} x {args.block} alternating timed steps each; "
           f"{load_note()}")
     print(table(["setup", "slices (auto)", "measured ms unsliced / sliced", "speedup",

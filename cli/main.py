@@ -272,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "validation loss, as DIR/best beside DIR/latest (needs --checkpoint-dir, --eval-data)")
     r.add_argument("--allow-nonfinite-loss", action="store_true", help="train on when a step's loss "
                    "is nan or inf (by default the run stops there, before anything of that step is saved)")
+    r.add_argument("--compile", action="store_true", help="run every stage through its programs (its "
+                   "forward, backward and split backward, cut from one traced graph) compiled by torch.compile's "
+                   "inductor, for every slice shape of the plan, before step 1 (progress shown). Fewer, fused "
+                   "kernels and far fewer host operations per slice; the compiled code is cached on disk "
+                   "(TORCHINDUCTOR_CACHE_DIR), so a second run compiles nothing it compiled before. See docs/compile.md")
     r.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     r.set_defaults(func=cmd_run)
 

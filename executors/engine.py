@@ -249,6 +249,16 @@ class RankEngine:
         self.grad_norm: float | None = None
         self.step = -1
         self.pc = len(self.instrs)
+        if self.options.compile:  # every program compiled before step 1 (prepare_programs.py)
+            from tpc.executors.prepare_programs import prepare, progress_line
+
+            self.programs_made, self.programs_seconds = prepare(
+                self, progress=None if self.options.quiet else progress_line)
+            if not self.options.quiet:
+                from tpc.compiler.programs.compiled import cache_dir
+
+                progress_line(f"rank {self.global_rank}: {self.programs_made} slice shapes compiled in "
+                              f"{self.programs_seconds:.1f} s (cache: {cache_dir()})\n")
         self._dispatch: dict[Op, Callable[[Instr], None]] = {
             Op.LOAD: self._load,
             Op.FORWARD: self._forward,

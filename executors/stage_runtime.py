@@ -67,6 +67,7 @@ class _Slice:
     held: list | None = None
     kv_meta: list = field(default_factory=list)
     y_meta: tuple | None = None
+    held_bytes: int = 0  # of `held`, what backward_input computed (not the forward's saved values)
     sent_kv_grads: bool = False  # backward (or backward_input) ran: earlier slices' K/V grads are final
 
 
@@ -92,6 +93,12 @@ def storage_key(t: torch.Tensor) -> tuple:
     """What tells one tensor's storage from another's (views of one storage share it)."""
     st = t.untyped_storage()
     return st.device.type, st.data_ptr()
+
+
+def _dense(t):
+    """`t` contiguous: a program is specialised to its inputs' layouts (`Shape.layout`), and a
+    slice of the ids or targets is a strided view whose strides depend on the batch's length."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
 
 
 def _leaf(cached: torch.Tensor) -> torch.Tensor:
@@ -166,7 +173,10 @@ class StageRuntime:
                 prefix = self._empty_kv(x.size(0), x.device)
             else:
                 prefix = [self._prefix_view(cache, t, start) for t in range(len(cache.kv))]
-            y, kv = self.module(x, int(offset), prefix, targets)
+            if self.programs is not None:
+                y, kv = self._forward_program(x, int(offset), prefix, targets)
+            else:
+                y, kv = self.module(x, int(offset), prefix, targets)
             self._append(mb, kv, capacity)
         self._evaluated[mb] = sl + 1
         return self._scaled(y)
@@ -216,14 +226,20 @@ class StageRuntime:
             rec.prefix = prefix = [_leaf(p) for p in prefix]
         return self.module(rec.x, rec.offset, prefix, rec.targets)
 
+    def _forward_program(self, x, offset: int, prefix: list, targets):
+        """A slice's forward through the forward-only program of its shape (evaluation)."""
+        x, targets = _dense(x), _dense(targets)
+        progs = self.programs.get(Shape.of(x, offset, prefix, self.module.kv_dims, grad=False), x, prefix, targets)
+        outs = progs.forward(*self.programs.state(), x, *prefix, *([] if targets is None else [targets]))
+        return outs[0], list(outs[1:])
+
     def _run_programs(self, rec: _Slice, keep: bool, checkpoint: bool = False):
         """The forward program of the slice's shape; keeps what its backward reads (`keep`)."""
         prefix = self._prefix(rec, checkpoint)
-        x = rec.x
-        progs = self.programs.get(Shape.of(x, rec.offset, prefix, self.module.kv_dims), x, prefix, rec.targets)
+        x, targets = _dense(rec.x), _dense(rec.targets)
+        progs = self.programs.get(Shape.of(x, rec.offset, prefix, self.module.kv_dims), x, prefix, targets)
         with torch.no_grad():
-            outs = progs.forward(*self.programs.state(), x, *prefix,
-                                 *([] if rec.targets is None else [rec.targets]))
+            outs = progs.forward(*self.programs.state(), x, *prefix, *([] if targets is None else [targets]))
         n = self.module.num_kv
         y, kv = outs[0], list(outs[1:1 + n])
         rec.programs = progs
@@ -445,9 +461,12 @@ class StageRuntime:
                                "was built without them")
         with torch.no_grad():
             got = rec.programs.backward_input(*rec.values, *self._tangents(mb, sl, rec, grad_out))
-        rec.values = None
         n = len(rec.programs.input_grads)
         rec.held = list(got[n:])
+        stash = {storage_key(t) for t in rec.values if isinstance(t, torch.Tensor)}
+        made = {storage_key(t): t.untyped_storage().nbytes() for t in rec.held if isinstance(t, torch.Tensor)}
+        rec.held_bytes = int(sum(b for k, b in made.items() if k not in stash))
+        rec.values = None
         return self._take_input_grads(rec, got[:n])
 
     def _take_input_grads(self, rec: _Slice, grads) -> torch.Tensor | None:
@@ -476,13 +495,12 @@ class StageRuntime:
             torch._foreach_add_(into, add)
 
     def held_bytes(self, mb: int, sl: int) -> int:
-        """What the slice's backward_input keeps for its backward_weight (0 before or after),
-        each storage once."""
+        """What the slice's backward_input computed and keeps for its backward_weight (0 before
+        or after), each storage once: the gradients the weight half starts from. What it keeps
+        of the forward's saved values (the linear layers' inputs) is counted with the forward's
+        stash, as the memory model does."""
         rec = self._slices.get((mb, sl))
-        if rec is None or rec.held is None:
-            return 0
-        seen = {storage_key(t): t.untyped_storage().nbytes() for t in rec.held if isinstance(t, torch.Tensor)}
-        return int(sum(seen.values()))
+        return 0 if rec is None or rec.held is None else rec.held_bytes
 
     def backward_weight(self, mb: int, sl: int) -> None:
         """Split backward, second half: parameter gradients, accumulated into .grad."""

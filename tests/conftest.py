@@ -38,6 +38,14 @@ def examples_dir() -> Path:
 # --durations=0 on the 2-core machine). tests/test_tiers.py checks that each entry still names a
 # test. (A module may also mark itself: `pytestmark = pytest.mark.slow`.)
 SLOW = (
+    "tests/executors/test_compiled_programs.py::test_every_schedule_runs_compiled_and_exact",
+    "tests/executors/test_host_sync.py::test_a_compiled_step_reads_the_device_once",
+    "tests/executors/test_stage_programs.py::test_hugging_face_decoders_split_as_autograd_does[first-llama]",
+    "tests/executors/test_stage_programs.py::test_hugging_face_decoders_split_as_autograd_does[middle-llama]",
+    "tests/executors/test_stage_programs.py::test_hugging_face_decoders_split_as_autograd_does[last-llama]",
+    "tests/executors/test_compiled_programs.py::test_chimera_runs_compiled_and_exact",
+    "tests/executors/test_compiled_programs.py::test_recomputation_and_data_parallel_run_compiled_and_exact",
+    "tests/executors/test_compiled_programs.py::test_code_nobody_here_wrote_runs_compiled_and_exact",
     # multi-process: ranks under torchrun (gloo), bench scripts run as programs
     "tests/bench/test_gpu_checks_smoke.py",
     "tests/bench/test_gpu_slicing_smoke.py::test_smoke_run_prints_three_filled_tables",

@@ -275,21 +275,28 @@ def loss_cost(logits) -> OpCost:
     return _memory(5 * n, cast + log_softmax + nll, n * 4, kernels=2 + cast_kernel)
 
 
+# norms whose backward gives the input's and the parameters' gradients in one kernel
+_FUSED_NORMS = {torch.ops.aten.native_layer_norm.default, torch.ops.aten.native_group_norm.default,
+                torch.ops.aten.layer_norm.default, torch.ops.aten.group_norm.default}
+
+
 def _held(n: fx.Node, cost: OpCost, static: set, weighted: set) -> OpCost:
     """`cost` with what a split backward keeps of this op until its weight half, where the op
-    joins a parameter (or a value computed from one) with an activation
-    (executors/weight_grads.py). A matmul (a linear layer) keeps the gradient of its output:
-    its weight gradient `dW = dY^T X` is the weight half's work. Any other op (a layer norm, a
-    bias or a scale added or multiplied in) hands its parameter side's gradient over in the
-    input half, and that is what is kept: the size of the weighted operands. A stage with no
-    input (the first) defers its whole backward, keeping only its output gradient there; the
-    count per op is above that."""
+    joins a parameter (or a value computed from one) with an activation (the stage's
+    backward_input and backward_weight programs, compiler/programs/joint.py: every op of the
+    backward runs in the half that first needs it). A matmul (a linear layer), or a bias or a
+    scale added or multiplied in, keeps the gradient of its output: its parameter's gradient
+    (`dW = dY^T X`, a sum of dY, of dY * X) is only the weight half's work. A norm whose
+    backward is one kernel for the input and the parameters (`native_layer_norm`) computes its
+    parameters' gradients in the input half, and that is what is kept: the size of the
+    weighted operands. A stage with no input (the first) defers its whole backward, keeping
+    only its output gradient there; the count per op is above that."""
     if cost.kind == "free":
         return cost
     operands = [a for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
     if not (any(a in weighted for a in operands) and any(a not in static for a in operands)):
         return cost
-    if cost.kind == "matmul":
+    if cost.kind == "matmul" or n.target not in _FUSED_NORMS:
         out = _val(n)
         if isinstance(out, (tuple, list)):
             out = out[0]

@@ -21,6 +21,13 @@ import torch
 
 from tpc.compiler.programs.joint import Programs
 
+def cache_dir() -> str:
+    """Where inductor keeps what it compiled (TORCHINDUCTOR_CACHE_DIR, or its default)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+    return inductor_cache_dir()
+
+
 NAMES = ("forward", "backward", "backward_input", "backward_weight")
 
 

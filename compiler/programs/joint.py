@@ -214,7 +214,7 @@ def _with_getitems(nodes: set, graph: fx.Graph) -> set:
 
 def _read_by(users: set, producers: set, graph: fx.Graph) -> list:
     """The nodes of `producers` that a node of `users` reads (or is), in graph order."""
-    read = {a for n in users for a in n.all_input_nodes if a in producers} | (users & producers)
+    read = {a for n in users - producers for a in n.all_input_nodes if a in producers} | (users & producers)
     return [n for n in graph.nodes if n in read]
 
 

@@ -41,6 +41,9 @@ class StagePrograms:
         self.options = options
         self._by_shape: dict[Shape, Programs] = {}
         self._sig: tuple | None = None
+        # set once every shape of the plan is prepared: a shape met later is one the plan does
+        # not have, compiled apart (never run by another shape's program) and said
+        self.sealed = False
 
     def state(self) -> list[torch.Tensor]:
         """The stage's parameters and buffers, in the order every program takes them."""
@@ -57,6 +60,9 @@ class StagePrograms:
         if progs is None:
             key = (self._signature(), shape, targets is not None, self.options)
             progs = _DERIVED.get(key)
+            if self.sealed and self.options.compile:
+                print(f"tpc: stage {self.module.lo}:{self.module.hi}: a slice of {shape.describe()} is not one "
+                      "the plan prepared; compiling its programs now", file=sys.stderr)
             if progs is None:
                 progs = derive(self.module, shape, x, prefix, targets)
                 if self.options.compile:
@@ -96,7 +102,3 @@ class StagePrograms:
                          f"({shape.describe()})")
             self.get(shape, *make())
         return time.perf_counter() - start
-
-
-def print_progress(line: str) -> None:
-    print(f"\r{line}\x1b[K", end="", file=sys.stderr, flush=True)

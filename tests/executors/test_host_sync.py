@@ -42,6 +42,9 @@ CASES = {
     "zbv": dict(schedule="zbv", stages=4, ranks=2, slices="2,9,5", microbatches=2),
     "dp2": dict(schedule="seq1f1b", stages=2, slices="3", microbatches=2, dp=2, batch=8),
 }
+# the same plans with every stage's programs compiled (--compile): the compiled code reads
+# nothing of the device either
+COMPILED = {"zb-h1": CASES["zb-h1"]}
 
 
 def watched_run(plan, options: RunOptions, **kw):
@@ -65,6 +68,15 @@ def test_a_step_reads_the_device_once(case):
     assert not monitor.syncs, monitor.report()
     assert monitor.reads == step_reads(STEPS)
     assert len(result.losses) == STEPS and all(n > 0.05 for n in norms)  # read, and clipped
+
+
+@pytest.mark.parametrize("case", sorted(COMPILED))
+def test_a_compiled_step_reads_the_device_once(case):
+    plan = real_plan("gpt", seq_len=SEQ, **COMPILED[case])
+    result, monitor = watched_run(plan, RunOptions(**TRAIN, compile=True, quiet=True))
+    assert not monitor.syncs, monitor.report()
+    assert monitor.reads == step_reads(STEPS)
+    assert len(result.losses) == STEPS
 
 
 def test_an_evaluation_reads_the_device_once(tmp_path):

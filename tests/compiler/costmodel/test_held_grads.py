@@ -1,7 +1,7 @@
 """What a split backward holds between its halves: `backward-input` keeps the output gradients
-its `backward-weight` needs (dY of dW = dY^T X, executors/weight_grads.py) until that runs.
+its `backward-weight` needs (dY of dW = dY^T X, the stage's backward_weight program, compiler/programs/joint.py) until that runs.
 The graph cost model counts them from the traced graph, `tpc profile` measures them
-(`DeferredWeightGrads.held_bytes`), and a rank's memory carries them from the start of a
+(`StageRuntime.held_bytes`), and a rank's memory carries them from the start of a
 backward-input to the end of its backward-weight (compiler/predict/memory.py)."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from tpc.compiler.costmodel.graph import GraphCostModel, GraphCosts
 from tpc.compiler.frontend import SlicedModel
 from tpc.compiler.frontend.model_file import import_model_file
 from tpc.compiler.predict.memory import rank_memory
+from tpc.compiler.programs.stage_programs import StagePrograms
 from tpc.executors.stage_runtime import StageRuntime
 from tpc.ir.nodes import Op
 from tests.compiler.costmodel.tiny_model import L
@@ -52,7 +53,7 @@ def test_a_block_holds_the_gradients_of_its_linear_outputs_and_norm_weights(gpt)
 def test_what_the_runtime_keeps_is_what_the_graph_counts(gpt):
     """A real split backward of one block keeps exactly the bytes the graph model counts."""
     stage = gpt.stage_module(1, 2)
-    rt = StageRuntime(stage, 1.0)
+    rt = StageRuntime(stage, 1.0, StagePrograms(stage))
     b, l = 2, 8
     x = torch.randn(b, l, C)
     y = rt.forward(0, 0, x, 0, None)
@@ -127,7 +128,7 @@ def test_a_hugging_face_block_keeps_what_the_graph_counts(family):
     cm = GraphCostModel(PRESETS["a100"], GraphCosts.from_sliced(sm, float_bytes=4),
                         [(u, u + 1) for u in range(sm.num_units)])
     stage = sm.stage_module(1, 2)
-    rt = StageRuntime(stage, 1.0)
+    rt = StageRuntime(stage, 1.0, StagePrograms(stage))
     b, l = 2, 5
     y = rt.forward(0, 0, torch.randn(b, l, sm.hidden_size), 0, None)
     rt.backward_input(0, 0, torch.randn_like(y))

@@ -9,6 +9,7 @@ import torch
 
 from tpc.compiler.frontend.model_file import import_model_file
 from tpc.compiler.frontend import SlicedModel
+from tpc.compiler.programs.stage_programs import StagePrograms
 from tpc.executors.stage_runtime import StageRuntime
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -37,7 +38,9 @@ def sliced_step(sm: SlicedModel, ranges, ids, targets, n_mb: int, lens: list[int
     Returns (loss, {stage: {name: grad}})."""
     copies = [copy.deepcopy(sm.model) if per_stage_copies else sm.model for _ in ranges]
     modules = [sm.stage_module(lo, hi, params_from=c) for (lo, hi), c in zip(ranges, copies)]
-    runtimes = [StageRuntime(m, 1.0 / targets.numel()) for m in modules]
+    # a split backward runs the stages' programs (tpc.compiler.programs)
+    runtimes = [StageRuntime(m, 1.0 / targets.numel(), StagePrograms(m) if split_backward else None)
+                for m in modules]
     offsets = [sum(lens[:i]) for i in range(len(lens))]
     rows = ids.size(0) // n_mb
     loss = 0.0
