@@ -207,9 +207,10 @@ def main(argv=None) -> int:
     print(table(["plan", "dtype", "ranks", "result", "verify-grads; last step"], sorted(rows)))
     failed = [r for r in rows if r[3] != "ok"]
     if not args.no_slicing:
-        print("\n# bench/gpu_slicing.py " + args.slicing_args, flush=True)
-        p = subprocess.run([sys.executable, "bench/gpu_slicing.py", *args.slicing_args.split()], text=True)
-        failed += [["gpu_slicing"]] if p.returncode else []
+        for extra in ([], ["--compile"]):  # eager, then every stage's programs compiled
+            print("\n# bench/gpu_slicing.py " + " ".join([args.slicing_args, *extra]), flush=True)
+            p = subprocess.run([sys.executable, "bench/gpu_slicing.py", *args.slicing_args.split(), *extra], text=True)
+            failed += [["gpu_slicing" + (" --compile" if extra else "")]] if p.returncode else []
     return 1 if failed else 0
 
 

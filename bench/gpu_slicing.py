@@ -103,13 +103,15 @@ def peak_preset(device):
 class StageBench:
     """One stage module, its runtime and fixed inputs for the whole sequence on `device`."""
 
-    def __init__(self, stage, cuts_sliced, L: int, hidden: int, vocab: int, device, seed: int):
+    def __init__(self, stage, cuts_sliced, L: int, hidden: int, vocab: int, device, seed: int,
+                 compile: bool = False):
         import torch
 
+        from tpc.compiler.programs.stage_programs import ProgramOptions, StagePrograms
         from tpc.executors.stage_runtime import StageRuntime
 
         self.stage, self.device, self.L = stage, device, L
-        self.rt = StageRuntime(stage, 1.0 / L)
+        self.rt = StageRuntime(stage, 1.0 / L, StagePrograms(stage, ProgramOptions(compile=True)) if compile else None)
         g = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, vocab, (1, L + 1), generator=g).to(device)
         self.x = self.ids[:, :L] if stage.is_first else torch.randn(1, L, hidden, generator=g).to(device)
@@ -160,7 +162,7 @@ def plan_flops(sliced, plan) -> float:
     return total * plan.header.mesh.data
 
 
-def interpreter_block(plan, model, sliced, device, bf16: bool, steps: int, seed: int):
+def interpreter_block(plan, model, sliced, device, bf16: bool, steps: int, seed: int, compile: bool = False):
     """`interpret` of `steps` + 1 steps: the step times after the first, and the first loss."""
     from tpc.executors.training.batches import RandomTokens
     from tpc.executors.interpreter import interpret
@@ -179,7 +181,8 @@ def interpreter_block(plan, model, sliced, device, bf16: bool, steps: int, seed:
 
     # the interpreter's own stages (cut from `sliced`), on `device`, under the engine's autocast;
     # no copy of the gradients is kept (a training run keeps none inside its steps)
-    interpret(plan, RunOptions(steps=steps + 1, seed=seed, device=device.type, bf16=bf16, lr_schedule="constant"),
+    interpret(plan, RunOptions(steps=steps + 1, seed=seed, device=device.type, bf16=bf16, lr_schedule="constant",
+                               compile=compile, quiet=True),
               model=model, sliced=sliced, batches=RandomTokens(seed, h.shape.batch, h.shape.seq, h.shape.vocab),
               verify=False, on_step=on_step, keep_grads=False)
     gc.collect()
@@ -262,6 +265,8 @@ def parse_args(argv):
     ap.add_argument("--block", type=int, default=2,
                     help="timed interpreter steps per block, after one warm-up step (default: 2)")
     ap.add_argument("--seed", type=int, default=0, help="weights and tokens (default: 0)")
+    ap.add_argument("--compile", action="store_true", help="the stages' programs compiled (`tpc run --compile`); "
+                    "the first run of each shape compiles it (outside the timed runs)")
     return ap.parse_args(argv)
 
 
@@ -300,7 +305,8 @@ def main(argv=None) -> int:
     # 1 and 3: stage modules on one copy of the weights on the device
     on_dev = copy.deepcopy(model).to(device)
     modules = [sm.stage_module(lo, hi, params_from=on_dev) for lo, hi in stages]
-    benches = [StageBench(m, cuts, L, sm.hidden_size, vocab, device, args.seed + s) for s, m in enumerate(modules)]
+    benches = [StageBench(m, cuts, L, sm.hidden_size, vocab, device, args.seed + s, args.compile)
+               for s, m in enumerate(modules)]
     overhead = slicing_overhead(benches, n, args.repeats, ctx)
     probe = benches[1] if len(benches) > 1 else benches[0]
     attention = [attention_profile(probe, 0, ctx), attention_profile(probe, len(cuts) - 1, ctx)]
@@ -314,12 +320,12 @@ def main(argv=None) -> int:
     first_loss = {}
     for _ in range(args.repeats):
         for key, plan in (("plain", plain_plan), ("sliced", sliced_plan)):
-            ts, loss = interpreter_block(plan, model, sm, device, bf16, args.block, args.seed)
+            ts, loss = interpreter_block(plan, model, sm, device, bf16, args.block, args.seed, args.compile)
             times[key] += ts
             first_loss[key] = loss
     preset = peak_preset(device)
 
-    mode = "bf16 autocast" if bf16 else "fp32"
+    mode = ("bf16 autocast" if bf16 else "fp32") + (", --compile" if args.compile else ", eager")
     print(f"{device_name(device)}, torch {torch.__version__}, {mode}; {factory} ({params / 1e6:.1f}M parameters), "
           f"L={L}, batch 1, {len(stages)} stages, {n} slices of {cuts[0][1] - cuts[0][0]} tokens; "
           f"alternations: {args.repeats}; {load_note()}")

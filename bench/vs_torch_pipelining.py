@@ -32,6 +32,13 @@ Targets: tpc 1f1b time ratio <= 1.0 vs Schedule1F1B, memory ratio <= 1.0; interl
 looped-bfs, zb-h1, zbv and dualpipev time ratio <= 0.95 vs their torch counterpart, memory
 ratio <= 1.0; gradients equal for every pair.
 
+`--compile`: tpc runs `--compile` (every stage's programs compiled by inductor); torch's stage
+modules are compiled too (`module.compile()` on each stage's part, as torchtitan compiles per
+block) where its schedule allows it, and stay eager where it does not: its split-backward
+schedules (ZeroBubble, ZBV, DualPipeV) walk the eager autograd graph to split a backward
+(pytorch#161904). Target then: every time ratio <= 0.85, memory <= 1.0. Both sides compile in
+a warm-up step before anything is timed or measured.
+
     OMP_NUM_THREADS=1 python bench/vs_torch_pipelining.py [--steps 12] [--worlds 2,4]
         [--schedules gpipe,1f1b,...,zbv,dualpipev] [--microbatches 4]
 """
@@ -64,6 +71,8 @@ SCHEDULES = {
 # the V-shaped pairs run 2 stages per rank (stage i and 2p-1-i on rank i, torch's "v" placement)
 # and need micro-batches >= 2 x ranks (DualPipeV)
 V_SHAPED = {"zbv", "dualpipev"}
+# torch's schedules that split a backward by walking the eager autograd graph: no torch.compile
+SPLIT_BACKWARD = {"zb-h1", "zbv", "dualpipev"}
 LR = 1e-4
 
 
@@ -105,7 +114,7 @@ def _torch_stage_module(model, units: tuple[int, int]):
 class TorchPipe:
     """One rank of torch.distributed.pipelining over the plan's stage boundaries."""
 
-    def __init__(self, plan, rank: int, world: int, schedule: str):
+    def __init__(self, plan, rank: int, world: int, schedule: str, compile: bool = False):
         import torch
         import torch.nn.functional as F
         from torch.distributed import pipelining
@@ -118,6 +127,10 @@ class TorchPipe:
         self.micro = len(h.microbatches)
         mine = h.stages_of_rank(rank)  # the plan's placement: one stage, or two in a V
         parts = [_torch_stage_module(self.model, h.stages[s].units) for s in mine]
+        self.compiled = compile and schedule not in SPLIT_BACKWARD
+        if self.compiled:
+            for part in parts:
+                part.compile()
         stages = [pipelining.PipelineStage(part, s, h.num_stages, torch.device("cpu"))
                   for s, part in zip(mine, parts)]
         self.first = 0 in mine
@@ -158,15 +171,16 @@ class TorchPipe:
 # ------------------------------------------------------------------------------ rank targets
 
 
-def rank_time(rank: int, world: int, plan_path: str, schedule: str, warmup: int, steps: int):
+def rank_time(rank: int, world: int, plan_path: str, schedule: str, warmup: int, steps: int,
+              compile: bool = False):
     """Gradients of both from the same weights and batch, then alternating timed steps."""
     from tpc.executors.training.batches import RandomTokens
 
     plan, model, sliced = tpc_setup(plan_path)
     h = plan.header.shape
     batches = RandomTokens(0, h.batch, h.seq, h.vocab)
-    torch_pipe = TorchPipe(plan, rank, world, schedule)
-    tpc_loss = tpc_run(plan, model, sliced, rank, world, 1, record=True)
+    torch_pipe = TorchPipe(plan, rank, world, schedule, compile)
+    tpc_loss = tpc_run(plan, model, sliced, rank, world, 1, record=True, compile=compile)
     torch_loss, torch_grads = torch_pipe.step(batches.get(0), keep_grads=True)
 
     tpc_times, torch_times = [], []
@@ -177,13 +191,15 @@ def rank_time(rank: int, world: int, plan_path: str, schedule: str, warmup: int,
         torch_pipe.step(batches.get(step))
         torch_times.append(time.perf_counter() - t0)
 
-    tpc_run(plan, model, sliced, rank, world, warmup + steps, on_step=after_tpc_step)
+    tpc_run(plan, model, sliced, rank, world, warmup + steps, on_step=after_tpc_step, compile=compile)
     return dict(tpc_grads=tpc_loss.first_grads, torch_grads=torch_grads, tpc_loss=tpc_loss.losses[0],
                 torch_loss=torch_loss, tpc_times=tpc_times[warmup:], torch_times=torch_times[warmup:])
 
 
-def rank_memory(rank: int, world: int, plan_path: str, schedule: str, framework: str, steps: int):
-    """Peak RSS (KiB) above the RSS before the first step, over `steps` steps of one framework."""
+def rank_memory(rank: int, world: int, plan_path: str, schedule: str, framework: str, steps: int,
+                compile: bool = False):
+    """Peak RSS (KiB) above the RSS before the first step, over `steps` steps of one framework
+    (compiled: after the compilation, which torch makes in a first, unmeasured step)."""
     from tpc.executors.training.batches import RandomTokens
 
     from tpc.ir.verify import verify_file
@@ -193,7 +209,9 @@ def rank_memory(rank: int, world: int, plan_path: str, schedule: str, framework:
         plan = verify_file(plan_path)
         h = plan.header.shape
         batches = RandomTokens(0, h.batch, h.seq, h.vocab)
-        torch_pipe = TorchPipe(plan, rank, world, schedule)
+        torch_pipe = TorchPipe(plan, rank, world, schedule, compile)
+        if torch_pipe.compiled:
+            torch_pipe.step(batches.get(0))
         state["base"] = reset_peak()
         for step in range(steps):
             torch_pipe.step(batches.get(step))
@@ -204,7 +222,7 @@ def rank_memory(rank: int, world: int, plan_path: str, schedule: str, framework:
             if engine.step == 0 and index == 0:
                 state["base"] = reset_peak()
 
-        tpc_run(plan, model, sliced, rank, world, steps, before=before)
+        tpc_run(plan, model, sliced, rank, world, steps, before=before, compile=compile)
     return peak_kib() - state["base"]
 
 
@@ -232,6 +250,8 @@ def main(argv=None) -> int:
     ap.add_argument("--slices", type=int, default=1,
                     help="token slices per micro-batch of the tpc plans (default: 1, torch's arithmetic; "
                          "more is tpc's token slicing against torch's whole micro-batches)")
+    ap.add_argument("--compile", action="store_true", help="tpc `--compile` against torch's stages compiled "
+                    "(eager for its split-backward schedules, which cannot be compiled)")
     ap.add_argument("--microbatches", type=int, default=MICRO,
                     help=f"micro-batches per step (default: {MICRO}; dualpipev needs >= 2 x ranks)")
     args = ap.parse_args(argv)
@@ -247,8 +267,12 @@ def main(argv=None) -> int:
                                     microbatches=args.microbatches, seq_len=SEQ, batch=BATCH, slices=args.slices,
                                     schedule=schedule)
                 t0 = time.monotonic()
-                timed = launch(world, rank_time, plan, schedule, args.warmup, args.steps)
-                mem = {fw: launch(world, rank_memory, plan, schedule, fw, args.mem_steps) for fw in ("tpc", "torch")}
+                timed = launch(world, rank_time, plan, schedule, args.warmup, args.steps, args.compile)
+                mem = {fw: launch(world, rank_memory, plan, schedule, fw, args.mem_steps, args.compile)
+                       for fw in ("tpc", "torch")}
+                if args.compile:
+                    target = 0.85
+                    torch_name += " (eager)" if schedule in SPLIT_BACKWARD else " (compiled)"
                 tpc_g = {n: g for r in timed for n, g in r["tpc_grads"].items()}
                 torch_g = {n: g for r in timed for n, g in r["torch_grads"].items()}
                 err = max_rel_error(tpc_g, torch_g)
@@ -265,7 +289,8 @@ def main(argv=None) -> int:
                              (f"{ok(good)} (time <= {target})" if target else "-")])
                 print(f"  {rows[-1][0]}: {time.monotonic() - t0:.0f} s: {' | '.join(rows[-1][1:])}", file=sys.stderr,
                       flush=True)
-    print(f"tpc vs torch.distributed.pipelining on {MACHINE}: GPT untied ({args.factory}), batch {BATCH} x {SEQ} tokens, "
+    print(f"tpc vs torch.distributed.pipelining on {MACHINE}: {'both compiled' if args.compile else 'eager'}, "
+          f"GPT untied ({args.factory}), batch {BATCH} x {SEQ} tokens, "
           f"{args.microbatches} micro-batches, tpc in {args.slices} token slice{'s' * (args.slices > 1)} each, gloo, "
           f"1 thread per rank; {args.steps} alternating timed steps; {load_note()}")
     print(table(["setup", "ms/iter tpc / torch", "time ratio", "peak MiB per rank tpc / torch",

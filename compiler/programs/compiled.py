@@ -28,6 +28,10 @@ def cache_dir() -> str:
     return inductor_cache_dir()
 
 
+# the inductor settings of every program: its inputs' sizes and strides are the plan's (`Shape`),
+# so the wrapper's per-call checks of them are left out
+OPTIONS = {"size_asserts": False}
+
 NAMES = ("forward", "backward", "backward_input", "backward_weight")
 
 
@@ -44,7 +48,7 @@ class CompiledProgram:
         if self.fn is None:
             from torch._inductor import compile as inductor_compile
 
-            self.fn = inductor_compile(self.gm, list(args))
+            self.fn = inductor_compile(self.gm, list(args), options=OPTIONS)
         return self.fn(*args)
 
 

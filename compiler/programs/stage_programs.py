@@ -41,17 +41,24 @@ class StagePrograms:
         self.options = options
         self._by_shape: dict[Shape, Programs] = {}
         self._sig: tuple | None = None
+        self._state: list | None = None
+        self._trainable: list | None = None
         # set once every shape of the plan is prepared: a shape met later is one the plan does
         # not have, compiled apart (never run by another shape's program) and said
         self.sealed = False
 
     def state(self) -> list[torch.Tensor]:
-        """The stage's parameters and buffers, in the order every program takes them."""
-        return state_of(self.module)[1]
+        """The stage's parameters and buffers, in the order every program takes them. Read once:
+        they are the same tensors for the stage's life (updates are in place, and the optimizer
+        holds the same objects)."""
+        if self._state is None:
+            names, state, trainable = state_of(self.module)
+            self._state, self._trainable = state, [state[i] for i in trainable]
+        return self._state
 
     def trainable(self) -> list[torch.Tensor]:
-        names, state, trainable = state_of(self.module)
-        return [state[i] for i in trainable]
+        self.state()
+        return self._trainable
 
     def get(self, shape: Shape, x: torch.Tensor, prefix: list, targets) -> Programs:
         """The programs of `shape`, derived now if this is its first slice (`x`, `prefix` and
