@@ -250,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--optimizer", default=None, help="adamw | sgd (default: adamw)")
     r.add_argument("--device", default=None, help="cpu | cuda | auto (default: auto: cuda when present)")
     r.add_argument("--bf16", action="store_true", help="bf16 autocast on CUDA (fp32 master weights)")
+    r.add_argument("--shard-optimizer", action="store_true", help="shard the optimizer state and update over "
+                   "each stage's data-parallel replicas (ZeRO-1): reduce-scatter of the gradients, the step on "
+                   "each replica's share, all-gather of the weights; AdamW's state per rank divided by the "
+                   "data-parallel size (docs/training.md)")
     r.add_argument("--timeout", type=float, default=None, help="seconds a rank waits for a peer before giving up (default: 120)")
     r.add_argument("--trace", help="write the measured per-instruction timeline (Chrome-trace JSON)")
     r.add_argument("--metrics", help="write one JSON line of metrics per step")
