@@ -36,7 +36,7 @@ def parse_lengths(spec) -> tuple[int, ...]:
 
 # the options `tpc compile` has a flag for, by field name (seq_len and batch are read apart)
 FLAGS = ("stages", "microbatches", "slices", "schedule", "dp", "ranks", "factory", "cost", "device_model",
-         "memory_per_rank", "explain", "quiet", "virtual_stages", "recompute", "comm", "exchanges",
+         "memory_per_rank", "shard_optimizer", "explain", "quiet", "virtual_stages", "recompute", "comm", "exchanges",
          "print_after")
 
 

@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ranks", type=int, default=D["ranks"], help="total ranks: with --stages auto, the search splits them into pipeline x data; else stages x dp, or fewer for several stages per rank (R / dp dividing --stages, placed as the schedule needs)")
     c.add_argument("--cost", default=D["cost"], help="measured cost profile (.msgpack from `tpc profile`) for --slices/--schedule auto")
     c.add_argument("--device-model", default=D["device_model"], help="analytic cost model instead of a profile: v100 | a100 | h100 | h200 | a spec file")
+    c.add_argument("--shard-optimizer", action="store_true", help="plan for `tpc run --shard-optimizer`: "
+                   "--memory-per-rank fitting and --schedule auto count 1/d of the optimizer state per rank "
+                   "(d: data-parallel size)")
     c.add_argument("--memory-per-rank", default=D["memory_per_rank"], help="memory budget per rank for --schedule auto, e.g. 16GiB")
     c.add_argument("--explain", action="store_true", help="print the candidates the optimiser considered and why it chose")
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
@@ -207,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--unit", action="store_true", help="unit costs: forward 1, backward 2 per slice (scaled by slice length)")
     sim.add_argument("--trace", help="write a Chrome-trace JSON (opens in Perfetto)")
     sim.add_argument("--png", help="write a Gantt chart picture")
+    sim.add_argument("--shard-optimizer", action="store_true", help="predict the memory of a run with "
+                     "`tpc run --shard-optimizer`: each rank keeps 1/d of the optimizer state (d: data-parallel size)")
     sim.add_argument("--compare", help="a measured trace from `tpc run --trace`: print predicted vs measured")
     sim.add_argument("--comm", type=CommRules, choices=tuple(CommRules), default=DEFAULT_COMM,
                      help="the rules messages move under, and the plan is checked under: nccl (each "
@@ -250,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--optimizer", default=None, help="adamw | sgd (default: adamw)")
     r.add_argument("--device", default=None, help="cpu | cuda | auto (default: auto: cuda when present)")
     r.add_argument("--bf16", action="store_true", help="bf16 autocast on CUDA (fp32 master weights)")
+    r.add_argument("--shard-optimizer", action="store_true", help="shard the optimizer state and update over "
+                   "each stage's data-parallel replicas (ZeRO-1): reduce-scatter of the gradients, the step on "
+                   "each replica's share, all-gather of the weights; AdamW's state per rank divided by the "
+                   "data-parallel size (docs/training.md)")
     r.add_argument("--timeout", type=float, default=None, help="seconds a rank waits for a peer before giving up (default: 120)")
     r.add_argument("--trace", help="write the measured per-instruction timeline (Chrome-trace JSON)")
     r.add_argument("--metrics", help="write one JSON line of metrics per step")

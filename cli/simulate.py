@@ -41,7 +41,7 @@ def cmd_simulate(args) -> int:
     plan = load_checked_plan(args.plan, needs_model=bool(args.cost or args.device_model), comm=args.comm)
     costs = plan_cost_model(plan.header, cost=args.cost, device_model=args.device_model,
                             source=args.plan)
-    result = simulate(plan, costs, args.comm)
+    result = simulate(plan, costs, args.comm, shard_optimizer=args.shard_optimizer)
     print(format_report(result, args.plan, costs.describe()))
     if plan.eval is not None:
         print()
@@ -76,7 +76,7 @@ def simulate_bundle(args) -> int:
     for member, plan in zip(bundle.index.members, bundle.plans):
         costs = plan_cost_model(plan.header, cost=args.cost, device_model=args.device_model,
                                 source=plan.source)
-        result = simulate(plan, costs, args.comm)
+        result = simulate(plan, costs, args.comm, shard_optimizer=args.shard_optimizer)
         print(format_report(result, plan.source, costs.describe()))
         print()
         t = result.time_unit

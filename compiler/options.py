@@ -63,6 +63,10 @@ class CompileOptions:
     cost: str | None = None  # a profile from `tpc profile`; None: no plan search
     device_model: str | None = None  # an analytic device (h100, ...); None: no plan search
     memory_per_rank: float | None = None  # bytes, for the plan search; None: no budget
+    # the plan will run with `tpc run --shard-optimizer` (ZeRO-1): the memory model gives each
+    # rank 1/d of the optimizer state when fitting --memory-per-rank (a run option, not a line
+    # of the plan: the instructions and their times are the same either way)
+    shard_optimizer: bool = False
     explain: bool = False  # say what the search considered (stderr)
     quiet: bool = False  # no progress lines
     virtual_stages: int = 1  # stages per pipeline rank: `stages` ranks hold stages x V stages

@@ -195,6 +195,7 @@ def search_space(opts: CompileOptions, num_units: int, split=None):
         ranges=None if split is None else tuple(split[2]),
         comm=opts.comm,
         exchanges=opts.exchanges,
+        shard_optimizer=opts.shard_optimizer,
     )  # fmt: skip
 
 
@@ -289,6 +290,7 @@ class Recompute(Pass):
     budget: float | None = None
     explain: bool = False
     quiet: bool = False
+    shard_optimizer: bool = False  # the memory of a run with `--shard-optimizer`
 
     def run(self, state, note):
         from tpc.compiler.lowering import recompute
@@ -296,8 +298,9 @@ class Recompute(Pass):
         header, compute = state.header, state.compute
         if self.mode == "auto":
             costs = state.source.for_stages([st.units for st in header.stages])
-            before = recompute.peaks(header, compute, costs)
-            choice = recompute.choose(header, compute, costs, self.budget)
+            shards = header.mesh.data if self.shard_optimizer else 1
+            before = recompute.peaks(header, compute, costs, shards)
+            choice = recompute.choose(header, compute, costs, self.budget, shards)
         else:
             choice = recompute.uniform(header, self.mode)
         out = recompute.apply(compute, choice)
@@ -436,7 +439,7 @@ def compile_passes(options: CompileOptions, split=None) -> list[Pass]:
         passes = front_passes(o, split=split)
     back = back_passes(o.comm, o.exchanges)
     if o.recompute != "none":
-        back.insert(2, Recompute(o.recompute, o.memory_per_rank, o.explain, o.quiet))
+        back.insert(2, Recompute(o.recompute, o.memory_per_rank, o.explain, o.quiet, o.shard_optimizer))
     return passes + back
 
 

@@ -370,6 +370,45 @@ class DistTransport:
         self.wait(work, f"the gradients of stage {stage} from the other data-parallel replicas")
         return views
 
+    # the sharded optimizer's collectives (training/sharded_optimizer.py), in place on one flat
+    # buffer of d equal chunks: NCCL's reduce-scatter and all-gather (gloo has them too since
+    # torch 2.x; where a gloo build lacks the reduce-scatter it is an allreduce of the whole
+    # buffer, twice the bytes, the same sums)
+    reduce_scatter_supported = True
+
+    def reduce_scatter(self, stage: int, flat: torch.Tensor) -> None:
+        if self.groups.dp is None:
+            return
+        mine = flat.chunk(self.mesh.data)[self.data_rank]
+        what = f"the gradients of stage {stage} from the other data-parallel replicas"
+        if self.reduce_scatter_supported:
+            op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            try:
+                work = op(mine, flat, group=self.groups.dp, async_op=True)
+            except (RuntimeError, NotImplementedError) as e:
+                if "support" not in str(e).lower():
+                    raise
+                DistTransport.reduce_scatter_supported = False  # this backend lacks it: allreduce
+            else:
+                self.wait(work, what)
+                return
+        self.wait(dist.all_reduce(flat, group=self.groups.dp, async_op=True), what)
+
+    def all_gather(self, stage: int, flat: torch.Tensor) -> None:
+        if self.groups.dp is None:
+            return
+        mine = flat.chunk(self.mesh.data)[self.data_rank]
+        op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = op(flat, mine, group=self.groups.dp, async_op=True)
+        self.wait(work, f"the weights of stage {stage} from the other data-parallel replicas")
+
+    def sum_over_data(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.groups.dp is None:
+            return tensor
+        work = dist.all_reduce(tensor, group=self.groups.dp, async_op=True)
+        self.wait(work, "the gradient norms of the other data-parallel replicas")
+        return tensor
+
     def reduce_loss(self, tensor: torch.Tensor) -> None:
         if self.groups.dp is None:
             return

@@ -107,6 +107,22 @@ class Transport(Protocol):
         """Sum a tensor over the pipeline ranks of this replica (for the global gradient norm)."""
         ...
 
+    # a sharded optimizer's collectives (training/sharded_optimizer.py): `flat` has d equal
+    # chunks, d the data-parallel size, and this rank's is chunk `data_rank`
+
+    def reduce_scatter(self, stage: int, flat: torch.Tensor) -> None:
+        """Chunk `data_rank` of `flat` becomes its sum over the data-parallel group (the other
+        chunks may change too; nothing reads them)."""
+        ...
+
+    def all_gather(self, stage: int, flat: torch.Tensor) -> None:
+        """Chunk r of `flat` becomes data rank r's chunk r, for every r."""
+        ...
+
+    def sum_over_data(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over the data-parallel group (a sharded optimizer's gradient norm)."""
+        ...
+
 
 class Clock:
     """Where a run's trace times count from: every engine of a process shares one, started
@@ -237,8 +253,7 @@ class RankEngine:
                 raise TpirError(Diagnostic(
                     f"rank {pipe_rank}: the shared optimizer updates other parameters than this "
                     "plan's stages hold", hint="plans that share an optimizer must split the model alike"))
-        self.optimizer = None if self.forward_only else (
-            optimizer or RankOptimizer(self.named_parameters, self.options.optim))
+        self.optimizer = None if self.forward_only else (optimizer or self._build_optimizer())
         self.peak_live = 0
         self.events: list[TraceEvent] = []
         self.clock = clock or Clock()
@@ -516,7 +531,32 @@ class RankEngine:
     def _free_kv(self, instr: Instr) -> None:
         self._stage(instr.stage).runtime.free_kv(instr.mb)
 
+    def _build_optimizer(self) -> "RankOptimizer | ShardedOptimizer":
+        """This rank's optimizer: over its stages' parameters, or with `--shard-optimizer` on a
+        mesh with data-parallel replicas, over its share of them (training/sharded_optimizer.py)."""
+        if not (self.options.shard_optimizer and self.header.mesh.data > 1):
+            return RankOptimizer(self.named_parameters, self.options.optim)
+        from tpc.executors.training.sharded_optimizer import ShardedOptimizer
+
+        # the stages in the order the stream reduces them (a tie of two stages goes with the first)
+        order = list(dict.fromkeys(i.stage for i in self.instrs if i.op is Op.ALLREDUCE))
+        order += [s for s in sorted(self.stages) if s not in order]
+        header = self.header
+        whole = {t.name for t in header.ties if len(header.tie_ranks(t.name)) > 1}
+        whole |= {n for s, st in self.stages.items() if header.stages[s].replicas for n, _ in st.named_parameters}
+        return ShardedOptimizer({s: self.stages[s].named_parameters for s in order}, self.options.optim,
+                                data_rank=self.data_rank, data_size=header.mesh.data, whole=whole,
+                                device=self.device)
+
+    @property
+    def sharded(self) -> bool:
+        return self.optimizer is not None and self.optimizer.sharded
+
     def _allreduce(self, instr: Instr) -> None:
+        if self.sharded:  # reduce-scatter: each replica gets the sums of its chunk
+            self._stage(instr.stage)
+            self.optimizer.reduce(instr.stage, self.transport, self.step)
+            return
         # a parameter of two stages on this rank (a tie) is one object: reduce it once
         params = [p for _, p in unique_parameters(self._stage(instr.stage).named_parameters)
                   if id(p) not in self.reduced]
@@ -546,6 +586,9 @@ class RankEngine:
 
     def _step(self, instr: Instr) -> None:
         self.transport.flush()
+        if self.sharded:
+            self._sharded_step()
+            return
         if self.options.keeps_grads:  # the model's gradients, before clipping changes them
             self.grads = {n: _grad_of(p).detach().clone() for n, p in self.named_parameters}
         if self.options.needs_grad_norm:
@@ -560,6 +603,23 @@ class RankEngine:
                 sum_over_pipeline=self.transport.sum_over_pipeline, device=self.device)
         self.optimizer.set_lr(self.options.lr_at(self.step))
         self.optimizer.step()
+
+    def _sharded_step(self) -> None:
+        """`step` with the optimizer state sharded: the kept gradients gathered from the chunks,
+        the global norm over every chunk, the update of this replica's chunk, the weights
+        gathered (training/sharded_optimizer.py). A collective that raises `Blocked` leaves the
+        parts before it done: the optimizer runs each part of a step once."""
+        if self.options.keeps_grads:
+            got = self.optimizer.gradients(self.transport, self.step)
+            self.grads = {n: got[n] for n, _ in self.named_parameters}
+        if self.options.needs_grad_norm:
+            from tpc.executors.training.clip import copies_not_owned
+
+            skip = copies_not_owned(self.header, self.pipe_rank, {
+                s: [n for n, _ in st.named_parameters] for s, st in self.stages.items()})
+            self.grad_sq = self.optimizer.clip(self.options.grad_clip, skip, self.transport, self.device, self.step)
+        self.optimizer.set_lr(self.options.lr_at(self.step))
+        self.optimizer.step(self.transport, self.step)
 
     # -------------------------------------------------------------------------- access
 

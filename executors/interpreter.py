@@ -97,6 +97,31 @@ class _Hub:
             del self.pending[key]
 
 
+    def gather(self, key: tuple, members: list[int], me: int, tensor: torch.Tensor, what: str,
+               combine) -> torch.Tensor | None:
+        """`combine(members' tensors, in member order)`, computed once all arrived (before any
+        of them changes its tensor); `Blocked` until then; None for a group of one."""
+        if len(members) == 1:
+            return None
+        entry = self.pending.setdefault(key, {"arrived": {}, "result": None, "done": set()})
+        entry["arrived"][me] = tensor
+        missing = [r for r in members if r not in entry["arrived"]]
+        if missing:
+            raise Blocked(f"{what}: waiting for rank{'s' if len(missing) > 1 else ''} "
+                          f"{', '.join(map(str, missing))}", ranks=missing)
+        if entry["result"] is None:
+            shapes = {tuple(entry["arrived"][r].shape) for r in members}
+            if len(shapes) != 1:
+                raise TpirError(Diagnostic(f"{what}: ranks offer buffers of different sizes",
+                                           hint="replicas of a rank must hold the same stages"))
+            entry["result"] = combine([entry["arrived"][r] for r in members])
+        result = entry["result"]
+        entry["done"].add(me)
+        if len(entry["done"]) == len(members):
+            del self.pending[key]
+        return result
+
+
 def _ordered_sum(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Sum in member order, so every run adds in the same order."""
     total = tensors[0].clone()
@@ -121,6 +146,7 @@ class LocalTransport:
         self.pipeline = self.mesh.group(PIPE, self.me)
         self.step = 0
         self.rendezvous = rendezvous
+        self.counts: dict[tuple[str, int], int] = {}  # (collective, stage) -> how many this step
         self.unreceived: list[tuple[Message, int, tuple[int, int], int]] = []  # sends not yet taken
         self.exchange_end = 0  # the instruction after the members of the current exchange
 
@@ -129,6 +155,7 @@ class LocalTransport:
 
     def start_step(self, step: int) -> None:
         self.step = step
+        self.counts = {}
 
     def claim(self, key: Message) -> None:
         pass  # a received value is here as soon as its receive returned
@@ -197,6 +224,38 @@ class LocalTransport:
         members = self.data_group
         self.hub.collective(self._occurrence(("reduce-loss", self.pipe_rank)), members, self.me,
                             [tensor], "reduce-loss")
+
+    def _nth(self, kind: str, stage: int, flat: torch.Tensor, what: str, combine) -> torch.Tensor | None:
+        """This rank's n-th `kind` collective of `stage` in this step (a sharded optimizer
+        gathers twice in a step when the run keeps its gradients): counted once it completed,
+        so a blocked rank's retry is the same occurrence."""
+        n = self.counts.get((kind, stage), 0)
+        key = self._occurrence((kind, stage, self.pipe_rank, n))
+        out = self.hub.gather(key, self.data_group, self.me, flat, what, combine)
+        self.counts[(kind, stage)] = n + 1
+        return out
+
+    def reduce_scatter(self, stage: int, flat: torch.Tensor) -> None:
+        """Chunk `data_rank` of `flat` becomes the sum of every replica's chunk (in member
+        order); the other chunks are left as they were: nothing may read them."""
+        d = self.mesh.data
+        sums = self._nth("reduce-scatter", stage, flat, f"allreduce stage {stage} (reduce-scatter)",
+                         _ordered_sum)
+        if sums is not None:
+            flat.chunk(d)[self.data_rank].copy_(sums.chunk(d)[self.data_rank])
+
+    def all_gather(self, stage: int, flat: torch.Tensor) -> None:
+        """Chunk r of `flat` becomes data rank r's chunk r."""
+        d = self.mesh.data
+        whole = self._nth("all-gather", stage, flat, f"step (all-gather of stage {stage}'s weights)",
+                          lambda flats: torch.cat([f.chunk(d)[r] for r, f in enumerate(flats)]))
+        if whole is not None:
+            flat.copy_(whole)
+
+    def sum_over_data(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.hub.collective(self._occurrence(("data-sum", self.pipe_rank)), self.data_group, self.me,
+                            [tensor], "the global gradient norm (over the data-parallel replicas)")
+        return tensor
 
     def flush(self) -> None:
         pass  # in-memory sends complete at once

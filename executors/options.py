@@ -76,6 +76,9 @@ class RunOptions:
     # without it a stage runs eagerly, under autograd, unless its plan splits its backward
     # (then through its traced programs, uncompiled)
     compile: bool = False
+    # shard the optimizer state (and the update) over each stage's data-parallel group
+    # (ZeRO-1, training/sharded_optimizer.py); nothing to shard without data-parallel replicas
+    shard_optimizer: bool = False
     eval_data: str | None = None
     eval_every: int = 0
     eval_batches: int = 4

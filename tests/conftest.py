@@ -59,6 +59,9 @@ SLOW = (
     "tests/executors/training/test_resume.py::test_a_kill_during_a_save_leaves_a_checkpoint_that_resumes",
     "tests/executors/training/test_file_safety.py::test_a_file_size_limit_during_a_save_is_said_and_keeps_the_previous_checkpoint",
     "tests/executors/training/test_resume.py::test_two_gloo_ranks_stop_and_resume",
+    "tests/executors/training/test_sharded_optimizer.py::test_gloo_ranks_pp2_dp2_sharded_equal_the_unsharded_interpreter",
+    "tests/executors/training/test_sharded_optimizer.py::test_sharded_training_equals_unsharded_over_50_steps",
+    "tests/compiler/simulate/test_sharded_optimizer_memory.py::test_a_budget_met_only_with_a_sharded_optimizer",
     # (tests/executors/test_distributed_*.py mark themselves)
     # Hugging Face models (the fast tier still reads a config.json: test_hf_cli.py)
     "tests/compiler/costmodel/test_held_grads.py::test_a_hugging_face_block_keeps_what_the_graph_counts",

@@ -66,16 +66,19 @@ def apply(compute: Mapping[int, Sequence[Instr]], choice: Mapping[int, str]) -> 
     return out
 
 
-def peaks(header: Header, compute: Mapping[int, Sequence[Instr]], costs: CostModel) -> dict[int, float]:
-    """Peak memory of every pipeline rank for this compute order, lowered."""
+def peaks(header: Header, compute: Mapping[int, Sequence[Instr]], costs: CostModel,
+          optimizer_shards: int = 1) -> dict[int, float]:
+    """Peak memory of every pipeline rank for this compute order, lowered (`optimizer_shards`:
+    the ranks a sharded optimizer state is divided over, compiler/predict/memory.py)."""
     from tpc.compiler.lowering.lower import lower
 
     plan = lower(header, compute, verify=False)
-    return {p.rank: rank_memory(header, p.rank, p.instrs, costs).peak.total for p in plan.ranks}
+    return {p.rank: rank_memory(header, p.rank, p.instrs, costs, optimizer_shards=optimizer_shards).peak.total
+            for p in plan.ranks}
 
 
 def choose(header: Header, compute: Mapping[int, Sequence[Instr]], costs: CostModel,
-           budget: float | Sequence[float]) -> dict[int, str]:
+           budget: float | Sequence[float], optimizer_shards: int = 1) -> dict[int, str]:
     """Per stage 'none' or 'full' so that every rank's peak memory is within `budget` (one
     number for every rank, or one per pipeline rank), recomputing as few stages as the
     stage-aware rule of the module docstring needs; a TpirError located at --memory-per-rank
@@ -83,23 +86,24 @@ def choose(header: Header, compute: Mapping[int, Sequence[Instr]], costs: CostMo
     per_rank = ([float(budget)] * header.mesh.pipe if isinstance(budget, (int, float))
                 else [float(b) for b in budget])
     choice = {s: "none" for s in range(header.num_stages)}
-    current = peaks(header, compute, costs)
+    current = peaks(header, compute, costs, optimizer_shards)
     for r in range(header.mesh.pipe):
         while current[r] > per_rank[r]:
             options = [s for s in sorted(header.stages_of_rank(r)) if choice[s] == "none"]
             if not options:
-                raise _over_budget(header, r, current[r], per_rank[r], costs.memory_unit)
+                raise _over_budget(header, r, current[r], per_rank[r], costs.memory_unit, optimizer_shards > 1)
             trials = []
             for s in options:
                 trial = {**choice, s: "full"}
-                trials.append((peaks(header, apply(compute, trial), costs)[r], s))
+                trials.append((peaks(header, apply(compute, trial), costs, optimizer_shards)[r], s))
             best, s = min(trials)
             choice[s] = "full"
             current[r] = best
     return choice
 
 
-def _over_budget(header: Header, rank: int, peak: float, budget: float, unit: str) -> TpirError:
+def _over_budget(header: Header, rank: int, peak: float, budget: float, unit: str,
+                 sharded: bool = False) -> TpirError:
 
     def format_bytes(n: float) -> str:
         return format_quantity(n, unit)
@@ -110,4 +114,6 @@ def _over_budget(header: Header, rank: int, peak: float, budget: float, unit: st
         f"{format_bytes(budget)}",
         where="--memory-per-rank",
         hint="raise --memory-per-rank, use more pipeline stages or token slices (each slice "
-             "holds less), or a schedule that holds fewer micro-batches (1f1b, seq1f1b, zb-h1)"))
+             "holds less), or a schedule that holds fewer micro-batches (1f1b, seq1f1b, zb-h1)"
+             + ("" if sharded else "; with data-parallel replicas, shard the optimizer state "
+                "(--shard-optimizer)")))

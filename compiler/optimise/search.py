@@ -124,6 +124,8 @@ class Space:
     comm: CommRules = DEFAULT_COMM
     # how NCCL's exchanges are lowered (`--exchanges`): the candidates are the plans written
     exchanges: Exchanges = DEFAULT_EXCHANGES
+    # the run shards its optimizer state over the data-parallel group (`--shard-optimizer`)
+    shard_optimizer: bool = False
 
 
 @dataclass(frozen=True)
@@ -203,7 +205,7 @@ def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> Se
                         raise  # the schedule the user named refuses this plan: say why
                     continue  # e.g. dualpipev with fewer than 2 x pipe micro-batches
                 plan = lower(header, compute, verify=False, comm=space.comm, exchanges=space.exchanges)
-                sim = simulate(plan, cost, space.comm)
+                sim = simulate(plan, cost, space.comm, shard_optimizer=space.shard_optimizer)
                 peak = max(r.peak_memory.total for r in sim.ranks)
                 fits = space.budget is None or peak <= space.budget
                 candidates.append(Candidate(pipe, data, ranges, schedule, slicing,
@@ -290,7 +292,10 @@ def _nothing_fits(candidates, space: Space) -> TpirError:
         f"({_describe(low)})",
         where="--memory-per-rank",
         hint=f"allow at least {format_bytes(low.peak)} per rank, or spread the model over more "
-             "ranks (--stages, --ranks), or cut the batch into more micro-batches"))
+             "ranks (--stages, --ranks), or cut the batch into more micro-batches"
+             + ("" if space.shard_optimizer else ", or shard the optimizer state over data-parallel "
+                "replicas (--shard-optimizer, with --dp or --ranks)")
+             + ", or recompute activations (--recompute auto)"))
 
 
 def _describe(c: Candidate) -> str:

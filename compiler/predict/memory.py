@@ -5,7 +5,11 @@ alone (timing does not matter): walking the stream once gives the memory *during
 instruction and the peak. What is counted, from the cost model's byte functions:
 
 * parameters `param_bytes(stage)`, their gradients (same size) and the Adam optimizer state
-  (two moments: 2x the parameters), for every stage the rank holds, the whole step long;
+  (two moments: 2x the parameters), for every stage the rank holds, the whole step long. With
+  the optimizer state sharded over the data-parallel group (`optimizer_shards` = d, `tpc run
+  --shard-optimizer`, ZeRO-1) a rank keeps 2/d x its parameters of state; the parameters and
+  the gradients' flat buffer stay whole, and a stage with weight replicas keeps its whole state
+  (executors/training/sharded_optimizer.py);
 * live activations: what a slice's forward keeps for its backward, `stash_bytes(stage, l, c,
   mb_size)` (c: the tokens before the slice; by default the slice's boundary activation
   `activation_bytes(l, mb_size)`, costmodel/base.py); from the start of its forward (or
@@ -120,15 +124,27 @@ class _Held:
         self.total -= self.items.pop(key, 0.0)
 
 
+def optimizer_bytes(header: Header, rank: int, costs: CostModel, shards: int = 1) -> float:
+    """AdamW's state on pipeline rank `rank`: two moments of its stages' parameters, divided
+    over `shards` data-parallel ranks where sharded (a stage with weight replicas never is)."""
+    total = 0.0
+    for s in header.stages_of_rank(rank):
+        state = 2 * costs.param_bytes(s)
+        total += state if header.stages[s].replicas else state / max(1, shards)
+    return total
+
+
 def rank_memory(header: Header, rank: int, instrs: tuple[Instr, ...], costs: CostModel,
-                forward_only: bool = False, recv_ahead: int = RecvAhead.COMPUTES) -> RankMemory:
+                forward_only: bool = False, recv_ahead: int = RecvAhead.COMPUTES,
+                optimizer_shards: int = 1) -> RankMemory:
     """Walk one rank's stream and account its memory (see the module docstring). A
     `forward_only` stream (the evaluation program) keeps no stash: only KV caches come and go
     (parameters, gradients and optimizer state stay allocated through a run's evaluation).
     `recv_ahead`: how many computes ahead receives are posted (gloo's executor; 0: each at its
-    own instruction, as under NCCL's rules)."""
+    own instruction, as under NCCL's rules). `optimizer_shards`: the ranks the optimizer state
+    is divided over (the data-parallel size with a sharded optimizer; 1: whole)."""
     params = sum(costs.param_bytes(s) for s in header.stages_of_rank(rank))
-    static = dict(params=params, grads=params, optimizer=2 * params)
+    static = dict(params=params, grads=params, optimizer=optimizer_bytes(header, rank, costs, optimizer_shards))
     acts, kv, kv_grads, held = _Held(), _Held(), _Held(), _Held()  # keyed (stage, mb, slice)
     kv_slices: dict[tuple[int, int], list[int]] = {}  # (stage, mb) -> slices with a KV cache
     messages = _Held()  # keyed (payload, stage, mb, slice)

@@ -58,7 +58,29 @@ def format_report(result: SimResult, name: str, costs_text: str) -> str:
     ]
     if m == "act":
         lines.append("memory in slice activations (graphs kept from a forward to its backward)")
+    else:
+        lines += ["", *memory_parts(result)]
     return "\n".join(lines)
+
+
+# the parts of a rank's peak memory, as `tpc simulate` names them (compiler/predict/memory.py)
+PARTS = (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
+         ("activations", "activations"), ("kv", "kv cache"), ("kv_grads", "kv grads"),
+         ("held_grads", "held grads"), ("messages", "messages"))
+
+
+def memory_parts(result: SimResult) -> list[str]:
+    """The peak of each rank by part: parameters, gradients, optimizer state (divided over the
+    data-parallel group with --shard-optimizer), activations, KV caches and their gradients, a
+    split backward's held gradients, received messages."""
+    m = result.memory_unit
+    shown = [(f, name) for f, name in PARTS
+             if any(getattr(r.peak_memory, f) for r in result.ranks) or f in ("params", "grads", "optimizer")]
+    head = f"{'rank':>4}  " + "  ".join(f"{name:>11}" for _, name in shown)
+    rows = [f"{r.rank:>4}  " + "  ".join(f"{format_quantity(getattr(r.peak_memory, f), m):>11}" for f, _ in shown)
+            for r in result.ranks]
+    return ["peak memory by part" + (" (optimizer state sharded over the data-parallel group)"
+                                     if result.shard_optimizer else ""), head, *rows]
 
 
 def format_eval_report(result: SimResult) -> str:

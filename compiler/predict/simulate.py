@@ -111,6 +111,7 @@ class SimResult:
     critical_path: tuple[Event, ...]  # from the first instruction to the last to finish
     time_unit: str = "s"
     memory_unit: str = "B"
+    shard_optimizer: bool = False  # the memory is that of a run with --shard-optimizer
 
     def events_of(self, rank: int) -> tuple[Event, ...]:
         return tuple(e for e in self.events if e.rank == rank)
@@ -431,9 +432,12 @@ class _Sim:
         return tuple(reversed(path))
 
 
-def simulate(plan: Plan, costs: CostModel, comm: CommRules = DEFAULT_COMM) -> SimResult:
+def simulate(plan: Plan, costs: CostModel, comm: CommRules = DEFAULT_COMM,
+             shard_optimizer: bool = False) -> SimResult:
     """Predict the plan's timeline under `costs` and the rules of `comm` (gloo's buffered
-    sends, or NCCL's rendezvous; see the module docstring)."""
+    sends, or NCCL's rendezvous; see the module docstring). `shard_optimizer`: the memory of a
+    run with `--shard-optimizer` (the optimizer state divided over the data-parallel group;
+    the reduce-scatter and all-gather move what the allreduce moves, so the time is the same)."""
     sim = _Sim(plan, costs, comm)
     sim.run()
     events = tuple(sim.events[k] for k in sorted(sim.events))
@@ -445,7 +449,8 @@ def simulate(plan: Plan, costs: CostModel, comm: CommRules = DEFAULT_COMM) -> Si
         compute = math.fsum(e.work for e in mine if e.instr.op in COMPUTE_OPS)
         idle = total - busy
         memory = rank_memory(plan.header, p.rank, p.instrs, costs, forward_only=plan.forward_only,
-                             recv_ahead=RecvAhead.COMPUTES if comm == GLOO else 0)
+                             recv_ahead=RecvAhead.COMPUTES if comm == GLOO else 0,
+                             optimizer_shards=plan.header.mesh.data if shard_optimizer else 1)
         ranks.append(
             RankStats(p.rank, busy, compute, idle, idle / total if total > 0 else 0.0, memory.peak)
         )
@@ -457,4 +462,5 @@ def simulate(plan: Plan, costs: CostModel, comm: CommRules = DEFAULT_COMM) -> Si
         critical_path=sim.critical_path(),
         time_unit=costs.time_unit,
         memory_unit=costs.memory_unit,
+        shard_optimizer=shard_optimizer and plan.header.mesh.data > 1,
     )

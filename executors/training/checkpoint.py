@@ -55,6 +55,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from tpc.executors.training.shard_pieces import Pieces, load_planner, save_planner
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.files import atomic_write_text, describe_os_error, fsync_folder
 
@@ -177,7 +178,8 @@ def _write_shards(tmp: Path, shards: dict, process_group, distributed: bool) -> 
     with warnings.catch_warnings():
         # DCP warns that it assumes a single process when none is initialised: that is intended
         warnings.simplefilter("ignore")
-        dcp.save(shards, checkpoint_id=str(tmp), process_group=process_group, no_dist=not distributed)
+        dcp.save(shards, checkpoint_id=str(tmp), process_group=process_group, no_dist=not distributed,
+                 planner=save_planner())
 
 
 class _SaveFailure:
@@ -514,7 +516,7 @@ def load_checkpoint(path: str | os.PathLike, shards_template: dict[str, Any], *,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.load(to_load, checkpoint_id=str(step_dir), process_group=process_group,
-                     no_dist=not distributed)
+                     no_dist=not distributed, planner=load_planner())
     except (Exception, CheckpointException) as e:  # data damaged although its length is right
         raise _corrupt(step_dir, f"reading the shards failed ({_cause(e)})") from None
     _copy_back(to_load, shards_template)
@@ -551,10 +553,11 @@ def _check_against_stored(step_dir: Path, flat: dict[str, Any], stored: dict[str
         entry = stored.get(key)
         if entry is None:
             problems.append(f"{key} is not in the checkpoint")
-        elif isinstance(value, torch.Tensor):
+        elif isinstance(value, (torch.Tensor, Pieces)):
             if not isinstance(entry, TensorStorageMetadata):
                 problems.append(f"{key} is stored as a plain value, expected a tensor")
             elif tuple(entry.size) != tuple(value.shape) or entry.properties.dtype != value.dtype:
+                # (a `Pieces` entry, part of a sharded optimizer's state, has the whole tensor's shape)
                 problems.append(f"{key} is stored as {entry.properties.dtype} {list(entry.size)}, "
                                 f"expected {value.dtype} {list(value.shape)}")
         elif not isinstance(entry, BytesStorageMetadata):

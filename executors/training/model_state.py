@@ -35,6 +35,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tpc.executors.training import checkpoint
+from tpc.executors.training.shard_pieces import Pieces
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 _RANK_KEY = re.compile(r"^rank(\d+)\.(params|optim|rng|data|step)(?:\.(.+))?$")
@@ -58,22 +59,44 @@ def engine_parameters(engine) -> list[tuple[str, torch.nn.Parameter]]:
 
 @dataclass
 class Holder:
-    """One copy of a parameter: the tensor and the optimizer that updates it (None for a
-    frozen parameter)."""
+    """One copy of a parameter: the tensor and the rank's optimizer that updates it (a
+    `RankOptimizer` or a `ShardedOptimizer`; None for a frozen parameter)."""
 
     param: torch.nn.Parameter
-    optimizer: torch.optim.Optimizer | None
+    optimizer: object | None
 
 
 def holders(engines: Sequence) -> dict[str, list[Holder]]:
     """name -> every copy held by `engines` (one per rank holding it), in the engines' order."""
     out: dict[str, list[Holder]] = {}
     for e in engines:
-        opt = e.optimizer.opt
-        optimized = {id(p) for g in opt.param_groups for p in g["params"]} if opt is not None else set()
+        opt = e.optimizer
         for name, p in engine_parameters(e):
-            out.setdefault(name, []).append(Holder(p, opt if id(p) in optimized else None))
+            out.setdefault(name, []).append(Holder(p, opt if opt.optimizes(p) else None))
     return out
+
+
+def _state(copies: list[Holder]) -> dict | None:
+    """The optimizer state of a parameter as this process saves or loads it: the first copy's,
+    except that the parts of a sharded state (`Pieces`) of every copy are put together (in the
+    interpreter each replica holds its own part; under torchrun a process holds one). None when
+    no copy has any state."""
+    first = copies[0]
+    if first.optimizer is None:
+        return None
+    state = first.optimizer.state_of(first.param)
+    if not first.optimizer.sharded:
+        return state
+    merged: dict = {}
+    for h in copies:
+        if h.optimizer is None or not h.optimizer.sharded:
+            continue
+        for key, value in (h.optimizer.state_of(h.param) or {}).items():
+            if isinstance(value, Pieces):
+                merged[key] = merged[key].merged(value) if key in merged else value
+            else:
+                merged.setdefault(key, value)
+    return merged or None
 
 
 # ------------------------------------------------------------------------------ saving
@@ -86,11 +109,10 @@ def state_to_save(engines: Sequence, done: int, data: Mapping) -> dict[str, Any]
     params: dict[str, torch.Tensor] = {}
     optim: dict[str, dict] = {}
     for name, copies in holders(engines).items():
-        first = copies[0]
-        params[name] = first.param.detach()
-        opt = first.optimizer
-        if opt is not None and first.param in opt.state:
-            optim[name] = dict(opt.state[first.param])  # the same tensors
+        params[name] = copies[0].param.detach()
+        state = _state(copies)
+        if state:
+            optim[name] = state  # the same tensors (or parts of them)
     return {
         "params": params,
         "optim": optim,
@@ -218,20 +240,21 @@ def load_state(step_dir: Path, layout: Layout, engines: Sequence, *, process_gro
     held = holders(engines)
     _check_params(step_dir, layout, held)
     for e in engines:
-        if e.optimizer.opt is not None:
-            checkpoint.init_optimizer_state(e.optimizer.opt)  # tensors for the load to fill
+        e.optimizer.init_state()  # tensors for the load to fill
     template: dict[str, Any] = {}
     stateless: list[Holder] = []
+    scalars: list[tuple[list[Holder], str, torch.Tensor]] = []
     for name, copies in held.items():
         first = copies[0]
         template[layout.param_key(name)] = first.param.detach()
-        opt = first.optimizer
-        if opt is None:
+        if first.optimizer is None:
             continue
-        live, stored = opt.state.get(first.param, {}), layout.optim_keys(name)
+        live, stored = _state(copies) or {}, layout.optim_keys(name)
         if not stored:  # the parameter had no gradient before the checkpoint: no state yet
             stateless.extend(copies)
             continue
+        if first.optimizer.sharded and not live:
+            continue  # no part of this parameter's state is on this process's ranks
         if set(live) != set(stored):
             raise TpirError(Diagnostic(
                 f"{step_dir}: the optimizer state of {name} holds {', '.join(sorted(stored))}; this run's "
@@ -239,6 +262,8 @@ def load_state(step_dir: Path, layout: Layout, engines: Sequence, *, process_gro
                 where="--optimizer", hint="resume with the optimizer that wrote the checkpoint"))
         for field, key in stored.items():
             template[key] = live[field]
+            if first.optimizer.sharded and not isinstance(live[field], Pieces):
+                scalars.append((copies, field, live[field]))  # AdamW's step: to every part
     rng_keys = layout.rng_keys(engines[0].global_rank)
     rng_live = checkpoint.rng_state()
     for field, key in rng_keys.items():
@@ -253,23 +278,35 @@ def load_state(step_dir: Path, layout: Layout, engines: Sequence, *, process_gro
     with torch.no_grad():
         for name, copies in held.items():
             _copy_to_others(copies)
+        for copies, field, value in scalars:
+            for h in copies:
+                if h.optimizer is not None and h.optimizer.sharded:
+                    h.optimizer.set_field(h.param, field, value)
     for h in stateless:
         if h.optimizer is not None:
-            h.optimizer.state.pop(h.param, None)
+            h.optimizer.forget(h.param)
     rng = {field: template[key] for field, key in rng_keys.items() if key in template} or None
     return Loaded(step=template[layout.step_key], data={f: template[k] for f, k in layout.data_keys.items()}, rng=rng)
 
 
 def _copy_to_others(copies: list[Holder]) -> None:
+    """The weights, and a whole optimizer state, read into the first copy, copied to the others
+    (the parts of a sharded state were each read into their own holder)."""
     first = copies[0]
-    state = first.optimizer.state.get(first.param, {}) if first.optimizer is not None else {}
+    opt = first.optimizer
+    state = (opt.state_of(first.param) or {}) if opt is not None else {}
+    if any(isinstance(v, Pieces) for v in state.values()):
+        state = {}
     for other in copies[1:]:
         if other.param is first.param:
             continue
         other.param.copy_(first.param)
         opt = other.optimizer
-        if opt is not None and state:
-            mine = opt.state[other.param]
+        if opt is not None and state and opt.sharded:
+            for field, value in state.items():  # a parameter the sharded optimizer keeps whole
+                opt.set_field(other.param, field, value)
+        elif opt is not None and state:
+            mine = opt.opt.state[other.param]
             for field, value in state.items():
                 if isinstance(value, torch.Tensor) and isinstance(mine.get(field), torch.Tensor):
                     mine[field].copy_(value)

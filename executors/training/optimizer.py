@@ -70,6 +70,32 @@ class RankOptimizer:
             self.opt.step()
             self.opt.zero_grad(set_to_none=not self.keep_grads)
 
+    # ------------------------------------------------- what checkpoints ask (model_state.py)
+
+    sharded = False  # each parameter's whole state is here (sharded_optimizer.py keeps parts)
+
+    def optimizes(self, p: torch.nn.Parameter) -> bool:
+        return self.opt is not None and any(q is p for g in self.opt.param_groups for q in g["params"])
+
+    def state_of(self, p: torch.nn.Parameter) -> dict | None:
+        """The live state tensors of `p` by field (AdamW: step, exp_avg, exp_avg_sq), or None
+        when it has none yet."""
+        if self.opt is None or p not in self.opt.state:
+            return None
+        return dict(self.opt.state[p])
+
+    def init_state(self) -> None:
+        """Create every state tensor, for a checkpoint load to fill (changes no weight)."""
+        if self.opt is not None:
+            from tpc.executors.training.checkpoint import init_optimizer_state
+
+            init_optimizer_state(self.opt)
+
+    def forget(self, p: torch.nn.Parameter) -> None:
+        """Drop `p`'s state (it had none in the checkpoint)."""
+        if self.opt is not None:
+            self.opt.state.pop(p, None)
+
 
 def build_optimizer(named_params, spec: OptimSpec) -> RankOptimizer:
     return RankOptimizer(named_params, spec)

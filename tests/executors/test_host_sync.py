@@ -206,3 +206,13 @@ def test_two_gloo_ranks_read_the_device_once_a_step(tmp_path):
         assert not g["syncs"], g["report"]
         assert g["reads"] == step_reads(STEPS)
     assert got[0]["losses"] == got[1]["losses"]
+
+
+def test_a_sharded_optimizer_step_reads_the_device_once():
+    """`--shard-optimizer`: reduce-scatter, the norm over the chunks (summed over the pipeline and
+    the data-parallel group on the device), the update and the all-gather add no read."""
+    plan = real_plan("gpt", seq_len=SEQ, **CASES["dp2"])
+    result, monitor = watched_run(plan, RunOptions(**TRAIN, shard_optimizer=True))
+    assert not monitor.syncs, monitor.report()
+    assert monitor.reads == step_reads(STEPS)
+    assert len(result.losses) == STEPS
