@@ -46,9 +46,15 @@ class CompiledProgram:
 
     def __call__(self, *args):
         if self.fn is None:
+            from torch._guards import TracingContext, tracing
             from torch._inductor import compile as inductor_compile
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-            self.fn = inductor_compile(self.gm, list(args), options=OPTIONS)
+            # a tracing context with a shape environment (static: no symbol is made), which
+            # inductor's on-disk graph cache needs to key and reuse a compilation
+            with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
+                self.fn = inductor_compile(self.gm, list(args), options=OPTIONS)
         return self.fn(*args)
 
 

@@ -64,11 +64,18 @@ class Shape:
         kind = x.device.type
         autocast = str(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else None
         return Shape(x.size(0), x.size(1), int(offset), tuple(p.size(d) for p, d in zip(prefix, kv_dims)),
-                     str(x.device), autocast, grad, tuple(t.stride() for t in (x, *prefix)))
+                     str(x.device), autocast, grad, tuple(_layout(t) for t in (x, *prefix)))
 
     def describe(self) -> str:
         p = ",".join(map(str, sorted(set(self.prefix)))) or "0"
         return f"{self.rows}x{self.tokens} tokens at {self.offset} (prefix {p})"
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """A tensor's strides as far as they matter: a dimension of size 1 is never stepped along,
+    so its stride (which differs between a slice of a longer tensor and a tensor of its own) is
+    left out."""
+    return tuple(0 if n == 1 else st for n, st in zip(t.shape, t.stride()))
 
 
 @dataclass

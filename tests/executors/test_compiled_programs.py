@@ -94,3 +94,13 @@ def test_code_nobody_here_wrote_runs_compiled_and_exact():
     backward split, and nanoGPT, compiled."""
     compiled_run("llama", schedule="zb-h1", stages=2, slices=UNEQUAL, microbatches=2)
     compiled_run("nanogpt", schedule="1f1b", stages=2, slices="3", microbatches=2)
+
+
+def test_the_stride_of_a_dimension_of_one_row_does_not_make_another_shape():
+    """One sequence per micro-batch: a slice of a longer activation and an activation received
+    alone differ only in the stride of their row dimension, which no program steps along."""
+    from tpc.compiler.programs.joint import Shape
+
+    whole = torch.zeros(1, 64, 32)
+    assert Shape.of(whole[:, 8:16], 8, [], []) == Shape.of(torch.zeros(1, 8, 32), 8, [], [])
+    assert Shape.of(torch.zeros(2, 64, 32)[:, 8:16], 8, [], []) != Shape.of(torch.zeros(2, 8, 32), 8, [], [])
