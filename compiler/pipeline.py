@@ -58,12 +58,14 @@ class Load(Pass):
     factory: str = "model"
 
     def run(self, state, note):
-        from tpc.compiler.frontend import file_sha256, load_model, read_vocab
+        from tpc.compiler.frontend import file_sha256
+        from tpc.compiler.frontend.weightless import build_weightless
 
-        model = load_model(state.model_path, self.factory)
-        vocab = read_vocab(model, state.model_path)
-        note(f"vocab {vocab}")
-        return state.but(model=model, sha256=file_sha256(state.model_path), vocab=vocab, factory=self.factory)
+        # built without weights: every parameter on the meta device (compiler/frontend/weightless.py);
+        # the vocabulary is read from the trace
+        model, _ = build_weightless(state.model_path, self.factory)
+        note(f"{sum(p.numel() for p in model.parameters()):,} parameters, on the meta device")
+        return state.but(model=model, sha256=file_sha256(state.model_path), vocab=None, factory=self.factory)
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class Trace(Pass):
         from tpc.compiler.frontend import SlicedModel
 
         sliced = SlicedModel.from_model(state.model, seq_len=self.seq_len, vocab=state.vocab, check_slices=None)
-        note(f"{sliced.num_units} units, vocab {state.vocab}")
+        note(f"{sliced.num_units} units, vocab {sliced.vocab}")
         if self.stages is not None and self.stages > sliced.num_units:
             if self.schedule_file is not None:
                 raise _error("--schedule-file", f"{self.schedule_file} runs {self.stages} stages but the model "
@@ -91,7 +93,7 @@ class Trace(Pass):
             raise _error(self.stages_option,
                          f"{self.stages} stages but the model has only {sliced.num_units} partition units",
                          f"use at most {sliced.num_units} stages")
-        return state.but(sliced=sliced)
+        return state.but(sliced=sliced, vocab=sliced.vocab)
 
 
 @dataclass(frozen=True)
@@ -256,8 +258,9 @@ class SelfCheck(Pass):
 
     def run(self, state, note):
         extra = state.eval_microbatches or ()
-        check_plan_slices(state.sliced, state.header, extra)
-        note(f"{len(slicings(state.header, extra))} slicing(s) at length {state.header.shape.seq}")
+        units = check_plan_slices(state.sliced, state.header, extra)
+        note(f"{len(slicings(state.header, extra))} slicing(s) at length {state.header.shape.seq}"
+             + (f", unit by unit: units {', '.join(map(str, units))} (the distinct ones)" if units else ""))
         return state
 
 
