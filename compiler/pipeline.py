@@ -134,7 +134,39 @@ class BuildHeader(Pass):
             _say(o.quiet, f"--slices auto: {len(o.cuts)} equal slices of ~{o.seq_len // len(o.cuts)} "
                  "tokens (give --cost or --device-model for the optimiser's choice)")
         note(slicing_summary(header))
+        check_weights_fit(header, state.sliced, o.memory_per_rank)
         return state.but(header=header)
+
+
+# what a parameter keeps allocated on its rank through a run: fp32 weight, gradient, AdamW's two moments
+STATE_BYTES_PER_PARAM = 16
+
+
+def check_weights_fit(header, sliced, limit: float | None) -> None:
+    """With `--memory-per-rank`: refuse a plan where some rank cannot hold even its stages'
+    parameters, gradients and optimizer state (16 bytes a parameter), before activations,
+    saying the predicted bytes of every rank against the limit and what would help."""
+    if limit is None:
+        return
+    from tpc.compiler.predict.quantities import format_bytes
+
+    per_rank = {}
+    for r in range(header.mesh.value.pipe):
+        params = sum(sliced.stage_param_count(*header.stages[s].units) for s in header.stages_of_rank(r))
+        per_rank[r] = params * STATE_BYTES_PER_PARAM
+    over = {r: b for r, b in per_rank.items() if b > limit}
+    if not over:
+        return
+    largest = max(sliced.unit_param_counts) * STATE_BYTES_PER_PARAM
+    listing = ", ".join(f"rank {r} {format_bytes(b)}" for r, b in sorted(per_rank.items()))
+    helps = ([f"more pipeline stages (--stages; the model has {sliced.num_units} units, the largest needs "
+              f"{format_bytes(largest)})"] if largest <= limit else
+             [f"more memory per rank: one unit alone needs {format_bytes(largest)}"])
+    helps.append("sharding the optimizer state over data-parallel ranks")
+    raise _error("--memory-per-rank",
+                 f"the parameters, gradients and optimizer state of a rank's stages (16 bytes a parameter, "
+                 f"before activations) exceed --memory-per-rank {format_bytes(limit)}: {listing}",
+                 "; or ".join(helps) + " (recomputation, --recompute, lowers only the activations on top)")
 
 
 def front_passes(options: CompileOptions, *, split=None, schedule_file: str | None = None) -> list[Pass]:
@@ -220,6 +252,7 @@ class Search(Pass):
                             vocab=state.vocab, sliced=state.sliced)
         result = search_plan(state.source, search_space(o, state.source.num_units, self.split), make)
         best = result.best
+        check_weights_fit(best.header, state.sliced, o.memory_per_rank)
         note(f"{len(result.candidates)} candidates; {best.pipe}x{best.data} {best.schedule}, "
              f"predicted step {best.time:.4g} s")
         if o.explain:

@@ -165,6 +165,10 @@ class SlicedModel:
         names = {a for attrs in self._unit_attrs[lo:hi] for a in attrs if a in named}
         return sum(named[a].numel() for a in names)
 
+    def stage_param_names(self, lo: int, hi: int) -> set[str]:
+        """The parameters units [lo, hi) use, by canonical name (what a rank holding them builds)."""
+        return {a for attrs in self._unit_attrs[lo:hi] for a in attrs if a in self._ctx.param_names}
+
     @property
     def unit_kv_elements(self) -> list[int]:
         """Cached elements one token of one sequence leaves in each unit (keys + values, and
