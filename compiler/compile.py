@@ -32,8 +32,9 @@ def compile_plan(model_path: str, options: CompileOptions, split=None, *, output
                           known=PASS_NAMES)
     unused = [o for o, v in (("--memory-per-rank", opts.memory_per_rank), ("--explain", opts.explain)) if v]
     if unused and not opts.searching:
-        Progress(opts.quiet).say(f"note: {', '.join(unused)} serve(s) only the plan search, which needs "
-                                 "--cost or --device-model; ignored")
+        Progress(opts.quiet).say(f"note: {', '.join(unused)} serve(s) the plan search, which needs "
+                                 "--cost or --device-model; without one, --memory-per-rank only refuses a "
+                                 "rank whose parameters and optimizer state alone do not fit")
     plan = manager.run(CompileState(model_path=model_path, factory=opts.factory)).plan
     if output is not None and not opts.quiet:
         print(written(plan, output))

@@ -125,9 +125,8 @@ def slicings(header: Header, extra=()) -> list[tuple[int, ...]]:
     return out
 
 
-def check_plan_slices(sliced, header: Header, extra=()) -> None:
+def check_plan_slices(sliced, header: Header, extra=()) -> list[int] | None:
     """The front end's numeric self-check (sliced vs unsliced model at the full length) with
     each slicing the plan uses (`extra`: the evaluation's micro-batches): what the plan will
     run is what is checked."""
-    for lens in slicings(header, extra):
-        sliced.check_slicing(list(lens))
+    return sliced.check_slicings([list(lens) for lens in slicings(header, extra)])

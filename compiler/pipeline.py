@@ -58,12 +58,14 @@ class Load(Pass):
     factory: str = "model"
 
     def run(self, state, note):
-        from tpc.compiler.frontend import file_sha256, load_model, read_vocab
+        from tpc.compiler.frontend import file_sha256
+        from tpc.compiler.frontend.weightless import build_weightless
 
-        model = load_model(state.model_path, self.factory)
-        vocab = read_vocab(model, state.model_path)
-        note(f"vocab {vocab}")
-        return state.but(model=model, sha256=file_sha256(state.model_path), vocab=vocab, factory=self.factory)
+        # built without weights: every parameter on the meta device (compiler/frontend/weightless.py);
+        # the vocabulary is read from the trace
+        model, _ = build_weightless(state.model_path, self.factory)
+        note(f"{sum(p.numel() for p in model.parameters()):,} parameters, on the meta device")
+        return state.but(model=model, sha256=file_sha256(state.model_path), vocab=None, factory=self.factory)
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class Trace(Pass):
         from tpc.compiler.frontend import SlicedModel
 
         sliced = SlicedModel.from_model(state.model, seq_len=self.seq_len, vocab=state.vocab, check_slices=None)
-        note(f"{sliced.num_units} units, vocab {state.vocab}")
+        note(f"{sliced.num_units} units, vocab {sliced.vocab}")
         if self.stages is not None and self.stages > sliced.num_units:
             if self.schedule_file is not None:
                 raise _error("--schedule-file", f"{self.schedule_file} runs {self.stages} stages but the model "
@@ -91,7 +93,7 @@ class Trace(Pass):
             raise _error(self.stages_option,
                          f"{self.stages} stages but the model has only {sliced.num_units} partition units",
                          f"use at most {sliced.num_units} stages")
-        return state.but(sliced=sliced)
+        return state.but(sliced=sliced, vocab=sliced.vocab)
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,39 @@ class BuildHeader(Pass):
             _say(o.quiet, f"--slices auto: {len(o.cuts)} equal slices of ~{o.seq_len // len(o.cuts)} "
                  "tokens (give --cost or --device-model for the optimiser's choice)")
         note(slicing_summary(header))
+        check_weights_fit(header, state.sliced, o.memory_per_rank)
         return state.but(header=header)
+
+
+# what a parameter keeps allocated on its rank through a run: fp32 weight, gradient, AdamW's two moments
+STATE_BYTES_PER_PARAM = 16
+
+
+def check_weights_fit(header, sliced, limit: float | None) -> None:
+    """With `--memory-per-rank`: refuse a plan where some rank cannot hold even its stages'
+    parameters, gradients and optimizer state (16 bytes a parameter), before activations,
+    saying the predicted bytes of every rank against the limit and what would help."""
+    if limit is None:
+        return
+    from tpc.compiler.predict.quantities import format_bytes
+
+    per_rank = {}
+    for r in range(header.mesh.value.pipe):
+        params = sum(sliced.stage_param_count(*header.stages[s].units) for s in header.stages_of_rank(r))
+        per_rank[r] = params * STATE_BYTES_PER_PARAM
+    over = {r: b for r, b in per_rank.items() if b > limit}
+    if not over:
+        return
+    largest = max(sliced.unit_param_counts) * STATE_BYTES_PER_PARAM
+    listing = ", ".join(f"rank {r} {format_bytes(b)}" for r, b in sorted(per_rank.items()))
+    helps = ([f"more pipeline stages (--stages; the model has {sliced.num_units} units, the largest needs "
+              f"{format_bytes(largest)})"] if largest <= limit else
+             [f"more memory per rank: one unit alone needs {format_bytes(largest)}"])
+    helps.append("sharding the optimizer state over data-parallel ranks")
+    raise _error("--memory-per-rank",
+                 f"the parameters, gradients and optimizer state of a rank's stages (16 bytes a parameter, "
+                 f"before activations) exceed --memory-per-rank {format_bytes(limit)}: {listing}",
+                 "; or ".join(helps) + " (recomputation, --recompute, lowers only the activations on top)")
 
 
 def front_passes(options: CompileOptions, *, split=None, schedule_file: str | None = None) -> list[Pass]:
@@ -219,6 +253,7 @@ class Search(Pass):
                             vocab=state.vocab, sliced=state.sliced)
         result = search_plan(state.source, search_space(o, state.source.num_units, self.split), make)
         best = result.best
+        check_weights_fit(best.header, state.sliced, o.memory_per_rank)
         note(f"{len(result.candidates)} candidates; {best.pipe}x{best.data} {best.schedule}, "
              f"predicted step {best.time:.4g} s")
         if o.explain:
@@ -257,8 +292,9 @@ class SelfCheck(Pass):
 
     def run(self, state, note):
         extra = state.eval_microbatches or ()
-        check_plan_slices(state.sliced, state.header, extra)
-        note(f"{len(slicings(state.header, extra))} slicing(s) at length {state.header.shape.seq}")
+        units = check_plan_slices(state.sliced, state.header, extra)
+        note(f"{len(slicings(state.header, extra))} slicing(s) at length {state.header.shape.seq}"
+             + (f", unit by unit: units {', '.join(map(str, units))} (the distinct ones)" if units else ""))
         return state
 
 

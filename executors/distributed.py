@@ -31,7 +31,8 @@ import torch.distributed as dist
 from tpc.executors.dist_transport import Channels, DistTransport, Wire
 from tpc.executors.engine import DTYPES, Clock, RankEngine, loss_vector, read_step
 from tpc.executors.options import RunOptions
-from tpc.executors.plan_model import StageSource, slice_model
+from tpc.compiler.frontend.weightless import move_real
+from tpc.executors.plan_model import StageSource, load_rank_model, rank_parameter_names, slice_model
 from tpc.executors.run import CurriculumFlags, RunSetup, write_trace
 from tpc.executors.training.dir_lock import release_held
 from tpc.executors.training_loop import PlanSet, TrainingLoop
@@ -231,7 +232,10 @@ def main(path: str, options: RunOptions, world: World, curriculum: CurriculumFla
     setup = RunSetup.load(path, options, device, curriculum=curriculum, interpreted=False)
     check_world(setup.plans.full, world)
     sliced = {seq: slice_model(setup.model, p) for seq, p in setup.plans.plans.items()}  # traced on the CPU
-    setup.model.to(device)
+    # this rank builds only the parameters its stages hold (the seed's values: weightless.py)
+    mesh = setup.plans.full.header.mesh.value
+    names = rank_parameter_names(setup.plans, sliced, mesh.pipe_rank(world.rank))
+    model = move_real(load_rank_model(setup.plans.full, options.seed, names), device)
     try:
         init(world, device, options.timeout)
     except Exception as e:  # noqa: BLE001 - whatever the rendezvous raises, say what it means
@@ -243,7 +247,7 @@ def main(path: str, options: RunOptions, world: World, curriculum: CurriculumFla
     report_layout(setup.plans.full, world, show.message)
     checkpoints = setup.checkpoints(show.message)
     try:
-        outcome = run_plan(setup.plans, world, options, model=setup.model, device=device, sliced=sliced,
+        outcome = run_plan(setup.plans, world, options, model=model, device=device, sliced=sliced,
                            batches=setup.batches, on_step=show, checkpoints=checkpoints,
                            eval_batches=setup.validation, on_eval=show.evaluation)
         show.close()

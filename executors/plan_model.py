@@ -39,11 +39,36 @@ def check_plan_model(plan: Plan) -> None:
             hint=f"recompile: `tpc compile {line.path} -o PLAN ...`, or restore the file the plan was made from"))
 
 
-def load_plan_model(plan: Plan, seed: int) -> torch.nn.Module:
+def load_plan_model(plan: Plan, seed: int, *, weights: bool = True) -> torch.nn.Module:
     """The plan's model built from its file, with weights drawn after `torch.manual_seed(seed)`,
-    so every process that builds it gets the same weights."""
+    so every process that builds it gets the same weights. `weights=False`: without any, every
+    parameter on the meta device (what a rank traces, and what names the model's parameters)."""
+    if not weights:
+        from tpc.compiler.frontend.weightless import build_weightless
+
+        return build_weightless(plan.header.model.path, plan.header.model.factory)[0]
     torch.manual_seed(seed)
     return load_model(plan.header.model.path, plan.header.model.factory)
+
+
+def rank_parameter_names(plans, sliced: dict, pipe_rank: int) -> set[str]:
+    """The parameters the stages of pipeline rank `pipe_rank` use, in every plan of `plans`
+    (a PlanSet; `sliced`: length -> SlicedModel)."""
+    names: set[str] = set()
+    for seq, plan in plans.plans.items():
+        h = plan.header
+        for s in h.stages_of_rank(pipe_rank):
+            lo, hi = h.stages[s].units
+            names |= sliced[seq].stage_param_names(lo, hi)
+    return names
+
+
+def load_rank_model(plan: Plan, seed: int, names) -> torch.nn.Module:
+    """The plan's model holding only the parameters `names` (the others on the meta device),
+    each equal to what `load_plan_model(plan, seed)` gives it (compiler/frontend/weightless.py)."""
+    from tpc.compiler.frontend.weightless import build_holding
+
+    return build_holding(plan.header.model.path, plan.header.model.factory, seed, names)
 
 
 def slice_model(model: torch.nn.Module, plan: Plan) -> SlicedModel:

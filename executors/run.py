@@ -94,7 +94,9 @@ class RunSetup:
             plans = PlanSet.single(plan)
             batches = batch_source(plan, options)
         check_bf16(options, device)
-        model = load_plan_model(plans.full, options.seed)
+        # a rank of a distributed run builds only its stages' weights, later (distributed.py);
+        # here the model without weights names them
+        model = load_plan_model(plans.full, options.seed, weights=interpreted)
         check = GradientCheck(plans.full, options, model) if options.verify_grads else None
         validation = eval_batches(plans.full, options)  # read and checked before any training
         return RunSetup(plans, options, model, batches, validation, check, run)
@@ -141,8 +143,13 @@ class GradientCheck:
 
     def __init__(self, plan: Plan, options: RunOptions, model: torch.nn.Module):
         self.tolerance = options.tolerance
+        from tpc.compiler.frontend.weightless import holds_weights
+
+        # the one place a distributed run builds the whole model: the seed gives it the weights
+        # every rank's stages start from
         self.model = load_plan_model(plan, options.seed)
-        self.model.load_state_dict(model.state_dict())
+        if holds_weights(model):
+            self.model.load_state_dict(model.state_dict())
         if options.init_from:  # the run starts from these weights: so does the reference
             from tpc.executors.training.init_from import init_model
 

@@ -130,9 +130,9 @@ def plan_cost_model(header, *, cost: str | None = None, device_model: str | None
     if cost:
         return load_cost_model(cost=cost, stage_units=ranges, num_units=header.units.count,
                                model_sha256=header.model.sha256)
-    from tpc.compiler.frontend import load_model
     from tpc.compiler.frontend.plan_trace import sliced_for_header
+    from tpc.compiler.frontend.weightless import build_weightless
 
-    model = load_model(header.model.path, header.model.factory)
+    model, _ = build_weightless(header.model.path, header.model.factory)  # its graph prices it, not its weights
     sliced = sliced_for_header(model, header, source)
     return load_cost_model(device_model=device_model, sliced=sliced, stage_units=ranges)

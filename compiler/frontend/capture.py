@@ -121,8 +121,31 @@ def _without_generation_cache(model: nn.Module):
 
 
 def capture(model: nn.Module, seq_len: int, batch: int = 2) -> Captured:
-    with _without_generation_cache(model):
+    with _without_generation_cache(model), _meta_parameters_on_cpu(model):
         return _capture(model, seq_len, batch)
+
+
+@contextmanager
+def _meta_parameters_on_cpu(model: nn.Module):
+    """A model built without weights (`weightless.py`) has its parameters on the meta device and
+    its buffers on the CPU; export would refuse an op mixing the two (`freqs_cis * x`). For the
+    capture each meta parameter is stood in for by a CPU tensor of its shape that holds one
+    element (`expand`: no memory), which export only ever reads the shape of; the meta
+    parameters are put back afterwards (the same objects, so ties stay ties)."""
+    swapped, stand_ins = [], {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and p.is_meta:
+                if id(p) not in stand_ins:  # a tie gets one stand-in
+                    stand_ins[id(p)] = nn.Parameter(torch.empty((), dtype=p.dtype).expand(p.shape),
+                                                    requires_grad=p.requires_grad)
+                mod._parameters[name] = stand_ins[id(p)]
+                swapped.append((p, mod, name))
+    try:
+        yield
+    finally:
+        for p, mod, name in swapped:
+            mod._parameters[name] = p
 
 
 def _capture(model: nn.Module, seq_len: int, batch: int) -> Captured:
@@ -367,6 +390,7 @@ def _clean_copy(src: fx.Graph, canon: dict[str, str], owner: fx.GraphModule | No
             ids = new
     if ids is None:
         raise TpirError(Diagnostic("the model's forward takes no input", hint="forward(ids) takes the token ids"))
+    _devices_off_meta(g)
     functionalize(g, model_file)
     prune_dead(g)
     for n in g.nodes:
@@ -374,6 +398,25 @@ def _clean_copy(src: fx.Graph, canon: dict[str, str], owner: fx.GraphModule | No
             n.meta["stack_trace"] = compact_stack_trace(n.meta["stack_trace"])
     g.lint()
     return g, ids
+
+
+_CPU = torch.device("cpu")
+
+
+def _devices_off_meta(g: fx.Graph) -> None:
+    """A model built without weights (parameters on the meta device, `weightless.py`) makes the
+    tensors it derives from them there too (a mask made `device=embeds.device`); export records
+    that device as a constant. The model with weights would have made them on the CPU, where the
+    capture's inputs and buffers are, so the compile reads static values (masks, bias tables)
+    there. Stage graphs take every device from their input anyway (`stage.py`)."""
+
+    def off_meta(a):
+        return _CPU if isinstance(a, torch.device) and a.type == "meta" else a
+
+    for n in g.nodes:
+        if n.op == "call_function":
+            n.args = fx.node.map_aggregate(n.args, off_meta)
+            n.kwargs = fx.node.map_aggregate(n.kwargs, off_meta)
 
 
 def _maybe_submodule(owner, target: str):

@@ -56,15 +56,23 @@ def first_difference(captured: fx.Graph, fetch, seq_sym, ids: torch.Tensor, lens
     with torch.no_grad():
         whole = _Recorder(_module_for(captured, fetch))
         whole.run(ids)
+    return first_difference_of(captured, whole.values, seq_sym, ids, lens, stage)
+
+
+def first_difference_of(captured: fx.Graph, values: dict, seq_sym, x: torch.Tensor, lens, stage) -> fx.Node | None:
+    """`first_difference` given the unsliced values of `captured`'s nodes by name (`values`; a
+    part of the graph will do: the unit-by-unit self-check's), `stage` run on `x` (the ids, or
+    the residual stream entering its first unit) with slices `lens`."""
+    with torch.no_grad():
         sliced = _Recorder(fx.GraphModule(stage, stage.graph))
         per_slice: dict[str, list] = {}
         kv_parts: list[list] = [[] for _ in range(stage.num_kv)]
         off = 0
         for ln in lens:
             prefix = [torch.cat([e, *p], dim=d) if p else e
-                      for e, p, d in zip(stage.empty_kv(ids.size(0)), kv_parts, stage.kv_dims)]
+                      for e, p, d in zip(stage.empty_kv(x.size(0)), kv_parts, stage.kv_dims)]
             sliced.values = {}
-            out = sliced.run(ids[:, off:off + ln], off, *prefix)
+            out = sliced.run(x[:, off:off + ln], off, *prefix)
             for parts, k in zip(kv_parts, out[1:]):
                 parts.append(k)
             for name, v in sliced.values.items():
@@ -74,7 +82,7 @@ def first_difference(captured: fx.Graph, fetch, seq_sym, ids: torch.Tensor, lens
     for n in captured.nodes:
         if n.op != "call_function" or n.name not in per_slice or n.name not in stage_nodes:
             continue
-        ref = whole.values.get(n.name)
+        ref = values.get(n.name)
         axes = node_token_axes(n, seq_sym)
         if not isinstance(ref, torch.Tensor) or len(axes) != 1:
             continue

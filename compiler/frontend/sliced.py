@@ -112,9 +112,11 @@ class SlicedModel:
         the plan's own slices instead)."""
         return cls(model, seq_len, vocab, check_slices)
 
-    def __init__(self, model: nn.Module, seq_len: int, vocab: int, check_slices=DEFAULT):
-        self.model, self.seq_len, self.vocab = model, seq_len, vocab
+    def __init__(self, model: nn.Module, seq_len: int, vocab: int | None, check_slices=DEFAULT):
+        self.model, self.seq_len = model, seq_len
         cap = capture(model, seq_len)
+        # a model without weights is never run before the capture: its vocabulary is the logits'
+        self.vocab = vocab = vocab if vocab is not None else _traced_vocab(cap)
         self._model_file = cap.model_file
         self._full_range = cap.full_range
         self._original = fx.Graph()  # the captured graph before any pass: the self-check's reference
@@ -162,6 +164,10 @@ class SlicedModel:
         named = dict(self.model.named_parameters())
         names = {a for attrs in self._unit_attrs[lo:hi] for a in attrs if a in named}
         return sum(named[a].numel() for a in names)
+
+    def stage_param_names(self, lo: int, hi: int) -> set[str]:
+        """The parameters units [lo, hi) use, by canonical name (what a rank holding them builds)."""
+        return {a for attrs in self._unit_attrs[lo:hi] for a in attrs if a in self._ctx.param_names}
 
     @property
     def unit_kv_elements(self) -> list[int]:
@@ -316,17 +322,57 @@ class SlicedModel:
                 return int(n.meta["val"].shape[2])
         return 0
 
+    def check_slicings(self, slicings) -> list[int] | None:
+        """`check_slicing` with each slicing of `slicings`. A model built without weights
+        (`weightless.py`) is checked unit by unit (`unit_check.py`: each distinct unit's weights
+        made real in turn, its stage graph against the captured graph); returns the units checked
+        then, else None."""
+        from tpc.compiler.frontend.weightless import holds_weights
+
+        slicings = [[int(x) for x in lens] for lens in slicings]
+        for lens in slicings:
+            if sum(lens) != self.seq_len or min(lens) < 1:
+                raise ValueError(f"slices {lens} do not cover the {self.seq_len} tokens of the plan")
+        if holds_weights(self.model):
+            for lens in slicings:
+                self.check_slicing(lens)
+            return None
+        if self._has_active_dropout():
+            return []
+        from tpc.compiler.frontend.unit_check import check_units
+
+        def refuse_difference(token, lens, node):
+            self._refuse_node(node, token, lens)
+
+        from tpc.compiler.frontend.unit_check import NodeFailed
+
+        try:
+            return check_units(self, slicings, _run_sliced, refuse_difference)
+        except NodeFailed as e:
+            first = str(e.error).splitlines()[0] if str(e.error) else ""
+            raise refuse(e.node, self._model_file,
+                         f"the model does not run at the plan's length of {self.seq_len} tokens: "
+                         f"{type(e.error).__name__}: {first}", _TOO_LONG) from None
+
+    def _has_active_dropout(self) -> bool:
+        return any(n.target is torch.ops.aten.dropout.default and n.args[1] and n.args[2]
+                   for n in self._graph.nodes if n.op == "call_function")
+
     def check_slicing(self, lens) -> None:
         """The numeric self-check: the whole model run slice by slice (lengths `lens`, summing
         to the plan's length) must give the unsliced model's logits on random tokens. A safety
         net for token mixing the rules of the passes do not know; a difference is refused,
         naming the first value of the graph whose sliced value differs and its source line.
         Skipped when the model has active dropout (the two runs draw different masks)."""
+        from tpc.compiler.frontend.weightless import holds_weights
+
         lens = [int(x) for x in lens]
         if sum(lens) != self.seq_len or min(lens) < 1:
             raise ValueError(f"slices {lens} do not cover the {self.seq_len} tokens of the plan")
-        if any(n.target is torch.ops.aten.dropout.default and n.args[1] and n.args[2]
-               for n in self._graph.nodes if n.op == "call_function"):
+        if not holds_weights(self.model):
+            self.check_slicings([lens])
+            return
+        if self._has_active_dropout():
             return  # random masks differ between the two runs; nothing to compare
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(0, self.vocab, (2 if self._full_range else 1, self.seq_len), generator=gen)
@@ -343,10 +389,12 @@ class SlicedModel:
     def _refuse_difference(self, ids, lens, full, token: int) -> None:
         from tpc.compiler.frontend.first_difference import first_difference
 
+        self._refuse_node(first_difference(self._original, self._fetch, self._seq_sym, ids, lens, full), token, lens)
+
+    def _refuse_node(self, node, token: int, lens) -> None:
         what = f"slicing changes the model's output (first at token {token}, slices {_short(lens)})"
         hint = ("use only per-token operations, causal attention (scaled_dot_product_attention("
                 "is_causal=True)) and positions from arange(T) or buf[:T]")
-        node = first_difference(self._original, self._fetch, self._seq_sym, ids, lens, full)
         if node is None:
             raise TpirError(Diagnostic(what + ": the model mixes tokens in a way the front end does not "
                                        "recognise", where=type(self.model).__name__, hint=hint))
@@ -354,6 +402,16 @@ class SlicedModel:
                      f"{what}: the first value that differs is `{node.name}` (op {node.target}); the "
                      "model mixes tokens there in a way the front end does not recognise", hint)
 
+
+
+def _traced_vocab(cap: Captured) -> int | None:
+    """The last dimension of the captured model's output, when it is a fixed size."""
+    out = next(n for n in cap.graph.nodes if n.op == "output")
+    vals = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    v = vals[0].meta.get("val") if vals and isinstance(vals[0], fx.Node) else None
+    if isinstance(v, torch.Tensor) and v.dim() == 3 and isinstance(v.shape[2], int):
+        return int(v.shape[2])
+    return None
 
 
 def default_check_slices(seq_len: int) -> list[int]:
@@ -406,6 +464,8 @@ def _run_model_at_length(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         raise TpirError(Diagnostic(
             f"the model does not run at the plan's length of {ids.shape[1]} tokens: "
             f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-            loc, hint="a table sized for a shorter context (positions, a causal mask buffer) ends "
-                      "before --seq-len: give a --seq-len the model supports, or build the model "
-                      "for a longer context", where="--seq-len")) from None
+            loc, hint=_TOO_LONG, where="--seq-len")) from None
+
+
+_TOO_LONG = ("a table sized for a shorter context (positions, a causal mask buffer) ends before --seq-len: "
+             "give a --seq-len the model supports, or build the model for a longer context")
