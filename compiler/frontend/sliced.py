@@ -240,6 +240,11 @@ class SlicedModel:
                         users[a].append(s)
         return [(name, tuple(st)) for name, st in sorted(users.items()) if len(st) >= 2]
 
+    @property
+    def original_graph(self) -> fx.Graph:
+        """The captured graph before any pass: the self-check's reference."""
+        return self._original
+
     def stage_module(self, lo: int, hi: int, params_from: nn.Module | None = None,
                      with_loss: bool = True, evaluation: bool = False) -> StageModule:
         """Units [lo, hi) as a `StageModule`; `evaluation`: as `model.eval()` runs them

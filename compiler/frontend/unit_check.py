@@ -199,7 +199,7 @@ def check_units(sliced, slicings, run_sliced, refuse_difference) -> list[int]:
         x = ids if u == 0 else torch.randn(1, seq, sliced.hidden_size, generator=gen,
                                            dtype=unit.input.meta["val"].dtype)
         with torch.no_grad():
-            ref = _reference(sliced._original, unit, x, ids, values.get)
+            ref = _reference(sliced.original_graph, unit, x, ids, values.get)
             if ref is None:  # the passes renamed the unit's ends: the stage at full length is the reference
                 ref = stage(x, 0, stage.empty_kv(1))[0]
             for lens in slicings:
@@ -209,8 +209,8 @@ def check_units(sliced, slicings, run_sliced, refuse_difference) -> list[int]:
                 if err.max().item() > tol:
                     from tpc.compiler.frontend.first_difference import first_difference_of
 
-                    _, kept = _reference(sliced._original, unit, x, ids, values.get, keep=True) or (None, {})
-                    node = first_difference_of(sliced._original, kept, ctx.seq_sym, x, lens, stage)
+                    _, kept = _reference(sliced.original_graph, unit, x, ids, values.get, keep=True) or (None, {})
+                    node = first_difference_of(sliced.original_graph, kept, ctx.seq_sym, x, lens, stage)
                     token = int(err.amax(dim=tuple(d for d in range(err.dim()) if d != 1)).gt(tol).nonzero()[0])
                     refuse_difference(token, lens, node)
         values = _Values(sliced.model)  # the unit's weights freed
