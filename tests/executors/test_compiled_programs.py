@@ -104,3 +104,27 @@ def test_the_stride_of_a_dimension_of_one_row_does_not_make_another_shape():
     whole = torch.zeros(1, 64, 32)
     assert Shape.of(whole[:, 8:16], 8, [], []) == Shape.of(torch.zeros(1, 8, 32), 8, [], [])
     assert Shape.of(torch.zeros(2, 64, 32)[:, 8:16], 8, [], []) != Shape.of(torch.zeros(2, 8, 32), 8, [], [])
+
+
+def test_torchrun_compiled_matches_autograd(tmp_path):
+    """`torchrun ... tpc run PLAN --compile --verify-grads` on two gloo ranks: each rank compiles
+    its stage's programs before step 1, says so, and the first step's gradients are autograd's."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.executors.dist_harness import free_port, tpc_command
+    from tpc.ir.printer import print_plan
+
+    plan = tmp_path / "plan.tpir"
+    plan.write_text(print_plan(real_plan("gpt", seq_len=SEQ, schedule="zb-h1", stages=2, slices="5,11",
+                                         microbatches=2)), encoding="utf-8")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "--no-python", tpc_command(), "run", str(plan), "--compile", "--verify-grads",
+           "--steps", "2", "--timeout", "300"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 2/2  loss" in done.stdout
+    assert done.stdout.count("verify-grads:") == 1 and ": ok" in done.stdout
+    assert "slice shapes compiled in" in done.stderr and "not one the plan prepared" not in done.stderr
