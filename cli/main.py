@@ -297,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--seq-len", type=int, required=True, help="longest sequence to profile")
     pr.add_argument("--device", default="cpu", help="cpu | cuda (default: cpu)")
     pr.add_argument("--batch-sizes", default="1,2,4", help="micro-batch sizes to measure (default: 1,2,4)")
+    pr.add_argument("--compile", action="store_true", help="time the units' stage programs compiled by inductor, "
+                    "as `tpc run --compile` runs them, so that `tpc compile --cost` slices for what a compiled "
+                    "slice costs. Every grid point is a slice shape of its own, compiled once (slow on a CPU: "
+                    "minutes per unit); the stash stays eager autograd's. See docs/compile.md")
     pr.set_defaults(func=cmd_profile)
 
     ex = sub.add_parser("export", help="write a checkpoint as a plain state_dict of the unsliced model",

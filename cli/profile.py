@@ -24,7 +24,7 @@ def cmd_profile(args) -> int:
     check_output(args.output, option="--output")  # before minutes of measuring
     t0 = time.perf_counter()
     prof = profile_model(args.model, args.seq_len, sizes, device=args.device, factory=args.factory,
-                         log=print)
+                         log=print, compile=args.compile)
     save_profile(prof, args.output)
     print(f"{args.output}: {prof.num_units} units x {len(prof.batch_sizes)} micro-batch sizes on "
           f"{prof.device}; the fits are within {prof.fit_error_share():.2%} of the model's time "

@@ -31,7 +31,7 @@ import torch
 from tpc.compiler.costmodel.fit import fit_curve, fit_stash
 from tpc.compiler.costmodel.store import Profile, UnitProfile
 from tpc.compiler.frontend import SlicedModel, file_sha256, load_model, read_vocab
-from tpc.compiler.programs.stage_programs import StagePrograms
+from tpc.compiler.programs.stage_programs import ProgramOptions, StagePrograms
 from tpc.executors.stage_runtime import StageRuntime
 from tpc.executors.stage_runtime import storage_key
 from tpc.ir.diagnostics import Diagnostic, TpirError
@@ -198,9 +198,13 @@ def stash_point(rt, stage, dev, vocab, hidden, l, c, b) -> int:
 
 
 def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu",
-                  factory: str = "model", warmup: int = 1, repeats: int = 3, log=None) -> Profile:
-    """Measure and fit every unit of the model in `model_path`; see the module docstring."""
+                  factory: str = "model", warmup: int = 1, repeats: int = 3, log=None,
+                  compile: bool = False) -> Profile:
+    """Measure and fit every unit of the model in `model_path`; see the module docstring.
+    `compile`: time the units' programs compiled (`tpc run --compile`); each point's shape is
+    compiled in its warm-up (`warmup` >= 1), and the stash is still eager autograd's."""
 
+    warmup = max(warmup, 1) if compile else warmup  # a point's first run compiles its shape
     sizes = sorted({int(b) for b in batch_sizes})
     if not sizes or sizes[0] < 1:
         raise TpirError(Diagnostic(f"bad micro-batch sizes {batch_sizes}", where="--batch-sizes",
@@ -221,8 +225,11 @@ def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu
     units = []
     for u in range(sliced.num_units):
         stage = sliced.stage_module(u, u + 1).to(dev)
-        rt = StageRuntime(stage, 1.0)
-        split_rt = StageRuntime(stage, 1.0, StagePrograms(stage))
+        eager_rt = StageRuntime(stage, 1.0)
+        if compile:  # one runtime of compiled programs times the whole and the split backward
+            rt = split_rt = StageRuntime(stage, 1.0, StagePrograms(stage, ProgramOptions(compile=True)))
+        else:
+            rt, split_rt = eager_rt, StageRuntime(stage, 1.0, StagePrograms(stage))
         fwd_fits, bwd_fits, stash_fits, samples, stash_samples = [], [], [], [], []
         input_fits, weight_fits, held_fits, held_samples = [], [], [], []
         for b in sizes:
@@ -231,7 +238,7 @@ def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu
                 for c in grid_contexts(seq_len, l):
                     tf, tb, ti, tw, held = _time_point(rt, split_rt, stage, dev, vocab, hidden, l, c, b, warmup,
                                                        repeats)
-                    nbytes = stash_point(rt, stage, dev, vocab, hidden, l, c, b)
+                    nbytes = stash_point(eager_rt, stage, dev, vocab, hidden, l, c, b)
                     pts.append((l, c, tf, tb, nbytes, ti, tw, held))
                     samples.append((b, l, c, tf, tb, ti, tw))
                     stash_samples.append((b, l, c, nbytes))
@@ -262,7 +269,9 @@ def profile_model(model_path: str, seq_len: int, batch_sizes, device: str = "cpu
                    units=tuple(units), act_bytes_per_token=hidden * elem,
                    link_latency=link[0], link_bandwidth=link[1],
                    notes=(f"link {link[0] * 1e6:.0f} us + bytes / {link[1] / 1e9:.0f} GB/s is a "
-                          "stated figure, not measured",))
+                          "stated figure, not measured",)
+                   + (("times are of the stage programs compiled by inductor (tpc profile --compile); "
+                       "the stash is eager autograd's",) if compile else ()))
 
 
 def _kv_row_bytes(shape_fn, seq_dim: int, dtype) -> int:

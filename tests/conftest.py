@@ -45,6 +45,7 @@ SLOW = (
     "tests/executors/test_stage_programs.py::test_hugging_face_decoders_split_as_autograd_does[last-llama]",
     "tests/executors/test_compiled_programs.py::test_chimera_runs_compiled_and_exact",
     "tests/executors/test_compiled_programs.py::test_torchrun_compiled_matches_autograd",
+    "tests/executors/test_compiled_programs.py::test_a_compiled_profile_times_the_compiled_programs",
     "tests/executors/test_compiled_programs.py::test_recomputation_and_data_parallel_run_compiled_and_exact",
     "tests/executors/test_compiled_programs.py::test_code_nobody_here_wrote_runs_compiled_and_exact",
     # multi-process: ranks under torchrun (gloo), bench scripts run as programs

@@ -128,3 +128,18 @@ def test_torchrun_compiled_matches_autograd(tmp_path):
     assert "step 2/2  loss" in done.stdout
     assert done.stdout.count("verify-grads:") == 1 and ": ok" in done.stdout
     assert "slice shapes compiled in" in done.stderr and "not one the plan prepared" not in done.stderr
+
+
+def test_a_compiled_profile_times_the_compiled_programs(monkeypatch):
+    """`tpc profile --compile`: every point's times are the compiled programs' (each point's
+    shape compiled in its warm-up), and the profile says so. One point per unit here."""
+    from tests.executors.real import model_file
+    from tpc.executors import profile as profiling
+
+    monkeypatch.setattr(profiling, "grid_lengths", lambda L: [L])
+    monkeypatch.setattr(profiling, "grid_contexts", lambda L, l: [0])
+    before = len(_compiled_shapes())
+    prof = profiling.profile_model(model_file("gpt"), 8, [1], warmup=0, repeats=1, compile=True)
+    assert any("compiled by inductor" in n for n in prof.notes)
+    assert all(s[3] > 0 and s[4] > 0 for u in prof.units for s in u.samples)  # forward, backward timed
+    assert len(_compiled_shapes()) > before  # the units' programs were compiled
