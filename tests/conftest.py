@@ -46,6 +46,7 @@ SLOW = (
     "tests/executors/test_compiled_programs.py::test_chimera_runs_compiled_and_exact",
     "tests/executors/test_compiled_programs.py::test_torchrun_compiled_matches_autograd",
     "tests/executors/test_compiled_programs.py::test_a_compiled_profile_times_the_compiled_programs",
+    "tests/executors/test_compiled_programs.py::test_the_evaluation_program_runs_compiled_and_gives_the_eager_loss",
     "tests/executors/test_compiled_programs.py::test_recomputation_and_data_parallel_run_compiled_and_exact",
     "tests/executors/test_compiled_programs.py::test_code_nobody_here_wrote_runs_compiled_and_exact",
     # multi-process: ranks under torchrun (gloo), bench scripts run as programs

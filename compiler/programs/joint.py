@@ -184,7 +184,9 @@ def _forward_only(module, shape, names, state, x, prefix, targets, num_kv) -> Pr
 
     with torch.no_grad():
         gm = make_fx(fwd)([t.detach() for t in state], x.detach(), [p.detach() for p in prefix], targets)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # an absent `targets` has a placeholder too: dropped
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][:len(state) + 1 + len(prefix)
+                                                                       + (targets is not None)]
     forward = _extract(gm, placeholders, _outputs(gm), "forward")
     return Programs(shape, forward, None, None, None, num_kv, 0, (), {"forward": forward})
 

@@ -143,3 +143,30 @@ def test_a_compiled_profile_times_the_compiled_programs(monkeypatch):
     assert any("compiled by inductor" in n for n in prof.notes)
     assert all(s[3] > 0 and s[4] > 0 for u in prof.units for s in u.samples)  # forward, backward timed
     assert len(_compiled_shapes()) > before  # the units' programs were compiled
+
+
+def test_the_evaluation_program_runs_compiled_and_gives_the_eager_loss(tmp_path):
+    """The plan's forward-only evaluation program through its compiled forward-only programs
+    (prepared before the first evaluation): the validation loss is the eager one's."""
+    import dataclasses
+
+    import numpy as np
+
+    from tpc.compiler.lowering.eval_program import eval_program
+    from tpc.executors.training.eval_data import EvalBatches
+
+    plan = real_plan("gpt", seq_len=SEQ, schedule="1f1b", stages=2, slices="2", microbatches=2)
+    plan = dataclasses.replace(plan, eval=eval_program(plan.header))
+    val = tmp_path / "val.bin"
+    np.random.default_rng(1).integers(0, 256, 2000).astype(np.uint16).tofile(val)
+    losses = {}
+    for compiled in (False, True):
+        model, sliced = fresh_model("gpt", SEQ)
+        batches = EvalBatches(str(val), batch=4, seq=SEQ, vocab=256, count=2)
+        result = interpret(plan, RunOptions(steps=1, eval_data=str(val), compile=compiled, quiet=True),
+                           model=model, sliced=sliced, eval_batches=batches)
+        losses[compiled] = [loss for _, loss in result.eval_losses]
+    assert len(losses[True]) == 2
+    for eager, compiled in zip(losses[False], losses[True]):
+        assert abs(compiled - eager) <= TOL * abs(eager)
+    assert any(not key[1].grad for key in stage_programs._DERIVED if key[3].compile)  # forward-only programs
