@@ -7,34 +7,22 @@ test_stage_programs.py)."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from tests.executors.real import fresh_model, real_plan
+from tests.executors.test_interpreter_schedules import run_and_check
 from tpc.compiler.programs import stage_programs
 from tpc.executors.interpreter import interpret
 from tpc.executors.options import RunOptions
-from tpc.executors.oracle import batch_reference, gradient_error
-from tpc.executors.training.batches import RandomTokens
 
 TOL = 1e-5
 SEQ = 16
 
 
 def compiled_run(name: str = "gpt", options: RunOptions | None = None, **plan_kw):
-    plan = real_plan(name, seq_len=SEQ, **plan_kw)
-    model, sliced = fresh_model(name, SEQ)
-    reference = copy.deepcopy(model)
-    options = options or RunOptions(compile=True, quiet=True)
-    result = interpret(plan, options, model=model, sliced=sliced)
-    h = plan.header
-    ref_loss, ref_grads, _ = batch_reference(reference, RandomTokens(0, h.shape.batch, SEQ, h.shape.vocab).get(0))
-    worst, where = gradient_error(result.first_grads, ref_grads)
-    assert worst <= TOL, (worst, where)
-    assert abs(result.losses[0] - ref_loss) <= TOL * abs(ref_loss)
-    return plan, result
+    """`run_and_check` of the interpreter's schedule tests, with every stage compiled."""
+    return run_and_check(name, options or RunOptions(compile=True, quiet=True), **plan_kw)
 
 
 def _compiled_shapes() -> set:

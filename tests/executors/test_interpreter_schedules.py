@@ -23,11 +23,13 @@ NEW = ["interleaved", "looped-bfs", "zb-h1", "zb-h2", "seq-zb", "seq-interleaved
 SLICES = ["1", "3", "2,9,5"]
 
 
-def run_and_check(name: str = "gpt", **plan_kw):
+def run_and_check(name: str = "gpt", options: RunOptions | None = None, **plan_kw):
+    """Interpret the plan of tiny_NAME (as `options` say) and check its first step against plain
+    autograd on the unsliced model (<= 1e-5)."""
     plan = real_plan(name, seq_len=SEQ, **plan_kw)
     model, sliced = fresh_model(name, SEQ)
     reference = copy.deepcopy(model)
-    result = interpret(plan, model=model, sliced=sliced)
+    result = interpret(plan, options, model=model, sliced=sliced)
     h = plan.header
     ref_loss, ref_grads, _ = batch_reference(reference, RandomTokens(0, h.shape.batch, SEQ, h.shape.vocab).get(0))
     worst, where = gradient_error(result.first_grads, ref_grads)
