@@ -190,9 +190,27 @@ def test_a_receive_that_waits_forever_is_reported_at_both_ends(tmp_path):
                                                            "0F0,0SEND_F0,0RECV_B1,0F1,0SEND_F1"), BFS[1]])
     diags = errors(path)
     assert [(d.loc.line, d.loc.col) for d in diags] == [(1, 23), (2, 23)]  # 0RECV_B1 and 1RECV_F1
-    assert diags[0].message.startswith("deadlock: rank 0 waits here forever for rank 1")
+    assert diags[0].message.startswith("not progressing (torch's `_simulate_comms_compute` raises \"Schedule is "
+                                       "not progressing\"): rank 0 waits here forever for rank 1")
     assert "the send at cell 2:40 `1SEND_B1`" in diags[0].hint
     assert torch_checks(path, "compute_comms", 2, 2, 2).startswith("ValueError: Schedule is not progressing")
+
+
+def test_a_gradient_received_before_its_activation_is_sent_is_not_progressing(tmp_path):
+    """A compute+comms CSV has torch's semantics: a receive waits where it is written. Rank 0
+    waits for mb 0's gradient before it sends mb 0's activation: torch's simulator stops
+    ("not progressing"); NCCL lowering could pair the receive with the send after it into one
+    exchange, and it was accepted so, running an order the CSV does not say."""
+    path = write(tmp_path, "early_recv.csv", ["0F0,0RECV_B0,0SEND_F0,0B0", "1RECV_F0,1F0,1B0,1SEND_B0"])
+    diags = errors(path)
+    assert [(d.loc.line, d.loc.col) for d in diags] == [(1, 5), (2, 1)]  # 0RECV_B0 and 1RECV_F0
+    assert all(d.message.startswith("not progressing (torch's") for d in diags)
+    assert "the send at cell 2:18 `1SEND_B0`" in diags[0].hint and "a send never waits" in diags[0].hint
+    assert torch_checks(path, "compute_comms", 2, 2, 1).startswith("ValueError: Schedule is not progressing")
+    # written in the order torch runs, it is accepted by both
+    fixed = write(tmp_path, "fixed.csv", ["0F0,0SEND_F0,0RECV_B0,0B0", "1RECV_F0,1F0,1B0,1SEND_B0"])
+    import_csv(str(fixed))
+    assert torch_checks(fixed, "compute_comms", 2, 2, 1) == "accepted"
 
 
 def test_a_deadlock_of_tpcs_own_receives_is_said_at_the_computation(tmp_path):
