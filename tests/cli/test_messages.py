@@ -1,0 +1,37 @@
+"""Messages of bad command lines and bad files that said the wrong thing: each one now names
+the flag (or file:line:col) at fault and what would be right."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpc.cli.main import main, negative_values
+
+
+def test_a_value_that_begins_like_a_negative_number_stays_its_flags():
+    assert negative_values(["compile", "m.py", "--seq-len", "-5,64", "--lr", "-1e-3", "--x", "-5GiB"]) == \
+        ["compile", "m.py", "--seq-len=-5,64", "--lr=-1e-3", "--x=-5GiB"]
+    # options, plain words, `--` and a flag already given its value are left alone
+    assert negative_values(["run", "-o", "-5", "--debug", "--steps=3", "-5", "--", "-5x"]) == \
+        ["run", "-o", "-5", "--debug", "--steps=3", "-5", "--", "-5x"]
+    assert negative_values(["--steps", "--lr", "3"]) == ["--steps", "--lr", "3"]
+
+
+@pytest.mark.parametrize("argv, flag, message", [
+    # argparse took each of these values for an option: "argument --seq-len: expected one argument"
+    (["--seq-len", "-5,64"], "--seq-len", "the length -5 is not a positive number of tokens"),
+    (["--seq-len", "64", "--slices", "-2,66"], "--slices", "slice length -2 in '-2,66' is not positive"),
+    (["--seq-len", "64", "--memory-per-rank", "-5GiB"], "--memory-per-rank", "'-5GiB' is not a memory size"),
+    (["--seq-len", "-5"], "--seq-len", "--seq-len must be a positive whole number, got -5"),
+])
+def test_a_negative_value_is_said_negative_at_its_flag_not_missing(tmp_path, capsys, argv, flag, message):
+    out = tmp_path / "plan.tpir"
+    assert main(["compile", str(tmp_path / "no_such_model.py"), "-o", str(out), "--batch", "4", *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{flag}: error: ") and message in err, err
+    assert "expected one argument" not in err
+
+
+def test_a_negative_learning_rate_is_refused_as_negative(tmp_path, capsys):
+    assert main(["run", "--interpret", str(tmp_path / "p.tpir"), "--lr", "-1e-3"]) == 1
+    assert "--lr: error: learning rate must be a finite number > 0, got -0.001" in capsys.readouterr().err
