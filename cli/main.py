@@ -34,10 +34,9 @@ typical use:
 
 
 def _read_text(path: str) -> str:
-    p = Path(path)
-    if not p.is_file():
-        raise TpirError(Diagnostic(f"no such file: {path}", hint="give the path of a .tpir plan"))
-    return p.read_text(encoding="utf-8")
+    from tpc.ir.files import read_text
+
+    return read_text(path)
 
 
 # ------------------------------------------------------------------------------ subcommands

@@ -91,15 +91,9 @@ def is_schedule_csv(path: str) -> bool:
 
 def read_csv(path: str) -> TorchCsv:
     """Read and parse the schedule CSV at `path` (TpirError for a missing file or bad cells)."""
-    p = Path(path)
-    if not p.is_file():
-        raise TpirError(Diagnostic(f"no such file: {path}",
-                                   hint="give the path of a schedule CSV written by torch's _dump_csv"))
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise TpirError(Diagnostic(f"cannot read {path}: {e}", hint="a schedule CSV is a UTF-8 text file")) from None
-    return parse_csv(text, path)
+    from tpc.ir.files import read_text
+
+    return parse_csv(read_text(path, what="a schedule CSV written by torch's _dump_csv"), path)
 
 
 def parse_csv(text: str, path: str = "<schedule.csv>") -> TorchCsv:

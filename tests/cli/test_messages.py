@@ -35,3 +35,33 @@ def test_a_negative_value_is_said_negative_at_its_flag_not_missing(tmp_path, cap
 def test_a_negative_learning_rate_is_refused_as_negative(tmp_path, capsys):
     assert main(["run", "--interpret", str(tmp_path / "p.tpir"), "--lr", "-1e-3"]) == 1
     assert "--lr: error: learning rate must be a finite number > 0, got -0.001" in capsys.readouterr().err
+
+
+GOLDEN = "tests/ir/golden/one_f_one_b_exchange.tpir"
+
+
+@pytest.mark.parametrize("command", [["verify"], ["fmt"], ["show"], ["simulate", "--unit"], ["fmt", "--check"]])
+def test_a_byte_that_is_not_utf8_is_reported_at_its_line_and_column(tmp_path, capsys, command):
+    """It was "cannot read p.tpir: 'utf-8' codec can't decode byte 0xff in position 461" (a byte
+    offset, no line), and a traceback from `tpc fmt` and `tpc show`."""
+    from pathlib import Path
+
+    lines = Path(GOLDEN).read_bytes().split(b"\n")
+    lines[9] += b" \xff"
+    plan = tmp_path / "p.tpir"
+    plan.write_bytes(b"\n".join(lines))
+    col = len(lines[9])  # the byte is the line's last character (the line is ASCII before it)
+    args = [command[0], str(plan), *command[1:]]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"{plan}:10:{col}: error: byte 0xff is not UTF-8 text (invalid start byte)" in err, err
+    assert "   10 | stage 1 rank 1" in err and "Traceback" not in err
+    assert "re-save the file as UTF-8" in err
+
+
+def test_a_schedule_csv_byte_that_is_not_utf8_is_reported_at_its_cell(tmp_path, capsys):
+    csv = tmp_path / "s.csv"
+    csv.write_bytes("0F0,0B0\r\n1F0,é\r\n".encode("latin-1"))
+    assert main(["verify", str(csv)]) == 1
+    err = capsys.readouterr().err
+    assert f"{csv}:2:5: error: byte 0xe9 is not UTF-8 text" in err and "    2 | 1F0," in err
