@@ -65,3 +65,48 @@ def test_a_schedule_csv_byte_that_is_not_utf8_is_reported_at_its_cell(tmp_path, 
     assert main(["verify", str(csv)]) == 1
     err = capsys.readouterr().err
     assert f"{csv}:2:5: error: byte 0xe9 is not UTF-8 text" in err and "    2 | 1F0," in err
+
+
+def test_a_huge_line_is_shown_around_its_caret_not_whole(tmp_path, capsys):
+    """A 1 MB line (the report had 50 MB) was echoed whole, in the source line and in the
+    message; now the line is shown around the caret and a quoted word is cut."""
+    from pathlib import Path
+
+    lines = Path(GOLDEN).read_text().split("\n")
+    lines[9] += " " + "x" * 1_000_000
+    plan = tmp_path / "p.tpir"
+    plan.write_text("\n".join(lines))
+    assert main(["verify", str(plan)]) == 1
+    err = capsys.readouterr().err
+    assert len(err) < 2000, len(err)
+    assert f"{plan}:10:34: error: expected the end of the line" in err
+    assert "… (1000033 characters)" in err
+    caret = err.splitlines()[2]
+    assert caret.index("^") == err.splitlines()[1].index("x")  # the caret still under the word
+
+    csv = tmp_path / "s.csv"
+    csv.write_text("0F0,0B0\r\n1F0,1B0," + "9" * 1_000_000 + "Q\r\n")
+    assert main(["verify", str(csv)]) == 1
+    err = capsys.readouterr().err
+    assert len(err) < 2000, len(err)
+    assert f"{csv}:2:9: error: `{'9' * 60}… (1000001 characters)` is not a torch pipelining action" in err
+
+
+def test_a_caret_far_into_a_long_line_is_shown_with_the_text_around_it():
+    from tpc.ir.diagnostics import Diagnostic
+    from tpc.ir.nodes import Loc
+
+    line = "a" * 5000 + "HERE" + "b" * 5000
+    out = Diagnostic("bad word", loc=Loc("f.tpir", 1, 5001)).render(line).splitlines()
+    assert out[1].startswith("    1 | …") and "HERE" in out[1] and out[1].endswith("… (10004 characters)")
+    assert out[2].index("^") == out[1].index("HERE")
+
+
+def test_only_the_first_errors_of_a_long_list_are_rendered():
+    from tpc.ir.diagnostics import ERRORS_SHOWN, Diagnostic, TpirError
+
+    e = TpirError([Diagnostic(f"error {k}", where="f") for k in range(ERRORS_SHOWN + 7)])
+    text = e.render()
+    assert "error 99" in text and "error 100" not in text
+    assert text.endswith("... and 7 more errors (the first 100 are shown: fix them and run again)")
+    assert len(e.diagnostics) == ERRORS_SHOWN + 7
