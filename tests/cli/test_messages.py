@@ -110,3 +110,33 @@ def test_only_the_first_errors_of_a_long_list_are_rendered():
     assert "error 99" in text and "error 100" not in text
     assert text.endswith("... and 7 more errors (the first 100 are shown: fix them and run again)")
     assert len(e.diagnostics) == ERRORS_SHOWN + 7
+
+
+def test_a_model_build_that_runs_out_of_memory_says_so(tmp_path, capsys):
+    """It was `model()` raised RuntimeError: [enforce fail at alloc_cpu.cpp:127] ..." or, for a
+    config.json, "transformers cannot build a causal LM ... check \"model_type\"": the
+    configuration was fine, the memory ran out."""
+    model = tmp_path / "big.py"
+    model.write_text("import torch\n\n\ndef model():\n    raise MemoryError()\n")
+    assert main(["compile", str(model), "-o", str(tmp_path / "p.tpir"), "--seq-len", "8", "--batch", "2"]) == 1
+    err = capsys.readouterr().err
+    assert f"{model}:5:" in err and "error: building the model ran out of memory (MemoryError)" in err, err
+    assert "try a smaller configuration" in err
+
+
+def test_a_hugging_face_model_that_runs_out_of_memory_is_not_blamed_on_its_model_type(tmp_path, capsys, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 8405385216 bytes. Error code 12 (Cannot allocate memory)")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", no_memory)
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, '
+                      '"num_attention_heads": 4, "vocab_size": 256}')
+    assert main(["compile", str(config), "-o", str(tmp_path / "p.tpir"), "--seq-len", "8", "--batch", "2"]) == 1
+    err = capsys.readouterr().err
+    assert (f"{config}:1:1: error: building the model ran out of memory (a tensor of 7.8 GiB could not be "
+            "allocated)") in err, err
+    assert "model_type" not in err.split("hint:")[1]
