@@ -94,11 +94,12 @@ def cmd_compile(args) -> int:
     # before the compile (minutes for a large model): could -o be written at all?
     check_output(args.output, option="--output", folder=bundle)
     if bundle:
-        from tpc.compiler.bundle import compile_bundle
+        from tpc.compiler.bundle import check_lengths, compile_bundle
 
         if args.schedule_file:
             raise _error("--schedule-file", "--schedule-file with several --seq-len lengths",
                          "compile a plan bundle from the schedule builders (leave out --schedule-file)")
+        check_lengths(lengths, args.slices)  # before the options of the longest length are read
         compile_bundle(args.model, args.output, options_from_args(args, lengths[-1]), lengths,
                        constant_tokens=args.constant_tokens)
         return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -33,10 +34,9 @@ typical use:
 
 
 def _read_text(path: str) -> str:
-    p = Path(path)
-    if not p.is_file():
-        raise TpirError(Diagnostic(f"no such file: {path}", hint="give the path of a .tpir plan"))
-    return p.read_text(encoding="utf-8")
+    from tpc.ir.files import read_text
+
+    return read_text(path)
 
 
 # ------------------------------------------------------------------------------ subcommands
@@ -339,9 +339,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_NEGATIVE = re.compile(r"-\.?\d")
+
+
+def negative_values(argv: list[str]) -> list[str]:
+    """`--flag -X` written `--flag=-X` where -X begins like a negative number (`-5,64`, `-1e-3`,
+    `-5GiB`). argparse reads only plain negative numbers (`-5`, `-0.5`) as values; anything
+    else starting with `-` it takes for an option, and refuses the flag as missing its argument
+    ("expected one argument"), where the value's own check says it is negative, at its flag."""
+    out: list[str] = []
+    for k, token in enumerate(argv):
+        previous = argv[k - 1] if k else ""
+        if (_NEGATIVE.match(token) and out and out[-1] == previous and previous.startswith("--")
+                and "=" not in previous and previous != "--"):
+            out[-1] = f"{previous}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(negative_values(sys.argv[1:] if argv is None else list(argv)))
     try:
         return args.func(args)
     except TpirError as e:

@@ -40,19 +40,38 @@ def member_file(seq: int) -> str:
     return f"seq{seq}.tpir"
 
 
+def check_lengths(lengths: tuple[int, ...], slices=None) -> None:
+    """The `--seq-len` list of a bundle, and `--slices` (as given: a count, lengths or 'auto')
+    against it, each mistake said at the flag that makes it: a length that is not positive,
+    out of order or shorter than the slice count is the list's; lengths given to --slices for
+    several sequence lengths are --slices'."""
+    said = ",".join(map(str, lengths))
+    if len(lengths) < 2:
+        raise _error("--seq-len", "a plan bundle needs at least two lengths",
+                     "give comma-separated lengths, e.g. --seq-len 64,128,256")
+    bad = next((n for n in lengths if n < 1), None)
+    if bad is not None:
+        raise _error("--seq-len", f"--seq-len {said}: the length {bad} is not a positive number of tokens",
+                     "give lengths of at least one token, distinct and increasing, e.g. --seq-len 64,128,256")
+    if list(lengths) != sorted(set(lengths)):
+        raise _error("--seq-len", f"--seq-len {said}: lengths must be distinct and increasing",
+                     "e.g. --seq-len 64,128,256,512")
+    spec = str(slices).strip() if slices is not None else ""
+    if isinstance(slices, tuple) or "," in spec:
+        raise _error("--slices", "--slices with lengths fits one sequence length, not several",
+                     "give a count of equal slices (each length is cut into that many), or 'auto'")
+    count = slices if isinstance(slices, int) else int(spec) if spec.isdigit() else None
+    if count is not None and count > lengths[0]:
+        raise _error("--seq-len", f"--seq-len {said}: the length {lengths[0]} is shorter than --slices "
+                     f"{count} (each slice holds at least one token)",
+                     f"give lengths of at least {count} tokens, or at most --slices {lengths[0]}, or --slices auto")
+
+
 def bundle_options(options: CompileOptions, lengths: tuple[int, ...], constant_tokens: bool
                    ) -> dict[int, CompileOptions]:
     """The options of each length's plan, checked before anything is traced. `options` are
     those of the longest length."""
-    if len(lengths) < 2:
-        raise _error("--seq-len", "a plan bundle needs at least two lengths",
-                     "give comma-separated lengths, e.g. --seq-len 64,128,256")
-    if list(lengths) != sorted(set(lengths)):
-        raise _error("--seq-len", f"--seq-len {','.join(map(str, lengths))}: lengths must be "
-                     "distinct and increasing", "e.g. --seq-len 64,128,256,512")
-    if isinstance(options.slices, tuple):
-        raise _error("--slices", "--slices with lengths fits one sequence length, not several",
-                     "give a count of equal slices (each length is cut into that many), or 'auto'")
+    check_lengths(lengths, options.slices)
     longest = lengths[-1]
     out: dict[int, CompileOptions] = {}
     for seq in lengths:
@@ -63,10 +82,6 @@ def bundle_options(options: CompileOptions, lengths: tuple[int, ...], constant_t
                              f"not reshape into whole sequences of {seq}",
                              "choose lengths that divide the longest one, e.g. 64,128,256,512")
             batch = options.batch * longest // seq
-        slices = options.slices
-        if isinstance(slices, int) and slices > seq:
-            raise _error("--slices", f"--slices {slices} but the length {seq} has only {seq} tokens",
-                         f"use at most {lengths[0]} slices, or 'auto'")
         try:
             out[seq] = dataclasses.replace(options, seq_len=seq, batch=batch)
         except TpirError as e:

@@ -22,6 +22,7 @@ for one rank's engine, under the rules of the backend (tpc.ir.semantics; the `Wi
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import deque
@@ -75,9 +76,30 @@ class Channels:
         return tag
 
 
+# what gloo (and the OS under it) says when the process at the other end of a connection is gone
+_PEER_GONE = ("connection reset", "connection closed", "broken pipe", "socket closed", "connection refused",
+              "end of file", "eof", "no route to host")
+
+
+def peer_gone(cause: str) -> bool:
+    """Whether a backend's error says the other end's process went away (killed, crashed)."""
+    text = cause.lower()
+    return any(words in text for words in _PEER_GONE)
+
+
 def gave_up(what: str, e: BaseException) -> TpirError:
-    """The error of a wait on a peer that failed: what was waited for, and the backend's cause."""
-    return TpirError(Diagnostic(f"gave up waiting for {what}: {backend_cause(e)}",
+    """The error of a wait on a peer that failed: what was waited for, and what the backend's
+    cause means. A reset connection is the peer's death, said so (gloo says only "Connection
+    reset by peer"); the peer is the rank `what` names ("... from rank 2")."""
+    cause = backend_cause(e)
+    if peer_gone(cause):
+        named = re.search(r"\b(?:from|to) rank (\d+)", what)
+        who = f"rank {named.group(1)}" if named else "a peer rank"
+        return TpirError(Diagnostic(
+            f"gave up waiting for {what}: {who} died (its connection closed: {cause})",
+            hint=f"{who} ended before this rank could go on: its own error above, or the exit "
+                 "status torchrun reports for it (-9: killed, e.g. out of memory), says why"))
+    return TpirError(Diagnostic(f"gave up waiting for {what}: {cause}",
                                 hint="that rank failed or is stuck: see its own error above; if it is "
                                      "merely slow, raise --timeout"))
 
@@ -191,6 +213,14 @@ class DistTransport:
     def _global(self, pipe_rank: int) -> int:
         return self.peers[pipe_rank]
 
+    def _line(self, index: int) -> str:
+        """' (plan.tpir line 12: send act stage 0 mb 1 slice 0 to 1)', or '' out of range."""
+        if not 0 <= index < len(self.instrs):
+            return ""
+        ins = self.instrs[index]
+        at = f"{ins.loc.file or self.plan.source or 'the plan'} line {ins.loc.line}" if ins.loc else f"instruction {index}"
+        return f" ({at}: {ins})"
+
     @contextmanager
     def waiting(self, what: str):
         """Mark a wait on the other ranks (a receive, a collective, a checkpoint), so that the
@@ -247,9 +277,13 @@ class DistTransport:
         (tpc.ir.semantics), and each lazy creation blocks the host until the peer creates it
         too. Batches only, every send and receive of a rank runs in issue order on one stream,
         as the rules say."""
-        if self.buffered:
-            return op(tensor, peer, tag=tag)
-        return dist.batch_isend_irecv([dist.P2POp(op, tensor, peer)])[0]
+        try:
+            if self.buffered:
+                return op(tensor, peer, tag=tag)
+            return dist.batch_isend_irecv([dist.P2POp(op, tensor, peer)])[0]
+        except Exception as e:  # noqa: BLE001 - a dead peer surfaces as whatever the backend raises
+            verb = "the send to" if op is dist.isend else "the receive from"
+            raise gave_up(f"{verb} rank {peer} to be posted", e) from None
 
     def recv(self, key: Message, src: int, shape, dtype, index: int) -> torch.Tensor:
         if index in self.exchange_span and index not in self.posted:
@@ -280,7 +314,8 @@ class DistTransport:
 
     def send(self, key: Message, tensor: torch.Tensor, dst: int, index: int) -> None:
         dst_g = self._global(dst)
-        what = f"the send of {key} to rank {dst_g}"
+        # said with its plan line: a failed send is found only later (`flush`, at the step)
+        what = f"the send of {key} to rank {dst_g}{self._line(index)}"
         if index in self.exchange_span:
             self.exchange_sends.append((dist.P2POp(dist.isend, tensor, dst_g), tensor, what))
             if index == self.exchange_span[-1]:  # an exchange of sends only

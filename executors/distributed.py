@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tpc.executors.dist_transport import Channels, DistTransport, Wire
-from tpc.executors.engine import DTYPES, Clock, RankEngine, loss_vector, read_step
+from tpc.executors.dist_transport import Channels, DistTransport, Wire, peer_gone
+from tpc.executors.engine import DTYPES, Clock, RankEngine, RankError, loss_vector, read_step
 from tpc.executors.options import RunOptions
 from tpc.compiler.frontend.weightless import move_real
 from tpc.executors.plan_model import StageSource, load_rank_model, rank_parameter_names, slice_model
@@ -108,10 +108,36 @@ class DistRanks:
     def step(self, step: int, tokens: torch.Tensor) -> float:
         """One training step; the step's loss, summed over all ranks. The sum stays on the
         device until the step's one read, with the gradient norm."""
-        total = loss_vector(self.engine.run_step(step, tokens), self.device)
-        with self.transport.waiting("the loss of the other ranks"):
-            dist.all_reduce(total)
+        try:
+            total = loss_vector(self.engine.run_step(step, tokens), self.device)
+            with self.transport.waiting("the loss of the other ranks"):
+                dist.all_reduce(total)
+        except RankError:
+            raise  # located at its instruction already
+        except Exception as e:  # noqa: BLE001 - after the stream's last instruction: say where
+            raise self.after_stream(e, "the step's loss summed over the ranks") from None
         return read_step([total], [self.engine])[0]
+
+    def after_stream(self, e: Exception, what: str) -> RankError:
+        """`e`, raised once this rank's stream has run (its sends flushed, the loss summed over
+        the ranks), located at the stream's last instruction and said in words (a peer that
+        died, not gloo's bare "Connection reset by peer")."""
+        engine = self.engine
+        last = len(engine.instrs) - 1
+        if isinstance(e, TpirError):
+            cause, hint = "; ".join(d.message for d in e.diagnostics), e.diagnostics[0].hint if e.diagnostics else ""
+        else:
+            cause, hint = backend_cause(e), ""
+            if peer_gone(cause):
+                cause = f"a peer rank died while this rank waited for {what} (its connection closed: {cause})"
+                hint = ("the rank that ended first says why in its own error, or torchrun in its exit status "
+                        "(-9: killed, e.g. out of memory)")
+            else:
+                cause = f"waiting for {what}: {type(e).__name__}: {cause}"
+        return RankError(Diagnostic(
+            f"{engine.where(last)}: after the last instruction of rank {engine.rank_name}'s stream "
+            f"(step {engine.step}): {cause}", loc=engine.instrs[last].loc if last >= 0 else None,
+            where=self.plan.source, hint=hint or "a peer failed or is stuck: see its own error"))
 
     def evaluate(self, k: int, tokens: torch.Tensor) -> torch.Tensor:
         """The evaluation program on batch `tokens`; the loss is broadcast from the last stage's
@@ -254,18 +280,34 @@ def main(path: str, options: RunOptions, world: World, curriculum: CurriculumFla
     except TpirError as e:
         fail(e)
     except Exception as e:  # noqa: BLE001 - outside an instruction (setup): still report and leave
-        fail(f"rank {world.rank}: {type(e).__name__}: {e}")
+        _fail_outside(world, e, "the run (outside any instruction of the plan)")
     status = 0
-    if options.trace_path:
-        gathered = [None] * world.size if world.rank == 0 else None
-        dist.gather_object(outcome.events, gathered, dst=0)
-        if world.rank == 0:
-            write_trace(options.trace_path, [ev for evs in gathered for ev in evs])
-    if setup.gradient_check is not None:
-        status = _check_gradients(world, outcome, setup.gradient_check, setup.batches)
-    dist.barrier()
+    try:
+        if options.trace_path:
+            gathered = [None] * world.size if world.rank == 0 else None
+            dist.gather_object(outcome.events, gathered, dst=0)
+            if world.rank == 0:
+                write_trace(options.trace_path, [ev for evs in gathered for ev in evs])
+        if setup.gradient_check is not None:
+            status = _check_gradients(world, outcome, setup.gradient_check, setup.batches)
+        dist.barrier()
+    except TpirError as e:
+        fail(e)
+    except Exception as e:  # noqa: BLE001 - after the last step: the trace, the check, the last barrier
+        _fail_outside(world, e, "the end of the run (the trace, the gradient check, the last barrier)")
     dist.destroy_process_group()
     return status
+
+
+def _fail_outside(world: World, e: Exception, during: str) -> None:
+    """Leave with what `e`, raised outside the plan's instructions, means: a peer that died is
+    said so (gloo says only "Connection reset by peer")."""
+    cause = backend_cause(e)
+    if peer_gone(cause):
+        fail(f"rank {world.rank}: a peer rank died during {during} (its connection closed: {cause})",
+             hint="the rank that ended first says why in its own error, or torchrun in its exit status "
+                  "(-9: killed, e.g. out of memory)")
+    fail(f"rank {world.rank}: during {during}: {type(e).__name__}: {e}")
 
 
 def _check_gradients(world: World, outcome: RankOutcome, check, batches) -> int:

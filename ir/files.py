@@ -15,6 +15,9 @@ the temporary file and leaves the target as it was.
 
 An `OSError` reaches the user as a located `TpirError` that names the file and says what went
 wrong in words ("the disk is full", "the file system is read-only"). Nothing here knows torch.
+
+Reading a user's text file (a plan, a bundle index, a schedule CSV) goes through `read_text`:
+a byte that is not UTF-8 is reported at its `file:line:col`, with the line shown.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 from typing import IO, Iterator
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import Loc
 
 # what an errno means to someone writing a file, and what to do about it
 _REASONS = {
@@ -50,6 +54,32 @@ def describe_os_error(error: OSError) -> tuple[str, str]:
     """What `error` means to someone writing a file, and what to do: ("the disk is full", "free
     some space, or write it elsewhere")."""
     return _REASONS.get(error.errno, (error.strerror or type(error).__name__, "check the path and the disk"))
+
+
+def read_text(path: str | os.PathLike, *, what: str = "a .tpir plan") -> str:
+    """The UTF-8 text of the file at `path`; a TpirError for a missing or unreadable file, and
+    for a byte that is not UTF-8, located at its line and column (the column counts
+    characters, as every location does)."""
+    name = os.fspath(path)
+    p = Path(path)
+    if not p.is_file():
+        raise TpirError(Diagnostic("no such file", hint=f"give the path of {what}", where=name))
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise TpirError(Diagnostic(f"cannot read it: {e.strerror or e}", where=name,
+                                   hint=f"give the path of {what} you may read")) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        start = data.rfind(b"\n", 0, e.start) + 1
+        line = data.count(b"\n", 0, e.start) + 1
+        col = len(data[start:e.start].decode("utf-8")) + 1
+        bad = data[e.start:e.end].hex(" ")
+        raise TpirError(Diagnostic(
+            f"byte 0x{bad} is not UTF-8 text ({e.reason})", loc=Loc(name, line, col),
+            hint=f"{what} is a UTF-8 text file: remove the byte, or re-save the file as UTF-8"),
+            source=data.decode("utf-8", errors="replace")) from None
 
 
 def write_error(path: str | os.PathLike, error: OSError) -> TpirError:

@@ -17,6 +17,7 @@ names Hugging Face uses, and no wrapper is needed.
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 import torch.nn as nn
@@ -63,12 +64,37 @@ def causal_lm_from_config(path: str) -> nn.Module:
         chosen = {"attn_implementation": attn} if attn else {}  # else sdpa where the model offers it
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **chosen)
     except Exception as e:
+        if out_of_memory(e):  # not a configuration transformers cannot read: the memory ran out
+            raise model_out_of_memory(e, Loc(path, 1, 1)) from None
         raise TpirError(Diagnostic(f"transformers cannot build a causal LM from this configuration: "
                                    f"{type(e).__name__}: {e}",
                                    loc=Loc(path, 1, 1),
                                    hint="tpc trains causal language models (AutoModelForCausalLM); check "
                                         "\"model_type\" and \"attn_implementation\" (sdpa or eager)")) from None
     return returning_logits(model)
+
+
+_NO_MEMORY = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is memory running out: Python's MemoryError, or torch's allocator failing
+    ("DefaultCPUAllocator: can't allocate memory", "CUDA out of memory")."""
+    return isinstance(e, MemoryError) or (isinstance(e, RuntimeError)
+                                          and any(w in str(e).lower() for w in _NO_MEMORY))
+
+
+def model_out_of_memory(e: BaseException, loc: Loc) -> TpirError:
+    """The error of a model whose build ran out of memory, at `loc` (its file), in words."""
+    asked = re.search(r"allocate (\d+) bytes", str(e))
+    first = (str(e).strip().splitlines() or [""])[0][:200]
+    what = (f"a tensor of {int(asked.group(1)) / 2**30:.1f} GiB could not be allocated" if asked
+            else f"{type(e).__name__}" + (f": {first}" if first else ""))
+    return TpirError(Diagnostic(
+        f"building the model ran out of memory ({what})",
+        loc=loc, hint="the whole model is built in float32 in this process before it is cut into stages, so it "
+                      "needs its parameters' size in free memory here: try a smaller configuration (fewer "
+                      "layers, a narrower hidden size, a smaller vocabulary), or a machine with more free memory"))
 
 
 def returning_logits(model: nn.Module) -> nn.Module:

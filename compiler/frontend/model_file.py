@@ -16,7 +16,7 @@ import sys
 
 import torch.nn as nn
 
-from tpc.compiler.frontend.hf import causal_lm_from_config, is_config_file
+from tpc.compiler.frontend.hf import causal_lm_from_config, is_config_file, model_out_of_memory, out_of_memory
 from tpc.compiler.frontend.source_locations import loc_at, loc_from_traceback
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Loc
@@ -85,6 +85,8 @@ def load_model(path: str, factory: str = "model") -> nn.Module:
         net = fn()
     except Exception as e:
         loc = loc_from_traceback(e.__traceback__, path) or _def_loc(fn, path)
+        if out_of_memory(e):
+            raise model_out_of_memory(e, loc) from None
         raise TpirError(Diagnostic(f"`{factory}()` raised {type(e).__name__}: {e}", loc=loc,
                                    hint=f"`{factory}` is called with no arguments and must build the model")) from None
     if not isinstance(net, nn.Module):

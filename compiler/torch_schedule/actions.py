@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.diagnostics import Diagnostic, TpirError, quote
 from tpc.ir.nodes import Loc
 
 # the computation types, as torch's _ComputationType spells them
@@ -91,15 +91,9 @@ def is_schedule_csv(path: str) -> bool:
 
 def read_csv(path: str) -> TorchCsv:
     """Read and parse the schedule CSV at `path` (TpirError for a missing file or bad cells)."""
-    p = Path(path)
-    if not p.is_file():
-        raise TpirError(Diagnostic(f"no such file: {path}",
-                                   hint="give the path of a schedule CSV written by torch's _dump_csv"))
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise TpirError(Diagnostic(f"cannot read {path}: {e}", hint="a schedule CSV is a UTF-8 text file")) from None
-    return parse_csv(text, path)
+    from tpc.ir.files import read_text
+
+    return parse_csv(read_text(path, what="a schedule CSV written by torch's _dump_csv"), path)
 
 
 def parse_csv(text: str, path: str = "<schedule.csv>") -> TorchCsv:
@@ -205,16 +199,16 @@ def _parse_action(text: str, loc: Loc, rank: int, column: int, problems: list,
                   overlap: str | None = None) -> Action | None:
     m = _ACTION.fullmatch(text)
     if m is None:
-        problems.append(Diagnostic(f"`{text}` is not a torch pipelining action (rank {rank}, action {column})",
+        problems.append(Diagnostic(f"`{quote(text)}` is not a torch pipelining action (rank {rank}, action {column})",
                                    loc=loc, hint=f"write {_FORM}"))
         return None
     stage, kind, mb = int(m.group(1)), m.group(2), m.group(3)
     if kind in STAGE_WIDE and mb:
-        problems.append(Diagnostic(f"`{text}`: {kind} is about a whole stage and takes no micro-batch",
+        problems.append(Diagnostic(f"`{quote(text)}`: {kind} is about a whole stage and takes no micro-batch",
                                    loc=loc, hint=f"write `{stage}{kind}`"))
         return None
     if kind not in STAGE_WIDE and not mb:
-        problems.append(Diagnostic(f"`{text}` names no micro-batch (rank {rank}, action {column})",
+        problems.append(Diagnostic(f"`{quote(text)}` names no micro-batch (rank {rank}, action {column})",
                                    loc=loc, hint=f"write the micro-batch index after {kind}, e.g. `{stage}{kind}0`"))
         return None
     return Action(stage, kind, int(mb) if mb else None, loc, rank, column, overlap)
@@ -223,7 +217,7 @@ def _parse_action(text: str, loc: Loc, rank: int, column: int, problems: list,
 def _parse_overlap(text: str, loc: Loc, rank: int, column: int, problems: list) -> list[Action]:
     close = text.find(")")
     if close < 0 or text[close + 1:] != OVERLAP_F_B:
-        problems.append(Diagnostic(f"`{text}` is not a torch pipelining action (rank {rank}, action {column})",
+        problems.append(Diagnostic(f"`{quote(text)}` is not a torch pipelining action (rank {rank}, action {column})",
                                    loc=loc, hint=f"write {_FORM}"))
         return []
     out: list[Action] = []
@@ -240,12 +234,12 @@ def _parse_overlap(text: str, loc: Loc, rank: int, column: int, problems: list) 
         if action is None:
             continue
         if action.kind not in COMPUTE:
-            problems.append(Diagnostic(f"`{sub}` inside OVERLAP_F_B: only computations (F, B, I, W) overlap",
+            problems.append(Diagnostic(f"`{quote(sub)}` inside OVERLAP_F_B: only computations (F, B, I, W) overlap",
                                        loc=sub_loc, hint="move it into a cell of its own"))
             continue
         out.append(action)
     if not out and not any(p.loc and p.loc.line == loc.line for p in problems):
-        problems.append(Diagnostic(f"`{text}` overlaps nothing", loc=loc,
+        problems.append(Diagnostic(f"`{quote(text)}` overlaps nothing", loc=loc,
                                    hint="list the computations it runs, e.g. (0F3;3B1)OVERLAP_F_B"))
     return out
 

@@ -29,6 +29,7 @@ dropped: a tpc rank keeps its stages' parameters whole.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -40,7 +41,7 @@ from tpc.compiler.torch_schedule.layout import layout_of
 from tpc.compiler.torch_schedule.slice_map import flat_units
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import COMPUTE_OPS, Header, Instr, Op, Payload, Plan, RankProgram
-from tpc.ir.semantics import NCCL
+from tpc.ir.semantics import GLOO, NCCL
 
 _COMPUTE_OP = {A.FORWARD: Op.FORWARD, A.FULL_BACKWARD: Op.BACKWARD,
                A.BACKWARD_INPUT: Op.BACKWARD_INPUT, A.BACKWARD_WEIGHT: Op.BACKWARD_WEIGHT}
@@ -77,13 +78,17 @@ def plan_from_schedule(sched: TorchCsv, header: Header, units=None) -> Imported:
     units = tuple(units) if units is not None else flat_units(header)
     cells = Cells(sched.path, units)
     streams, origins, dropped, problems = _instructions(sched, header, units)
-    streams = _lower(header, streams, comms=sched.has_comms)
-    plan = _numbered(sched, header, streams, origins, cells)
     from tpc.ir.verify import verify
 
+    stalls = _not_progressing(sched, header, streams, origins, cells) if sched.has_comms else []
+    streams = _lower(header, streams, comms=sched.has_comms)
+    plan = _numbered(sched, header, streams, origins, cells)
     # the actions that could not become instructions are left out and the rest verified, so
     # one run reports everything (a stage's wrong micro-batch and the one it then lacks)
-    diagnostics = problems + [cells.relocate(d) for d in verify(plan, NCCL)]
+    found = [cells.relocate(d) for d in verify(plan, NCCL)]
+    if stalls:  # the same wait said once, in torch's terms, not again as NCCL's deadlock
+        found = [d for d in found if not d.message.startswith("deadlock")]
+    diagnostics = problems + stalls + found
     if diagnostics:
         located = sorted(diagnostics, key=lambda d: (d.loc.line, d.loc.col) if d.loc else (0, 0))
         raise TpirError(located, source=sched.text)
@@ -182,10 +187,37 @@ class _Fsdp:
         return None
 
 
+# ------------------------------------------------------------------- torch's comm semantics
+
+
+def _not_progressing(sched: TorchCsv, header: Header, streams, origins: dict, cells: Cells) -> list[Diagnostic]:
+    """The CSV's own communication run as torch runs it: a send never waits, a receive waits
+    where it is written until its send has run (`_simulate_comms_compute`; its runtime waits at
+    the consumer, no earlier than its simulator allows). Where a rank waits for a send its
+    peer reaches only after that rank's wait, torch raises "Schedule is not progressing";
+    tpc says so at the receive's cell. (Lowering for NCCL could make such a receive one
+    exchange with the send after it, which would change the CSV's order: it is not done.)"""
+    from tpc.ir.verify import verify
+
+    as_written = _lower(header, streams, comms=True, exchanges=False)
+    plan = _numbered(sched, header, as_written, origins, cells)
+    out = []
+    for d in verify(plan, GLOO):
+        if not d.message.startswith("deadlock"):
+            continue  # said by the verification of the plan as lowered
+        d = cells.relocate(d)
+        out.append(dataclasses.replace(
+            d, message=d.message.replace("deadlock:", "not progressing (torch's `_simulate_comms_compute` "
+                                                      "raises \"Schedule is not progressing\"):", 1),
+            hint=d.hint + ". A receive in the CSV waits where it is written, as torch's simulator "
+                          "runs it; a send never waits"))
+    return out
+
+
 # ---------------------------------------------------------------------------------- lowering
 
 
-def _lower(header: Header, streams: dict[int, list[Instr]], *, comms: bool):
+def _lower(header: Header, streams: dict[int, list[Instr]], *, comms: bool, exchanges: bool = True):
     """The lowering passes of compiler/lowering/lower.py, for NCCL's rules; the CSV's own communication
     replaces `insert_comm` when it has some, and its REDUCE_GRAD the `allreduce` tpc would
     place."""
@@ -200,7 +232,8 @@ def _lower(header: Header, streams: dict[int, list[Instr]], *, comms: bool):
         ours = {id(ins) for s in out.values() for ins in s}
         with_tpc = {r: tuple(ins for ins in s if id(ins) in ours or ins.stage not in placed)
                     for r, s in with_tpc.items()}
-    out = lowering.insert_exchanges(header, with_tpc)  # plans for NCCL: tpc.ir.semantics
+    # plans for NCCL: tpc.ir.semantics
+    out = lowering.insert_exchanges(header, with_tpc) if exchanges else with_tpc
     out = lowering.insert_reduce_tied(header, out)
     return lowering.append_step(header, out)
 

@@ -14,11 +14,13 @@ dependencies between them (the KV cache forward, reverse token order backward), 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
-from tpc.ir.nodes import Header, Microbatch
+from tpc.ir.nodes import Header, Loc, Microbatch
+from tpc.ir.verify.header import tiling_problems
 
 FORMAT = "tpc torch-schedule slice map 1"
 
@@ -80,38 +82,145 @@ def find_map(csv_path: str) -> SliceMap | None:
 
 
 def read_map(path: str) -> SliceMap:
-    """Read a map written by `tpc export-schedule`; anything malformed is a TpirError."""
+    """Read a map written by `tpc export-schedule`; anything malformed is a TpirError at the
+    entry it is in (`path:line:col` of the entry's `{`), saying what would be right."""
+    rewrite = ("rewrite it with `tpc export-schedule PLAN -o SCHED.csv`, or delete it to read the CSV "
+               "with one slice per micro-batch")
 
-    def bad(what: str) -> TpirError:
-        return TpirError(Diagnostic(f"{path}: {what}", where=path,
-                                    hint="rewrite it with `tpc export-schedule PLAN -o SCHED.csv`, "
-                                         "or delete it to read the CSV with one slice per micro-batch"))
+    def bad(what: str, loc: Loc | None = None, hint: str = rewrite) -> TpirError:
+        return TpirError(Diagnostic(what, loc=loc, where=path if loc is None else "", hint=hint), source=text)
 
+    text = ""
     try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"not a readable JSON slice map ({e})") from None
+        text = Path(path).read_text(encoding="utf-8")
+        raw = json.loads(text)
+    except UnicodeDecodeError as e:
+        raise bad(f"not a UTF-8 text file (byte {e.start} is {_byte(e)})") from None
+    except json.JSONDecodeError as e:
+        raise bad(f"not a readable JSON slice map ({e.msg})", Loc(path, e.lineno, e.colno)) from None
+    except OSError as e:
+        raise bad(f"cannot read it: {e.strerror or e}") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise bad(f"not a slice map (its \"format\" is not {FORMAT!r})")
     try:
-        seq, data = int(raw["seq"]), int(raw["data"])
-        mbs = []
-        for m, entry in enumerate(raw["microbatches"]):
-            lo, hi = (int(x) for x in entry["rows"])
-            slices = tuple((int(a), int(b)) for a, b in entry["slices"])
-            if int(entry["mb"]) != m or hi <= lo or not slices:
-                raise ValueError(f"micro-batch entry {m}")
-            mbs.append((hi - lo, slices))
-        units = []
-        for k, entry in enumerate(raw["torch_microbatches"]):
-            if int(entry["torch"]) != k:
-                raise ValueError(f"torch micro-batch entry {k} is numbered {entry['torch']}")
-            m, i = int(entry["mb"]), int(entry["slice"])
-            if not (0 <= m < len(mbs) and 0 <= i < len(mbs[m][1])):
-                raise ValueError(f"torch micro-batch {k} names a slice that does not exist")
-            units.append((m, i))
+        seq, data = _count(raw, "seq"), _count(raw, "data")
+        entries, units_raw = raw["microbatches"], raw["torch_microbatches"]
+        if not isinstance(entries, list) or not isinstance(units_raw, list):
+            raise ValueError("\"microbatches\" and \"torch_microbatches\" are lists")
     except (KeyError, TypeError, ValueError) as e:
-        raise bad(f"malformed entry ({e})") from None
-    if sorted(units) != sorted((m, i) for m, (_, s) in enumerate(mbs) for i in range(len(s))) or len(set(units)) != len(units):
-        raise bad("its torch micro-batches do not name every slice exactly once")
+        raise bad(f"malformed slice map ({_said(e)})") from None
+
+    mbs, next_row = [], 0
+    for m, entry in enumerate(entries):
+        at = _entry_loc(text, path, "microbatches", m)
+        try:
+            lo, hi = (_int(x) for x in entry["rows"])
+            slices = tuple((_int(a), _int(b)) for a, b in entry["slices"])
+            numbered = _int(entry["mb"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"micro-batch entry {m} is malformed ({_said(e)})", at,
+                      hint=f"write it as {{\"mb\": {m}, \"rows\": [A, B], \"slices\": [[0, T1], [T1, T2], ..., "
+                           f"[Tn, {seq}]]}}") from None
+        if numbered != m:
+            raise bad(f"micro-batch entry {m} is numbered {numbered}", at, hint=f"write \"mb\": {m}")
+        if lo != next_row or hi <= lo:
+            what = (f"holds no row" if hi <= lo and lo == next_row
+                    else f"do not start where the rows before it end, at {next_row}")
+            size = hi - lo if hi > lo else 1
+            raise bad(f"micro-batch {m}'s rows [{lo}, {hi}) {what}", at,
+                      hint=f"micro-batches take consecutive rows of the batch, at least one each: write "
+                           f"\"rows\": [{next_row}, {next_row + size}]")
+        if not slices:
+            raise bad(f"micro-batch {m} has no token slices", at, hint=f"write \"slices\": [[0, {seq}]]")
+        negative = next((i for i, (a, b) in enumerate(slices) if a < 0 or b < 0), None)
+        if negative is not None:
+            a, b = slices[negative]
+            raise bad(f"micro-batch {m}: slice {negative} [{a}, {b}] names a negative token", at,
+                      hint=f"tokens are numbered 0..{seq - 1}: slices tile 0..{seq} in order, each [start, end) "
+                           "with end > start")
+        for kind, i, a, b, expect in tiling_problems(slices, seq):
+            what = {"gap": f"tokens {expect}:{a} are in no slice (slice {i} is [{a}, {b}])",
+                    "overlap": f"slice {i} [{a}, {b}] overlaps the slice before it, which ends at {expect}",
+                    "empty": f"slice {i} [{a}, {b}] holds no token",
+                    "end": f"its slices end at token {expect}, but the map's seq is {seq}"}[kind]
+            fix = (f"slices tile the tokens 0..{seq} in order, each [start, end) with end > start: "
+                   + (f"end the last slice at {seq}" if kind == "end" else
+                      f"start slice {i} at token {expect}" if kind != "empty" else
+                      f"end slice {i} after token {a}, or remove it"))
+            raise bad(f"micro-batch {m}: {what}", at, hint=fix)
+        mbs.append((hi - lo, slices))
+        next_row = hi
+
+    units = []
+    for k, entry in enumerate(units_raw):
+        at = _entry_loc(text, path, "torch_microbatches", k)
+        try:
+            numbered, m, i = _int(entry["torch"]), _int(entry["mb"]), _int(entry["slice"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise bad(f"torch micro-batch entry {k} is malformed ({_said(e)})", at,
+                      hint=f"write it as {{\"torch\": {k}, \"mb\": M, \"slice\": I, ...}}") from None
+        if numbered != k:
+            raise bad(f"torch micro-batch entry {k} is numbered {numbered}", at, hint=f"write \"torch\": {k}")
+        if not (0 <= m < len(mbs) and 0 <= i < len(mbs[m][1])):
+            raise bad(f"torch micro-batch {k} names slice {i} of micro-batch {m}, which does not exist", at,
+                      hint=f"name one of micro-batches 0..{len(mbs) - 1} and one of its slices")
+        tokens = entry.get("tokens")
+        if tokens is not None and list(tokens) != list(mbs[m][1][i]):
+            raise bad(f"torch micro-batch {k} says tokens {list(tokens)}, but slice {i} of micro-batch {m} is "
+                      f"{list(mbs[m][1][i])}", at,
+                      hint="the slices are read from \"microbatches\": edit them there, and make the "
+                           f"tokens here say the same ({list(mbs[m][1][i])})")
+        if (m, i) in units:
+            raise bad(f"torch micro-batch {k} names slice {i} of micro-batch {m}, which torch micro-batch "
+                      f"{units.index((m, i))} names too", at, hint="each slice is one torch micro-batch")
+        units.append((m, i))
+    missing = [(m, i) for m, (_, sl) in enumerate(mbs) for i in range(len(sl)) if (m, i) not in set(units)]
+    if missing:
+        m, i = missing[0]
+        raise bad(f"no torch micro-batch names slice {i} of micro-batch {m}"
+                  + (f" (nor {len(missing) - 1} other slices)" if len(missing) > 1 else ""),
+                  _entry_loc(text, path, "microbatches", m), hint="each slice is one torch micro-batch: add "
+                  "an entry for it to \"torch_microbatches\"")
     return SliceMap(seq=seq, data=data, microbatches=tuple(mbs), units=tuple(units))
+
+
+def _int(x) -> int:
+    """An integer of the map (a JSON integer; not a float, a string or a boolean)."""
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise ValueError(f"{x!r} is not an integer"[:80])
+    return x
+
+
+def _count(raw: dict, key: str) -> int:
+    value = _int(raw[key])
+    if value < 1:
+        raise ValueError(f"\"{key}\" is {value}, not a positive count")
+    return value
+
+
+def _said(e: Exception) -> str:
+    return f"no \"{e.args[0]}\"" if isinstance(e, KeyError) else str(e)[:200]
+
+
+def _byte(e: UnicodeDecodeError) -> str:
+    return f"0x{e.object[e.start]:02x}"
+
+
+def _entry_loc(text: str, path: str, key: str, index: int) -> Loc | None:
+    """Where element `index` of the top-level list `key` starts in `text` (its first
+    character); None where it cannot be found."""
+    m = re.search(rf'"{key}"\s*:\s*\[', text)
+    if m is None:
+        return None
+    decoder, pos = json.JSONDecoder(), m.end()
+    try:
+        for k in range(index + 1):
+            while text[pos] in " \t\r\n,":
+                pos += 1
+            if k == index:
+                break
+            _, pos = decoder.raw_decode(text, pos)
+    except (IndexError, ValueError):
+        return None
+    line = text.count("\n", 0, pos) + 1
+    return Loc(path, line, pos - (text.rfind("\n", 0, pos) + 1) + 1)

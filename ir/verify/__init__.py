@@ -187,15 +187,9 @@ def verify_file(path: str, comm: CommRules = DEFAULT_COMM) -> Plan:
     carets render."""
     from tpc.ir.parse import parse
 
-    p = Path(path)
-    if not p.is_file():
-        raise TpirError(Diagnostic(f"no such file: {path}", hint="give the path of a .tpir plan"))
-    try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise TpirError(
-            Diagnostic(f"cannot read {path}: {e}", hint="a .tpir plan is a UTF-8 text file")
-        ) from None
+    from tpc.ir.files import read_text
+
+    text = read_text(path)
     try:
         plan = parse(text, file=path)
     except TpirError as e:

@@ -76,6 +76,7 @@ def is_bundle(path: str) -> bool:
 def load_bundle(path: str, comm: CommRules = DEFAULT_COMM) -> LoadedBundle:
     """Read and verify the bundle at `path` (its folder or its index), every plan under the
     communication rules `comm`; every error at once."""
+    from tpc.ir.files import read_text
     from tpc.ir.parse import parse_bundle
     from tpc.ir.verify import verify_file
 
@@ -84,7 +85,7 @@ def load_bundle(path: str, comm: CommRules = DEFAULT_COMM) -> LoadedBundle:
         raise TpirError(Diagnostic(
             f"no plan bundle at {path}" + (f" (no {INDEX} in the folder)" if Path(path).is_dir() else ""),
             hint="give the folder `tpc compile --seq-len L1,L2,... -o FOLDER` wrote, or its index.tpir"))
-    text = index.read_text(encoding="utf-8")
+    text = read_text(index, what="a plan bundle's index")
     bundle = parse_bundle(text, file=str(index))
     rep = Report(bundle)
     plans: dict[int, Plan] = {}

@@ -57,7 +57,13 @@ def test_verify_show_and_simulate_take_the_bundle(searched, capsys):
     (["--seq-len", "8,x"], "--seq-len", "is not a length or a list of lengths"),
     (["--seq-len", "8,16", "--slices", "8,8"], "--slices", "--slices with lengths fits one sequence length"),
     (["--seq-len", "8,12,16", "--constant-tokens"], "--constant-tokens", "does not reshape into whole sequences of 12"),
-    (["--seq-len", "4,16", "--slices", "8"], "--slices", "--slices 8 but the length 4 has only 4 tokens"),
+    # a list with a length too short for the slices is the list's mistake (it was blamed on --slices)
+    (["--seq-len", "4,16", "--slices", "8"], "--seq-len", "--seq-len 4,16: the length 4 is shorter than --slices 8"),
+    (["--seq-len", "-4,16"], "--seq-len", "--seq-len -4,16: the length -4 is not a positive number of tokens"),
+    (["--seq-len", "-4,16", "--slices", "2"], "--seq-len", "the length -4 is not a positive number of tokens"),
+    (["--seq-len", "0,16"], "--seq-len", "the length 0 is not a positive number of tokens"),
+    # lengths that fit no length of the list (they were checked against the longest alone)
+    (["--seq-len", "8,16", "--slices", "2,2"], "--slices", "--slices with lengths fits one sequence length"),
 ])
 def test_bad_options_are_refused_before_tracing(tmp_path, capsys, argv, flag, message):
     out = tmp_path / "plans"

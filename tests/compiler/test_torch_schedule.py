@@ -190,9 +190,27 @@ def test_a_receive_that_waits_forever_is_reported_at_both_ends(tmp_path):
                                                            "0F0,0SEND_F0,0RECV_B1,0F1,0SEND_F1"), BFS[1]])
     diags = errors(path)
     assert [(d.loc.line, d.loc.col) for d in diags] == [(1, 23), (2, 23)]  # 0RECV_B1 and 1RECV_F1
-    assert diags[0].message.startswith("deadlock: rank 0 waits here forever for rank 1")
+    assert diags[0].message.startswith("not progressing (torch's `_simulate_comms_compute` raises \"Schedule is "
+                                       "not progressing\"): rank 0 waits here forever for rank 1")
     assert "the send at cell 2:40 `1SEND_B1`" in diags[0].hint
     assert torch_checks(path, "compute_comms", 2, 2, 2).startswith("ValueError: Schedule is not progressing")
+
+
+def test_a_gradient_received_before_its_activation_is_sent_is_not_progressing(tmp_path):
+    """A compute+comms CSV has torch's semantics: a receive waits where it is written. Rank 0
+    waits for mb 0's gradient before it sends mb 0's activation: torch's simulator stops
+    ("not progressing"); NCCL lowering could pair the receive with the send after it into one
+    exchange, and it was accepted so, running an order the CSV does not say."""
+    path = write(tmp_path, "early_recv.csv", ["0F0,0RECV_B0,0SEND_F0,0B0", "1RECV_F0,1F0,1B0,1SEND_B0"])
+    diags = errors(path)
+    assert [(d.loc.line, d.loc.col) for d in diags] == [(1, 5), (2, 1)]  # 0RECV_B0 and 1RECV_F0
+    assert all(d.message.startswith("not progressing (torch's") for d in diags)
+    assert "the send at cell 2:18 `1SEND_B0`" in diags[0].hint and "a send never waits" in diags[0].hint
+    assert torch_checks(path, "compute_comms", 2, 2, 1).startswith("ValueError: Schedule is not progressing")
+    # written in the order torch runs, it is accepted by both
+    fixed = write(tmp_path, "fixed.csv", ["0F0,0SEND_F0,0RECV_B0,0B0", "1RECV_F0,1F0,1B0,1SEND_B0"])
+    import_csv(str(fixed))
+    assert torch_checks(fixed, "compute_comms", 2, 2, 1) == "accepted"
 
 
 def test_a_deadlock_of_tpcs_own_receives_is_said_at_the_computation(tmp_path):
@@ -309,6 +327,47 @@ def test_a_slice_order_torch_cannot_see_is_reported_with_the_map(tmp_path):
     diags = errors(out.csv_path)
     assert any("slices are back-propagated in reverse token order" in d.hint and d.loc.line == 2 for d in diags)
     assert torch_checks(out.csv_path, "compute_only", 2, 2, 6) == "accepted"
+
+
+@pytest.mark.parametrize("slices,message,hint", [
+    ("[[0, -2], [-2, 5], [5, 6]]", "micro-batch 0: slice 0 [0, -2] names a negative token", "tokens are numbered 0..5"),
+    ("[[0, 3], [2, 5], [5, 6]]", "micro-batch 0: slice 1 [2, 5] overlaps the slice before it, which ends at 3",
+     "start slice 1 at token 3"),
+    ("[[0, 2], [3, 5], [5, 6]]", "micro-batch 0: tokens 2:3 are in no slice (slice 1 is [3, 5])", "start slice 1 at token 2"),
+    ("[[0, 2], [2, 5], [5, 9]]", "micro-batch 0: its slices end at token 9, but the map's seq is 6", "end the last slice at 6"),
+    ("[[0, 2], [2, 2], [2, 6]]", "micro-batch 0: slice 1 [2, 2] holds no token", "end slice 1 after token 2, or remove it"),
+    ("[[0, 2], [2, 5.5], [5.5, 6]]", "micro-batch entry 0 is malformed (5.5 is not an integer)", '"slices": [[0, T1]'),
+])
+def test_a_slice_map_with_a_bad_slice_is_refused_at_its_entry(tmp_path, capsys, slices, message, hint):
+    """A hand-edited map beside a CSV: a negative, overlapping, missing or empty slice is refused
+    at the map's entry (it was reported as a `header, microbatch line 0`, a line of no file)."""
+    out = export_schedule(_sliced_plan(), str(tmp_path / "s.csv"))
+    path = tmp_path / "s.csv.map.json"
+    text = path.read_text()
+    entry = '{"mb": 0, "rows": [0, 1], "slices": [[0, 2], [2, 5], [5, 6]]}'
+    assert entry in text
+    path.write_text(text.replace(entry, entry.replace("[[0, 2], [2, 5], [5, 6]]", slices)))
+    assert main(["verify", out.csv_path]) == 1
+    err = capsys.readouterr().err
+    assert f"{path}:7:3: error: {message}\n" in err
+    assert "    7 |   {\"mb\": 0," in err and hint in err
+
+
+def test_a_slice_map_whose_torch_entries_disagree_is_refused_at_the_entry(tmp_path):
+    out = export_schedule(_sliced_plan(), str(tmp_path / "s.csv"))
+    path = tmp_path / "s.csv.map.json"
+    text = path.read_text()
+    path.write_text(text.replace('"torch": 4, "mb": 1, "slice": 1', '"torch": 4, "mb": 1, "slice": 0'))
+    with pytest.raises(TpirError) as e:
+        read_map(str(path))
+    [d] = e.value.diagnostics
+    assert (d.loc.line, d.loc.col) == (15, 3)
+    assert d.message == "torch micro-batch 4 says tokens [2, 5], but slice 0 of micro-batch 1 is [0, 2]"
+    path.write_text(text.replace('"rows": [1, 2], "slices"', '"rows": [2, 3], "slices"'))
+    with pytest.raises(TpirError) as e:
+        read_map(str(path))
+    assert e.value.diagnostics[0].message == "micro-batch 1's rows [2, 3) do not start where the rows before it end, at 1"
+    assert 'write "rows": [1, 2]' in e.value.diagnostics[0].hint
 
 
 def test_export_refuses_recompute_and_says_where(tmp_path):

@@ -180,6 +180,33 @@ def test_killed_rank_makes_the_others_exit_with_a_message(tmp_path):
                          errs[r]), errs[r]
 
 
+def test_a_rank_killed_after_its_last_send_is_said_dead_at_the_survivors_plan_line(tmp_path):
+    """Rank 1 dies at its last instruction, after every message rank 0 needs: rank 0 finishes
+    its stream and fails summing the step's loss. It said gloo's raw "[.../pair.cc:537] Read
+    error ...: Connection reset by peer. ... GLHF!" with no rank, plan line or cause."""
+    case = dict(plan=dict(schedule="1f1b", stages=2, slices="1", microbatches=2))
+    last = len(fake_plan(**case["plan"]).ranks[1].instrs) - 1
+    codes, errs = launch(2, tmp_path, run_with_fault, case, 1, last, "kill", 10.0, limit=90)
+    assert codes == [1, -9], errs
+    assert re.search(r"rank 0, instruction \d+: step: after the last instruction of rank 0's stream \(step 0\): "
+                     r"a peer rank died while this rank waited for the step's loss summed over the ranks "
+                     r"\(its connection closed: Connection (reset|closed) by peer\)", errs[0]), errs[0]
+    assert "pair.cc" not in errs[0] and "-9: killed" in errs[0]
+
+
+def test_a_dead_peer_is_said_dead_by_name():
+    from tpc.executors.dist_transport import gave_up
+
+    e = RuntimeError("[/x/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:5: Connection reset by peer. "
+                     "This is typically caused by a remote worker hanging")
+    [d] = gave_up("the send of act 0 mb 1 to rank 2 (p.tpir line 12: send act stage 0 mb 1 slice 0 to 1)", e).diagnostics
+    assert d.message == ("gave up waiting for the send of act 0 mb 1 to rank 2 (p.tpir line 12: send act stage 0 "
+                         "mb 1 slice 0 to 1): rank 2 died (its connection closed: Connection reset by peer)")
+    assert "exit status torchrun reports" in d.hint
+    [d] = gave_up("the message x from rank 1", RuntimeError("Timed out waiting 10000ms")).diagnostics
+    assert d.message == "gave up waiting for the message x from rank 1: Timed out waiting 10000ms"
+
+
 def test_failing_rank_reports_and_the_others_exit(tmp_path):
     codes, errs = launch(2, tmp_path, run_with_fault, FAULT_CASE | dict(plan=dict(schedule="1f1b", stages=2, slices="3",
                                                                                        microbatches=2)),
