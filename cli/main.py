@@ -67,13 +67,20 @@ def cmd_fmt(args) -> int:
     from tpc.ir.printer import print_document
 
     status = 0
-    from tpc.ir.files import atomic_write_text
+    from tpc.ir.files import atomic_write_text, check_output
 
+    # every file read, parsed and its folder checked before the first is rewritten: a bad file
+    # (or a read-only folder) among several leaves all of them as they were
+    changed = []
     for path in args.plans:
         text = _read_text(path)
         canonical = print_document(parse_document(text, file=path))
-        if canonical == text:
-            continue
+        if canonical != text:
+            changed.append((path, canonical))
+    if not args.check:
+        for path, _ in changed:
+            check_output(path, option="PLAN")
+    for path, canonical in changed:
         if args.check:
             print(f"{path}: not canonical (run `tpc fmt {path}`)")
             status = 1

@@ -138,7 +138,30 @@ def write_hf_directory(model: nn.Module, sd: dict[str, torch.Tensor], out: Path,
         raise TpirError(Diagnostic(f"-o {out}: exists and is not an empty directory", where="-o",
                                    hint="give a new directory for the Hugging Face model"))
     model.load_state_dict(sd, strict=True)
-    model.save_pretrained(str(out))
+    # written into a folder beside `out` and renamed into place: a failure (a full disk, Ctrl-C)
+    # leaves no half-written model directory where `from_pretrained` would read it
+    import shutil
+    import tempfile
+
+    from tpc.ir.files import fsync_folder, write_error
+
+    parent = out.resolve().parent
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
+    except OSError as e:
+        raise write_error(out, e) from e
+    try:
+        model.save_pretrained(str(tmp))
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
+        fsync_folder(parent)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(out, e) from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def build_model(meta: dict) -> nn.Module:

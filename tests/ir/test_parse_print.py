@@ -346,3 +346,17 @@ def test_cli_fmt_check_and_rewrite(tmp_path, capsys):
     assert main(["fmt", str(messy)]) == 0
     assert messy.read_text() == DOCS_EXAMPLE.replace("  load mb 0", "  load mb 0  # x")
     assert main(["fmt", "--check", str(messy)]) == 0
+
+
+def test_cli_fmt_of_several_files_rewrites_none_when_one_is_bad(tmp_path, capsys):
+    """`tpc fmt a b c` reads and parses every file before it rewrites the first: one plan that
+    does not parse leaves the others as they were (and says where the bad one is wrong)."""
+    from tpc.cli.main import main
+
+    messy = DOCS_EXAMPLE.replace("  load mb 0", "load   mb 0 #x")
+    first, bad = tmp_path / "a.tpir", tmp_path / "b.tpir"
+    first.write_text(messy)
+    bad.write_text(DOCS_EXAMPLE.replace("  load mb 0", "  lod mb 0"))
+    assert main(["fmt", str(first), str(bad)]) != 0
+    assert first.read_text() == messy
+    assert "b.tpir:" in capsys.readouterr().err

@@ -178,6 +178,31 @@ def test_export_of_a_hugging_face_model_is_a_directory_from_pretrained_loads(hf,
     assert metrics(a)[0]["loss"] == metrics(b)[0]["loss"]
 
 
+def test_an_interrupted_hugging_face_export_leaves_nothing_behind(hf, tmp_path, monkeypatch, capsys):
+    """A full disk (or Ctrl-C) in the middle of `save_pretrained`: no half-written model
+    directory at -o, nothing left beside it, and the error names -o."""
+    import errno
+
+    from transformers import PreTrainedModel
+
+    plan, d, _ = hf
+    ck = tmp_path / "ck"
+    assert run(plan, tmp_path / "m.jsonl", "--steps", "1", "--init-from", str(d / "pretrained"),
+               "--checkpoint-dir", str(ck)) == 0
+    real = PreTrainedModel.save_pretrained
+
+    def full_disk(self, folder, *a, **kw):
+        real(self, folder, *a, **kw)  # writes its files, then the disk fills
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
+    out = tmp_path / "exports" / "out"
+    out.parent.mkdir()
+    assert main(["export", str(ck), "-o", str(out)]) != 0
+    assert not out.exists() and list(out.parent.iterdir()) == []
+    assert str(out) in capsys.readouterr().err
+
+
 def test_hf_export_needs_a_hugging_face_model(exported, tmp_path, capsys):
     _, _, d, _ = exported
     assert main(["export", str(d / "ck"), "-o", str(tmp_path / "dir")]) == 1
