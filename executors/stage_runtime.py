@@ -238,12 +238,15 @@ class StageRuntime:
         prefix = self._prefix(rec, checkpoint)
         x, targets = _dense(rec.x), _dense(rec.targets)
         progs = self.programs.get(Shape.of(x, rec.offset, prefix, self.module.kv_dims), x, prefix, targets)
+        inputs = [*self.programs.state(), x, *prefix, *([] if targets is None else [targets])]
         with torch.no_grad():
-            outs = progs.forward(*self.programs.state(), x, *prefix, *([] if targets is None else [targets]))
+            outs = progs.forward(*inputs)
         n = self.module.num_kv
         y, kv = outs[0], list(outs[1:1 + n])
         rec.programs = progs
-        rec.values = list(outs[1 + n:]) if keep else None
+        # what the backward reads: the inputs it needs (held here, not returned by the program),
+        # then what the forward computed for it
+        rec.values = [inputs[i] for i in progs.saved_inputs] + list(outs[1 + n:]) if keep else None
         rec.kv_meta = [(k.shape, k.dtype) for k in kv]
         rec.y_meta = (y.shape, y.dtype)
         return y, kv

@@ -82,9 +82,12 @@ def _layout(t: torch.Tensor) -> tuple:
 class Programs:
     """The programs of one stage for one `Shape` (GraphModules; callables once compiled).
 
-    forward(*state, x, *prefix, [targets]) -> [y, *kv, *saved]
+    forward(*state, x, *prefix, [targets]) -> [y, *kv, *computed]
     backward(*saved, *tangents) -> [*input grads, *param grads]
     backward_input(*saved, *tangents) -> [*input grads, *held]
+    The saved values are the forward's inputs the backward reads (`saved_inputs`: their positions
+    in the forward's inputs; the caller holds them, no program returns an input) and then what
+    the forward computed for the backward (`computed`).
     backward_weight(*held) -> [*param grads]
     Input grads: x's (if it takes one) then each prefix's that takes one; param grads: one per
     trainable parameter (None where the slice sends it nothing)."""
@@ -95,7 +98,7 @@ class Programs:
     backward_input: Callable | None
     backward_weight: Callable | None
     num_kv: int
-    num_saved: int
+    saved_inputs: tuple[int, ...]
     input_grads: tuple[int, ...]  # positions in [x, *prefix] of the inputs taking a gradient
     graphs: dict  # program name -> its fx.GraphModule (before compilation)
 
@@ -160,8 +163,10 @@ def derive(module, shape: Shape, x: torch.Tensor, prefix: list, targets) -> Prog
     if any(t in fwd_nodes for t in tangent_nodes):
         raise RuntimeError("internal: the forward reads an upstream gradient")
     bwd_nodes = _ancestors(grad_outs, stop=set(placeholders)) - fwd_nodes
-    saved = _read_by(bwd_nodes, fwd_nodes | set(primal_nodes), gm.graph)
-    forward = _extract(gm, primal_nodes, fwd_outs + saved, "forward")
+    saved = _recompute_views(_read_by(bwd_nodes, fwd_nodes | set(primal_nodes), gm.graph), primal_nodes)
+    saved_inputs = [n for n in primal_nodes if n in saved]
+    saved = saved_inputs + [n for n in saved if n not in saved_inputs]
+    forward = _extract(gm, primal_nodes, fwd_outs + saved[len(saved_inputs):], "forward")
     backward = _extract(gm, saved + tangent_nodes, input_grads + param_grads, "backward")
     input_nodes = _with_getitems(_ancestors(input_grads, stop=set(saved + tangent_nodes)), gm.graph)
     weight_nodes = _ancestors(param_grads, stop=set(saved + tangent_nodes)) - input_nodes
@@ -173,8 +178,8 @@ def derive(module, shape: Shape, x: torch.Tensor, prefix: list, targets) -> Prog
     backward_weight = _extract(gm, held, param_grads, "backward_weight")
     graphs = {"forward": forward, "backward": backward, "backward_input": backward_input,
               "backward_weight": backward_weight}
-    return Programs(shape, forward, backward, backward_input, backward_weight, num_kv, len(saved),
-                    tuple(takes_grad), graphs)
+    return Programs(shape, forward, backward, backward_input, backward_weight, num_kv,
+                    tuple(primal_nodes.index(n) for n in saved_inputs), tuple(takes_grad), graphs)
 
 
 def _forward_only(module, shape, names, state, x, prefix, targets, num_kv) -> Programs:
@@ -188,7 +193,7 @@ def _forward_only(module, shape, names, state, x, prefix, targets, num_kv) -> Pr
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][:len(state) + 1 + len(prefix)
                                                                        + (targets is not None)]
     forward = _extract(gm, placeholders, _outputs(gm), "forward")
-    return Programs(shape, forward, None, None, None, num_kv, 0, (), {"forward": forward})
+    return Programs(shape, forward, None, None, None, num_kv, (), (), {"forward": forward})
 
 
 def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
@@ -219,6 +224,38 @@ def _with_getitems(nodes: set, graph: fx.Graph) -> set:
     a layer norm's mean and rstd, say): an element is read where its op runs, so a program
     hands on elements, never a tuple."""
     return nodes | {n for n in graph.nodes if n.target is operator.getitem and n.args[0] in nodes}
+
+
+# views: free to make again, so a view of the inputs is made again in the backward rather than
+# saved (a saved view is an output aliasing an input, which a compiled program must rebuild
+# as a view at every call)
+_VIEWS = {getattr(torch.ops.aten, name).default for name in ("t", "view", "_unsafe_view", "alias", "unsqueeze",
+                                                              "squeeze", "expand", "permute", "detach")} | {
+    torch.ops.aten.transpose.int, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
+    torch.ops.aten.squeeze.dim, torch.ops.aten.reshape.default}
+
+
+def _recompute_views(saved: list, primal_nodes: list) -> list:
+    """`saved` with every view of the forward's inputs alone (a weight's transpose, say)
+    replaced by the inputs it views: the backward makes the view again."""
+    inputs = set(primal_nodes)
+    memo: dict = {}
+
+    def input_view(n) -> bool:
+        if n not in memo:
+            memo[n] = (n.op == "call_function" and n.target in _VIEWS and bool(n.all_input_nodes)
+                       and all(a in inputs or input_view(a) for a in n.all_input_nodes))
+        return memo[n]
+
+    def roots(n) -> list:
+        return [n] if n in inputs else [r for a in n.all_input_nodes for r in roots(a)]
+
+    out: list = []
+    for n in saved:
+        for r in (roots(n) if input_view(n) else [n]):
+            if r not in out:
+                out.append(r)
+    return out
 
 
 def _read_by(users: set, producers: set, graph: fx.Graph) -> list:
