@@ -401,8 +401,8 @@ class DistTransport:
                 offset += t.numel()
         else:
             views = None  # already the gradients
-        work = dist.all_reduce(flat, group=self.groups.dp, async_op=True)
-        self.wait(work, f"the gradients of stage {stage} from the other data-parallel replicas")
+        self.collective(f"the gradients of stage {stage} from the other data-parallel replicas", dist.all_reduce,
+                        flat, group=self.groups.dp)
         return views
 
     # the sharded optimizer's collectives (training/sharded_optimizer.py), in place on one flat
@@ -422,45 +422,45 @@ class DistTransport:
                 work = op(mine, flat, group=self.groups.dp, async_op=True)
             except (RuntimeError, NotImplementedError) as e:
                 if "support" not in str(e).lower():
-                    raise
+                    raise gave_up(what, e) from None
                 DistTransport.reduce_scatter_supported = False  # this backend lacks it: allreduce
             else:
                 self.wait(work, what)
                 return
-        self.wait(dist.all_reduce(flat, group=self.groups.dp, async_op=True), what)
+        self.collective(what, dist.all_reduce, flat, group=self.groups.dp)
 
     def all_gather(self, stage: int, flat: torch.Tensor) -> None:
         if self.groups.dp is None:
             return
         mine = flat.chunk(self.mesh.data)[self.data_rank]
         op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = op(flat, mine, group=self.groups.dp, async_op=True)
-        self.wait(work, f"the weights of stage {stage} from the other data-parallel replicas")
+        self.collective(f"the weights of stage {stage} from the other data-parallel replicas", op, flat, mine,
+                        group=self.groups.dp)
 
     def sum_over_data(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.groups.dp is None:
             return tensor
-        work = dist.all_reduce(tensor, group=self.groups.dp, async_op=True)
-        self.wait(work, "the gradient norms of the other data-parallel replicas")
+        self.collective("the gradient norms of the other data-parallel replicas", dist.all_reduce, tensor,
+                        group=self.groups.dp)
         return tensor
 
     def reduce_loss(self, tensor: torch.Tensor) -> None:
         if self.groups.dp is None:
             return
-        work = dist.all_reduce(tensor, group=self.groups.dp, async_op=True)
-        self.wait(work, "the evaluation loss of the other data-parallel replicas")
+        self.collective("the evaluation loss of the other data-parallel replicas", dist.all_reduce, tensor,
+                        group=self.groups.dp)
 
     def reduce_tied(self, name: str, tensor: torch.Tensor) -> None:
         group = self.groups.ties.get(name)
         if group is None:
             return
-        work = dist.all_reduce(tensor, group=group, async_op=True)
-        self.wait(work, f"the gradient of tie {name!r} from the other ranks holding it")
+        self.collective(f"the gradient of tie {name!r} from the other ranks holding it", dist.all_reduce, tensor,
+                        group=group)
 
     def reduce_replicas(self, stage: int, tensors: list[torch.Tensor]) -> None:
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        work = dist.all_reduce(flat, group=self.groups.replicas[stage], async_op=True)
-        self.wait(work, f"the gradients of stage {stage} from the ranks of its other replicas")
+        self.collective(f"the gradients of stage {stage} from the ranks of its other replicas", dist.all_reduce,
+                        flat, group=self.groups.replicas[stage])
         offset = 0
         for t in tensors:
             t.copy_(flat[offset: offset + t.numel()].view_as(t))
@@ -470,11 +470,20 @@ class DistTransport:
         if self.groups.pipeline is None:
             return tensor
         t = tensor.to(self.device)
-        work = dist.all_reduce(t, group=self.groups.pipeline, async_op=True)
-        self.wait(work, "the gradient norms of the other pipeline ranks")
+        self.collective("the gradient norms of the other pipeline ranks", dist.all_reduce, t, group=self.groups.pipeline)
         return t  # on the device: the step reads it once, with its loss
 
     # ---------------------------------------------------------------------------- waits
+
+    def collective(self, what: str, op, *args, **kwargs) -> None:
+        """Post the collective `op(*args, **kwargs)` and wait for it (`what` it waits for: for
+        the error and the watchdog). A peer that died fails the posting or the wait; either is
+        said as that (`gave_up`), never as the backend's raw text."""
+        try:
+            work = op(*args, **kwargs, async_op=True)
+        except Exception as e:  # noqa: BLE001 - a failed peer surfaces as whatever the backend raises
+            raise gave_up(what, e) from None
+        self.wait(work, what)
 
     def wait(self, work, what: str) -> None:
         """Wait for `work` (what it is: for the error and the watchdog)."""

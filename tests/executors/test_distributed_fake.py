@@ -207,6 +207,22 @@ def test_a_dead_peer_is_said_dead_by_name():
     assert d.message == "gave up waiting for the message x from rank 1: Timed out waiting 10000ms"
 
 
+def test_a_collective_whose_posting_fails_on_a_dead_peer_says_so():
+    """A collective can fail as it is posted, not only while waited for: a dead peer is said
+    dead there too, with what the rank was summing, never as gloo's raw text."""
+    from tpc.executors.dist_transport import DistTransport
+    from tpc.ir.diagnostics import TpirError
+
+    def dead(*args, **kwargs):
+        raise RuntimeError("[/x/gloo/transport/tcp/pair.cc:537] Connection reset by peer")
+
+    with pytest.raises(TpirError) as e:
+        DistTransport.collective(object(), "the gradient of tie 'wte' from the other ranks holding it", dead)
+    [d] = e.value.diagnostics
+    assert d.message == ("gave up waiting for the gradient of tie 'wte' from the other ranks holding it: a peer "
+                         "rank died (its connection closed: Connection reset by peer)")
+
+
 def test_failing_rank_reports_and_the_others_exit(tmp_path):
     codes, errs = launch(2, tmp_path, run_with_fault, FAULT_CASE | dict(plan=dict(schedule="1f1b", stages=2, slices="3",
                                                                                        microbatches=2)),
