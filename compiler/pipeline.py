@@ -134,26 +134,33 @@ class BuildHeader(Pass):
             _say(o.quiet, f"--slices auto: {len(o.cuts)} equal slices of ~{o.seq_len // len(o.cuts)} "
                  "tokens (give --cost or --device-model for the optimiser's choice)")
         note(slicing_summary(header))
-        check_weights_fit(header, state.sliced, o.memory_per_rank)
+        check_weights_fit(header, state.sliced, o.memory_per_rank, o.dp if o.shard_optimizer else 1)
         return state.but(header=header)
 
 
-# what a parameter keeps allocated on its rank through a run: fp32 weight, gradient, AdamW's two moments
-STATE_BYTES_PER_PARAM = 16
+# what a parameter keeps allocated on its rank through a run: fp32 weight and gradient (8 bytes),
+# AdamW's two moments (8 bytes, divided over the data-parallel ranks with --shard-optimizer)
+WEIGHT_BYTES_PER_PARAM, MOMENT_BYTES_PER_PARAM = 8, 8
+STATE_BYTES_PER_PARAM = WEIGHT_BYTES_PER_PARAM + MOMENT_BYTES_PER_PARAM
 
 
-def check_weights_fit(header, sliced, limit: float | None) -> None:
-    """With `--memory-per-rank`: refuse a plan where some rank cannot hold even its stages'
-    parameters, gradients and optimizer state (16 bytes a parameter), before activations,
-    saying the predicted bytes of every rank against the limit and what would help."""
+def check_weights_fit(header, sliced, limit: float | None, shards: int = 1) -> None:
+    """With `--memory-per-rank` and no cost model (a search fits the limit itself): refuse a
+    plan where some rank cannot hold even its stages' parameters, gradients and optimizer state
+    (16 bytes a parameter; the moments' 8 over `shards` data-parallel ranks when sharded, for a
+    stage without weight replicas), before activations, saying the predicted bytes of every
+    rank against the limit and what would help."""
     if limit is None:
         return
     from tpc.compiler.predict.quantities import format_bytes
 
     per_rank = {}
     for r in range(header.mesh.value.pipe):
-        params = sum(sliced.stage_param_count(*header.stages[s].units) for s in header.stages_of_rank(r))
-        per_rank[r] = params * STATE_BYTES_PER_PARAM
+        per_rank[r] = 0.0
+        for s in header.stages_of_rank(r):
+            params = sliced.stage_param_count(*header.stages[s].units)
+            moments = MOMENT_BYTES_PER_PARAM / (1 if header.stages[s].replicas else max(1, shards))
+            per_rank[r] += params * (WEIGHT_BYTES_PER_PARAM + moments)
     over = {r: b for r, b in per_rank.items() if b > limit}
     if not over:
         return
@@ -162,10 +169,11 @@ def check_weights_fit(header, sliced, limit: float | None) -> None:
     helps = ([f"more pipeline stages (--stages; the model has {sliced.num_units} units, the largest needs "
               f"{format_bytes(largest)})"] if largest <= limit else
              [f"more memory per rank: one unit alone needs {format_bytes(largest)}"])
-    helps.append("sharding the optimizer state over data-parallel ranks")
+    if shards == 1:
+        helps.append("sharding the optimizer state over data-parallel ranks (--shard-optimizer with --dp > 1)")
     raise _error("--memory-per-rank",
-                 f"the parameters, gradients and optimizer state of a rank's stages (16 bytes a parameter, "
-                 f"before activations) exceed --memory-per-rank {format_bytes(limit)}: {listing}",
+                 f"the parameters, gradients and optimizer state of a rank's stages "
+                 f"({'8 + 8/' + str(shards) if shards > 1 else '16'} bytes a parameter, before activations) exceed --memory-per-rank {format_bytes(limit)}: {listing}",
                  "; or ".join(helps) + " (recomputation, --recompute, lowers only the activations on top)")
 
 
@@ -253,7 +261,8 @@ class Search(Pass):
                             vocab=state.vocab, sliced=state.sliced)
         result = search_plan(state.source, search_space(o, state.source.num_units, self.split), make)
         best = result.best
-        check_weights_fit(best.header, state.sliced, o.memory_per_rank)
+        # (with a cost model the search fits --memory-per-rank itself, by the memory model it
+        # prices every candidate with, and refuses when nothing fits)
         note(f"{len(result.candidates)} candidates; {best.pipe}x{best.data} {best.schedule}, "
              f"predicted step {best.time:.4g} s")
         if o.explain:
