@@ -71,18 +71,24 @@ class _Hub:
     def channel(self, src: int, dst: int) -> deque:
         return self.channels.setdefault((src, dst), deque())
 
+    def _arrive(self, key: tuple, members: list[int], me: int, offered, what: str) -> dict:
+        """Record that `me` offers `offered` to the collective `key` of `members`; its pending
+        entry once every member has, `Blocked` (naming the missing ranks) until then."""
+        entry = self.pending.setdefault(key, {"arrived": {}, "result": None, "done": set()})
+        entry["arrived"][me] = offered
+        missing = [r for r in members if r not in entry["arrived"]]
+        if missing:
+            raise Blocked(f"{what}: waiting for rank{'s' if len(missing) > 1 else ''} "
+                          f"{', '.join(map(str, missing))}", ranks=missing)
+        return entry
+
     def collective(self, key: tuple, members: list[int], me: int, tensors: list[torch.Tensor],
                    what: str) -> None:
         """Sum `tensors` over `members` (global ranks) in place; `Blocked` until all arrived.
         Arriving twice is harmless: a blocked rank re-offers the same tensors on retry."""
         if len(members) == 1:
             return
-        entry = self.pending.setdefault(key, {"arrived": {}, "result": None, "done": set()})
-        entry["arrived"][me] = tensors
-        missing = [r for r in members if r not in entry["arrived"]]
-        if missing:
-            raise Blocked(f"{what}: waiting for rank{'s' if len(missing) > 1 else ''} "
-                          f"{', '.join(map(str, missing))}", ranks=missing)
+        entry = self._arrive(key, members, me, tensors, what)
         if entry["result"] is None:
             counts = {len(entry["arrived"][r]) for r in members}
             if len(counts) != 1:
@@ -103,12 +109,7 @@ class _Hub:
         of them changes its tensor); `Blocked` until then; None for a group of one."""
         if len(members) == 1:
             return None
-        entry = self.pending.setdefault(key, {"arrived": {}, "result": None, "done": set()})
-        entry["arrived"][me] = tensor
-        missing = [r for r in members if r not in entry["arrived"]]
-        if missing:
-            raise Blocked(f"{what}: waiting for rank{'s' if len(missing) > 1 else ''} "
-                          f"{', '.join(map(str, missing))}", ranks=missing)
+        entry = self._arrive(key, members, me, tensor, what)
         if entry["result"] is None:
             shapes = {tuple(entry["arrived"][r].shape) for r in members}
             if len(shapes) != 1:

@@ -211,7 +211,30 @@ def allreduce_covers(stage_rank: Sequence[int], ties: Iterable[Iterable[int]], s
 
 # ------------------------------------------------------------------ the backends' rules
 
-class CommRules(str, Enum):
+class Spelled(str, Enum):
+    """A `str` enum read from a flag's spelling: `Kind("x")` or `Kind.of("x")`, printed as its
+    value. `spelling()` names what it is, for the error of an unknown spelling."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def spelling(cls) -> str:
+        return "value"
+
+    @classmethod
+    def of(cls, value):
+        """`value` as a member, or its spelling; ValueError otherwise."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown {cls.spelling()} {value!r}: use "
+                             + " or ".join(c.value for c in cls)) from None
+
+
+class CommRules(Spelled):
     """The communication rules a plan is lowered, verified, simulated and run under (the module
     docstring), named by the backend whose rules they are. A `str` enum: `CommRules("gloo")`
     reads a flag's spelling, and a value prints as its name."""
@@ -219,23 +242,14 @@ class CommRules(str, Enum):
     GLOO = "gloo"
     NCCL = "nccl"
 
+    @classmethod
+    def spelling(cls) -> str:
+        return "communication rules"
+
     @property
     def summary(self) -> str:
         return COMMS[self]
 
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def of(cls, value: "CommRules | str") -> "CommRules":
-        """`value` as rules: a CommRules, or its spelling ("gloo", "nccl"); ValueError otherwise."""
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown communication rules {value!r}: use "
-                             + " or ".join(c.value for c in cls)) from None
 
 
 GLOO, NCCL = CommRules.GLOO, CommRules.NCCL

@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from enum import Enum
 from typing import Callable, Mapping, Sequence
 
 import networkx as nx
@@ -80,6 +79,7 @@ from tpc.ir.semantics import (
     GLOO,
     NCCL,
     CommRules,
+    Spelled,
     Entry,
     Stuck,
     allreduce_covers,
@@ -94,7 +94,7 @@ Streams = dict[int, tuple[Instr, ...]]
 Pass = Callable[[Header, Streams], Streams]
 
 
-class Exchanges(str, Enum):
+class Exchanges(Spelled):
     """How a plan for NCCL's rules carries the sends and receives that ranks must post at the
     same time (the module docstring): one `exchange N` each, issued as one `batch_isend_irecv`
     (BATCHED), or single operations in an order that runs without a batch (ORDERED). A `str`
@@ -103,23 +103,13 @@ class Exchanges(str, Enum):
     BATCHED = "batched"
     ORDERED = "ordered"
 
-    def __str__(self) -> str:
-        return self.value
+    @classmethod
+    def spelling(cls) -> str:
+        return "exchange lowering"
 
     @property
     def summary(self) -> str:
         return EXCHANGES[self]
-
-    @classmethod
-    def of(cls, value: "Exchanges | str") -> "Exchanges":
-        """`value` as an Exchanges, or its spelling; ValueError otherwise."""
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown exchange lowering {value!r}: use "
-                             + " or ".join(c.value for c in cls)) from None
 
 
 # The default: batched, one operation for the group, where both ranks' transfers overlap
