@@ -29,22 +29,14 @@ def measure(plan, shard: bool):
     from tpc.executors.interpreter import interpret
     from tpc.executors.options import RunOptions
     from tpc.executors.training.sharded_optimizer import optimizer_state_bytes
+    from tpc.executors.training_loop import CheckpointHook
 
     engines = []
 
-    class Keep:  # the run's checkpoint hook: sees every engine, saves nothing
-        def lock(self):
-            pass
-
-        def unlock(self):
-            pass
-
+    class Keep(CheckpointHook):  # the run's checkpoint hook: sees every engine, saves nothing
         def start(self, es):
             engines.extend(es)
             return 0
-
-        def after_step(self, es, done):
-            return None
 
     opts = RunOptions(steps=1, device="cpu", quiet=True, shard_optimizer=shard, grad_clip=1.0)
     result = interpret(plan, opts, checkpoints=Keep(), keep_grads=False)

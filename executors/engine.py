@@ -422,7 +422,8 @@ class RankEngine:
     def _slice(self, mb: int, sl: int) -> tuple[int, int]:
         return self.header.microbatches[mb].slices[sl]
 
-    def _compute(self):
+    def compute_context(self):
+        """Where a stage computes: under bf16 autocast with `--bf16`, else as it is."""
         if self.options.bf16:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
@@ -460,7 +461,7 @@ class RankEngine:
                                            hint=f"put `load mb {m}` before the first forward of it"))
             targets = self.targets[m][:, lo:hi]
         capacity = self.header.microbatches[m].slices[-1][1]
-        with self._compute():
+        with self.compute_context():
             if self.forward_only:
                 out = stage.runtime.evaluate(m, i, x, lo, targets=targets, capacity=capacity)
             else:
@@ -473,7 +474,7 @@ class RankEngine:
 
     def _recompute(self, instr: Instr) -> None:
         s, m, i = instr.key
-        with self._compute():
+        with self.compute_context():
             self._stage(s).runtime.recompute(m, i)
 
     def _grad_out(self, s: int, m: int, i: int) -> torch.Tensor | None:
@@ -500,14 +501,14 @@ class RankEngine:
         s, m, i = instr.key
         runtime = self._stage(s).runtime
         grad_out = self._grad_out(s, m, i)
-        with self._compute():
+        with self.compute_context():
             run = runtime.backward if whole else runtime.backward_input
             grad_in = run(m, i, grad_out)
         self._hand_down(s, m, i, grad_in)
 
     def _backward_weight(self, instr: Instr) -> None:
         s, m, i = instr.key
-        with self._compute():
+        with self.compute_context():
             self._stage(s).runtime.backward_weight(m, i)
 
     def _send(self, instr: Instr) -> None:

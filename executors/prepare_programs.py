@@ -43,7 +43,7 @@ def prepare(engine, progress: Callable[[str], None] | None = None) -> tuple[int,
         shapes = sorted({(mb.size, tuple(mb.slices)) for mb in header.microbatches})
         passes = sorted(ops.get(s, set()), key=lambda op: op.value) or [None]
         with torch.random.fork_rng(devices=[engine.device] if engine.device.type == "cuda" else []), \
-                engine._compute():
+                engine.compute_context():
             for k, (rows, slices) in enumerate(shapes):
                 for how in passes:
                     if progress is not None:

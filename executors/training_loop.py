@@ -145,6 +145,28 @@ class LoopOutcome:
         return [e for r in self.ranks.values() for e in r.engines]
 
 
+class CheckpointHook:
+    """What the loop calls of its `checkpoints` (RunCheckpoints saves and loads; a stand-in
+    overrides what it needs): `lock()` before anything is loaded, `start(engines)` -> the step
+    the run starts from, `after_step(engines, done)` and `after_eval(engines, done, loss)` when
+    due, `unlock()` on every way out. These defaults take no folder and save nothing."""
+
+    def lock(self) -> None:
+        return None
+
+    def unlock(self) -> None:
+        return None
+
+    def start(self, engines) -> int:
+        return 0
+
+    def after_step(self, engines, done: int):
+        return None
+
+    def after_eval(self, engines, done: int, loss: float):
+        return None
+
+
 class TrainingLoop:
     """Steps `plans` on `executor` up to `options.steps` (the module docstring). `on_step(step,
     loss, info)`: info has "lr", "grad_norm" (None unless computed), "step_time" (seconds),

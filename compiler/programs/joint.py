@@ -127,10 +127,10 @@ def derive(module, shape: Shape, x: torch.Tensor, prefix: list, targets) -> Prog
     nothing of them is kept)."""
     names, state, trainable = state_of(module)
     num_kv = module.num_kv
-    with torch.no_grad():
-        y0, kv0 = module(x, shape.offset, prefix, targets)
     if not shape.grad:
         return _forward_only(module, shape, names, state, x, prefix, targets, num_kv)
+    with torch.no_grad():  # the outputs' shapes, for the upstream gradients' examples
+        y0, kv0 = module(x, shape.offset, prefix, targets)
     takes_grad = [i for i, t in enumerate([x, *prefix]) if t.is_floating_point() and not (i == 0 and module.is_first)]
     # upstream gradients are traced, and must be given, contiguous
     tangents = [torch.zeros(y0.shape, dtype=y0.dtype, device=y0.device)] + [

@@ -27,6 +27,7 @@ from tpc.executors.oracle import logits_of
 from tpc.executors.training.eval_data import EvalBatches
 from tpc.ir.nodes import Microbatch
 from tpc.ir.printer import print_plan
+from tpc.executors.training_loop import CheckpointHook
 
 SEQ, BATCH, K = 16, 4, 2
 TOL = 1e-6
@@ -96,24 +97,12 @@ def test_interpreter_eval_loss_is_plain_pytorch(case, tmp_path):
     assert res.eval_losses[-1][1] != res.eval_losses[0][1]  # the weights did change
 
 
-class _Engines:
+class _Engines(CheckpointHook):
     """Stands where `RunCheckpoints` would: keeps the training engines to look at afterwards."""
-
-    def lock(self):
-        pass
-
-    def unlock(self):
-        pass
 
     def start(self, engines):
         self.engines = engines
         return 0
-
-    def after_step(self, engines, done):
-        pass
-
-    def after_eval(self, engines, done, loss):
-        pass
 
 
 def _optimizer_state(engines) -> list[torch.Tensor]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tpc.executors.training import checkpoint
 from tpc.executors.training.run_checkpoints import data_position, plan_sha256
+from tpc.executors.training_loop import CheckpointHook
 
 
 def rank_shard(named_params, optimizer, *, step, data):
@@ -32,7 +33,7 @@ def run_meta(header, sha: str) -> dict:
             "sha256": header.model.sha256, "seq": header.shape.seq, "vocab": header.shape.vocab}
 
 
-class Format1Saver:
+class Format1Saver(CheckpointHook):
     """Stands in for RunCheckpoints in `interpret`: starts from step 0 and saves at the last step
     in format 1."""
 
@@ -40,14 +41,7 @@ class Format1Saver:
         self.dir, self.total, self.seed, self.source = directory, total, seed, source
         self.meta = run_meta(plan.header, plan_sha256(plan))
 
-    def lock(self) -> None:
-        pass  # the tests using it write into their own folders
-
-    def unlock(self) -> None:
-        pass
-
-    def start(self, engines) -> int:
-        return 0
+    # (no lock: the tests using it write into their own folders)
 
     def after_step(self, engines, done: int):
         if done != self.total:

@@ -27,6 +27,7 @@ from tpc.executors.training.batches import RandomTokens
 from tpc.executors.training.optimizer import OptimSpec
 from tpc.executors.training.run_checkpoints import RunCheckpoints
 from tpc.executors.training.shard_pieces import range_boxes
+from tpc.executors.training_loop import CheckpointHook
 
 TOL = 1e-6
 PLAN = dict(stages=2, microbatches=2, slices="2", schedule="1f1b", dp=2, batch=4)
@@ -83,19 +84,10 @@ def test_the_state_per_rank_is_halved_at_dp2():
         model, sliced = fresh_model("gpt")
         captured = []
 
-        class Keep:  # the checkpoints hook sees the engines: keep them
-            def lock(self):
-                pass
-
-            def unlock(self):
-                pass
-
+        class Keep(CheckpointHook):  # the checkpoints hook sees the engines: keep them
             def start(self, engines):
                 captured.extend(engines)
                 return 0
-
-            def after_step(self, engines, done):
-                return None
 
         interpret(plan, options(1, shard), model=model, sliced=sliced, checkpoints=Keep())
         sizes[shard] = [(optimizer_state_bytes(e.optimizer.opt), e.optimizer) for e in captured]
