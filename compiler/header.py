@@ -125,8 +125,9 @@ def slicings(header: Header, extra=()) -> list[tuple[int, ...]]:
     return out
 
 
-def check_plan_slices(sliced, header: Header, extra=()) -> list[int] | None:
+def check_plan_slices(sliced, header: Header, extra=()):
     """The front end's numeric self-check (sliced vs unsliced model at the full length) with
     each slicing the plan uses (`extra`: the evaluation's micro-batches): what the plan will
-    run is what is checked."""
+    run is what is checked. Returns `check_slicings`' `UnitCheck` for a model built without
+    weights, else None."""
     return sliced.check_slicings([list(lens) for lens in slicings(header, extra)])

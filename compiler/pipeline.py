@@ -301,9 +301,15 @@ class SelfCheck(Pass):
 
     def run(self, state, note):
         extra = state.eval_microbatches or ()
-        units = check_plan_slices(state.sliced, state.header, extra)
-        note(f"{len(slicings(state.header, extra))} slicing(s) at length {state.header.shape.seq}"
-             + (f", unit by unit: units {', '.join(map(str, units))} (the distinct ones)" if units else ""))
+        done = check_plan_slices(state.sliced, state.header, extra)
+        full = state.header.shape.seq
+        if done is None or not done.units:
+            note(f"{len(slicings(state.header, extra))} slicing(s) at length {full}")
+        else:
+            at = f"length {full}" if done.length == full else (
+                f"length {done.length} of {full} (the same slices, scaled: docs/frontend.md)")
+            note(f"{len(slicings(state.header, extra))} slicing(s) at {at}, unit by unit: units "
+                 f"{', '.join(map(str, done.units))} (the distinct ones)")
         return state
 
 

@@ -242,7 +242,7 @@ def run_plan(plan: "Plan | PlanSet", world: World, options: RunOptions, *, model
                        checkpoints=checkpoints, on_step=on_step, on_eval=on_eval).run()
     engine = out.last.engine
     return RankOutcome(out.losses, out.first_grads,
-                       {n: p.detach().cpu().clone() for n, p in engine.named_parameters},
+                       {n: p.detach().cpu() for n, p in engine.named_parameters},  # no copy on the CPU: the run is over
                        max(e.peak_live for e in out.engines), [ev for e in out.engines for ev in e.events],
                        out.eval_losses)
 

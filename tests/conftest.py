@@ -156,6 +156,21 @@ SLOW = (
     "tests/executors/training/test_init_from.py::test_truncated_files_are_refused",
     "tests/executors/training/test_init_from.py::test_weights_of_another_model_are_refused",
     "tests/executors/training/test_resume.py::test_export_computes_what_the_pipeline_computes",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit_as_it_checks_whole[bloom]",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit_as_it_checks_whole[falcon]",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit_as_it_checks_whole[falcon_alibi]",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit_as_it_checks_whole[gemma]",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit_as_it_checks_whole[gemma2]",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit_as_it_checks_whole[gpt2]",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit_as_it_checks_whole[gpt_neox]",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit_as_it_checks_whole[lfm2]",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit_as_it_checks_whole[mistral]",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit_as_it_checks_whole[mpt]",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit_as_it_checks_whole[opt]",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit_as_it_checks_whole[phi3]",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit_as_it_checks_whole[qwen2]",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit_as_it_checks_whole[qwen3]",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit_as_it_checks_whole[starcoder2]",
 )
 
 

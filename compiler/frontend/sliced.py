@@ -327,11 +327,12 @@ class SlicedModel:
                 return int(n.meta["val"].shape[2])
         return 0
 
-    def check_slicings(self, slicings) -> list[int] | None:
+    def check_slicings(self, slicings):
         """`check_slicing` with each slicing of `slicings`. A model built without weights
         (`weightless.py`) is checked unit by unit (`unit_check.py`: each distinct unit's weights
-        made real in turn, its stage graph against the captured graph); returns the units checked
-        then, else None."""
+        made real in turn, its stage graph against the captured graph, at a length the check
+        can afford); returns what that check ran (a `UnitCheck`: units and length) then, else
+        None."""
         from tpc.compiler.frontend.weightless import holds_weights
 
         slicings = [[int(x) for x in lens] for lens in slicings]
@@ -343,7 +344,7 @@ class SlicedModel:
                 self.check_slicing(lens)
             return None
         if self._has_active_dropout():
-            return []
+            return None  # random masks differ between the two runs; nothing to compare
         from tpc.compiler.frontend.unit_check import check_units
 
         def refuse_difference(token, lens, node):
@@ -352,7 +353,7 @@ class SlicedModel:
         from tpc.compiler.frontend.unit_check import NodeFailed
 
         try:
-            return check_units(self, slicings, _run_sliced, refuse_difference)
+            return check_units(self, slicings, _iter_sliced, refuse_difference)
         except NodeFailed as e:
             first = str(e.error).splitlines()[0] if str(e.error) else ""
             raise refuse(e.node, self._model_file,
@@ -434,17 +435,19 @@ def _short(lens) -> str:
 
 def _run_sliced(stage: StageModule, ids, lens) -> list:
     """The outputs of `stage` (every unit, no loss) on `ids`, slice by slice."""
-    kv_parts: list[list] = [[] for _ in range(stage.num_kv)]
-    outs, off = [], 0
+    return list(_iter_sliced(stage, ids, lens))
+
+
+def _iter_sliced(stage: StageModule, ids, lens):
+    """`_run_sliced`'s outputs one at a time, as each slice is run."""
+    prefix = stage.empty_kv(ids.size(0))  # the cache: every earlier slice's K/V, one tensor each
+    off = 0
     for ln in lens:
-        prefix = [torch.cat([e, *p], dim=d) if p else e
-                  for e, p, d in zip(stage.empty_kv(ids.size(0)), kv_parts, stage.kv_dims)]
         y, kv = stage(ids[:, off:off + ln], off, prefix)
-        for parts, k in zip(kv_parts, kv):
-            parts.append(k)
-        outs.append(y)
+        prefix = [torch.cat([p, k], dim=d) for p, k, d in zip(prefix, kv, stage.kv_dims)]
+        del kv
+        yield y
         off += ln
-    return outs
 
 
 

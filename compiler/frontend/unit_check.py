@@ -1,32 +1,38 @@
 """The numeric self-check of a model built without weights: unit by unit.
 
 `tpc compile` traces a model whose parameters are on the meta device (`weightless.py`), so the
-self-check cannot run the whole model. It checks **each distinct unit** instead, at the plan's
-full length L, with every slicing the plan uses:
+self-check cannot run the whole model. It checks **each distinct unit** instead, with every
+slicing the plan uses, at the plan's full length L when that is affordable (`check_length`):
 
 1. the unit's parameters are made real (random values, the same for a name every time: normal
    with standard deviation 1/sqrt(fan-in) for matrices, 1 + noise for vectors);
 2. the reference is the captured graph (before any pass: the model's own code) evaluated for
-   that unit alone, from the value entering it (the token ids, or a random residual stream);
+   that unit alone, from the value entering it (the token ids, or a random residual stream),
+   each weight made only while the ops that read it run, attention 512 query rows at a time;
 3. the unit's stage graph (what a rank runs) runs the same input slice by slice; its output must
-   agree with the reference's within 1e-4 x (1 + max |reference|), else the first value that
-   differs is refused at its source line (`first_difference.py`), as for the whole-model check;
-4. the parameters are freed before the next unit.
+   agree with the reference's within 1e-4 x (1 + max |reference|), compared a slice at a time,
+   else the first value that differs is refused at its source line (`first_difference.py`), as
+   for the whole-model check;
+4. the parameters are freed, and the freed heap pages handed back to the system.
 
 Units whose stage graphs are identical (the same ops on the same shapes; per-layer constants
 compared by value) are checked once: a 32-layer Llama checks three units (embedding, one block,
-norm + head). Memory: the largest unit's weights plus its activations at length L (batch 1);
-time: two forwards (sliced and not) of each distinct unit at length L.
+norm + head). When the distinct units' two forwards at L would cost more than `CHECK_FLOPS`, the
+check runs the same code at a shorter length L' with the plan's slicings scaled to it (the same
+slice count, boundaries at the same fractions): a reduced instance, stated in docs/frontend.md.
+Memory: the largest unit's weights plus its activations at the check's length (batch 1).
 """
 
 from __future__ import annotations
 
 import hashlib
 import zlib
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
 
+from tpc.compiler.frontend.heap import release_freed_memory
 from tpc.compiler.frontend.stage import build_stage_graph
 
 META = torch.device("meta")
@@ -81,9 +87,9 @@ def check_value(name: str, like: torch.Tensor) -> torch.Tensor:
     if not like.dtype.is_floating_point:
         return torch.zeros(like.shape, dtype=like.dtype)
     if like.dim() >= 2:
-        v = torch.randn(like.shape, generator=gen) / max(1, like.shape[-1]) ** 0.5
+        v = torch.randn(like.shape, generator=gen).div_(max(1, like.shape[-1]) ** 0.5)
     else:
-        v = 1.0 + 0.1 * torch.randn(like.shape, generator=gen)
+        v = torch.randn(like.shape, generator=gen).mul_(0.1).add_(1.0)
     return v.to(like.dtype)
 
 
@@ -91,10 +97,14 @@ class _Values:
     """Parameters by name, made real on first use (`check_value`), over the model's own buffers;
     what `SlicedModel.stage_module(params_from=...)` reads."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, fetch):
         self._meta = dict(model.named_parameters())
         self._buffers = dict(model.named_buffers())
+        self._fetch = fetch  # the graph's own constants (a tensor the model's code made: lifted)
         self._real: dict[str, torch.nn.Parameter] = {}
+
+    def _other(self, name: str):
+        return self._buffers[name] if name in self._buffers else self._fetch(name)
 
     def get(self, name: str):
         if name in self._meta:
@@ -102,7 +112,17 @@ class _Values:
                 p = self._meta[name]
                 self._real[name] = p if p.device != META else torch.nn.Parameter(check_value(name, p), False)
             return self._real[name]
-        return self._buffers.get(name)
+        return self._other(name)
+
+    def fresh(self, name: str):
+        """`get`'s value without keeping it: the reference holds a weight only while it runs the
+        ops that read it."""
+        if name in self._real:
+            return self._real[name]
+        p = self._meta.get(name)
+        if p is not None:
+            return p if p.device != META else check_value(name, p)
+        return self._other(name)
 
     def named_parameters(self):
         return [(n, self.get(n)) for n in self._meta]
@@ -130,6 +150,32 @@ class NodeFailed(Exception):
     def __init__(self, node: fx.Node, error: BaseException):
         super().__init__(str(error))
         self.node, self.error = node, error
+
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_ROWS = 512  # query rows per reference attention call: its scores are heads x 512 x L, not heads x L x L
+
+
+def _sdpa_by_query_rows(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **extra):
+    """`scaled_dot_product_attention` computed `_ROWS` queries at a time: each query's output
+    depends on its own row of scores only, so the result is the same, and the reference's CPU
+    math kernel holds heads x 512 x L scores instead of heads x L x L (2 GB for a 7B model at
+    L = 4096)."""
+    lq, lk = q.size(-2), k.size(-2)
+    if lq <= _ROWS or dropout_p:
+        return _SDPA(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, **extra)
+    outs = []
+    for a in range(0, lq, _ROWS):
+        b = min(lq, a + _ROWS)
+        if is_causal:  # query i sees keys 0..i (torch's is_causal: the top-left aligned lower triangle)
+            rows = torch.arange(a, b, device=q.device).unsqueeze(1)
+            mask = torch.arange(lk, device=q.device).unsqueeze(0) <= rows
+        elif attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.size(-2) == lq:
+            mask = attn_mask[..., a:b, :]
+        else:
+            mask = attn_mask
+        outs.append(_SDPA(q[..., a:b, :], k, v, mask, 0.0, False, scale=scale, **extra))
+    return torch.cat(outs, dim=-2)
 
 
 def _reference(captured: fx.Graph, unit, x: torch.Tensor, ids: torch.Tensor, get, keep: bool = False):
@@ -167,7 +213,7 @@ def _reference(captured: fx.Graph, unit, x: torch.Tensor, ids: torch.Tensor, get
             args = fx.node.map_arg(n.args, lambda a: env[a])
             kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
             try:
-                val = n.target(*args, **kwargs)
+                val = (_sdpa_by_query_rows(*args, **kwargs) if n.target is _SDPA else n.target(*args, **kwargs))
             except (IndexError, RuntimeError, ValueError) as e:
                 raise NodeFailed(n, e) from None
         else:
@@ -181,38 +227,104 @@ def _reference(captured: fx.Graph, unit, x: torch.Tensor, ids: torch.Tensor, get
     return (env[out], kept) if keep else env[out]
 
 
-def check_units(sliced, slicings, run_sliced, refuse_difference) -> list[int]:
+def _first_token_over(outs, ref, tol) -> int | None:
+    """The first token whose sliced output (`outs`, slice by slice along dim 1) differs from
+    `ref` by more than `tol`; compared a slice at a time, so no second full-length copy is made."""
+    off = 0
+    for y in outs:
+        n = y.size(1)
+        err = y.sub_(ref[:, off:off + n]).abs_()  # y is not used again
+        bad = err.amax(dim=tuple(d for d in range(err.dim()) if d != 1)).gt(tol).nonzero()
+        if bad.numel():
+            return off + int(bad[0])
+        off += n
+        del y, err
+        release_freed_memory()
+    return None
+
+
+def scaled_slicing(lens, length: int) -> list[int]:
+    """`lens` (slice lengths) scaled to cover `length` tokens: as many slices (at most `length`),
+    each boundary at the same fraction of the sequence, every slice at least one token."""
+    total = sum(lens)
+    count = min(len(lens), length)
+    ends, acc = [], 0
+    for ln in lens[:count - 1]:
+        acc += ln
+        ends.append(round(acc * length / total))
+    bounds = [0]
+    for i, e in enumerate(ends):  # strictly increasing, leaving a token for each later slice
+        bounds.append(min(max(e, bounds[-1] + 1), length - (count - 1 - i)))
+    bounds.append(length)
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+
+
+CHECK_FLOPS = 8e12  # the self-check's arithmetic budget: one to two minutes on a 2-core machine
+
+
+class UnitCheck(NamedTuple):
+    """What the unit-by-unit self-check ran: the units checked and the length it ran them at."""
+
+    units: list[int]
+    length: int
+
+
+def check_length(sliced, units, slicings, budget: float | None = None) -> int:
+    """The length the distinct `units` are checked at: the plan's, when their two forwards (the
+    reference and the sliced run) cost at most `budget` FLOPs by the cost model's count; else the
+    longest shorter length that does, but never fewer tokens than the plan has slices, twice."""
+    import numpy as np
+
+    budget = CHECK_FLOPS if budget is None else budget
+    full = sliced.seq_len
+    lengths = np.arange(1, full + 1, dtype=np.float64)
+    costs = sliced.unit_costs(lengths, 0.0, 1.0)
+    flops = 2 * sum(np.asarray(costs[u].total("fwd").flops, dtype=np.float64) for u in units)
+    fits = np.nonzero(flops <= budget)[0]
+    longest = int(fits[-1]) + 1 if fits.size else 1
+    floor = min(full, 2 * max(len(lens) for lens in slicings))
+    return max(longest, floor)
+
+
+def check_units(sliced, slicings, run_sliced, refuse_difference, length: int | None = None) -> UnitCheck:
     """The self-check of the module docstring for `sliced` (a SlicedModel whose model may hold
     no weights) with each slicing of `slicings`; returns the units checked.
-    `run_sliced(stage, x, lens) -> [outputs]`; `refuse_difference(x, lens, stage, node)` raises."""
+    `run_sliced(stage, x, lens)`: the outputs, slice by slice (an iterable); `refuse_difference(x, lens, stage, node)` raises."""
     ctx = sliced.context
-    seq = sliced.seq_len
-    values = _Values(sliced.model)
+    units = distinct_units(sliced)
+    seq = check_length(sliced, units, slicings) if length is None else length
+    if seq != sliced.seq_len:
+        slicings = [scaled_slicing(lens, seq) for lens in slicings]
+    values = _Values(sliced.model, ctx.fetch)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, sliced.vocab, (1, seq), generator=gen)
-    units = distinct_units(sliced)
     for u in units:
         unit = ctx.units[u]
         graph, _ = build_stage_graph(ctx, u, u + 1, with_loss=False)
         names = [n.target for n in graph.nodes if n.op == "get_attr"]
-        stage = sliced.stage_module(u, u + 1, params_from=_UnitParams(values, names), with_loss=False)
         x = ids if u == 0 else torch.randn(1, seq, sliced.hidden_size, generator=gen,
                                            dtype=unit.input.meta["val"].dtype)
         with torch.no_grad():
-            ref = _reference(sliced.original_graph, unit, x, ids, values.get)
+            # the reference first, each weight made while the ops that read it run; then the
+            # stage, holding the unit's weights, runs the (smaller) slices
+            ref = _reference(sliced.original_graph, unit, x, ids, values.fresh)
+            release_freed_memory()
+            stage = sliced.stage_module(u, u + 1, params_from=_UnitParams(values, names), with_loss=False)
             if ref is None:  # the passes renamed the unit's ends: the stage at full length is the reference
                 ref = stage(x, 0, stage.empty_kv(1))[0]
+            lo, hi = ref.aminmax()  # max |ref| without a full-size |ref|
+            tol = 1e-4 * (1.0 + max(-lo.item(), hi.item()))
             for lens in slicings:
-                got = torch.cat(run_sliced(stage, x, lens), dim=1)
-                err = (got - ref).abs()
-                tol = 1e-4 * (1.0 + ref.abs().max().item())
-                if err.max().item() > tol:
+                token = _first_token_over(run_sliced(stage, x, lens), ref, tol)
+                if token is not None:
                     from tpc.compiler.frontend.first_difference import first_difference_of
 
                     _, kept = _reference(sliced.original_graph, unit, x, ids, values.get, keep=True) or (None, {})
                     node = first_difference_of(sliced.original_graph, kept, ctx.seq_sym, x, lens, stage)
-                    token = int(err.amax(dim=tuple(d for d in range(err.dim()) if d != 1)).gt(tol).nonzero()[0])
                     refuse_difference(token, lens, node)
-        values = _Values(sliced.model)  # the unit's weights freed
+        values = _Values(sliced.model, ctx.fetch)  # the unit's weights freed
         del stage, ref
-    return units
+        release_freed_memory()
+    return UnitCheck(units, seq)

@@ -150,6 +150,9 @@ def build_holding(path: str, factory: str, seed: int, names: Iterable[str],
             "building the model twice registered its parameters in a different order: tpc cannot build "
             "one rank's part of it", where=path,
             hint="the factory must build the same modules in the same order every time it is called"))
+    from tpc.compiler.frontend.heap import release_freed_memory
+
+    release_freed_memory()  # the scratch draws of the parameters left on meta
     return model
 
 

@@ -25,8 +25,9 @@ KINDS = ("adamw", "sgd")
 
 
 def adamw_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
-    """Two groups, `decay` (dim >= 2) and `no_decay` (dim < 2), each sorted by parameter name so
-    the groups (and so the optimizer state order) do not depend on module registration order.
+    """Two kinds of group, `decay` (dim >= 2) and `no_decay` (dim < 2), each sorted by parameter
+    name so the groups (and so the optimizer state order) do not depend on module registration
+    order, and cut into groups of at most `GROUP_BYTES` (`bounded_runs`).
     Frozen parameters are left out, an empty group is dropped. Each group carries the names of
     its parameters under "names" (torch.optim keeps extra keys; checkpoints use them)."""
     if weight_decay < 0:
@@ -39,10 +40,32 @@ def adamw_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_
     groups = []
     for members, wd in ((decay, weight_decay), (no_decay, 0.0)):
         members.sort(key=lambda item: item[0])
-        if members:
-            groups.append({"params": [p for _, p in members], "names": [n for n, _ in members],
-                           "weight_decay": wd})
+        for run in bounded_runs(members, lambda item: item[1]):
+            groups.append({"params": [p for _, p in run], "names": [n for n, _ in run], "weight_decay": wd})
     return groups
+
+
+GROUP_BYTES = 64 << 20
+
+
+def bounded_runs(items: list, tensor_of) -> list[list]:
+    """`items` cut, in order, into runs whose tensors (`tensor_of(item)`) hold at most
+    `GROUP_BYTES` together (a larger tensor is a run of its own). torch's multi-tensor AdamW
+    makes each of its temporaries (the square root of the second moment, say) for a whole group
+    at once: one group over a rank's parameters would add their full size to the rank's peak
+    at every step (1 GB for a quarter of a 1B model); per run it adds at most 64 MiB. The
+    arithmetic of each element is the same, so the weights are too."""
+    runs: list[list] = []
+    size = GROUP_BYTES
+    for item in items:
+        t = tensor_of(item)
+        nbytes = t.numel() * t.element_size()
+        if not runs or size + nbytes > GROUP_BYTES:
+            runs.append([])
+            size = 0
+        runs[-1].append(item)
+        size += nbytes
+    return runs
 
 
 def build_optimizer(kind: str, named_params: Iterable[tuple[str, torch.nn.Parameter]], lr: float,

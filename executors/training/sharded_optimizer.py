@@ -167,11 +167,12 @@ class ShardedOptimizer:
         spec = self.spec
         if spec.kind == "sgd":
             return torch.optim.SGD([{"params": [t for _, _, t in items]}], lr=spec.lr, foreach=True)
+        from tpc.executors.training.param_groups import bounded_runs
+
         groups = []
         for members, wd in (([t for _, d, t in items if d >= 2], spec.weight_decay),
                             ([t for _, d, t in items if d < 2], 0.0)):
-            if members:
-                groups.append({"params": members, "weight_decay": wd})
+            groups += [{"params": run, "weight_decay": wd} for run in bounded_runs(members, lambda t: t)]
         return torch.optim.AdamW(groups, lr=spec.lr, betas=spec.betas, foreach=True)
 
     # ----------------------------------------------------------------------- the stream

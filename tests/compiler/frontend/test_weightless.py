@@ -56,8 +56,8 @@ def test_compile_materialises_no_parameter(tmp_path):
     assert all(p.is_meta for p in model.parameters())
     sliced = SlicedModel.from_model(model, seq_len=16, vocab=None, check_slices=None)
     assert sliced.vocab == 256
-    units = sliced.check_slicings([[1, 7, 8], [8, 8]])
-    assert units == [0, 1, 5]  # embeddings, one block (all six are the same code), final norm + head
+    done = sliced.check_slicings([[1, 7, 8], [8, 8]])
+    assert done.units == [0, 1, 5] and done.length == 16  # embeddings, one block (all six are the same code), final norm + head
     assert all(p.is_meta for p in model.parameters())
 
 
@@ -150,3 +150,101 @@ def test_a_rank_whose_weights_cannot_fit_is_refused_with_its_bytes(tmp_path, cap
     assert "exceed --memory-per-rank 2" in err and "rank 0 " in err and "rank 1 " in err
     assert "one unit alone needs" in err and not out.exists()
     assert main([*args, "--memory-per-rank", "1GiB"]) == 0
+
+
+@pytest.mark.parametrize("how", ["causal", "row mask", "broadcast mask", "gqa"])
+def test_the_reference_attention_by_query_rows_equals_one_call(how, monkeypatch):
+    """The unit check's reference computes attention a block of query rows at a time (its scores
+    bounded at heads x rows x L); the result is the one call's."""
+    from tpc.compiler.frontend import unit_check
+
+    monkeypatch.setattr(unit_check, "_ROWS", 5)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 13, 8, generator=g) for _ in range(3))
+    kw: dict = {}
+    if how == "causal":
+        kw = dict(is_causal=True)
+    elif how == "row mask":
+        kw = dict(attn_mask=torch.randn(2, 1, 13, 13, generator=g))
+    elif how == "broadcast mask":
+        kw = dict(attn_mask=torch.randn(1, 13, generator=g))
+    else:
+        k, v = k[:, :2], v[:, :2]
+        kw = dict(is_causal=True, enable_gqa=True)
+    want = torch.ops.aten.scaled_dot_product_attention.default(q, k, v, **kw)
+    got = unit_check._sdpa_by_query_rows(q, k, v, **kw)
+    assert torch.allclose(got, want, atol=1e-6, rtol=1e-5)
+    unmasked = {n: x for n, x in kw.items() if n not in ("is_causal", "attn_mask")}
+    assert not torch.allclose(got, torch.ops.aten.scaled_dot_product_attention.default(q, k, v, **unmasked))
+
+
+def test_the_unit_check_finds_the_first_token_over_slice_by_slice():
+    from tpc.compiler.frontend.unit_check import _first_token_over
+
+    ref = torch.zeros(1, 10, 3)
+    outs = [torch.zeros(1, 4, 3), torch.zeros(1, 6, 3)]
+    outs[1][0, 3, 2] = 1.0  # token 4 + 3
+    assert _first_token_over(iter([o.clone() for o in outs]), ref, 0.5) == 7
+    assert _first_token_over(iter([torch.zeros(1, 4, 3), torch.zeros(1, 6, 3)]), ref, 0.5) is None
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_every_family_checks_unit_by_unit_as_it_checks_whole(family, tmp_path):
+    """The unit-by-unit self-check of a model built without weights accepts what the whole-model
+    check accepts (constants the model's code makes, such as GPT-Neo's mask value, included),
+    and refuses what it refuses; at a shorter length too (`scaled_slicing`)."""
+    pytest.importorskip("transformers")
+    from tpc.compiler.frontend.sliced import _iter_sliced
+    from tpc.compiler.frontend.unit_check import check_units
+    from tpc.ir.diagnostics import TpirError
+
+    path = hf_config(tmp_path, family)
+    outcomes = []
+    for build in (lambda: build_weightless(path)[0], lambda: load_model(path)):
+        try:
+            sliced = SlicedModel.from_model(build(), seq_len=16, vocab=None, check_slices=None)
+            sliced.check_slicings([[5, 2, 9]])
+            outcomes.append("ok")
+        except TpirError as e:
+            outcomes.append(str(e).splitlines()[0])
+    assert outcomes[0] == outcomes[1]
+    if outcomes[0] == "ok":
+        def refuse(token, lens, node):
+            raise AssertionError(f"token {token} differs with slices {lens} at {node}")
+
+        weightless = SlicedModel.from_model(build_weightless(path)[0], seq_len=16, vocab=None, check_slices=None)
+        assert check_units(weightless, [[5, 2, 9]], _iter_sliced, refuse, length=7)
+
+
+def test_the_unit_check_runs_at_a_length_its_budget_affords(monkeypatch):
+    """Beyond `CHECK_FLOPS` the distinct units are checked at the longest shorter length that
+    fits (the plan's slices scaled to it), never under twice the slice count."""
+    from tpc.compiler.frontend import unit_check
+
+    model, _ = build_weightless(str(EXAMPLES / "gpt.py"))
+    sliced = SlicedModel.from_model(model, seq_len=64, vocab=None, check_slices=None)
+    slicings = [[16, 16, 16, 16]]
+    units = unit_check.distinct_units(sliced)
+    full = 2 * sum(float(sliced.unit_costs(64, 0, 1)[u].total("fwd").flops) for u in units)
+    assert unit_check.check_length(sliced, units, slicings, budget=full) == 64
+    half = unit_check.check_length(sliced, units, slicings, budget=full / 2)
+    assert 8 < half < 64
+    at = 2 * sum(float(sliced.unit_costs(half, 0, 1)[u].total("fwd").flops) for u in units)
+    above = 2 * sum(float(sliced.unit_costs(half + 1, 0, 1)[u].total("fwd").flops) for u in units)
+    assert at <= full / 2 < above
+    assert unit_check.check_length(sliced, units, slicings, budget=1.0) == 8
+    monkeypatch.setattr(unit_check, "CHECK_FLOPS", full / 2)
+    done = sliced.check_slicings(slicings)
+    assert done.length == half and done.units == units
+    scaled = unit_check.scaled_slicing([16, 16, 16, 16], half)
+    assert len(scaled) == 4 and sum(scaled) == half and max(scaled) - min(scaled) <= 1
+
+
+def test_scaled_slicings_keep_the_count_and_the_fractions():
+    from tpc.compiler.frontend.unit_check import scaled_slicing
+
+    assert scaled_slicing([1024] * 4, 676) == [169] * 4
+    assert scaled_slicing([1, 7, 8], 8) == [1, 3, 4]  # a slice keeps at least one token
+    assert scaled_slicing([1, 7, 8], 2) == [1, 1]  # no more slices than tokens
+    assert scaled_slicing([5, 5, 5], 3) == [1, 1, 1]
+    assert scaled_slicing([3, 9], 12) == [3, 9]

@@ -114,3 +114,34 @@ def test_foreach_kernels_step_bit_identical_to_the_per_parameter_loop(kind):
         whole.step()
     for n in shapes:
         assert torch.equal(ours[n], ref[n]), n
+
+
+def test_groups_are_bounded_in_bytes_and_step_as_one_group_would(monkeypatch):
+    """AdamW's multi-tensor temporaries are made per group: groups of at most GROUP_BYTES keep
+    them small, and every element gets the same arithmetic as in one group."""
+    from tpc.executors.training import param_groups
+
+    torch.manual_seed(0)
+    net = tiny_model()
+    names = [n for n, p in net.named_parameters() if p.dim() >= 2]
+    biggest = max(p.numel() * 4 for n, p in net.named_parameters())
+    monkeypatch.setattr(param_groups, "GROUP_BYTES", biggest)
+    cut = adamw_groups(net.named_parameters(), 0.1)
+    assert len(cut) > 2
+    assert all(sum(p.numel() * 4 for p in g["params"]) <= biggest for g in cut)
+    assert [n for g in cut if g["weight_decay"] == 0.1 for n in g["names"]] == sorted(names)
+
+    whole = tiny_model()
+    whole.load_state_dict(net.state_dict())
+    opts = [build_optimizer("adamw", net.named_parameters(), 1e-2, 0.1)]
+    monkeypatch.setattr(param_groups, "GROUP_BYTES", 1 << 40)
+    opts.append(build_optimizer("adamw", whole.named_parameters(), 1e-2, 0.1))
+    assert len(opts[0].param_groups) > len(opts[1].param_groups) == 2
+    for _ in range(3):
+        for m, opt in zip((net, whole), opts):
+            torch.manual_seed(1)
+            for p in m.parameters():
+                p.grad = torch.randn_like(p)
+            opt.step()
+    for (n, a), (_, b) in zip(net.named_parameters(), whole.named_parameters()):
+        assert torch.equal(a, b), n
