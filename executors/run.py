@@ -27,6 +27,7 @@ from tpc.executors.options import RunOptions
 from tpc.executors.oracle import batch_reference, gradient_error, gradient_floor
 from tpc.executors.plan_model import check_plan_model, load_plan_model
 from tpc.executors.training_loop import PlanSet
+from tpc.executors.world import check_no_tensor_axis
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
 from tpc.ir.semantics import DEFAULT_COMM, CommRules
@@ -93,6 +94,7 @@ class RunSetup:
             check_plan_model(plan)
             plans = PlanSet.single(plan)
             batches = batch_source(plan, options)
+        check_no_tensor_axis(plans.full, "the interpreter" if interpreted else "the distributed executor")
         check_bf16(options, device)
         # a rank of a distributed run builds only its stages' weights, later (distributed.py);
         # here the model without weights names them

@@ -72,10 +72,25 @@ def check_world(plan: Plan, world: World) -> None:
         launch = (f"`torchrun --nproc-per-node {need} ...`" if nodes == 1 or need % nodes else
                   f"`torchrun --nnodes {nodes} --nproc-per-node {need // nodes} ...` on each node")
         raise TpirError(Diagnostic(
-            f"the plan needs {need} processes (mesh pipe {mesh.pipe} data {mesh.data}), but "
+            f"the plan needs {need} processes (mesh {mesh.value.describe()}), but "
             f"torchrun started {started}",
             loc=plan.header.mesh.loc, where=plan.source,
             hint=f"run {launch}, or compile a plan for {world.size} ranks"))
+
+
+def check_no_tensor_axis(plan: Plan, by: str) -> None:
+    """Refuse a plan whose mesh has a tensor axis (`mesh ... tensor T`, format version 4): the
+    format and the verifier know the axis (docs/ir.md, "The tensor axis"), but neither executor
+    splits a stage's weights over tensor ranks yet, nor does the simulator price the split, and
+    running each tensor rank as a whole copy of its stage would train wrongly."""
+    mesh = plan.header.mesh
+    if mesh.tensor != 1:
+        raise TpirError(Diagnostic(
+            f"the plan splits each stage over {mesh.tensor} tensor ranks (mesh {mesh.value.describe()}), "
+            f"and {by} does not run a tensor axis yet",
+            loc=mesh.loc, where=plan.source,
+            hint="compile the plan without a tensor axis (its mesh line `mesh pipe "
+                 f"{mesh.pipe} data {mesh.data}`), with more pipeline or data ranks instead"))
 
 
 @dataclass

@@ -173,8 +173,9 @@ class PlanBuilder(Transformer):
 
     @_line
     def mesh_line(self, children):
-        first, _, pipe, _, data = children
-        return self._make(MeshLine, "mesh", self._trivia(first), pipe=int(pipe), data=int(data))
+        first, _, pipe, _, data, *rest = children
+        tensor = int(rest[1]) if rest else 1
+        return self._make(MeshLine, "mesh", self._trivia(first), pipe=int(pipe), data=int(data), tensor=tensor)
 
     @_line
     def schedule_line(self, children):

@@ -7,11 +7,13 @@ into a global rank or back (tests/test_mesh_arithmetic.py fails on rank arithmet
 else), and the only place that says who belongs to a group.
 
 The layout: the axes are listed fastest first, and a global rank is the mixed-radix number of its
-coordinates. Today the axes are `pipe` then `data`, so the global rank of (pipeline rank p, data
-rank d) is `d * pipe + p`: each pipeline is `pipe` consecutive global ranks, and torchrun, which
-numbers processes node by node, keeps a pipeline inside one node whenever it fits. A tensor axis
-is one more entry in `axes` (fastest of all, so a stage's tensor-parallel group shares a node);
-nothing outside this module changes when it comes.
+coordinates. The axes are `tensor` (when its size is above 1), `pipe`, then `data`, so the global
+rank of (tensor rank t, pipeline rank p, data rank d) is `(d * pipe + p) * tensor + t`: a stage's
+tensor-parallel group is `tensor` consecutive ranks (torchrun numbers processes node by node, so
+the group that talks most shares a node), each pipeline is `pipe x tensor` consecutive ranks, and
+without a tensor axis the rank of (p, d) is `d * pipe + p`, as in plans written before the axis.
+The T ranks of a tensor group run the same rank section of the plan, each on its part of the
+stage's weights.
 
 Groups are tuples of global ranks in ascending order, and every family of groups is listed in one
 fixed order (`groups`), so every rank creates the same process groups in the same order, as
@@ -23,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-PIPE, DATA = "pipe", "data"
+PIPE, DATA, TENSOR = "pipe", "data", "tensor"
 
 
 @dataclass(frozen=True)
@@ -41,9 +43,11 @@ class Mesh:
                 raise ValueError(f"mesh axis {name!r} must have a size >= 1, got {size!r}")
 
     @staticmethod
-    def of(pipe: int, data: int = 1) -> "Mesh":
-        """The mesh of a plan: `pipe` pipeline ranks (fastest) times `data` replicas."""
-        return Mesh(((PIPE, pipe), (DATA, data)))
+    def of(pipe: int, data: int = 1, tensor: int = 1) -> "Mesh":
+        """The mesh of a plan: `tensor` ranks a stage (fastest; no axis when 1) times `pipe`
+        pipeline ranks times `data` replicas."""
+        lead = ((TENSOR, tensor),) if tensor != 1 else ()
+        return Mesh((*lead, (PIPE, pipe), (DATA, data)))
 
     # ------------------------------------------------------------------ sizes
 
@@ -64,6 +68,11 @@ class Mesh:
     @property
     def data(self) -> int:
         return self.size_of(DATA)
+
+    @property
+    def tensor(self) -> int:
+        """The tensor-parallel degree: the ranks sharing each stage's weights (1: no such axis)."""
+        return self.size_of(TENSOR) if TENSOR in self.names else 1
 
     @property
     def size(self) -> int:
@@ -109,6 +118,10 @@ class Mesh:
     def data_rank(self, rank: int) -> int:
         """The data-parallel replica global rank `rank` belongs to."""
         return self.coord(rank, DATA)
+
+    def tensor_rank(self, rank: int) -> int:
+        """Which part of its stages' weights global rank `rank` holds (0 without a tensor axis)."""
+        return self.coord(rank, TENSOR) if TENSOR in self.names else 0
 
     def ranks(self) -> range:
         return range(self.size)
@@ -158,8 +171,9 @@ class Mesh:
 
 
 def mesh_of(line) -> Mesh:
-    """The mesh a header's `mesh pipe P data D` line describes (anything with `pipe` and `data`)."""
-    return Mesh.of(line.pipe, line.data)
+    """The mesh a header's `mesh pipe P data D [tensor T]` line describes (anything with `pipe`
+    and `data`, and `tensor` when it has one)."""
+    return Mesh.of(line.pipe, line.data, getattr(line, "tensor", 1))
 
 
 def tie_pipe_ranks(first_rank: Sequence[int], tie_stages: Iterable[int]) -> tuple[int, ...]:

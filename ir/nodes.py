@@ -59,15 +59,18 @@ from tpc.ir.mesh import Mesh, tie_pipe_ranks
 # The format version `tpc compile` writes. A plan keeps the version it was written in (printing a
 # version-1 plan writes `tpir 1` again), every version in FORMAT_VERSIONS is read, and the
 # verifier (rule H1) refuses a line or instruction that is newer than its plan's version line.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # each version this tpc reads, with what it added over the one before (docs/ir.md, "Versions")
 FORMAT_VERSIONS: dict[int, str] = {
     1: "the first format",
     2: "the additions listed under version 2 in docs/ir.md",
     3: "weight replicas: `stage S ranks R0 R1`, `microbatch ... replica K`, `reduce-replicas`",
+    4: "a tensor axis: `mesh pipe P data D tensor T`",
 }
 # the format version that added weight replicas (two pipelines over the same stages)
 REPLICA_VERSION = 3
+# the format version that added the mesh's tensor axis
+TENSOR_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -137,18 +140,20 @@ class ShapeLine(Line):
 
 @dataclass(frozen=True)
 class MeshLine(Line):
-    """`mesh pipe P data D`: P pipeline ranks times D data-parallel replicas."""
+    """`mesh pipe P data D [tensor T]`: P pipeline ranks times D data-parallel replicas, each
+    stage's weights split over T tensor ranks (version 4; 1 when absent)."""
 
     pipe: int
     data: int = 1
+    tensor: int = 1
 
     def __post_init__(self):
-        _check(self.pipe >= 1 and self.data >= 1, "mesh sizes must be >= 1")
+        _check(self.pipe >= 1 and self.data >= 1 and self.tensor >= 1, "mesh sizes must be >= 1")
 
     @property
     def value(self) -> Mesh:
         """The mesh as a value: ranks <-> coordinates and the groups of each axis."""
-        return Mesh.of(self.pipe, self.data)
+        return Mesh.of(self.pipe, self.data, self.tensor)
 
 
 @dataclass(frozen=True)

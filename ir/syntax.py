@@ -43,7 +43,7 @@ SYNTAX: dict[str, str] = {
     "tpir": f"tpir {FORMAT_VERSION}",
     "model": 'model "PATH" sha256 "HEX" factory "NAME"',
     "shape": "shape batch B seq L vocab V dtype D",
-    "mesh": "mesh pipe P data D",
+    "mesh": "mesh pipe P data D [tensor T]",
     "schedule": 'schedule "NAME"',
     "units": "units N",
     "stage": 'stage S rank R units LO:HI "LABEL"  (or `ranks R0 R1`: weight replicas)',

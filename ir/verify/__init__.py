@@ -121,6 +121,12 @@ Weight replicas (format version 3: `stage S ranks R0 R1 ...`, `microbatch ... re
       stage of one replica; after every backward of S on its rank; before `step` (R11); it
       blocks in D1 until every rank of S's replicas reaches it, as reduce-tied does.
 
+The tensor axis (format version 4: `mesh pipe P data D tensor T`; docs/ir.md, "The tensor axis"):
+  T1  `tensor T` with T > 1 needs `tpir 4` (H1); `tensor 1` is no tensor axis.
+  T2  T divides the shape's vocabulary (the embedding and the head are split by vocabulary rows).
+  The T ranks of a stage's tensor group run the same rank section: the rules above hold per
+  pipeline rank, as they do for data replicas.
+
 Plan bundles (format version 2; `tpc.ir.verify.bundle.load_bundle` reads and checks one: an
 index, `tpir 2` then `bundle`, the model, mesh, units, stage and tie lines its plans share, and
 one `plan "PATH" seq L batch B` line per plan; each plan is verified by every rule above, its

@@ -20,7 +20,7 @@ from pathlib import Path
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Bundle, Plan
 from tpc.ir.semantics import DEFAULT_COMM, CommRules
-from tpc.ir.verify.header import require_version
+from tpc.ir.verify.header import check_tensor_axis, require_version
 from tpc.ir.verify.report import Report
 
 INDEX = "index.tpir"  # the index's name inside a bundle folder
@@ -92,6 +92,7 @@ def load_bundle(path: str, comm: CommRules = DEFAULT_COMM) -> LoadedBundle:
     errors: list[Diagnostic] = []
     if require_version(bundle, rep, 2, bundle.bundle.loc, "index (bundle)", (0, 0),
                        "a plan bundle's index"):
+        check_tensor_axis(bundle, rep)
         if _check_members(bundle, rep):
             for k, member in enumerate(bundle.members):
                 file = index.parent / member.path
@@ -151,8 +152,8 @@ def _check_plan(bundle: Bundle, member, plan: Plan, rep: Report) -> None:
                f"{h.model.factory}) is not the bundle's ({bundle.model.path}, sha256 "
                f"{bundle.model.sha256[:12]}..., factory {bundle.model.factory})", recompile)
     if h.mesh != bundle.mesh:
-        refuse(h.mesh, bundle.mesh, f"this plan's mesh (pipe {h.mesh.pipe} data {h.mesh.data}) is "
-               f"not the bundle's (pipe {bundle.mesh.pipe} data {bundle.mesh.data})", recompile)
+        refuse(h.mesh, bundle.mesh, f"this plan's mesh ({h.mesh.value.describe()}) is "
+               f"not the bundle's ({bundle.mesh.value.describe()})", recompile)
     if h.units != bundle.units:
         refuse(h.units, bundle.units, f"this plan has {h.units.count} units, the bundle "
                f"{bundle.units.count}", recompile)

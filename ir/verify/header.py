@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tpc.ir.nodes import FORMAT_VERSION, FORMAT_VERSIONS, REPLICA_VERSION, Loc, Plan
+from tpc.ir.nodes import FORMAT_VERSION, FORMAT_VERSIONS, REPLICA_VERSION, TENSOR_VERSION, Loc, Plan
 from tpc.ir.verify.report import Report
 
 # parameter dtypes a plan may name (`shape ... dtype D`); the executors map them to torch dtypes
@@ -22,6 +22,7 @@ def check_header(plan: Plan, rep: Report) -> bool:
                 f"this tpc reads `tpir {FORMAT_VERSION}` and the older versions "
                 + ", ".join(str(v) for v in sorted(FORMAT_VERSIONS) if v != FORMAT_VERSION))
     _check_model_and_dtype(plan, rep)
+    check_tensor_axis(plan, rep)
     ok &= _check_stages(plan, rep)
     _check_units(plan, rep)
     _check_ties(plan, rep)
@@ -78,6 +79,23 @@ def _check_model_and_dtype(plan: Plan, rep: Report) -> None:
     if h.shape.dtype not in DTYPES:
         rep.add(h.shape.loc, "header (shape)", (0, 2), f"unknown dtype {h.shape.dtype}",
                 "use one of " + ", ".join(DTYPES))
+
+
+def check_tensor_axis(plan, rep: Report) -> None:
+    """T1-T2 for the mesh line's tensor axis (`plan`: a plan, or a bundle's index): `tensor T`
+    needs format version 4 (H1), and T divides the vocabulary (the embedding and the head are
+    split over the tensor ranks by vocabulary rows)."""
+    mesh = plan.header.mesh if hasattr(plan, "header") else plan.mesh
+    if mesh.tensor == 1:
+        return
+    require_version(plan, rep, TENSOR_VERSION, mesh.loc, "header (mesh)", (0, 3), f"`tensor {mesh.tensor}`")
+    shape = plan.header.shape if hasattr(plan, "header") else None
+    if shape is not None and shape.vocab % mesh.tensor:
+        rep.add(mesh.loc, "header (mesh)", (0, 3),
+                f"tensor {mesh.tensor} does not divide the vocabulary of {shape.vocab}: the embedding and "
+                "the head are split over the tensor ranks by vocabulary rows",
+                f"use a tensor degree that divides {shape.vocab}, or pad the vocabulary to a multiple of "
+                f"{mesh.tensor} in the model")
 
 
 def _check_stages(plan: Plan, rep: Report) -> bool:

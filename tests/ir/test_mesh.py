@@ -52,6 +52,20 @@ def test_a_tensor_axis_is_one_more_axis():
     assert sorted(r for g in mesh.groups("tensor") for r in g) == list(range(8))
 
 
+def test_the_plans_mesh_puts_the_tensor_axis_fastest_and_keeps_the_old_layout_without_it():
+    from tpc.ir.mesh import TENSOR
+
+    mesh = Mesh.of(2, 2, tensor=2)
+    assert mesh == Mesh(((TENSOR, 2), (PIPE, 2), (DATA, 2)))
+    assert mesh.tensor == 2 and mesh.size == 8
+    assert [mesh.tensor_rank(r) for r in mesh.ranks()] == [0, 1] * 4
+    assert [mesh.pipe_rank(r) for r in mesh.ranks()] == [0, 0, 1, 1] * 2
+    assert mesh.describe() == "data 2 x pipe 2 x tensor 2"
+    plain = Mesh.of(3, 2)
+    assert plain == Mesh.of(3, 2, tensor=1) and plain.tensor == 1 and TENSOR not in plain.names
+    assert [plain.tensor_rank(r) for r in plain.ranks()] == [0] * 6
+
+
 def test_bad_coordinates_are_refused():
     mesh = Mesh.of(2, 2)
     with pytest.raises(ValueError, match="pipe coordinate 2"):

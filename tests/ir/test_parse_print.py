@@ -215,13 +215,13 @@ def test_wrong_flag():
 
 def test_missing_version_line():
     d = _error(DOCS_EXAMPLE.replace("tpir 2\n", ""))
-    assert d.message == "expected the version line `tpir 3`, found 'model'"
+    assert d.message == "expected the version line `tpir 4`, found 'model'"
     assert (d.loc.line, d.loc.col) == (2, 1)
 
 
 def test_empty_file():
     d = _error("")
-    assert d.message == "expected the version line `tpir 3`, found the end of the file"
+    assert d.message == "expected the version line `tpir 4`, found the end of the file"
     assert (d.loc.line, d.loc.col) == (1, 1)
 
 
@@ -229,7 +229,7 @@ def test_unsupported_version():
     d = _error(DOCS_EXAMPLE.replace("tpir 2", "tpir 9"))
     assert d.message == "unsupported format version 9"
     assert (d.loc.line, d.loc.col) == (2, 6)
-    assert "versions 1, 2 and 3" in d.hint and "tpir 3" in d.hint
+    assert "versions 1, 2, 3 and 4" in d.hint and "tpir 4" in d.hint
 
 
 def test_header_line_out_of_order():
@@ -290,7 +290,7 @@ def test_dataclass_check_becomes_a_located_diagnostic():
     d = _error(DOCS_EXAMPLE.replace("mesh pipe 2", "mesh pipe 0"))
     assert d.message == "mesh sizes must be >= 1"
     assert (d.loc.line, d.loc.col) == (5, 1)
-    assert d.hint == "a 'mesh' line reads: mesh pipe P data D"
+    assert d.hint == "a 'mesh' line reads: mesh pipe P data D [tensor T]"
 
 
 def test_bad_string_escape_and_unclosed_string():

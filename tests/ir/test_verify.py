@@ -370,7 +370,7 @@ def test_format_version_and_missing_rank_section_in_memory():
     v9 = dataclasses.replace(plan, header=dataclasses.replace(plan.header, version=9))
     [d] = verify(v9)
     assert d.loc.line == 2 and d.message == "unknown format version 9"
-    assert "tpir 3" in d.hint and "1, 2" in d.hint
+    assert "tpir 4" in d.hint and "1, 2, 3" in d.hint
     short = dataclasses.replace(plan, ranks=plan.ranks[:1])
     [d] = verify(short)
     assert d.loc.line == 5 and "(missing: 1)" in d.message
@@ -936,7 +936,9 @@ def test_oracle_accepts_the_valid_base_plans(plan):
 @given(base=st.sampled_from(range(len(ORACLE_BASES))), data=st.data())
 def test_verifier_agrees_with_execution_on_reordered_plans(base, data):
     """Move a few instructions a short way within their rank: the verifier finds no error
-    exactly when the plan executes cleanly."""
+    exactly when the plan executes cleanly. The oracle's channels are buffered (a send never
+    waits for its receive), so the verifier is asked under gloo's rules, which are the same;
+    under NCCL's a send can also deadlock waiting for its receive to be posted."""
     plan = ORACLE_BASES[base]
     streams = [list(rp.instrs) for rp in plan.ranks]
     for _ in range(data.draw(st.integers(1, 3))):
@@ -946,7 +948,7 @@ def test_verifier_agrees_with_execution_on_reordered_plans(base, data):
         streams[r].insert(dst, streams[r].pop(src))
     moved = dataclasses.replace(plan, ranks=tuple(
         dataclasses.replace(rp, instrs=tuple(s)) for rp, s in zip(plan.ranks, streams)))
-    assert (verify(moved) == []) == runs_cleanly(moved)
+    assert (verify(moved, GLOO) == []) == runs_cleanly(moved)
 
 
 def test_cli_verify_prints_located_errors_and_exits_1(tmp_path, capsys):

@@ -1,0 +1,68 @@
+"""The mesh's tensor axis in the format (version 4: `mesh pipe P data D tensor T`): parsed,
+printed, checked by rules T1-T2, and refused by the executors and the simulator, which do not
+run it yet (docs/ir.md, "The tensor axis")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tpc.ir.diagnostics import TpirError
+from tpc.ir.parse import parse
+from tpc.ir.printer import print_plan
+from tpc.ir.verify import verify
+
+GOLDEN = (Path(__file__).resolve().parents[1] / "compiler" / "golden" / "seq1f1b_k2_s3_m2.tpir").read_text()
+
+
+def with_mesh(mesh: str, version: int = 4) -> str:
+    head, rest = GOLDEN.split("\n", 1)
+    assert head == "tpir 4"
+    return f"tpir {version}\n" + rest.replace("mesh pipe 2 data 1\n", mesh + "\n")
+
+
+def test_a_tensor_axis_is_read_printed_and_verified():
+    plan = parse(with_mesh("mesh pipe 2 data 1 tensor 2"), file="p.tpir")
+    assert plan.header.mesh.tensor == 2
+    assert plan.header.mesh.value.size == 4
+    assert verify(plan) == []
+    text = print_plan(plan)
+    assert "\nmesh pipe 2 data 1 tensor 2\n" in text
+    assert parse(text).header.mesh == plan.header.mesh
+
+
+def test_tensor_1_is_no_tensor_axis_and_older_plans_read_as_before():
+    one = parse(with_mesh("mesh pipe 2 data 1 tensor 1", version=3), file="p.tpir")
+    assert one.header.mesh.tensor == 1 and verify(one) == []
+    assert "tensor" not in print_plan(one)
+    old = parse(with_mesh("mesh pipe 2 data 1", version=3), file="p.tpir")
+    assert old.header.version == 3 and verify(old) == [] and print_plan(old).startswith("tpir 3\n")
+
+
+def test_t1_a_tensor_axis_needs_version_4():
+    (d,) = verify(parse(with_mesh("mesh pipe 2 data 1 tensor 2", version=3), file="p.tpir"))
+    assert d.message == "`tensor 2` needs format version 4, and this plan says `tpir 3`"
+    assert d.loc.line == 4 and "tpir 4" in d.hint
+
+
+def test_t2_the_tensor_degree_divides_the_vocabulary():
+    (d,) = verify(parse(with_mesh("mesh pipe 2 data 1 tensor 3"), file="p.tpir"))
+    assert "tensor 3 does not divide the vocabulary of 16" in d.message and d.loc.line == 4
+    assert "divides 16" in d.hint
+
+
+def test_the_executors_and_the_simulator_refuse_a_tensor_axis(tmp_path, capsys):
+    from tpc.cli.main import main
+    from tpc.executors.world import check_no_tensor_axis
+
+    plan = parse(with_mesh("mesh pipe 2 data 1 tensor 2"), file="p.tpir")
+    with pytest.raises(TpirError) as e:
+        check_no_tensor_axis(plan, "the interpreter")
+    assert "splits each stage over 2 tensor ranks (mesh data 1 x pipe 2 x tensor 2)" in str(e.value)
+    assert "the interpreter does not run a tensor axis yet" in str(e.value)
+    path = tmp_path / "plan.tpir"
+    path.write_text(with_mesh("mesh pipe 2 data 1 tensor 2"))
+    assert main(["simulate", str(path), "--unit"]) != 0
+    assert "the simulator does not run a tensor axis yet" in capsys.readouterr().err
+    check_no_tensor_axis(parse(GOLDEN), "the interpreter")  # no tensor axis: nothing to refuse
