@@ -147,12 +147,14 @@ class _Finder:
     def mixes(self, node: fx.Node, s: Split, what: str):
         self.refuse(node, f"cannot split for tensor degree {self.T}: `{op_name(node)}` (node {node.name}) "
                           f"{what} dimension {s.dim} (size {s.size}), which is split from the column-parallel "
-                          f"parameter `{s.origin}`")
+                          f"parameter `{s.origin}`",
+                    hint="each rank holds 1/T of that dimension between a column-parallel and a row-parallel "
+                         "matmul, and this op needs all of it; keep this model at tensor degree 1")
 
     def divides(self, node: fx.Node, n: int, what: str, origin: str):
         if n % self.T:
-            self.refuse(node, f"cannot split for tensor degree {self.T}: it does not divide {what} ({n}) "
-                              f"of `{op_name(node)}` (node {node.name}; the split of parameter `{origin}`)")
+            self.refuse(node, f"cannot split for tensor degree {self.T}: {self.T} does not divide {what}, of size "
+                              f"{n}, in `{op_name(node)}` (node {node.name}; the split of parameter `{origin}`)")
 
     # ----------------------------------------------------------------- parameters
 
@@ -380,11 +382,12 @@ class _Finder:
             short = short or (k, int(size), g2)
         if short is not None:
             k, size, g2 = short
-            what = f"dimension {k} of the result (size {size}: the heads, where q, k or v is cut into heads)"
+            what = f"dimension {k} of the result (the heads, where q, k or v is cut into heads)"
             if g2 == 1:
                 self.divides(n, size, what, s.origin)
             self.refuse(n, f"cannot split for tensor degree {self.T}: {what} of `{op_name(n)}` (node {n.name}) "
-                           f"holds {g2} segments of the split of `{s.origin}`, not divisible into {self.T} parts each")
+                           f"(size {size}) holds {g2} segments of the split of `{s.origin}`, not divisible into {self.T} "
+                           "parts each")
         self.mixes(n, s, "reshapes, mixing with other dimensions,")
 
     def cut(self, n: fx.Node, name: str):
