@@ -84,3 +84,18 @@ def test_the_split_is_megatrons(case):
         assert split["model.layers.0.mlp.up_proj.weight"][0] == 0
         assert split["model.layers.0.mlp.down_proj.weight"] == (1, (64,))
         assert split["lm_head.weight"] == (0, (VOCAB,))
+
+
+def test_the_front_ends_rewritten_graph_splits_as_its_stage_graph(case):
+    """find_split reads the SlicedModel's rewritten graph (logits out, no loss) as it reads the
+    stage graph (loss appended): the same parameters, cut the same way."""
+    from tpc.compiler.frontend.stage import build_stage_graph
+    from tpc.compiler.tensor import find_split
+
+    name, m, sm, ids, targets, ref = case
+    ctx = sm.context
+    stage_graph, _ = build_stage_graph(ctx, 0, sm.num_units, True)
+    a = find_split(stage_graph, 2, ctx.param_names, ctx.model_file)
+    b = find_split(ctx.graph, 2, ctx.param_names, ctx.model_file)
+    assert a.split_params() == b.split_params() and a.split_params()
+    assert b.head is not None and len(b.embeddings) == 1
