@@ -121,14 +121,27 @@ def shard_graph(graph: fx.Graph, plan: SplitPlan, rank: int) -> fx.Graph:
             return size
         raise RuntimeError(f"internal: {what} has a symbolic size at the split dimension")
 
+    narrowed: dict[fx.Node, fx.Node] = {}  # a replicated k or v -> the one head the rank reads
     for n in graph.nodes:
+        if n.op == "output":
+            env[n] = g.node_copy(n, lambda m: narrowed.get(m, env[m]))
+            continue
         if n.op != "call_function":
             new = g.node_copy(n, get)
             env[n] = new
             continue
         name = op_name(n)
         s = plan.values.get(n.name)
-        if n.name in plan.embeddings:
+        if n.name in plan.replicated_kv:
+            head = plan.kv_head(n.name, rank)
+            hkv, hq = plan.replicated_kv[n.name]
+            for kv in n.args[1:3]:
+                if kv not in narrowed:
+                    narrowed[kv] = g.call_function(torch.ops.aten.narrow.default, (f(kv), 1, head, 1))
+            new = g.node_copy(n, lambda m: narrowed.get(m, env[m]))
+            if new.kwargs.get("rep", 1) != 1:
+                new.kwargs = {**new.kwargs, "rep": hq // T}
+        elif n.name in plan.embeddings:
             w, ids = env[n.args[0]], env[n.args[1]]
             vocab = int(n.args[0].meta["val"].shape[0])
             new = g.call_function(collectives.vocab_parallel_embedding, (w, ids, rank * (vocab // T), group_node()))
@@ -232,8 +245,11 @@ def shard_stage(sm, lo: int, hi: int, degree: int, rank: int, group, params_from
     out = next(n for n in graph.nodes if n.op == "output")
     cached = list(out.args[0][1:])
     kv_dims, shapes, dtypes, windows = [], [], [], []
+    one_head = {a.args[i].name for a in graph.nodes if a.name in plan.replicated_kv for i in (1, 2)}
     for (node, _, d, window), value in zip([c for s in sites for c in s.cached], cached):
         split = plan.values.get(value.name)
+        if value.name in one_head:
+            split = _OneHead(degree)
         kv_dims.append(d)
         shapes.append(_shape_fn(node.meta["val"], ctx.batch_sym, ctx.seq_sym, split, degree))
         dtypes.append(node.meta["val"].dtype)
@@ -246,12 +262,23 @@ def shard_stage(sm, lo: int, hi: int, degree: int, rank: int, group, params_from
     return stage
 
 
+class _OneHead:
+    """The cache of a replicated key/value head: dimension 1 holds one head on every rank."""
+
+    dim = 1
+
+    def __init__(self, degree):
+        self.degree = degree
+
+
 def _shape_fn(val, b, t, split, degree):
     exprs = [size_expr(d) for d in val.shape]
 
     def shape(batch):
         dims = [int(e.subs({b: batch, t: 0})) for e in exprs]
-        if split is not None:
+        if isinstance(split, _OneHead):
+            dims[1] = 1
+        elif split is not None:
             dims[split.dim] //= degree
         return tuple(dims)
     return shape

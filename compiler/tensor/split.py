@@ -23,10 +23,13 @@ is read once, in order:
   vocabulary, and its logits are all-gathered before the loss (the simpler first step: the loss
   is computed whole on every rank; a vocabulary-parallel cross-entropy is not built).
 
-Grouped-query attention: the key/value projections are column-parallel like the query's, so
-their heads are split too; this needs T to divide the key/value head count (the rank's query
-heads then read exactly the rank's key/value heads). When it does not, the reshape of k or v
-into heads is refused, naming that dimension; replicating the key/value heads is not built.
+Grouped-query attention (H query heads, Hkv key/value heads): when T divides Hkv, the key/value
+projections are column-parallel like the query's and their heads are split too (the rank's
+query heads read exactly the rank's key/value heads). When T does not divide Hkv but Hkv divides
+T (and T divides H: fewer key/value heads than ranks, multi-query attention), the key/value
+projections stay replicated: every rank computes all Hkv heads and reads, through f, the one
+head its H / T query heads share (`SplitPlan.replicated_kv`); its cache holds that one head.
+Otherwise the reshape of k or v into heads is refused, naming that dimension.
 
 Anything else a split value reaches is refused: an op that mixes the split dimension (a
 reduction, norm or softmax over it, a reshape that merges it with another dimension in a way
@@ -105,6 +108,14 @@ class SplitPlan:
     # (a per-head norm's weight, a rotary table): each rank's gradient of them is a partial
     # sum, so they are read through f too
     region_reads: set[str] = field(default_factory=set)
+    # attentions whose key/value heads are replicated (T does not divide them, they divide T):
+    # attention name -> (key/value heads, query heads); rank r reads key/value head r * Hkv // T
+    replicated_kv: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def kv_head(self, attention: str, rank: int) -> int:
+        """The one key/value head the rank's query heads read, at a replicated-KV attention."""
+        hkv, _ = self.replicated_kv[attention]
+        return rank * hkv // self.degree
 
     def split_params(self) -> dict[str, ParamSplit]:
         return {n: p for n, p in self.params.items() if p.segments}
@@ -261,6 +272,8 @@ class _Finder:
         wval = w.meta["val"]
         out_dim, in_dim = (0, 1) if out_in else (1, 0)
         nd = n.meta["val"].dim()
+        if xs is None and n.name != self.head and self.replicates_kv(n):
+            return None  # the key/value heads are computed whole on every rank
         if xs is None:  # column-parallel (the LM head too)
             n_out = int(wval.shape[out_dim])
             segments = _pieces_after(n, n_out) if n.name != self.head else (n_out,)
@@ -283,6 +296,22 @@ class _Finder:
         self.plan.row.add(n.name)
         return None
 
+    def replicates_kv(self, n: fx.Node) -> bool:
+        """Whether `n` projects the keys or values of an attention whose key/value heads Hkv
+        T does not divide but which divide T (and T divides the query heads H): then every
+        rank computes all key/value heads and reads the one its H / T query heads share."""
+        att, pos = _attention_reached(n)
+        if att is None or pos not in (1, 2):
+            return False
+        hq, hkv = int(att.args[0].meta["val"].shape[1]), int(att.args[1].meta["val"].shape[1])
+        if hkv % self.T == 0 or self.T % hkv or hq % self.T:
+            return False
+        if att.kwargs.get("rep", 1) not in (1, hq // hkv) or (att.kwargs.get("rep", 1) == 1
+                                                              and not att.kwargs.get("enable_gqa")):
+            return False
+        self.plan.replicated_kv[att.name] = (hkv, hq)
+        return True
+
     def embedding(self, n: fx.Node) -> Split | None:
         w, ids = n.args[0], n.args[1]
         if self.spec(ids) is not None or self.spec(w) is not None:
@@ -302,6 +331,10 @@ class _Finder:
     def attention(self, n: fx.Node) -> Split:
         q, k, v, kp, vp = n.args[:5]
         qs, ks, vs = self.spec(q), self.spec(k), self.spec(v)
+        if n.name in self.plan.replicated_kv and qs is not None and qs.dim == 1 and ks is None and vs is None:
+            if n.kwargs.get("bias") is not None:
+                self.mixes(n, qs, "adds a position bias table that is not split along")
+            return qs
         for s in (qs, ks, vs):
             if s is None or s.dim != 1 or s.groups != 1:
                 some = qs or ks or vs
@@ -434,6 +467,26 @@ class _Finder:
         if keep or name in ("layer_norm", "rms_norm", "native_layer_norm"):
             return s
         return s.moved(s.dim - sum(1 for x in dims if x < s.dim))
+
+
+def _attention_reached(n: fx.Node) -> tuple[fx.Node | None, int | None]:
+    """The sliced attention the value `n` reaches before any matmul, and the position of the
+    argument it reaches it by (1: keys, 2: values); (None, None) if none."""
+    seen, frontier = {n}, [n]
+    while frontier:
+        cur = frontier.pop(0)
+        for u in cur.users:
+            if u in seen or u.op != "call_function":
+                continue
+            if u.target is runtime_ops.causal_attention:
+                return u, next(i for i, a in enumerate(u.args) if a is cur) if cur in u.args else None
+            if op_name(u) in _MATMULS:
+                continue
+            seen.add(u)
+            frontier.append(u)
+        if len(seen) > 400:
+            break
+    return None, None
 
 
 def _is_tensor(n: fx.Node) -> bool:

@@ -99,3 +99,32 @@ def test_the_front_ends_rewritten_graph_splits_as_its_stage_graph(case):
     b = find_split(ctx.graph, 2, ctx.param_names, ctx.model_file)
     assert a.split_params() == b.split_params() and a.split_params()
     assert b.head is not None and len(b.embeddings) == 1
+
+
+def _gqa_model(kind):
+    if kind == "llama-kv2-T4":  # 4 query heads, 2 key/value heads, 4 ranks: one key/value head per 2 ranks
+        torch.manual_seed(0)
+        return tiny_model("llama"), 256, 4
+    return hf_model("llama", "sdpa", num_key_value_heads=1), VOCAB, 2  # multi-query attention
+
+
+@pytest.mark.parametrize("kind", ["llama-kv2-T4", "hf-llama-mqa-T2"])
+def test_fewer_key_value_heads_than_ranks_are_replicated_and_exact(kind):
+    """T does not divide the key/value heads but they divide T: every rank computes them whole
+    and caches the one head its query heads read; loss and gradients still match autograd,
+    whole and slice by slice."""
+    m, vocab, degree = _gqa_model(kind)
+    sm = SlicedModel.from_model(m, seq_len=L, vocab=vocab, check_slices=None)
+    ids, targets = batch(vocab, 2, L)
+    ref = reference(m, ids, targets)
+    ranges = [(0, 2), (2, sm.num_units)]
+    losses, grads, stages = sliced_step(sm, ranges, ids, targets, [5, 1, 10], degree)
+    for loss in losses:
+        assert relative_error(torch.tensor(loss), torch.tensor(ref.loss)) <= 1e-5
+    assert_grads_match(grads, {n: g for n, g in ref.grads.items() if n not in ref.unused})
+    plan = stages[0][1].plan
+    assert plan.replicated_kv and all(s.replicated for n, s in stages[0][1].shards.items()
+                                      if n.endswith(("k_proj.weight", "v_proj.weight", "wk.weight", "wv.weight")))
+    assert all(shape(2)[1] == 1 for shape in stages[0][1].kv_shapes)
+    heads = sorted({plan.kv_head(name, r) for name in plan.replicated_kv for r in range(degree)})
+    assert heads == list(range(plan.replicated_kv[next(iter(plan.replicated_kv))][0]))

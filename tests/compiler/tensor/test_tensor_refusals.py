@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.compiler.frontend.harness import tiny_model
+from tests.compiler.frontend.harness import EXAMPLES, tiny_model
+from tpc.compiler.frontend.model_file import import_model_file
 from tpc.compiler.frontend import SlicedModel
 from tpc.compiler.frontend.stage import build_stage_graph
 from tpc.compiler.tensor import find_split
@@ -43,12 +44,16 @@ def test_a_degree_that_does_not_divide_the_heads_is_refused_naming_them():
     assert "nanogpt.py:" in text  # the model's line that cuts q into heads
 
 
-def test_a_degree_that_does_not_divide_the_key_value_heads_is_refused():
-    m = tiny_model("llama")  # 4 query heads, 2 key/value heads
+def test_key_value_heads_neither_divisible_by_the_degree_nor_dividing_it_are_refused():
+    """6 query heads, 3 key/value heads, T = 2: T divides neither the key/value heads (no split)
+    nor do they divide T (no replication with one head per rank)."""
+    torch.manual_seed(0)
+    m = import_model_file(str(EXAMPLES / "llama.py")).model(n_layer=1, dim=48, n_head=6, n_kv_head=3,
+                                                           max_seq_len=16)
     with pytest.raises(TpirError) as e:
-        _split(m, _vocab(m), 4)
+        _split(m, _vocab(m), 2)
     text = str(e.value)
-    assert "4 does not divide dimension 2 of the result (the heads" in text and "of size 2" in text
+    assert "2 does not divide dimension 2 of the result (the heads" in text and "of size 3" in text
     assert "attention.wk.weight" in text and "llama.py:" in text
 
 
