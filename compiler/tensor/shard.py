@@ -39,7 +39,7 @@ from tpc.compiler.frontend.axes import size_expr
 from tpc.compiler.frontend.calls import call_args, op_name
 from tpc.compiler.frontend.stage import StageModule, build_stage_graph
 from tpc.compiler.tensor import collectives
-from tpc.compiler.tensor.split import ParamSplit, SplitPlan, find_split
+from tpc.compiler.tensor.split import ParamSplit, SplitPlan, find_split, segment_sliced
 
 GROUP_ATTR = "tensor_group"
 
@@ -82,10 +82,11 @@ class ParamShard:
         """The full tensor from every rank's slice, in rank order (replicated: rank 0's)."""
         if self.replicated:
             return slices[0]
-        pieces = []
-        for i, seg in enumerate(self.segments):
+        pieces, at = [], 0  # where the segment's part starts in a rank's slice
+        for seg in self.segments:
             part = seg // self.degree
-            pieces += [s.narrow(self.dim, i * part, part) for s in slices]
+            pieces += [s.narrow(self.dim, at, part) for s in slices]
+            at += part
         return torch.cat(pieces, dim=self.dim)
 
 
@@ -204,6 +205,14 @@ def _resize(new: fx.Node, old: fx.Node, name: str, out, src, per_rank) -> None:
         sizes = a[key]
         sizes = [per_rank(x, name) for x in sizes] if isinstance(sizes, (list, tuple)) else per_rank(sizes, name)
         new.args = (new.args[0], sizes, a["dim"])
+        new.kwargs = {}
+    elif name == "slice" and call_args(old)["dim"] % old.args[0].meta["val"].dim() == src.dim:
+        # a fused projection cut by slices: the segment's part in the rank's (smaller) layout
+        a = call_args(old)
+        i = segment_sliced(old, src)
+        before = sum(src.segments[:i])
+        start = per_rank(before, f"slice {old.name}") if before else 0
+        new.args = (new.args[0], a["dim"], start, start + per_rank(src.segments[i], f"slice {old.name}"), 1)
         new.kwargs = {}
     elif name == "chunk":
         pass  # chunks of the rank's part: the count is the same

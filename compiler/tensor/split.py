@@ -6,8 +6,9 @@ is read once, in order:
 - A `linear` (or `addmm` / `mm` with the weight as (in, out), GPT-2's Conv1D) whose weight is a
   parameter and whose input is replicated is **column-parallel**: its output is split along the
   last dimension, the weight (and bias) by output rows. When the output is cut along that
-  dimension into pieces right after (`split`, `split_with_sizes`: a fused QKV), each piece is a
-  segment split on its own, so every rank keeps its heads of q, of k and of v.
+  dimension into pieces right after (`split`, `split_with_sizes`, `chunk`, or slices that
+  partition it: a fused QKV, Phi-3's fused gate and up), each piece is a segment split on its
+  own, so every rank keeps its heads of q, of k and of v.
 - The split is followed through every op that keeps the split dimension whole: pointwise ops
   (the `pointwise` tag), casts, transposes and permutes, reshapes and views (the split moves to
   the output dimension that holds it: (B, T, 32) split on 32 becomes (B, T, 4, 8) split on the 4
@@ -33,7 +34,7 @@ Otherwise the reshape of k or v into heads is refused, naming that dimension.
 
 Anything else a split value reaches is refused: an op that mixes the split dimension (a
 reduction, norm or softmax over it, a reshape that merges it with another dimension in a way
-the rank cannot compute from its part, a slice along it), a pointwise op between a split value
+the rank cannot compute from its part, a slice along it other than one segment), a pointwise op between a split value
 and a replicated one that is not constant along the split dimension, a split value reaching the
 stage's residual output, or an op not known to keep the split. The refusal names the parameter
 whose split it is, the dimension, T and the model's source line. T must divide the output size
@@ -238,7 +239,10 @@ class _Finder:
             s = self.spec(n.args[0])
             d = call_args(n)["dim"] % len(n.args[0].meta["val"].shape)
             if d == s.dim:
-                self.mixes(n, s, "cuts along")
+                seg = segment_sliced(n, s) if name == "slice" else None
+                if seg is None:
+                    self.mixes(n, s, "cuts (other than into its segments) along")
+                return s.moved(d, (s.segments[seg],))
             return s.moved(s.dim - 1) if name == "select" and d < s.dim else s
         if name == "cat":
             return self.cat(n)
@@ -494,13 +498,46 @@ def _is_tensor(n: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())
 
 
+def _slice_range(n: fx.Node, size: int) -> tuple[int, int] | None:
+    """[start, stop) of a step-1 `slice` of a dimension of `size` elements."""
+    a = call_args(n)
+    start, end, step = a.get("start"), a.get("end"), a.get("step", 1)
+    if step != 1 or not isinstance(start if start is not None else 0, int) or not isinstance(
+            end if end is not None else size, int):
+        return None
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else min(end, size))
+    return start, end
+
+
+def segment_sliced(n: fx.Node, s: Split) -> int | None:
+    """The index of the segment of `s` that the slice `n` (along the split dimension) cuts out
+    exactly, or None."""
+    r = _slice_range(n, s.size)
+    bounds, start = [], 0
+    for seg in s.segments:
+        bounds.append((start, start + seg))
+        start += seg
+    return bounds.index(r) if r in bounds else None
+
+
 def _pieces_after(n: fx.Node, size: int) -> tuple[int, ...]:
     """The segments of a column-parallel output: the pieces it is cut into along its last
-    dimension by a `split` / `split_with_sizes` after reshapes that keep that dimension, or one
-    segment."""
+    dimension, after reshapes that keep that dimension, by a `split` / `split_with_sizes` /
+    `chunk` (GPT-2's fused QKV, Phi-3's fused gate and up) or by slices that partition it
+    (Phi-3's `qkv[..., :q_pos]`, ...); or one segment."""
     cur = n
     while True:
         users = list(cur.users)
+        val = cur.meta.get("val")
+        last = val.dim() - 1 if isinstance(val, torch.Tensor) else None
+        if users and all(op_name(u) == "slice" and call_args(u)["dim"] % val.dim() == last for u in users):
+            ranges = sorted({_slice_range(u, size) for u in users} - {None})
+            if ranges and ranges[0][0] == 0 and ranges[-1][1] == size and len(ranges) == len(
+                    {_slice_range(u, size) for u in users}) and all(
+                    a[1] == b[0] for a, b in zip(ranges, ranges[1:])):
+                return tuple(b - a for a, b in ranges)
+            return (size,)
         if len(users) != 1:
             return (size,)
         u = users[0]
@@ -510,7 +547,7 @@ def _pieces_after(n: fx.Node, size: int) -> tuple[int, ...]:
                 and int(uval.shape[-1]) == size:
             cur = u
             continue
-        if name in ("split", "split_with_sizes") and call_args(u).get("dim", 0) % val.dim() == val.dim() - 1:
+        if name in ("split", "split_with_sizes", "chunk") and call_args(u).get("dim", 0) % val.dim() == last:
             return tuple(int(p.shape[-1]) for p in uval)
         return (size,)
 

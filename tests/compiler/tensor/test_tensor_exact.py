@@ -128,3 +128,18 @@ def test_fewer_key_value_heads_than_ranks_are_replicated_and_exact(kind):
     assert all(shape(2)[1] == 1 for shape in stages[0][1].kv_shapes)
     heads = sorted({plan.kv_head(name, r) for name in plan.replicated_kv for r in range(degree)})
     assert heads == list(range(plan.replicated_kv[next(iter(plan.replicated_kv))][0]))
+
+
+@pytest.mark.parametrize("family", ["phi3", "qwen3", "gpt_neox", "gemma", "opt", "qwen2", "mistral"])
+def test_more_hugging_face_families_split_exactly(family):
+    """Phi-3 (fused QKV cut by slices into unequal q, k, v segments; fused gate/up cut by chunk),
+    Qwen3 (per-head q/k norms read inside the region), GPT-NeoX (partial rotary), Gemma, OPT
+    (biases everywhere), Qwen2, Mistral: the whole model at T = 2 against autograd."""
+    m = hf_model(family, "sdpa")
+    sm = SlicedModel.from_model(m, seq_len=L, vocab=VOCAB, check_slices=None)
+    ids, targets = batch(VOCAB, 2, L)
+    ref = reference(m, ids, targets)
+    losses, grads = whole_step(sm, ids, targets, 2)
+    for loss in losses:
+        assert relative_error(torch.tensor(loss), torch.tensor(ref.loss)) <= 1e-5
+    assert_grads_match(grads, {n: g for n, g in ref.grads.items() if n not in ref.unused})
