@@ -211,6 +211,13 @@ class _Finder:
 
     def visit(self, n: fx.Node) -> Split | None:
         name = op_name(n)
+        if self.T > 1 and name in ("dropout", "native_dropout") and call_args(n).get("train", True) \
+                and (call_args(n).get("p") or 0) > 0:
+            self.refuse(n, f"cannot split for tensor degree {self.T}: dropout with p = {call_args(n)['p']} "
+                           f"(node {n.name}) under tensor parallelism is not built: the ranks would draw different "
+                           "masks where the value is replicated",
+                        hint="train with dropout 0 under tensor parallelism, or keep this model at tensor degree 1 "
+                             "(the evaluation program, which has no dropout, is not affected)")
         ins = [a for a in n.all_input_nodes if self.spec(a) is not None]
         if name in _MATMULS and self.matmul_weight(n) is not None:
             return self.matmul(n, name)
@@ -335,6 +342,10 @@ class _Finder:
     def attention(self, n: fx.Node) -> Split:
         q, k, v, kp, vp = n.args[:5]
         qs, ks, vs = self.spec(q), self.spec(k), self.spec(v)
+        if self.T > 1 and (n.kwargs.get("dropout_p") or 0) > 0:
+            self.refuse(n, f"cannot split for tensor degree {self.T}: attention dropout with p = "
+                           f"{n.kwargs['dropout_p']} (node {n.name}) under tensor parallelism is not built",
+                        hint="train with dropout 0 under tensor parallelism, or keep this model at tensor degree 1")
         if n.name in self.plan.replicated_kv and qs is not None and qs.dim == 1 and ks is None and vs is None:
             if n.kwargs.get("bias") is not None:
                 self.mixes(n, qs, "adds a position bias table that is not split along")

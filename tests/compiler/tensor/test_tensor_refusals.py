@@ -98,3 +98,12 @@ def test_degree_one_is_accepted_and_a_degree_below_one_is_a_value_error():
     assert plan.degree == 1
     with pytest.raises(ValueError):
         _split(m, _vocab(m), 0)
+
+
+def test_dropout_under_tensor_parallelism_is_refused():
+    torch.manual_seed(0)
+    m = import_model_file(str(EXAMPLES / "nanogpt.py")).model(n_layer=1, n_embd=32, n_head=2, block_size=16,
+                                                             dropout=0.1)
+    with pytest.raises(TpirError) as e:
+        _split(m, _vocab(m), 2)
+    assert "dropout with p = 0.1" in str(e.value) and "nanogpt.py:" in str(e.value)
