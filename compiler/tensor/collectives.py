@@ -234,3 +234,23 @@ def vocab_parallel_embedding(weight, ids, start: int, group: TensorGroup):
     local = (ids - start).masked_fill(outside, 0)
     out = torch.nn.functional.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
     return reduce_from_region(out, group)
+
+
+def vocab_parallel_sum_token_loss(logits, targets, start: int, group: TensorGroup):
+    """`runtime_ops.sum_token_loss` (cross-entropy summed over the tokens) of logits split over
+    the vocabulary: this rank holds the columns [start, start + n) of the logits (n =
+    logits.size(-1)). No rank gathers the logits: the ranks exchange, per token, the largest
+    logit (no gradient), the sum of the exponentials and the target's logit (each summed with
+    g), so the loss is the same on every rank and each rank's logits get their own columns of
+    the gradient (softmax minus the one-hot target)."""
+    local = logits.reshape(-1, logits.size(-1)).float()  # (N, n)
+    tg = targets.reshape(-1)
+    n = local.size(-1)
+    with torch.no_grad():
+        top = group.all_gather(local.amax(dim=-1, keepdim=True), 1).amax(dim=-1, keepdim=True)  # (N, 1)
+    shifted = local - top
+    sum_exp = reduce_from_region(shifted.exp().sum(dim=-1), group)  # (N,)
+    outside = (tg < start) | (tg >= start + n)
+    picked = shifted.gather(1, (tg - start).masked_fill(outside, 0).unsqueeze(1)).squeeze(1)
+    target_logit = reduce_from_region(picked.masked_fill(outside, 0.0), group)  # (N,)
+    return (sum_exp.log() - target_logit).sum()

@@ -11,8 +11,9 @@ rewrites it by the split `split.find_split` found:
   added to the sum;
 - the token embedding becomes `collectives.vocab_parallel_embedding` (the rank's vocabulary
   rows, ids outside them looking up zeros, the lookups summed with g);
-- the LM head's logits are all-gathered over the vocabulary (`gather_from_region`) before the
-  loss, which every rank then computes whole;
+- where the LM head's logits go straight into the loss (the last stage), the loss becomes
+  `collectives.vocab_parallel_sum_token_loss`: no rank holds all the logits; where they leave
+  the stage (no loss), they are all-gathered over the vocabulary (`gather_from_region`);
 - every shape a split value is reshaped, viewed, expanded or cut to names the rank's size: the
   entry of the split dimension (the heads of `view(B, T, H, D)`, the width of `view(-1, C)`,
   the sizes of a fused QKV's `split`) is divided by T; a `-1` is left as it is, since it is
@@ -133,7 +134,12 @@ def shard_graph(graph: fx.Graph, plan: SplitPlan, rank: int) -> fx.Graph:
             continue
         name = op_name(n)
         s = plan.values.get(n.name)
-        if n.name in plan.replicated_kv:
+        if n.name in plan.vocab_loss.values():  # the loss of logits split over the vocabulary
+            logits, targets = env[n.args[0]], env[n.args[1]]
+            vocab = int(n.args[0].meta["val"].shape[-1])
+            new = g.call_function(collectives.vocab_parallel_sum_token_loss,
+                                  (logits, targets, rank * (vocab // T), group_node()))
+        elif n.name in plan.replicated_kv:
             head = plan.kv_head(n.name, rank)
             hkv, hq = plan.replicated_kv[n.name]
             for kv in n.args[1:3]:
@@ -151,7 +157,7 @@ def shard_graph(graph: fx.Graph, plan: SplitPlan, rank: int) -> fx.Graph:
             x = a["input"] if name == "linear" else (a["mat1"] if name == "addmm" else n.args[0])
             fx_ = f(x)
             new = g.node_copy(n, lambda m: fx_ if m is x else env[m])
-            if n.name == plan.head:
+            if n.name == plan.head and n.name not in plan.vocab_loss:
                 new = g.call_function(collectives.gather_from_region, (new, -1, group_node()))
         elif n.name in plan.row:
             a = call_args(n)

@@ -21,8 +21,9 @@ is read once, in order:
   outside the rank's rows look up zeros; the lookups summed). Other embeddings (learned
   positions) stay replicated.
 - The **LM head** (the parameter linear whose output is the logits) is column-parallel over the
-  vocabulary, and its logits are all-gathered before the loss (the simpler first step: the loss
-  is computed whole on every rank; a vocabulary-parallel cross-entropy is not built).
+  vocabulary. When its logits go straight into the loss, the loss is a vocabulary-parallel
+  cross-entropy (`SplitPlan.vocab_loss`: no rank gathers the logits); otherwise (a stage that
+  returns the logits, or a cast between) the logits are all-gathered.
 
 Grouped-query attention (H query heads, Hkv key/value heads): when T divides Hkv, the key/value
 projections are column-parallel like the query's and their heads are split too (the rank's
@@ -112,6 +113,9 @@ class SplitPlan:
     # attentions whose key/value heads are replicated (T does not divide them, they divide T):
     # attention name -> (key/value heads, query heads); rank r reads key/value head r * Hkv // T
     replicated_kv: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # the LM head -> the loss that reads its logits directly: the loss is computed on logits
+    # split over the vocabulary (absent: the logits are all-gathered)
+    vocab_loss: dict[str, str] = field(default_factory=dict)
 
     def kv_head(self, attention: str, rank: int) -> int:
         """The one key/value head the rank's query heads read, at a replicated-KV attention."""
@@ -297,7 +301,10 @@ class _Finder:
             self.plan.region_inputs.add(x.name)
             if n.name == self.head:
                 self.plan.head = n.name
-                return None  # the logits are gathered whole
+                loss = [u for u in n.users if u.target is runtime_ops.sum_token_loss and u.args[0] is n]
+                if len(n.users) == 1 and loss:
+                    self.plan.vocab_loss[n.name] = loss[0].name
+                return None  # the logits are whole again: gathered, or only their loss is used
             return Split(nd - 1, segments, w.target)
         if xs.dim != x.meta["val"].dim() - 1:
             self.mixes(n, xs, "contracts a dimension other than the split")

@@ -143,3 +143,22 @@ def test_more_hugging_face_families_split_exactly(family):
     for loss in losses:
         assert relative_error(torch.tensor(loss), torch.tensor(ref.loss)) <= 1e-5
     assert_grads_match(grads, {n: g for n, g in ref.grads.items() if n not in ref.unused})
+
+
+def test_the_loss_is_vocabulary_parallel_and_logits_leaving_a_stage_are_gathered(case):
+    """The last stage computes its loss on logits split over the vocabulary; a stage without the
+    loss returns the model's logits whole (all-gathered) on every rank."""
+    from tests.compiler.tensor.tp_harness import on_threads
+    from tpc.compiler.tensor import shard_stage, thread_groups
+
+    name, m, sm, ids, targets, ref = case
+    groups = thread_groups(2)
+    with_loss = shard_stage(sm, 0, sm.num_units, 2, 0, groups[0])
+    assert with_loss.plan.vocab_loss and "vocab_parallel_sum_token_loss" in with_loss.code
+    stages = [shard_stage(sm, 0, sm.num_units, 2, r, groups[r], with_loss=False) for r in range(2)]
+    assert "gather_from_region" in stages[0].code
+    with torch.no_grad():
+        want = m(ids)
+        got = on_threads(2, lambda r: stages[r](ids, 0, stages[r].empty_kv(2))[0])
+    for logits in got:
+        assert relative_error(logits, getattr(want, "logits", want)) <= 1e-5
