@@ -308,6 +308,8 @@ class _Finder:
             return Split(nd - 1, segments, w.target)
         if xs.dim != x.meta["val"].dim() - 1:
             self.mixes(n, xs, "contracts a dimension other than the split")
+        if name == "addmm" and (call_args(n).get("beta", 1) != 1 or call_args(n).get("alpha", 1) != 1):
+            self.mixes(n, xs, "scales its bias or product (beta, alpha) while contracting")
         self.set_param(n, w, ParamSplit(w.target, in_dim, xs.segments))
         if bias is not None:
             self.set_param(n, bias, ParamSplit(bias.target))
@@ -482,9 +484,6 @@ class _Finder:
             dims = [x % nd for x in dims]
         if s.dim in dims:
             self.mixes(n, s, "reduces (or normalises) over")
-        if name in ("layer_norm", "rms_norm", "native_layer_norm") and any(
-                self.param(x) is not None for x in n.args[2:4]):
-            pass  # the norm's weight is over the last dimensions, which are not split: replicated
         keep = a.get("keepdim", True) if name not in ("softmax", "_softmax", "log_softmax", "_log_softmax") else True
         if keep or name in ("layer_norm", "rms_norm", "native_layer_norm"):
             return s

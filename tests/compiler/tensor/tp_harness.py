@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import threading
 
-import torch
-
 from tpc.compiler.frontend import SlicedModel
 from tpc.compiler.tensor import shard_stage, thread_groups
 from tpc.compiler.tensor.shard import full_grads
@@ -64,7 +62,7 @@ def sliced_step(sm: SlicedModel, ranges, ids, targets, lens, degree: int):
 
     def run(r):
         runtimes = [StageRuntime(m, 1.0 / targets.numel()) for m in stages[r]]
-        acts, loss = {}, 0.0
+        acts = {}
         for s, rt in enumerate(runtimes):
             for i, (off, ln) in enumerate(zip(offsets, lens)):
                 x = ids[:, off:off + ln] if s == 0 else acts[(s - 1, i)]
