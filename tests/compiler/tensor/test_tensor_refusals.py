@@ -107,3 +107,16 @@ def test_dropout_under_tensor_parallelism_is_refused():
     with pytest.raises(TpirError) as e:
         _split(m, _vocab(m), 2)
     assert "dropout with p = 0.1" in str(e.value) and "nanogpt.py:" in str(e.value)
+
+
+def test_a_degree_that_does_not_divide_the_intermediate_size_is_refused():
+    class OddMLP(NormedMLP):
+        def forward(self, ids):
+            x = self.emb(ids)
+            return self.head(x + self.down(F.gelu(self.up(x))))
+
+    with pytest.raises(TpirError) as e:
+        _split(OddMLP(hidden=30), 64, 4)
+    text = str(e.value)
+    assert "4 does not divide the output size, of size 30" in text and "`up.weight`" in text
+    assert f"test_tensor_refusals.py:{_line_of('return self.head(x + self.down(F.gelu(self.up(x))))')}:" in text
