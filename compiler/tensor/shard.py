@@ -232,12 +232,17 @@ class TensorStage(StageModule):
 
 
 def shard_stage(sm, lo: int, hi: int, degree: int, rank: int, group, params_from: nn.Module | None = None,
-                with_loss: bool = True) -> TensorStage:
+                with_loss: bool = True, evaluation: bool = False) -> TensorStage:
     """Tensor rank `rank`'s module of units [lo, hi) of the `SlicedModel` `sm`, split over
     `degree` ranks; `group` the rank's `TensorGroup`. Parameters are copied from `params_from`
-    (default: the model) and cut by their `ParamShard`."""
+    (default: the model) and cut by their `ParamShard`. `evaluation`: dropout off, as
+    `SlicedModel.stage_module` builds it."""
     ctx = sm.context
     graph, sites = build_stage_graph(ctx, lo, hi, with_loss)
+    if evaluation:
+        from tpc.compiler.frontend.inference import without_dropout
+
+        graph = without_dropout(graph)
     plan = find_split(graph, degree, ctx.param_names, ctx.model_file)
     rank_graph = shard_graph(graph, plan, rank)
     src = params_from if params_from is not None else sm.model

@@ -100,13 +100,18 @@ def test_degree_one_is_accepted_and_a_degree_below_one_is_a_value_error():
         _split(m, _vocab(m), 0)
 
 
-def test_dropout_under_tensor_parallelism_is_refused():
+def test_dropout_under_tensor_parallelism_is_refused_and_evaluation_drops_it():
+    from tpc.compiler.tensor import shard_stage, thread_groups
+
     torch.manual_seed(0)
     m = import_model_file(str(EXAMPLES / "nanogpt.py")).model(n_layer=1, n_embd=32, n_head=2, block_size=16,
                                                              dropout=0.1)
     with pytest.raises(TpirError) as e:
         _split(m, _vocab(m), 2)
     assert "dropout with p = 0.1" in str(e.value) and "nanogpt.py:" in str(e.value)
+    sm = SlicedModel.from_model(m, seq_len=L, vocab=_vocab(m), check_slices=None)
+    stage = shard_stage(sm, 0, sm.num_units, 2, 0, thread_groups(2)[0], evaluation=True)
+    assert stage.plan.head is not None
 
 
 def test_a_degree_that_does_not_divide_the_intermediate_size_is_refused():
