@@ -38,6 +38,10 @@ def examples_dir() -> Path:
 # --durations=0 on the 2-core machine). tests/test_tiers.py checks that each entry still names a
 # test. (A module may also mark itself: `pytestmark = pytest.mark.slow`.)
 SLOW = (
+    "tests/compiler/tensor/test_tensor_exact.py::test_more_hugging_face_families_split_exactly[gemma]",
+    "tests/compiler/tensor/test_tensor_exact.py::test_more_hugging_face_families_split_exactly[opt]",
+    "tests/compiler/tensor/test_tensor_exact.py::test_more_hugging_face_families_split_exactly[qwen2]",
+    "tests/compiler/tensor/test_tensor_exact.py::test_more_hugging_face_families_split_exactly[mistral]",
     "tests/executors/test_compiled_programs.py::test_every_schedule_runs_compiled_and_exact",
     "tests/executors/test_host_sync.py::test_a_compiled_step_reads_the_device_once",
     "tests/executors/test_stage_programs.py::test_hugging_face_decoders_split_as_autograd_does[first-llama]",

@@ -1,0 +1,256 @@
+"""The collectives of a tensor-parallel group, as autograd functions that carry their backward.
+
+A `TensorGroup` is the T ranks of one tensor-parallel group, seen from one of them (`rank`,
+`size`) with three out-of-place collectives on tensors: `all_reduce` (sum), `all_gather(dim)`
+(the ranks' tensors concatenated along dim, in rank order) and `reduce_scatter(dim)` (the sum,
+cut along dim into T equal parts, this rank's part). Two groups implement it:
+
+- `DistGroup`, over a torch.distributed process group (gloo has no reduce-scatter: there it is
+  an all-reduce followed by this rank's part);
+- `ThreadGroup`, in one process for T ranks run on T Python threads: each collective puts the
+  rank's tensor in a shared slot, waits at a barrier for all T, and every rank computes the
+  result from the slots in rank order (so all ranks get bit-identical sums), then waits again
+  before the slots are reused. `thread_groups(T)` makes the T ranks' handles.
+
+The autograd functions (Megatron's names in brackets):
+
+  copy_to_region     [f]  forward identity,        backward all-reduce    (before a column-parallel region)
+  reduce_from_region [g]  forward all-reduce,      backward identity      (after a row-parallel output)
+  gather_from_region      forward all-gather(dim), backward this rank's part of the gradient
+                                                                          (the LM head's logits)
+  all_reduce              forward all-reduce,      backward all-reduce
+  all_gather(dim)         forward all-gather,      backward reduce-scatter
+  reduce_scatter(dim)     forward reduce-scatter,  backward all-gather
+
+`all_reduce`, `all_gather` and `reduce_scatter` are each other's adjoints, for values that
+differ between ranks; f, g and `gather_from_region` are the cheaper forms Megatron uses where
+the value on one side is known to be replicated (the same on every rank).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+# how long a thread rank waits at a collective for the others before the group is declared
+# broken (a rank that raised never arrives)
+BARRIER_TIMEOUT_S = 120.0
+
+
+class TensorGroup(Protocol):
+    rank: int
+    size: int
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+
+class DistGroup:
+    """A `TensorGroup` over a torch.distributed process group (None: the default group)."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def all_reduce(self, t):
+        out = t.detach().clone().contiguous()
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def all_gather(self, t, dim):
+        parts = [torch.empty_like(t).contiguous() for _ in range(self.size)]
+        dist.all_gather(parts, t.detach().contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, t, dim):
+        if dist.get_backend(self.group) == "gloo":  # gloo has no reduce_scatter
+            return _part(self.all_reduce(t), dim, self.rank, self.size).contiguous()
+        parts = [p.contiguous() for p in t.detach().chunk(self.size, dim=dim)]
+        out = torch.empty_like(parts[self.rank])
+        dist.reduce_scatter(out, parts, group=self.group)
+        return out
+
+
+class _Slots:
+    """What the T thread ranks of one group share."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.slots: list = [None] * size
+        self.barrier = threading.Barrier(size, timeout=BARRIER_TIMEOUT_S)
+
+    def exchange(self, rank: int, t: torch.Tensor, combine):
+        self.slots[rank] = t.detach()
+        self.barrier.wait()
+        try:
+            return combine(list(self.slots))
+        finally:
+            self.barrier.wait()  # nobody writes the slots again before everyone has read them
+
+
+class ThreadGroup:
+    """A `TensorGroup` whose T ranks are T threads of this process (`thread_groups`)."""
+
+    def __init__(self, shared: _Slots, rank: int):
+        self._shared, self.rank, self.size = shared, rank, shared.size
+
+    def all_reduce(self, t):
+        def total(parts):
+            out = parts[0].clone()
+            for p in parts[1:]:
+                out = out + p
+            return out
+        return self._shared.exchange(self.rank, t, total)
+
+    def all_gather(self, t, dim):
+        return self._shared.exchange(self.rank, t, lambda parts: torch.cat(parts, dim=dim))
+
+    def reduce_scatter(self, t, dim):
+        return _part(self.all_reduce(t), dim, self.rank, self.size).contiguous()
+
+
+def thread_groups(size: int) -> list[ThreadGroup]:
+    """The handles of the `size` ranks of one in-process group, rank r at index r."""
+    shared = _Slots(size)
+    return [ThreadGroup(shared, r) for r in range(size)]
+
+
+def _part(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    n = t.size(dim)
+    if n % size:
+        raise ValueError(f"cannot cut dimension {dim} of size {n} into {size} equal parts")
+    return t.narrow(dim, rank * (n // size), n // size)
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_reduce(grad), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return group.all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return group.all_gather(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _part(grad, ctx.dim, ctx.group.rank, ctx.group.size).contiguous(), None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return group.all_reduce(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_reduce(grad), None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return group.all_gather(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.reduce_scatter(grad, ctx.dim), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return group.reduce_scatter(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_gather(grad, ctx.dim), None, None
+
+
+def _dim(x: torch.Tensor, dim: int) -> int:
+    return dim % x.dim()
+
+
+def copy_to_region(x, group: TensorGroup):
+    """Megatron's f: the identity forward, an all-reduce of the gradient backward."""
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x, group: TensorGroup):
+    """Megatron's g: an all-reduce forward, the identity backward."""
+    return _ReduceFromRegion.apply(x, group)
+
+
+def gather_from_region(x, dim: int, group: TensorGroup):
+    """All-gather forward; backward, this rank's part of a gradient every rank holds whole."""
+    return _GatherFromRegion.apply(x, _dim(x, dim), group)
+
+
+def all_reduce(x, group: TensorGroup):
+    return _AllReduce.apply(x, group)
+
+
+def all_gather(x, dim: int, group: TensorGroup):
+    return _AllGather.apply(x, _dim(x, dim), group)
+
+
+def reduce_scatter(x, dim: int, group: TensorGroup):
+    return _ReduceScatter.apply(x, _dim(x, dim), group)
+
+
+def vocab_parallel_embedding(weight, ids, start: int, group: TensorGroup):
+    """An embedding whose rows [start, start + n) this rank holds (n = weight.size(0)): ids
+    outside them look up zeros, and the ranks' lookups are summed (g), so every rank gets the
+    whole embedding and each row's gradient reaches only the rank that holds it."""
+    n = weight.size(0)
+    outside = (ids < start) | (ids >= start + n)
+    local = (ids - start).masked_fill(outside, 0)
+    out = torch.nn.functional.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_from_region(out, group)
+
+
+def vocab_parallel_sum_token_loss(logits, targets, start: int, group: TensorGroup):
+    """`runtime_ops.sum_token_loss` (cross-entropy summed over the tokens) of logits split over
+    the vocabulary: this rank holds the columns [start, start + n) of the logits (n =
+    logits.size(-1)). No rank gathers the logits: the ranks exchange, per token, the largest
+    logit (no gradient), the sum of the exponentials and the target's logit (each summed with
+    g), so the loss is the same on every rank and each rank's logits get their own columns of
+    the gradient (softmax minus the one-hot target)."""
+    local = logits.reshape(-1, logits.size(-1)).float()  # (N, n)
+    tg = targets.reshape(-1)
+    n = local.size(-1)
+    with torch.no_grad():
+        top = group.all_gather(local.amax(dim=-1, keepdim=True), 1).amax(dim=-1, keepdim=True)  # (N, 1)
+    shifted = local - top
+    sum_exp = reduce_from_region(shifted.exp().sum(dim=-1), group)  # (N,)
+    outside = (tg < start) | (tg >= start + n)
+    picked = shifted.gather(1, (tg - start).masked_fill(outside, 0).unsqueeze(1)).squeeze(1)
+    target_logit = reduce_from_region(picked.masked_fill(outside, 0.0), group)  # (N,)
+    return (sum_exp.log() - target_logit).sum()
