@@ -189,31 +189,31 @@ def test_the_unit_check_finds_the_first_token_over_slice_by_slice():
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_every_family_checks_unit_by_unit_as_it_checks_whole(family, tmp_path):
-    """The unit-by-unit self-check of a model built without weights accepts what the whole-model
-    check accepts (constants the model's code makes, such as GPT-Neo's mask value, included),
-    and refuses what it refuses; at a shorter length too (`scaled_slicing`)."""
+def test_every_family_checks_unit_by_unit(family, tmp_path):
+    """The unit-by-unit self-check of a model built without weights accepts every family the
+    front end takes (constants the model's code makes, such as GPT-Neo's mask value, included),
+    at the plan's length and at a shorter one (`scaled_slicing`); a family the front end refuses
+    is refused alike with and without weights. (The whole-model check of the same families:
+    test_hf_families.py.)"""
     pytest.importorskip("transformers")
     from tpc.compiler.frontend.sliced import _iter_sliced
     from tpc.compiler.frontend.unit_check import check_units
     from tpc.ir.diagnostics import TpirError
 
     path = hf_config(tmp_path, family)
-    outcomes = []
-    for build in (lambda: build_weightless(path)[0], lambda: load_model(path)):
-        try:
-            sliced = SlicedModel.from_model(build(), seq_len=16, vocab=None, check_slices=None)
-            sliced.check_slicings([[5, 2, 9]])
-            outcomes.append("ok")
-        except TpirError as e:
-            outcomes.append(str(e).splitlines()[0])
-    assert outcomes[0] == outcomes[1]
-    if outcomes[0] == "ok":
-        def refuse(token, lens, node):
-            raise AssertionError(f"token {token} differs with slices {lens} at {node}")
-
+    try:
         weightless = SlicedModel.from_model(build_weightless(path)[0], seq_len=16, vocab=None, check_slices=None)
-        assert check_units(weightless, [[5, 2, 9]], _iter_sliced, refuse, length=7)
+    except TpirError as e:
+        with pytest.raises(TpirError) as whole:
+            SlicedModel.from_model(load_model(path), seq_len=16, vocab=None, check_slices=None)
+        assert str(whole.value).splitlines()[0] == str(e).splitlines()[0]
+        return
+
+    def refuse(token, lens, node):
+        raise AssertionError(f"token {token} differs with slices {lens} at {node}")
+
+    assert check_units(weightless, [[5, 2, 9]], _iter_sliced, refuse).length == 16
+    assert check_units(weightless, [[5, 2, 9]], _iter_sliced, refuse, length=7).length == 7
 
 
 def test_the_unit_check_runs_at_a_length_its_budget_affords(monkeypatch):
