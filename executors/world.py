@@ -72,7 +72,7 @@ def check_world(plan: Plan, world: World) -> None:
         launch = (f"`torchrun --nproc-per-node {need} ...`" if nodes == 1 or need % nodes else
                   f"`torchrun --nnodes {nodes} --nproc-per-node {need // nodes} ...` on each node")
         raise TpirError(Diagnostic(
-            f"the plan needs {need} processes (mesh {mesh.value.describe()}), but "
+            f"the plan needs {need} processes (mesh {mesh.sizes}), but "
             f"torchrun started {started}",
             loc=plan.header.mesh.loc, where=plan.source,
             hint=f"run {launch}, or compile a plan for {world.size} ranks"))
@@ -86,7 +86,7 @@ def check_no_tensor_axis(plan: Plan, by: str) -> None:
     mesh = plan.header.mesh
     if mesh.tensor != 1:
         raise TpirError(Diagnostic(
-            f"the plan splits each stage over {mesh.tensor} tensor ranks (mesh {mesh.value.describe()}), "
+            f"the plan splits each stage over {mesh.tensor} tensor ranks (mesh {mesh.sizes}), "
             f"and {by} does not run a tensor axis yet",
             loc=mesh.loc, where=plan.source,
             hint="compile the plan without a tensor axis (its mesh line `mesh pipe "

@@ -155,6 +155,11 @@ class MeshLine(Line):
         """The mesh as a value: ranks <-> coordinates and the groups of each axis."""
         return Mesh.of(self.pipe, self.data, self.tensor)
 
+    @property
+    def sizes(self) -> str:
+        """The line's words after `mesh`: "pipe 2 data 1", "pipe 2 data 1 tensor 2"."""
+        return f"pipe {self.pipe} data {self.data}" + (f" tensor {self.tensor}" if self.tensor != 1 else "")
+
 
 @dataclass(frozen=True)
 class ScheduleLine(Line):

@@ -88,7 +88,7 @@ def line_text(line: Line) -> str:
     if isinstance(line, ShapeLine):
         return f"shape batch {line.batch} seq {line.seq} vocab {line.vocab} dtype {line.dtype}"
     if isinstance(line, MeshLine):
-        return f"mesh pipe {line.pipe} data {line.data}" + (f" tensor {line.tensor}" if line.tensor != 1 else "")
+        return f"mesh {line.sizes}"
     if isinstance(line, ScheduleLine):
         return f"schedule {quote(line.name)}"
     if isinstance(line, UnitsLine):

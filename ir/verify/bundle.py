@@ -152,8 +152,8 @@ def _check_plan(bundle: Bundle, member, plan: Plan, rep: Report) -> None:
                f"{h.model.factory}) is not the bundle's ({bundle.model.path}, sha256 "
                f"{bundle.model.sha256[:12]}..., factory {bundle.model.factory})", recompile)
     if h.mesh != bundle.mesh:
-        refuse(h.mesh, bundle.mesh, f"this plan's mesh ({h.mesh.value.describe()}) is "
-               f"not the bundle's ({bundle.mesh.value.describe()})", recompile)
+        refuse(h.mesh, bundle.mesh, f"this plan's mesh ({h.mesh.sizes}) is "
+               f"not the bundle's ({bundle.mesh.sizes})", recompile)
     if h.units != bundle.units:
         refuse(h.units, bundle.units, f"this plan has {h.units.count} units, the bundle "
                f"{bundle.units.count}", recompile)

@@ -59,7 +59,7 @@ def test_the_executors_and_the_simulator_refuse_a_tensor_axis(tmp_path, capsys):
     plan = parse(with_mesh("mesh pipe 2 data 1 tensor 2"), file="p.tpir")
     with pytest.raises(TpirError) as e:
         check_no_tensor_axis(plan, "the interpreter")
-    assert "splits each stage over 2 tensor ranks (mesh data 1 x pipe 2 x tensor 2)" in str(e.value)
+    assert "splits each stage over 2 tensor ranks (mesh pipe 2 data 1 tensor 2)" in str(e.value)
     assert "the interpreter does not run a tensor axis yet" in str(e.value)
     path = tmp_path / "plan.tpir"
     path.write_text(with_mesh("mesh pipe 2 data 1 tensor 2"))
