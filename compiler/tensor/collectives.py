@@ -129,69 +129,38 @@ def _part(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     return t.narrow(dim, rank * (n // size), n // size)
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+class _Collective(torch.autograd.Function):
+    """A collective with its adjoint: `fwd(x, group, dim)` forward, `bwd(grad, group, dim)`
+    backward (`dim`: None for those that have none)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return ctx.group.all_reduce(grad), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return group.all_reduce(x)
+    def forward(ctx, x, group, dim, fwd, bwd):
+        ctx.group, ctx.dim, ctx.bwd = group, dim, bwd
+        return fwd(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return ctx.bwd(grad, ctx.group, ctx.dim), None, None, None, None
 
 
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return group.all_gather(x, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _part(grad, ctx.dim, ctx.group.rank, ctx.group.size).contiguous(), None, None
+def _same(x, group, dim):
+    return x.view_as(x)
 
 
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return group.all_reduce(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.group.all_reduce(grad), None
+def _sum(x, group, dim):
+    return group.all_reduce(x)
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return group.all_gather(x, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.group.reduce_scatter(grad, ctx.dim), None, None
+def _gather(x, group, dim):
+    return group.all_gather(x, dim)
 
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return group.reduce_scatter(x, dim)
+def _scatter(x, group, dim):
+    return group.reduce_scatter(x, dim)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.group.all_gather(grad, ctx.dim), None, None
+
+def _own_part(x, group, dim):
+    return _part(x, dim, group.rank, group.size).contiguous()
 
 
 def _dim(x: torch.Tensor, dim: int) -> int:
@@ -200,29 +169,29 @@ def _dim(x: torch.Tensor, dim: int) -> int:
 
 def copy_to_region(x, group: TensorGroup):
     """Megatron's f: the identity forward, an all-reduce of the gradient backward."""
-    return _CopyToRegion.apply(x, group)
+    return _Collective.apply(x, group, None, _same, _sum)
 
 
 def reduce_from_region(x, group: TensorGroup):
     """Megatron's g: an all-reduce forward, the identity backward."""
-    return _ReduceFromRegion.apply(x, group)
+    return _Collective.apply(x, group, None, _sum, _same)
 
 
 def gather_from_region(x, dim: int, group: TensorGroup):
     """All-gather forward; backward, this rank's part of a gradient every rank holds whole."""
-    return _GatherFromRegion.apply(x, _dim(x, dim), group)
+    return _Collective.apply(x, group, _dim(x, dim), _gather, _own_part)
 
 
 def all_reduce(x, group: TensorGroup):
-    return _AllReduce.apply(x, group)
+    return _Collective.apply(x, group, None, _sum, _sum)
 
 
 def all_gather(x, dim: int, group: TensorGroup):
-    return _AllGather.apply(x, _dim(x, dim), group)
+    return _Collective.apply(x, group, _dim(x, dim), _gather, _scatter)
 
 
 def reduce_scatter(x, dim: int, group: TensorGroup):
-    return _ReduceScatter.apply(x, _dim(x, dim), group)
+    return _Collective.apply(x, group, _dim(x, dim), _scatter, _gather)
 
 
 def vocab_parallel_embedding(weight, ids, start: int, group: TensorGroup):
