@@ -259,8 +259,6 @@ def scaled_slicing(lens, length: int) -> list[int]:
     return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
-
-
 CHECK_FLOPS = 8e12  # the self-check's arithmetic budget: one to two minutes on a 2-core machine
 
 
@@ -290,8 +288,9 @@ def check_length(sliced, units, slicings, budget: float | None = None) -> int:
 
 def check_units(sliced, slicings, run_sliced, refuse_difference, length: int | None = None) -> UnitCheck:
     """The self-check of the module docstring for `sliced` (a SlicedModel whose model may hold
-    no weights) with each slicing of `slicings`; returns the units checked.
-    `run_sliced(stage, x, lens)`: the outputs, slice by slice (an iterable); `refuse_difference(x, lens, stage, node)` raises."""
+    no weights) with each slicing of `slicings`, at `length` tokens (None: `check_length`'s);
+    returns what it ran. `run_sliced(stage, x, lens)`: the outputs, slice by slice (an
+    iterable); `refuse_difference(token, lens, node)` raises."""
     ctx = sliced.context
     units = distinct_units(sliced)
     seq = check_length(sliced, units, slicings) if length is None else length
