@@ -170,12 +170,6 @@ class Mesh:
         return " x ".join(f"{n} {s}" for n, s in reversed(self.axes))
 
 
-def mesh_of(line) -> Mesh:
-    """The mesh a header's `mesh pipe P data D [tensor T]` line describes (anything with `pipe`
-    and `data`, and `tensor` when it has one)."""
-    return Mesh.of(line.pipe, line.data, getattr(line, "tensor", 1))
-
-
 def tie_pipe_ranks(first_rank: Sequence[int], tie_stages: Iterable[int]) -> tuple[int, ...]:
     """The pipeline ranks holding a stage of a tie (the members of its `reduce-tied` within one
     replica), ascending. `first_rank[s]` is replica 0's pipeline rank of stage s: a plan with ties

@@ -107,12 +107,13 @@ class _Values:
         return self._buffers[name] if name in self._buffers else self._fetch(name)
 
     def get(self, name: str):
-        if name in self._meta:
-            if name not in self._real:
-                p = self._meta[name]
-                self._real[name] = p if p.device != META else torch.nn.Parameter(check_value(name, p), False)
-            return self._real[name]
-        return self._other(name)
+        """`fresh`'s value, kept for the unit's life (the stage module holds it)."""
+        if name not in self._meta:
+            return self._other(name)
+        if name not in self._real:
+            v = self.fresh(name)
+            self._real[name] = v if isinstance(v, torch.nn.Parameter) else torch.nn.Parameter(v, False)
+        return self._real[name]
 
     def fresh(self, name: str):
         """`get`'s value without keeping it: the reference holds a weight only while it runs the
