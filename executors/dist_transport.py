@@ -175,7 +175,10 @@ class DistTransport:
         self.groups, self.device, self.timeout = groups, device, timeout
         self.hidden_size, self.dtype, self.wire = hidden_size, dtype, wire
         # the global rank of each pipeline rank of this replica (a message's peer), once
-        self.peers = tuple(self.mesh.rank(pipe=p, data=self.data_rank) for p in range(self.mesh.pipe))
+        # (at this rank's tensor coordinate: each tensor rank talks to its counterparts)
+        self.tensor_rank = self.mesh.tensor_rank(rank)
+        self.peers = tuple(self.mesh.rank(pipe=p, data=self.data_rank, tensor=self.tensor_rank)
+                           for p in range(self.mesh.pipe))
         self.posted: dict[int, tuple[object, torch.Tensor]] = {}
         self.ahead = RecvAhead(self.instrs, self._recv_bytes, self.LOOKAHEAD_COMPUTES, self.LOOKAHEAD_BYTES)
         self.sends: list[tuple[object, torch.Tensor, str]] = []

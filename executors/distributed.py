@@ -94,6 +94,9 @@ class RankOutcome:
     events: list
     # (completed steps, validation loss) of each evaluation, the same on every rank
     eval_losses: list = field(default_factory=list)
+    # with a tensor axis: how each parameter is cut (name -> ParamShard) and this rank's part
+    shards: dict = field(default_factory=dict)
+    tensor_rank: int = 0
 
 
 class DistRanks:
@@ -109,7 +112,9 @@ class DistRanks:
         """One training step; the step's loss, summed over all ranks. The sum stays on the
         device until the step's one read, with the gradient norm."""
         try:
-            total = loss_vector(self.engine.run_step(step, tokens), self.device)
+            loss = self.engine.run_step(step, tokens)
+            # the T ranks of a tensor group compute the same loss: tensor rank 0's counts
+            total = loss_vector(loss if self.engine.tensor_rank == 0 else 0.0, self.device)
             with self.transport.waiting("the loss of the other ranks"):
                 dist.all_reduce(total)
         except RankError:
@@ -175,6 +180,13 @@ class Distributed:
         self.clock = Clock()
         self.current: DistRanks | None = None  # what the watchdog watches
         self.watchdog: Watchdog | None = None
+        mesh = plans.full.header.mesh.value
+        self.tensor = None  # this rank's TensorRank on a mesh with a tensor axis
+        if mesh.tensor > 1:
+            from tpc.compiler.tensor import DistGroup
+            from tpc.executors.tensor_ranks import TensorRank
+
+            self.tensor = TensorRank(mesh.tensor, mesh.tensor_rank(world.rank), DistGroup(self.groups.tensor))
 
     def _ranks(self, plan: Plan, *, evaluation: bool, channels: Channels, optimizer=None,
                loss_rank: int | None = None) -> DistRanks:
@@ -184,9 +196,10 @@ class Distributed:
                                   hidden_size=hidden, dtype=self.dtype, timeout=self.options.timeout,
                                   channels=channels)
         engine = RankEngine(plan, mesh.pipe_rank(self.world.rank), mesh.data_rank(self.world.rank), transport,
-                            self.stages.stages(plan, self.model, evaluation, self.options), hidden_size=hidden, options=self.options,
-                            device=self.device, before_instr=None if evaluation else self.before_instr,
-                            optimizer=optimizer, clock=self.clock)
+                            self.stages.stages(plan, self.model, evaluation, self.options, tensor=self.tensor),
+                            hidden_size=hidden, options=self.options, device=self.device,
+                            before_instr=None if evaluation else self.before_instr,
+                            optimizer=optimizer, clock=self.clock, tensor=self.tensor)
         return DistRanks(plan, engine, transport, self.device, loss_rank)
 
     def build(self, plan: Plan, shared: DistRanks | None) -> DistRanks:
@@ -244,7 +257,8 @@ def run_plan(plan: "Plan | PlanSet", world: World, options: RunOptions, *, model
     return RankOutcome(out.losses, out.first_grads,
                        {n: p.detach().cpu() for n, p in engine.named_parameters},  # no copy on the CPU: the run is over
                        max(e.peak_live for e in out.engines), [ev for e in out.engines for ev in e.events],
-                       out.eval_losses)
+                       out.eval_losses, shards=dict(executor.tensor.shards) if executor.tensor else {},
+                       tensor_rank=engine.tensor_rank)
 
 
 def main(path: str, options: RunOptions, world: World, curriculum: CurriculumFlags | None = None) -> int:
@@ -313,7 +327,7 @@ def _fail_outside(world: World, e: Exception, during: str) -> None:
 def _check_gradients(world: World, outcome: RankOutcome, check, batches) -> int:
     """Every rank compares its own parameters' first-step gradients with plain autograd; the
     worst error over all ranks decides, the same on every rank; rank 0 prints it."""
-    worst, name, held = check.compare_part(outcome.first_grads, batches.get(0))
+    worst, name, held = check.compare_part(outcome.first_grads, batches.get(0), outcome.shards, outcome.tensor_rank)
     everyone = [None] * world.size
     dist.all_gather_object(everyone, (worst, name, sorted(held)))
     return check.conclude(outcome.losses[0], everyone, show=world.rank == 0)

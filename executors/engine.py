@@ -221,16 +221,20 @@ class RankEngine:
                  stage_factory: StageFactory, *, hidden_size: int, options: RunOptions | None = None,
                  device: torch.device | None = None,
                  before_instr: Callable[["RankEngine", int], None] | None = None,
-                 optimizer: RankOptimizer | None = None, clock: Clock | None = None):
+                 optimizer: RankOptimizer | None = None, clock: Clock | None = None, tensor=None):
         """`options` say how to train (optimizer, learning rate, clipping, tracing, bf16, ...);
         `device` is where this rank computes (default: the CPU); `before_instr(engine, index)`
         runs before each instruction (tests inject faults with it). `optimizer`: the optimizer
         of another engine of this rank over the same parameters (the plans of a bundle share
         their weights and optimizer state); by default the engine builds its own. `clock`: where
-        trace times count from (shared by a process's engines)."""
+        trace times count from (shared by a process's engines). `tensor`: on a mesh with a tensor
+        axis, this rank's `TensorRank` (executors/tensor_ranks.py), whose stages `stage_factory`
+        built."""
         self.plan, self.header = plan, plan.header
         self.pipe_rank, self.data_rank = pipe_rank, data_rank
-        self.global_rank = self.header.mesh.value.rank(pipe=pipe_rank, data=data_rank)
+        self.tensor = tensor
+        self.tensor_rank = tensor.rank if tensor is not None else 0
+        self.global_rank = self.header.mesh.value.rank(pipe=pipe_rank, data=data_rank, tensor=self.tensor_rank)
         self.transport = transport
         self.options = options or RunOptions()
         self.device = device if device is not None else torch.device("cpu")
@@ -593,15 +597,12 @@ class RankEngine:
         if self.options.keeps_grads:  # the model's gradients, before clipping changes them
             self.grads = {n: _grad_of(p).detach().clone() for n, p in self.named_parameters}
         if self.options.needs_grad_norm:
-            from tpc.executors.training.clip import clip_global, copies_not_owned
+            from tpc.executors.training.clip import clip_global
 
             for _, p in self.named_parameters:
                 _grad_of(p)
-            self.grad_sq = clip_global(
-                self.named_parameters, self.options.grad_clip,
-                skip=copies_not_owned(self.header, self.pipe_rank, {
-                    s: [n for n, _ in st.named_parameters] for s, st in self.stages.items()}),
-                sum_over_pipeline=self.transport.sum_over_pipeline, device=self.device)
+            self.grad_sq = clip_global(self.named_parameters, self.options.grad_clip, skip=self._counted_elsewhere(),
+                                       sum_over_pipeline=self._sum_over_model, device=self.device)
         self.optimizer.set_lr(self.options.lr_at(self.step))
         self.optimizer.step()
 
@@ -614,13 +615,28 @@ class RankEngine:
             got = self.optimizer.gradients(self.transport, self.step)
             self.grads = {n: got[n] for n, _ in self.named_parameters}
         if self.options.needs_grad_norm:
-            from tpc.executors.training.clip import copies_not_owned
-
-            skip = copies_not_owned(self.header, self.pipe_rank, {
-                s: [n for n, _ in st.named_parameters] for s, st in self.stages.items()})
-            self.grad_sq = self.optimizer.clip(self.options.grad_clip, skip, self.transport, self.device, self.step)
+            self.grad_sq = self.optimizer.clip(self.options.grad_clip, self._counted_elsewhere(), self.transport,
+                                               self.device, self.step)
         self.optimizer.set_lr(self.options.lr_at(self.step))
         self.optimizer.step(self.transport, self.step)
+
+    def _counted_elsewhere(self) -> frozenset[str]:
+        """The parameters whose squared gradients another rank adds to the global norm: the
+        copies of a tie or of a weight replica this rank does not own, and on a tensor rank
+        other than 0 every parameter it holds whole (tensor rank 0 counts those)."""
+        from tpc.executors.training.clip import copies_not_owned
+
+        skip = copies_not_owned(self.header, self.pipe_rank, {
+            s: [n for n, _ in st.named_parameters] for s, st in self.stages.items()})
+        if self.tensor_rank:
+            skip = skip | self.tensor.replicated_names(n for n, _ in self.named_parameters)
+        return frozenset(skip)
+
+    def _sum_over_model(self, sq: torch.Tensor) -> torch.Tensor:
+        """A rank's share of the squared gradients summed over this replica's pipeline ranks
+        and, with a tensor axis, over the tensor group."""
+        total = self.transport.sum_over_pipeline(sq)
+        return self.tensor.sum(total) if self.tensor is not None else total
 
     # -------------------------------------------------------------------------- access
 

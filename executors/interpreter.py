@@ -33,6 +33,7 @@ from tpc.executors.training.batches import BatchSource, RandomTokens
 from tpc.executors.engine import Blocked, Clock, RankEngine, RankError, TraceEvent, read_step
 from tpc.executors.options import RunOptions
 from tpc.executors.plan_model import StageSource, load_plan_model
+from tpc.executors.tensor_ranks import check_tensor_run
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
 from tpc.executors.training_loop import PlanSet, TrainingLoop
@@ -135,14 +136,16 @@ class LocalTransport:
     """One rank's end of the in-memory network."""
 
     def __init__(self, hub: _Hub, plan: Plan, pipe_rank: int, data_rank: int,
-                 rendezvous: bool = False):
-        """`rendezvous`: NCCL's rules (the module docstring), else gloo's buffered sends."""
+                 rendezvous: bool = False, tensor_rank: int = 0):
+        """`rendezvous`: NCCL's rules (the module docstring), else gloo's buffered sends.
+        `tensor_rank`: the rank's tensor coordinate; its peers and groups are the ranks at the
+        same one (each tensor coordinate has a hub of its own)."""
         self.hub, self.header = hub, plan.header
         self.mesh = plan.header.mesh.value
-        self.pipe_rank, self.data_rank = pipe_rank, data_rank
-        self.me = self.mesh.rank(pipe=pipe_rank, data=data_rank)
+        self.pipe_rank, self.data_rank, self.tensor_rank = pipe_rank, data_rank, tensor_rank
+        self.me = self.mesh.rank(pipe=pipe_rank, data=data_rank, tensor=tensor_rank)
         # the groups this rank's collectives sum over, once
-        self.peers = tuple(self.mesh.rank(pipe=p, data=data_rank) for p in range(self.mesh.pipe))
+        self.peers = tuple(self.mesh.rank(pipe=p, data=data_rank, tensor=tensor_rank) for p in range(self.mesh.pipe))
         self.data_group = self.mesh.group(DATA, self.me)
         self.pipeline = self.mesh.group(PIPE, self.me)
         self.step = 0
@@ -212,12 +215,12 @@ class LocalTransport:
                             tensors, f"allreduce stage {stage}")
 
     def reduce_tied(self, name: str, tensor: torch.Tensor) -> None:
-        members = self.mesh.select(self.header.tie_ranks(name), data=self.data_rank)
+        members = self.mesh.select(self.header.tie_ranks(name), data=self.data_rank, tensor=self.tensor_rank)
         self.hub.collective(self._occurrence(("tie", name, self.data_rank)), members, self.me,
                             [tensor], f"reduce-tied {name!r}")
 
     def reduce_replicas(self, stage: int, tensors: list[torch.Tensor]) -> None:
-        members = self.mesh.select(self.header.stage_ranks(stage), data=self.data_rank)
+        members = self.mesh.select(self.header.stage_ranks(stage), data=self.data_rank, tensor=self.tensor_rank)
         self.hub.collective(self._occurrence(("replicas", stage, self.data_rank)), members, self.me,
                             tensors, f"reduce-replicas stage {stage}")
 
@@ -266,6 +269,45 @@ class LocalTransport:
         self.hub.collective(self._occurrence(("pipeline-sum", self.data_rank)), members, self.me,
                             [tensor], "the global gradient norm")
         return tensor
+
+
+def run_tensor_threads(engines: list[RankEngine], groups: list) -> None:
+    """Run the engines of each tensor coordinate cooperatively on a thread of their own (their
+    stages' collectives meet at `groups[t]`); the first failure is raised, after the group is
+    broken so that the other threads stop waiting for the failed one."""
+    import threading
+
+    by_t: dict[int, list[RankEngine]] = {}
+    for e in engines:
+        by_t.setdefault(e.tensor_rank, []).append(e)
+    failures: dict[int, BaseException] = {}
+
+    def run(t: int) -> None:
+        try:
+            run_cooperatively(by_t[t])
+        except BaseException as e:  # noqa: BLE001 - handed to the caller below
+            failures[t] = e
+            groups[t].abort()
+
+    threads = [threading.Thread(target=run, args=(t,), name=f"tpc-tensor-{t}") for t in sorted(by_t)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if failures:
+        # the failure that broke the group, not a thread's broken wait that followed it
+        first = [e for e in failures.values() if not _broken_wait(e)] or list(failures.values())
+        raise first[0]
+
+
+def _broken_wait(e: BaseException) -> bool:
+    import threading
+
+    while e is not None:
+        if isinstance(e, threading.BrokenBarrierError):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def run_cooperatively(engines: list[RankEngine]) -> None:
@@ -327,41 +369,68 @@ class Interpreted:
     model, or a stand-in in tests)."""
 
     def __init__(self, options: RunOptions, device: torch.device, model: torch.nn.Module | None,
-                 stages: StageSource, rendezvous: bool):
+                 stages: StageSource, rendezvous: bool, tensor: int = 1):
+        """`tensor`: the mesh's tensor degree T. The ranks of each tensor coordinate run on a
+        thread of their own (their stages' collectives meet the other threads' at a
+        `ThreadGroup`), over a network of their own: a message or a data-parallel sum never
+        crosses tensor coordinates."""
         self.options, self.device, self.model, self.stages = options, device, model, stages
         self.rendezvous = rendezvous
-        self.hub = _Hub()  # the training plans' network: the channels' counts run on across plans
+        # the training plans' networks, one per tensor coordinate: the channels' counts run on
+        # across plans
+        self.hubs = [_Hub() for _ in range(tensor)]
         self.copies: dict[int, torch.nn.Module | None] = {}  # global rank -> its model copy
         self.clock = Clock()
+        self.tensor_ranks: dict[int, object] = {}  # global rank -> its TensorRank (T > 1)
+        if tensor > 1:
+            from tpc.compiler.tensor import thread_groups
+
+            # one group for every stage: each thread runs the same instructions in the same
+            # order, so its collectives meet the other threads' in order
+            self.groups = thread_groups(tensor)
+
+    def _tensor_rank(self, rank: int, t: int):
+        if len(self.hubs) == 1:
+            return None
+        if rank not in self.tensor_ranks:
+            from tpc.executors.tensor_ranks import TensorRank
+
+            self.tensor_ranks[rank] = TensorRank(len(self.hubs), t, self.groups[t])
+        return self.tensor_ranks[rank]
 
     def _copy(self, rank: int) -> torch.nn.Module | None:
         if rank not in self.copies:
             self.copies[rank] = copy.deepcopy(self.model).to(self.device) if self.model is not None else None
         return self.copies[rank]
 
-    def _engines(self, plan: Plan, hub: _Hub, *, evaluation: bool, rendezvous: bool,
+    def _engines(self, plan: Plan, hubs: list[_Hub], *, evaluation: bool, rendezvous: bool,
                  shared: "InterpretedRanks | None" = None) -> list[RankEngine]:
         mesh = plan.header.mesh.value
         engines = []
         for r in mesh.ranks():
-            p, d = mesh.pipe_rank(r), mesh.data_rank(r)
+            p, d, t = mesh.pipe_rank(r), mesh.data_rank(r), mesh.tensor_rank(r)
+            tensor = self._tensor_rank(r, t)
             engines.append(RankEngine(
-                plan, p, d, LocalTransport(hub, plan, p, d, rendezvous),
-                self.stages.stages(plan, self._copy(r), evaluation, self.options), hidden_size=self.stages.hidden_size(plan),
-                options=self.options, device=self.device, clock=self.clock,
-                optimizer=shared.engines[r].optimizer if shared is not None else None))
+                plan, p, d, LocalTransport(hubs[t], plan, p, d, rendezvous, tensor_rank=t),
+                self.stages.stages(plan, self._copy(r), evaluation, self.options, tensor=tensor),
+                hidden_size=self.stages.hidden_size(plan), options=self.options, device=self.device,
+                clock=self.clock, optimizer=shared.engines[r].optimizer if shared is not None else None,
+                tensor=tensor))
         return engines
 
     def build(self, plan: Plan, shared: "InterpretedRanks | None") -> "InterpretedRanks":
-        engines = self._engines(plan, self.hub, evaluation=False, rendezvous=self.rendezvous, shared=shared)
-        return InterpretedRanks(plan, engines, self.model, self.device)
+        engines = self._engines(plan, self.hubs, evaluation=False, rendezvous=self.rendezvous, shared=shared)
+        return InterpretedRanks(plan, engines, self.model, self.device, groups=self._groups())
+
+    def _groups(self) -> list | None:
+        return self.groups if len(self.hubs) > 1 else None
 
     def build_eval(self, plan: Plan, training: "InterpretedRanks") -> "InterpretedRanks":
         view = plan.evaluation()
         # replica 0's (data and weight) last-stage rank holds the loss
         last = view.header.mesh.value.rank(pipe=view.header.stage_ranks(view.header.num_stages - 1)[0])
-        engines = self._engines(view, _Hub(), evaluation=True, rendezvous=False)
-        return InterpretedRanks(view, engines, self.model, self.device, loss_rank=last)
+        engines = self._engines(view, [_Hub() for _ in self.hubs], evaluation=True, rendezvous=False)
+        return InterpretedRanks(view, engines, self.model, self.device, loss_rank=last, groups=self._groups())
 
     def waiting(self, what: str):
         return contextlib.nullcontext()  # a blocked rank here raises Blocked; nothing waits
@@ -380,21 +449,29 @@ class InterpretedRanks:
     """Every rank of one plan, run cooperatively in this process."""
 
     def __init__(self, plan: Plan, engines: list[RankEngine], model, device: torch.device,
-                 loss_rank: int | None = None):
+                 loss_rank: int | None = None, groups: list | None = None):
+        """`groups`: with a tensor axis, the `ThreadGroup` of each tensor coordinate, whose
+        ranks run on a thread each."""
         self.plan, self.engines, self.model, self.device = plan, engines, model, device
         self.loss_rank = loss_rank
+        self.groups = groups
 
     def _run(self, step: int, tokens: torch.Tensor) -> list:
         """Every engine's stream once; their losses, on the device (not read)."""
         for e in self.engines:
             e.begin_step(step, tokens)
-        run_cooperatively(self.engines)
+        if self.groups is None:
+            run_cooperatively(self.engines)
+        else:
+            run_tensor_threads(self.engines, self.groups)
         return [e.end_step() for e in self.engines]
 
     def step(self, step: int, tokens: torch.Tensor) -> float:
         # the step's one read: every rank's loss and gradient norm in one transfer, queued after
-        # the optimizer's kernels, so the step is done on the device when it returns
-        return sum(read_step(self._run(step, tokens), self.engines))
+        # the optimizer's kernels, so the step is done on the device when it returns; the T
+        # ranks of a tensor group compute the same loss: tensor rank 0's counts
+        losses = [loss if e.tensor_rank == 0 else 0.0 for e, loss in zip(self.engines, self._run(step, tokens))]
+        return sum(read_step(losses, self.engines))
 
     def evaluate(self, k: int, tokens: torch.Tensor) -> torch.Tensor | float:
         """The loss of batch `k`, on the device: the evaluation reads its batches' losses once."""
@@ -451,7 +528,8 @@ def interpret(plan: "Plan | PlanSet", options: RunOptions | None = None, *,
     batches = batches or RandomTokens(options.seed, shape.batch, shape.seq, shape.vocab)
     if keep_grads:
         options = dataclasses.replace(options, record_grads=True)
-    executor = Interpreted(options, device, model, stages, rules == NCCL)
+    check_tensor_run(full, options, "the interpreter")
+    executor = Interpreted(options, device, model, stages, rules == NCCL, tensor=full.header.mesh.tensor)
     loop = TrainingLoop(plans, executor, options, batches=batches, eval_batches=eval_batches,
                         checkpoints=checkpoints, on_step=on_step, on_eval=on_eval)
     out = loop.run()
@@ -471,12 +549,21 @@ def interpret(plan: "Plan | PlanSet", options: RunOptions | None = None, *,
 
 def _gather(engines: list[RankEngine], items) -> dict[str, torch.Tensor]:
     """name -> tensor over replica 0's ranks; a tie is taken from the first rank holding it
-    (after reduce-tied every holder has the same value)."""
+    (after reduce-tied every holder has the same value); a parameter cut over a tensor axis is
+    put together from every tensor rank's part (tpc.compiler.tensor.ParamShard.join)."""
     out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, tuple]] = {}  # a split parameter -> tensor rank -> (shard, part)
     for e in engines:
         if e.data_rank == 0:
             for name, value in items(e):
-                out.setdefault(name, value)
+                shard = e.tensor.split(name) if e.tensor is not None else None
+                if shard is None:
+                    out.setdefault(name, value)
+                else:
+                    parts.setdefault(name, {}).setdefault(e.tensor_rank, (shard, value))
+    for name, by_rank in parts.items():
+        shard = by_rank[0][0]
+        out[name] = shard.join([by_rank[t][1] for t in range(shard.degree)])
     return out
 
 

@@ -102,15 +102,23 @@ class StageSource:
         given = dict(sliced or {})
         return StageSource(sliced={seq: given.get(seq) or slice_model(model, p) for seq, p in plans.plans.items()})
 
-    def stages(self, plan: Plan, model_copy, evaluation: bool = False, options=None):
+    def stages(self, plan: Plan, model_copy, evaluation: bool = False, options=None, tensor=None):
         """The StageFactory of `plan`'s stages over `model_copy`'s parameters (`evaluation`: as
         `model.eval()` runs them, for the evaluation program), each run as `options` (RunOptions)
-        and the plan say (`engine.programs_for`)."""
+        and the plan say (`engine.programs_for`). `tensor`: the rank's `TensorRank` on a mesh
+        with a tensor axis (executors/tensor_ranks.py): its part of each stage."""
         if self.factory_for is not None:
             if evaluation:
                 raise TpirError(Diagnostic("evaluation needs the model's front end (`sliced`)",
                                            hint="run with the plan's model, not a stand-in stage factory"))
+            if tensor is not None:
+                raise TpirError(Diagnostic("a tensor axis needs the model's front end (`sliced`)",
+                                           hint="run with the plan's model, not a stand-in stage factory"))
             return self.factory_for(model_copy)
+        if tensor is not None:
+            from tpc.executors.tensor_ranks import tensor_stage_factory
+
+            return tensor_stage_factory(self.sliced[plan.header.shape.seq], model_copy, tensor, evaluation)
         from tpc.executors.engine import programs_for, stage_factory_from_model
         from tpc.executors.options import RunOptions
 

@@ -27,7 +27,7 @@ from tpc.executors.options import RunOptions
 from tpc.executors.oracle import batch_reference, gradient_error, gradient_floor
 from tpc.executors.plan_model import check_plan_model, load_plan_model
 from tpc.executors.training_loop import PlanSet
-from tpc.executors.world import check_no_tensor_axis
+from tpc.executors.tensor_ranks import check_tensor_run
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
 from tpc.ir.semantics import DEFAULT_COMM, CommRules
@@ -94,7 +94,7 @@ class RunSetup:
             check_plan_model(plan)
             plans = PlanSet.single(plan)
             batches = batch_source(plan, options)
-        check_no_tensor_axis(plans.full, "the interpreter" if interpreted else "the distributed executor")
+        check_tensor_run(plans.full, options, "the interpreter" if interpreted else "the distributed executor")
         check_bf16(options, device)
         # a rank of a distributed run builds only its stages' weights, later (distributed.py);
         # here the model without weights names them
@@ -163,11 +163,18 @@ class GradientCheck:
             self._ref = batch_reference(self.model, tokens)
         return self._ref
 
-    def compare_part(self, grads: dict[str, torch.Tensor], tokens: torch.Tensor):
+    def compare_part(self, grads: dict[str, torch.Tensor], tokens: torch.Tensor, shards=None, tensor_rank: int = 0):
         """(worst error, its parameter, names compared) over the parameters in `grads` (one
-        rank's share, or all of them)."""
+        rank's share, or all of them). `shards` (name -> ParamShard): the parameters `grads`
+        holds tensor rank `tensor_rank`'s part of, compared with that part of autograd's."""
         ref = self.reference(tokens)
-        mine = {n: ref.grads[n] for n in grads if n in ref.grads}
+        shards = shards or {}
+
+        def part(n):
+            shard = shards.get(n)
+            return ref.grads[n] if shard is None or shard.replicated else shard.take(ref.grads[n], tensor_rank)
+
+        mine = {n: part(n) for n in grads if n in ref.grads}
         extra = sorted(set(grads) - set(ref.grads))
         if extra:
             return float("inf"), f"{extra[0]} is not a parameter of the model", set(grads)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from tpc.executors.rank_layout import describe as describe_layout
 from tpc.ir.diagnostics import Diagnostic, TpirError
-from tpc.ir.mesh import DATA, PIPE
+from tpc.ir.mesh import DATA, PIPE, TENSOR
 from tpc.ir.nodes import Plan
 
 
@@ -79,10 +79,9 @@ def check_world(plan: Plan, world: World) -> None:
 
 
 def check_no_tensor_axis(plan: Plan, by: str) -> None:
-    """Refuse a plan whose mesh has a tensor axis (`mesh ... tensor T`, format version 4): the
-    format and the verifier know the axis (docs/ir.md, "The tensor axis"), but neither executor
-    splits a stage's weights over tensor ranks yet, nor does the simulator price the split, and
-    running each tensor rank as a whole copy of its stage would train wrongly."""
+    """Refuse a plan whose mesh has a tensor axis (`mesh ... tensor T`, format version 4) where
+    `by` does not model the axis: the simulator, whose timeline has no tensor collectives (the
+    executors run it: executors/tensor_ranks.py)."""
     mesh = plan.header.mesh
     if mesh.tensor != 1:
         raise TpirError(Diagnostic(
@@ -102,12 +101,14 @@ class Groups:
     # stage -> the group of the ranks holding its weight replicas (this data replica's)
     replicas: dict[int, object | None] = field(default_factory=dict)
     pipeline: object | None = None  # this replica's pipeline ranks (the global gradient norm)
+    tensor: object | None = None  # the ranks sharing this rank's stages' weights (a tensor axis)
 
 
 def make_groups(plan: Plan, world: World, timeout: float, *, pipeline: bool = False) -> Groups:
     """Every group of the plan's mesh, created by every rank in the same order; this rank keeps
     its own: its data-parallel group, each tie's ranks in its replica, each replicated stage's
-    ranks in its replica, and (only when asked: the global gradient norm) its pipeline."""
+    ranks in its replica, (only when asked: the global gradient norm) its pipeline, and with a
+    tensor axis its tensor group."""
     h = plan.header
     mesh = h.mesh.value
     me = world.rank
@@ -138,6 +139,8 @@ def make_groups(plan: Plan, world: World, timeout: float, *, pipeline: bool = Fa
                 groups.replicas[st.index] = g
     if pipeline and mesh.pipe > 1:
         groups.pipeline = create(mesh.groups(PIPE))
+    if mesh.tensor > 1:
+        groups.tensor = create(mesh.groups(TENSOR))
     return groups
 
 

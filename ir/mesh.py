@@ -85,8 +85,10 @@ class Mesh:
     # ------------------------------------------------------ rank <-> coordinates
 
     def rank(self, **coords: int) -> int:
-        """The global rank at `coords` (an axis left out is at 0): `mesh.rank(pipe=p, data=d)`."""
-        unknown = set(coords) - set(self.names)
+        """The global rank at `coords` (an axis left out is at 0; `tensor=0` is accepted without
+        a tensor axis): `mesh.rank(pipe=p, data=d)`."""
+        # a plan without a tensor axis has every rank at tensor coordinate 0
+        unknown = {k for k, v in coords.items() if k not in self.names and not (k == TENSOR and v == 0)}
         if unknown:
             raise KeyError(f"the mesh has no axis {sorted(unknown)[0]!r} (its axes: {', '.join(self.names)})")
         rank, stride = 0, 1

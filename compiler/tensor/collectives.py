@@ -115,6 +115,11 @@ class ThreadGroup:
     def reduce_scatter(self, t, dim):
         return _part(self.all_reduce(t), dim, self.rank, self.size).contiguous()
 
+    def abort(self) -> None:
+        """Break the group at once: a rank that failed never arrives, so the others' waits end
+        now (threading.BrokenBarrierError) instead of after the barrier's timeout."""
+        self._shared.barrier.abort()
+
 
 def thread_groups(size: int) -> list[ThreadGroup]:
     """The handles of the `size` ranks of one in-process group, rank r at index r."""

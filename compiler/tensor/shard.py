@@ -232,11 +232,13 @@ class TensorStage(StageModule):
 
 
 def shard_stage(sm, lo: int, hi: int, degree: int, rank: int, group, params_from: nn.Module | None = None,
-                with_loss: bool = True, evaluation: bool = False) -> TensorStage:
+                with_loss: bool = True, evaluation: bool = False, held: dict | None = None) -> TensorStage:
     """Tensor rank `rank`'s module of units [lo, hi) of the `SlicedModel` `sm`, split over
     `degree` ranks; `group` the rank's `TensorGroup`. Parameters are copied from `params_from`
     (default: the model) and cut by their `ParamShard`. `evaluation`: dropout off, as
-    `SlicedModel.stage_module` builds it."""
+    `SlicedModel.stage_module` builds it. `held` (name -> Parameter): the rank's parts already
+    made, shared with its other stages (a tie on one rank, the evaluation's stages); the parts
+    made here are added to it."""
     ctx = sm.context
     graph, sites = build_stage_graph(ctx, lo, hi, with_loss)
     if evaluation:
@@ -253,9 +255,14 @@ def shard_stage(sm, lo: int, hi: int, degree: int, rank: int, group, params_from
         if n.op != "get_attr" or n.target == GROUP_ATTR:
             continue
         t = n.target
-        if t in params:
+        if held is not None and t in held:
+            attrs[t] = ("param", held[t])
+        elif t in params:
             p = params[t]
-            attrs[t] = ("param", nn.Parameter(shards[t].take(p, rank), requires_grad=p.requires_grad))
+            part = nn.Parameter(shards[t].take(p, rank), requires_grad=p.requires_grad)
+            attrs[t] = ("param", part)
+            if held is not None:
+                held[t] = part
         elif t in buffers:
             attrs[t] = ("buffer", buffers[t])
         else:

@@ -52,17 +52,19 @@ def test_t2_the_tensor_degree_divides_the_vocabulary():
     assert "divides 16" in d.hint
 
 
-def test_the_executors_and_the_simulator_refuse_a_tensor_axis(tmp_path, capsys):
+def test_the_simulator_refuses_a_tensor_axis(tmp_path, capsys):
+    """The simulator's timeline has no tensor collectives: it refuses the axis, located at the
+    mesh line (the executors run it: tests/executors/test_tensor_parallel.py)."""
     from tpc.cli.main import main
     from tpc.executors.world import check_no_tensor_axis
 
     plan = parse(with_mesh("mesh pipe 2 data 1 tensor 2"), file="p.tpir")
     with pytest.raises(TpirError) as e:
-        check_no_tensor_axis(plan, "the interpreter")
+        check_no_tensor_axis(plan, "the simulator")
     assert "splits each stage over 2 tensor ranks (mesh pipe 2 data 1 tensor 2)" in str(e.value)
-    assert "the interpreter does not run a tensor axis yet" in str(e.value)
+    assert "the simulator does not run a tensor axis yet" in str(e.value)
     path = tmp_path / "plan.tpir"
     path.write_text(with_mesh("mesh pipe 2 data 1 tensor 2"))
     assert main(["simulate", str(path), "--unit"]) != 0
     assert "the simulator does not run a tensor axis yet" in capsys.readouterr().err
-    check_no_tensor_axis(parse(GOLDEN), "the interpreter")  # no tensor axis: nothing to refuse
+    check_no_tensor_axis(parse(GOLDEN), "the simulator")  # no tensor axis: nothing to refuse  # no tensor axis: nothing to refuse
