@@ -70,8 +70,13 @@ def test_bad_coordinates_are_refused():
     mesh = Mesh.of(2, 2)
     with pytest.raises(ValueError, match="pipe coordinate 2"):
         mesh.rank(pipe=2)
+    with pytest.raises(KeyError, match="expert"):
+        mesh.rank(expert=0)
+    # without a tensor axis every rank is at tensor coordinate 0 (as `tensor_rank` says), and
+    # at no other
+    assert mesh.rank(pipe=1, data=1, tensor=0) == mesh.rank(pipe=1, data=1) == 3
     with pytest.raises(KeyError, match="tensor"):
-        mesh.rank(tensor=0)
+        mesh.rank(tensor=1)
     with pytest.raises(ValueError, match="outside"):
         mesh.coords(4)
     with pytest.raises(ValueError, match="size >= 1"):
