@@ -33,7 +33,7 @@ from tpc.executors.training.batches import BatchSource, RandomTokens
 from tpc.executors.engine import Blocked, Clock, RankEngine, RankError, TraceEvent, read_step
 from tpc.executors.options import RunOptions
 from tpc.executors.plan_model import StageSource, load_plan_model
-from tpc.executors.tensor_ranks import check_tensor_run
+from tpc.executors.tensor_ranks import check_tensor_run, held_bytes
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
 from tpc.executors.training_loop import PlanSet, TrainingLoop
@@ -57,6 +57,8 @@ class RunResult:
     first_grads: dict[str, torch.Tensor] = field(default_factory=dict)
     # (completed steps, validation loss) of each evaluation (with `eval_batches`)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    # global rank -> (parameter bytes, optimizer-state bytes) it holds after the run
+    held_bytes: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 class _Hub:
@@ -544,6 +546,7 @@ def interpret(plan: "Plan | PlanSet", options: RunOptions | None = None, *,
         events=[ev for e in every for ev in e.events],
         first_grads=out.first_grads,
         eval_losses=out.eval_losses,
+        held_bytes={e.global_rank: held_bytes(e) for e in engines},
     )
 
 

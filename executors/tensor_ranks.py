@@ -112,3 +112,21 @@ def check_tensor_run(plan: Plan, options, by: str) -> None:
             f"{by}: --shard-optimizer with a tensor axis (mesh {mesh.sizes}) is not built", **where,
             hint="drop --shard-optimizer: each tensor rank already keeps 1/T of a split weight's "
                  "optimizer state"))
+
+
+def held_bytes(engine) -> tuple[int, int]:
+    """(parameter bytes, optimizer-state bytes) a rank's engine holds: every tensor of its
+    stages' parameters once (a tie on the rank once, a tensor rank's part at its size) and the
+    tensors of their optimizer state."""
+    seen: set[int] = set()
+    params = optim = 0
+    for _, p in engine.named_parameters:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        params += p.numel() * p.element_size()
+        state = engine.optimizer.state_of(p) if engine.optimizer is not None and engine.optimizer.optimizes(p) else None
+        for v in (state or {}).values():
+            if isinstance(v, torch.Tensor):
+                optim += v.numel() * v.element_size()
+    return params, optim

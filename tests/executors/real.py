@@ -45,10 +45,11 @@ def traced(path: str, seq_len: int):
 
 def real_plan(name: str, *, stages: int, microbatches: int, slices: str, schedule: str, seq_len: int = 16,
               batch: int = 4, dp: int = 1, path: str | None = None, ranks: int | None = None,
-              recompute: str | dict = "none") -> Plan:
+              recompute: str | dict = "none", tensor: int = 1) -> Plan:
     """A verified plan for tiny_NAME.py (or the model file `path`). `ranks`: put the stages on
     that many pipeline ranks in the schedule's placement (several chunks per rank); `recompute`:
-    'none', 'full', or a choice per stage."""
+    'none', 'full', or a choice per stage; `tensor`: each stage split over that many tensor
+    ranks (the mesh's tensor axis, format version 4)."""
     path = path or model_file(name)
     model, sliced, vocab = traced(path, seq_len)
     opts = check_options(stages=str(stages), microbatches=microbatches, seq_len=seq_len, batch=batch,
@@ -60,7 +61,18 @@ def real_plan(name: str, *, stages: int, microbatches: int, slices: str, schedul
         header = place(header, PLACEMENTS[placement_of(schedule)](stages, ranks))
     compute = build_schedule(schedule, header)
     choice = uniform(header, recompute) if isinstance(recompute, str) else recompute
-    return lower(header, apply_recompute(compute, choice))
+    plan = lower(header, apply_recompute(compute, choice))
+    if tensor != 1:
+        import dataclasses
+
+        from tpc.ir.nodes import MeshLine
+        from tpc.ir.verify import check
+
+        h = plan.header
+        mesh = MeshLine(pipe=h.mesh.pipe, data=h.mesh.data, tensor=tensor)
+        plan = dataclasses.replace(plan, header=dataclasses.replace(h, mesh=mesh, version=4))
+        check(plan)
+    return plan
 
 
 def fresh_model(name: str, seq_len: int = 16):
