@@ -55,7 +55,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from tpc.executors.training.shard_pieces import Pieces, load_planner, save_planner
+from tpc.executors.training.shard_pieces import Chunks, load_planner, save_planner
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.files import atomic_write_text, describe_os_error, fsync_folder
 
@@ -86,7 +86,8 @@ def run_meta(header, plan_sha256: str, optimizer: str) -> dict:
     path is made absolute: export may run from another directory."""
     return {
         "plan_sha256": plan_sha256,
-        "mesh": {"pipe": header.mesh.pipe, "data": header.mesh.data},
+        "mesh": {"pipe": header.mesh.pipe, "data": header.mesh.data,
+                 **({"tensor": header.mesh.tensor} if header.mesh.tensor != 1 else {})},
         "plan": plan_summary(header),
         "optimizer": optimizer,
         "model_path": os.path.abspath(header.model.path),
@@ -98,7 +99,8 @@ def run_meta(header, plan_sha256: str, optimizer: str) -> dict:
 
 
 def plan_summary(header) -> dict[str, str]:
-    """The plan in a few words, each entry comparable on its own: mesh (pipe x data), stages (unit
+    """The plan in a few words, each entry comparable on its own: mesh (pipe x data, and
+    x tensor with a tensor axis), stages (unit
     ranges, with their ranks when a rank holds several), schedule, micro-batches (a replica's
     rows), token slices (lengths; per micro-batch when they differ) and the sequence length."""
     stages = " ".join(f"{st.units[0]}:{st.units[1]}" for st in header.stages)
@@ -107,7 +109,7 @@ def plan_summary(header) -> dict[str, str]:
     slices = [",".join(str(hi - lo) for lo, hi in mb.slices) for mb in header.microbatches]
     sizes = [mb.size for mb in header.microbatches]
     return {
-        "mesh": f"{header.mesh.pipe}x{header.mesh.data}",
+        "mesh": f"{header.mesh.pipe}x{header.mesh.data}" + (f"x{header.mesh.tensor}" if header.mesh.tensor != 1 else ""),
         "stages": stages,
         "schedule": header.schedule.name,
         "micro-batches": (f"{len(sizes)} of {sizes[0]} rows" if len(set(sizes)) == 1
@@ -553,7 +555,7 @@ def _check_against_stored(step_dir: Path, flat: dict[str, Any], stored: dict[str
         entry = stored.get(key)
         if entry is None:
             problems.append(f"{key} is not in the checkpoint")
-        elif isinstance(value, (torch.Tensor, Pieces)):
+        elif isinstance(value, (torch.Tensor, Chunks)):
             if not isinstance(entry, TensorStorageMetadata):
                 problems.append(f"{key} is stored as a plain value, expected a tensor")
             elif tuple(entry.size) != tuple(value.shape) or entry.properties.dtype != value.dtype:

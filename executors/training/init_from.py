@@ -143,8 +143,8 @@ def init_engines(engines: Sequence, path: str | Path, names: ModelNames) -> Weig
     tensors = read_matched(weights, chosen, list(held))
     with torch.no_grad():
         for name, copies in held.items():
-            for h in copies:
-                h.param.copy_(tensors[name])
+            for h in copies:  # a part cut over the tensor axis: the rank's part of the weight
+                h.param.copy_(tensors[name] if h.shard is None else h.shard.take(tensors[name], h.tensor_rank))
     return weights
 
 

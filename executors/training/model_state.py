@@ -35,7 +35,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tpc.executors.training import checkpoint
-from tpc.executors.training.shard_pieces import Pieces
+from tpc.executors.training.shard_pieces import Chunks, Pieces
 from tpc.ir.diagnostics import Diagnostic, TpirError
 
 _RANK_KEY = re.compile(r"^rank(\d+)\.(params|optim|rng|data|step)(?:\.(.+))?$")
@@ -60,10 +60,14 @@ def engine_parameters(engine) -> list[tuple[str, torch.nn.Parameter]]:
 @dataclass
 class Holder:
     """One copy of a parameter: the tensor and the rank's optimizer that updates it (a
-    `RankOptimizer` or a `ShardedOptimizer`; None for a frozen parameter)."""
+    `RankOptimizer` or a `ShardedOptimizer`; None for a frozen parameter). On a mesh with a
+    tensor axis, a parameter cut over it has its `shard` (compiler/tensor ParamShard), and
+    `param` is tensor rank `tensor_rank`'s part."""
 
     param: torch.nn.Parameter
     optimizer: object | None
+    shard: object | None = None
+    tensor_rank: int = 0
 
 
 def holders(engines: Sequence) -> dict[str, list[Holder]]:
@@ -71,9 +75,66 @@ def holders(engines: Sequence) -> dict[str, list[Holder]]:
     out: dict[str, list[Holder]] = {}
     for e in engines:
         opt = e.optimizer
+        tensor = getattr(e, "tensor", None)
         for name, p in engine_parameters(e):
-            out.setdefault(name, []).append(Holder(p, opt if opt.optimizes(p) else None))
+            shard = tensor.split(name) if tensor is not None else None
+            out.setdefault(name, []).append(Holder(p, opt if opt.optimizes(p) else None, shard,
+                                                   getattr(e, "tensor_rank", 0)))
     return out
+
+
+# ------------------------------------------------------------------- tensor-parallel parts
+
+
+def by_tensor_rank(copies: list[Holder]) -> dict[int, list[Holder]]:
+    """The copies of a parameter grouped by tensor rank (one group without a tensor axis):
+    the copies of a group hold the same values, those of two groups other parts."""
+    out: dict[int, list[Holder]] = {}
+    for h in copies:
+        out.setdefault(h.tensor_rank if h.shard is not None else 0, []).append(h)
+    return out
+
+
+def tensor_chunks(shard, parts: Mapping[int, torch.Tensor]) -> Chunks:
+    """The checkpoint entry of a parameter cut over the tensor axis (or a tensor of its shape:
+    an optimizer moment) from the parts of the tensor ranks in `parts` (all of them in the
+    interpreter, this process's under torchrun): a rectangle of the whole tensor per segment
+    of each part, so a run with another tensor degree reads the overlap it needs."""
+    boxes = []
+    any_part = next(iter(parts.values()))
+    for t, part in sorted(parts.items()):
+        at = 0
+        for a, b in shard.ranges(t):
+            offsets = [0] * part.dim()
+            offsets[shard.dim] = a
+            sizes = list(part.shape)
+            sizes[shard.dim] = b - a
+            boxes.append((tuple(offsets), tuple(sizes), part.narrow(shard.dim, at, b - a)))
+            at += b - a
+    whole = list(any_part.shape)
+    whole[shard.dim] = sum(shard.segments)
+    return Chunks(tuple(whole), any_part.dtype, boxes)
+
+
+def _entries(copies: list[Holder]) -> tuple[torch.Tensor | Chunks, dict | None]:
+    """(the parameter's checkpoint entry, its optimizer state's) from its copies: the first
+    copy's, or for a parameter cut over the tensor axis the parts of every tensor rank present,
+    each moment likewise (a plain value, AdamW's step count, from the first)."""
+    first = copies[0]
+    if first.shard is None:
+        return first.param.detach(), _state(copies)
+    firsts = {t: group[0] for t, group in by_tensor_rank(copies).items()}
+    entry = tensor_chunks(first.shard, {t: h.param.detach() for t, h in firsts.items()})
+    if first.optimizer is None:
+        return entry, None
+    states = {t: h.optimizer.state_of(h.param) or {} for t, h in firsts.items()}
+    state = {}
+    for field, value in states[min(states)].items():
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(first.param.shape):
+            state[field] = tensor_chunks(first.shard, {t: st[field] for t, st in states.items()})
+        else:
+            state[field] = value
+    return entry, state or None
 
 
 def _state(copies: list[Holder]) -> dict | None:
@@ -109,8 +170,7 @@ def state_to_save(engines: Sequence, done: int, data: Mapping) -> dict[str, Any]
     params: dict[str, torch.Tensor] = {}
     optim: dict[str, dict] = {}
     for name, copies in holders(engines).items():
-        params[name] = copies[0].param.detach()
-        state = _state(copies)
+        params[name], state = _entries(copies)
         if state:
             optim[name] = state  # the same tensors (or parts of them)
     return {
@@ -246,10 +306,11 @@ def load_state(step_dir: Path, layout: Layout, engines: Sequence, *, process_gro
     scalars: list[tuple[list[Holder], str, torch.Tensor]] = []
     for name, copies in held.items():
         first = copies[0]
-        template[layout.param_key(name)] = first.param.detach()
+        entry, live = _entries(copies)
+        template[layout.param_key(name)] = entry
         if first.optimizer is None:
             continue
-        live, stored = _state(copies) or {}, layout.optim_keys(name)
+        live, stored = live or {}, layout.optim_keys(name)
         if not stored:  # the parameter had no gradient before the checkpoint: no state yet
             stateless.extend(copies)
             continue
@@ -277,7 +338,11 @@ def load_state(step_dir: Path, layout: Layout, engines: Sequence, *, process_gro
     checkpoint.load_checkpoint(step_dir, template, process_group=process_group)
     with torch.no_grad():
         for name, copies in held.items():
-            _copy_to_others(copies)
+            groups = list(by_tensor_rank(copies).values())
+            for group in groups[1:]:  # a plain value of the state (a step count) is read once
+                _copy_plain_state(groups[0][0], group[0])
+            for group in groups:
+                _copy_to_others(group)
         for copies, field, value in scalars:
             for h in copies:
                 if h.optimizer is not None and h.optimizer.sharded:
@@ -287,6 +352,23 @@ def load_state(step_dir: Path, layout: Layout, engines: Sequence, *, process_gro
             h.optimizer.forget(h.param)
     rng = {field: template[key] for field, key in rng_keys.items() if key in template} or None
     return Loaded(step=template[layout.step_key], data={f: template[k] for f, k in layout.data_keys.items()}, rng=rng)
+
+
+def _copy_plain_state(source: Holder, target: Holder) -> None:
+    """The optimizer state's fields other than tensors of the parameter's shape (AdamW's step
+    count), read into `source` (tensor rank 0's part), copied to `target` (another tensor
+    rank's part, whose moments were read into it)."""
+    if source.optimizer is None or target.optimizer is None:
+        return
+    theirs = source.optimizer.state_of(source.param) or {}
+    mine = target.optimizer.opt.state[target.param]
+    for field, value in theirs.items():
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(source.param.shape):
+            continue
+        if isinstance(value, torch.Tensor) and isinstance(mine.get(field), torch.Tensor):
+            mine[field].copy_(value)
+        else:
+            mine[field] = value
 
 
 def _copy_to_others(copies: list[Holder]) -> None:
@@ -322,8 +404,10 @@ def _check_params(step_dir: Path, layout: Layout, held: Mapping[str, list[Holder
             continue
         shape, dtype = layout.shape(name)
         p = copies[0].param
-        if shape != tuple(p.shape) or dtype != p.dtype:
-            wrong.append(f"{name}: checkpoint {dtype} {list(shape)}, this run {p.dtype} {list(p.shape)}")
+        whole = tuple(tensor_chunks(copies[0].shard, {copies[0].tensor_rank: p}).shape) \
+            if copies[0].shard is not None else tuple(p.shape)
+        if shape != whole or dtype != p.dtype:
+            wrong.append(f"{name}: checkpoint {dtype} {list(shape)}, this run {p.dtype} {list(whole)}")
     if missing or wrong:
         parts = ([f"not in the checkpoint: {listing(missing)}"] if missing else []) + \
                 ([f"shapes differ: {listing(wrong, '; ')}"] if wrong else [])

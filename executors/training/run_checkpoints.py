@@ -273,10 +273,12 @@ def describe_resume(meta: dict, now: dict, found: Path, step: int) -> str:
     mesh = meta.get("mesh") or {}
     old = dict(meta.get("plan") or {"mesh": f"{mesh.get('pipe')}x{mesh.get('data')}"})
     new = now["plan"]
+    # "2x1", or "2x1x2" with a tensor axis
+    axes = "(pipe x data x tensor)" if max(old["mesh"].count("x"), new["mesh"].count("x")) == 2 else "(pipe x data)"
     if old["mesh"] != new["mesh"]:
-        where = f"from a {old['mesh']} mesh on a {new['mesh']} mesh (pipe x data)"
+        where = f"from a {old['mesh']} mesh on a {new['mesh']} mesh {axes}"
     else:
-        where = f"on the same {new['mesh']} mesh (pipe x data)"
+        where = f"on the same {new['mesh']} mesh {axes}"
     changes = [f"{k} {old[k]} -> {new[k]}" for k in new if k != "mesh" and k in old and old[k] != new[k]]
     if "plan" not in meta:
         changes.append("another plan (this checkpoint, of format 1, does not describe its plan)")

@@ -61,29 +61,25 @@ class Part:
     flat: torch.Tensor
 
 
-class Pieces:
-    """A checkpoint entry: some flat ranges of a tensor of `shape` and `dtype`, in live tensors
-    (saving reads them, loading fills them in place). The ranges of every holder of a key
-    together tile the tensor exactly once (DCP checks the chunks of a save cover it)."""
+class Chunks:
+    """A checkpoint entry: rectangles of a tensor of `shape` and `dtype`, each (offsets, sizes,
+    a view of live storage holding it): saving reads the views, loading fills them in place.
+    The rectangles of every holder of a key together tile the tensor exactly once (DCP checks
+    the chunks of a save cover it). A tensor rank's part of a weight cut over the tensor axis
+    is one rectangle per segment (compiler/tensor ParamShard)."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, parts: list[Part]):
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype,
+                 boxes: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]):
         self.shape, self.dtype = tuple(shape), dtype
-        self.parts = sorted(parts, key=lambda p: p.lo)
-        self._boxes: list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]] = []
-        for part in self.parts:
-            at = part.lo
-            for offsets, sizes in range_boxes(self.shape, part.lo, part.hi):
-                n = math.prod(sizes)
-                self._boxes.append((offsets, sizes, part.flat[at - part.lo: at - part.lo + n].view(sizes)))
-                at += n
+        self._boxes = list(boxes)
 
-    def merged(self, other: "Pieces") -> "Pieces":
-        """These parts and `other`'s (the holders of one process: the interpreter's replicas)."""
-        return Pieces(self.shape, self.dtype, self.parts + other.parts)
+    def merged(self, other: "Chunks") -> "Chunks":
+        """These rectangles and `other`'s (the holders of one process: the interpreter's ranks)."""
+        return Chunks(self.shape, self.dtype, self._boxes + other._boxes)
 
     @property
     def numel(self) -> int:
-        return sum(p.hi - p.lo for p in self.parts)
+        return sum(math.prod(sizes) for _, sizes, _ in self._boxes)
 
     # --------------------------------------------------------- DCP's checkpointable protocol
 
@@ -109,18 +105,42 @@ class Pieces:
         raise ValueError(f"{index.fqn}: no part at offsets {tuple(index.offset)}")
 
 
+class Pieces(Chunks):
+    """A checkpoint entry: some flat ranges of a tensor of `shape` and `dtype`, in live tensors
+    (the module docstring): each range written as the rectangles that tile it."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, parts: list[Part]):
+        self.parts = sorted(parts, key=lambda p: p.lo)
+        boxes = []
+        for part in self.parts:
+            at = part.lo
+            for offsets, sizes in range_boxes(tuple(shape), part.lo, part.hi):
+                n = math.prod(sizes)
+                boxes.append((offsets, sizes, part.flat[at - part.lo: at - part.lo + n].view(sizes)))
+                at += n
+        super().__init__(shape, dtype, boxes)
+
+    def merged(self, other: "Pieces") -> "Pieces":
+        """These parts and `other`'s (the holders of one process: the interpreter's replicas)."""
+        return Pieces(self.shape, self.dtype, self.parts + other.parts)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.hi - p.lo for p in self.parts)
+
+
 def _lookup(state_dict, index):
-    """The tensor of `index`: a `Pieces` entry's rectangle at the index's offsets, else DCP's own."""
+    """The tensor of `index`: a `Chunks` entry's rectangle at the index's offsets, else DCP's own."""
     from torch.distributed.checkpoint.utils import find_state_dict_object
 
     obj = state_dict.get(index.fqn)
-    if isinstance(obj, Pieces):
+    if isinstance(obj, Chunks):
         return obj.__get_tensor_shard__(index)
     return find_state_dict_object(state_dict, index)
 
 
 def save_planner():
-    """DCP's default save planner, finding a `Pieces` entry's rectangles (DCP looks up by
+    """DCP's default save planner, finding a `Chunks` entry's rectangles (DCP looks up by
     offsets only in tensors)."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -132,18 +152,18 @@ def save_planner():
 
 
 def load_planner():
-    """DCP's default load planner, filling a `Pieces` entry's rectangles in place."""
+    """DCP's default load planner, filling a `Chunks` entry's rectangles in place."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class PiecesLoadPlanner(DefaultLoadPlanner):
         def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
             # DCP's set-up turns entries it does not know into None: hide ours from it
-            hidden: list[tuple[dict, str, str, Pieces]] = []
+            hidden: list[tuple[dict, str, str, Chunks]] = []
 
             def hide(tree: dict, prefix: str) -> None:
                 for k, v in tree.items():
                     key = f"{prefix}.{k}" if prefix else k
-                    if isinstance(v, Pieces):
+                    if isinstance(v, Chunks):
                         hidden.append((tree, k, key, v))
                         tree[k] = None
                     elif isinstance(v, dict):

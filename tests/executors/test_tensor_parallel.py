@@ -22,6 +22,8 @@ from tpc.executors.interpreter import interpret
 from tpc.executors.oracle import batch_reference, gradient_error
 from tpc.executors.options import RunOptions
 from tpc.executors.training.batches import RandomTokens
+from tpc.executors.training.export import export_state_dict
+from tpc.executors.training.run_checkpoints import RunCheckpoints
 from tpc.executors.training.optimizer import OptimSpec
 from tpc.ir.diagnostics import TpirError
 from tpc.ir.printer import print_plan
@@ -164,7 +166,8 @@ TORCHRUN = {  # name: (stages, slices, schedule, data replicas)
 @pytest.mark.parametrize("name", list(TORCHRUN))
 def test_torchrun_gloo_matches_autograd_and_the_interpreter(name, configs, tmp_path):
     """`tpc run` under torchrun, one process per (tensor, pipe, data) rank: --verify-grads on
-    the first step, and the losses of 3 steps with clipping equal to the interpreter's."""
+    the first step, the losses of 3 steps with clipping equal to the interpreter's, and the
+    checkpoint each process wrote its parts into, exported whole, the interpreter's weights."""
     stages, slices, schedule, dp = TORCHRUN[name]
     plan = plan_for(name, configs, stages=stages, microbatches=2, slices=slices, schedule=schedule, dp=dp, tensor=2)
     path = tmp_path / "plan.tpir"
@@ -173,7 +176,8 @@ def test_torchrun_gloo_matches_autograd_and_the_interpreter(name, configs, tmp_p
     world = plan.header.mesh.value.size
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
            str(free_port()), "--no-python", tpc_command(), "run", str(path), "--steps", "3", "--verify-grads",
-           "--grad-clip", "0.5", "--metrics", str(metrics), "--timeout", "60", "--device", "cpu"]
+           "--grad-clip", "0.5", "--metrics", str(metrics), "--timeout", "60", "--device", "cpu",
+           "--checkpoint-dir", str(tmp_path / "ck")]
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -183,3 +187,27 @@ def test_torchrun_gloo_matches_autograd_and_the_interpreter(name, configs, tmp_p
     res = interpret(plan, RunOptions(steps=3, grad_clip=0.5), model=model, sliced=sliced)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(abs(r["loss"] - b) <= TOL * b for r, b in zip(rows, res.losses)), (rows, res.losses)
+    exported, meta = export_state_dict(tmp_path / "ck")
+    assert meta["mesh"]["tensor"] == 2 and set(exported) == set(res.state_dict)
+    worst = max((float((exported[k] - w).abs().max()), k) for k, w in res.state_dict.items())
+    assert worst[0] <= TOL, worst
+
+
+def test_init_from_gives_each_rank_its_part(configs, tmp_path):
+    """--init-from a whole state_dict: each tensor rank copies its part of every split weight,
+    and the first step is plain autograd's on those weights."""
+    plan = plan_for("hf-gpt2", configs, stages=2, microbatches=2, slices="2,9,5", schedule="seq1f1b", tensor=2)
+    trained, _ = fresh("hf-gpt2", configs)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.mul_(1.5).add_(0.01)
+    torch.save(trained.state_dict(), tmp_path / "w.pt")
+    model, sliced = fresh("hf-gpt2", configs)
+    opts = RunOptions(steps=1, init_from=str(tmp_path / "w.pt"), quiet=True)
+    res = interpret(plan, opts, model=model, sliced=sliced,
+                    checkpoints=RunCheckpoints.from_options(plan, opts, model=model))
+    h = plan.header
+    ref_loss, ref_grads, _ = batch_reference(trained, RandomTokens(0, h.shape.batch, SEQ, h.shape.vocab).get(0))
+    worst, where = gradient_error(res.first_grads, ref_grads)
+    assert worst <= TOL, (worst, where)
+    assert abs(res.losses[0] - ref_loss) <= TOL * abs(ref_loss)

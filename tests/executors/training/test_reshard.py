@@ -122,7 +122,8 @@ class Watch:
     def __init__(self, inner: RunCheckpoints):
         self.inner, self.lines = inner, []
         inner.say = self.lines.append
-        self.after_start: list[tuple[str, torch.Tensor, dict]] = []
+        # (name, value, AdamW state, how it is cut over the tensor axis or None, tensor rank)
+        self.after_start: list[tuple[str, torch.Tensor, dict, object, int]] = []
 
     def start(self, engines):
         step = self.inner.start(engines)
@@ -130,7 +131,8 @@ class Watch:
             opt = e.optimizer.opt
             for name, p in engine_parameters(e):
                 state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state.get(p, {}).items()}
-                self.after_start.append((name, p.detach().clone(), state))
+                shard = e.tensor.split(name) if e.tensor is not None else None
+                self.after_start.append((name, p.detach().clone(), state, shard, e.tensor_rank))
         return step
 
     def after_step(self, engines, done):
@@ -162,11 +164,15 @@ def check_resumed(watch: Watch, step_dir: Path, name: str):
     """Every copy right after the resume holds the checkpoint's weights and AdamW state exactly."""
     params, state = read_checkpoint(step_dir, name)
     seen = set()
-    for n, value, mine in watch.after_start:
+    for n, value, mine, shard, t in watch.after_start:
         seen.add(n)
-        assert torch.equal(value, params[n]), n
+
+        def part(whole):  # a tensor rank holds its part of a weight cut over the tensor axis
+            return whole if shard is None or whole.dim() == 0 else shard.take(whole, t)
+
+        assert torch.equal(value, part(params[n])), n
         assert set(mine) == set(STATE), n
-        assert all(torch.equal(mine[k], state[n][k]) for k in STATE), n
+        assert all(torch.equal(mine[k], part(state[n][k])) for k in STATE), n
     assert seen == set(params)  # the new plan's stages hold every parameter
 
 
@@ -200,6 +206,17 @@ CASES = {
                                 dict(stages=2, microbatches=2, slices="2", schedule="1f1b")),
     "seq1f1b 2x1 -> chimera 4x1": ("llama", dict(stages=2, microbatches=2, slices="2", schedule="seq1f1b"),
                                    dict(stages=4, microbatches=4, slices="3", schedule="chimera")),
+    # a tensor axis: each rank's part of the split weights and of their AdamW moments written as
+    # rectangles of the whole tensor, read back at another tensor degree (none, or 2 with data
+    # replicas); the tiny Llama's one key/value head is replicated over the 2 ranks
+    "2x1 -> 2x1x2 (tensor parallel)": ("gpt_nobias", dict(stages=2, microbatches=2, slices="2", schedule="seq1f1b"),
+                                       dict(stages=2, microbatches=2, slices="3", schedule="1f1b", tensor=2)),
+    "2x1x2 -> 2x1 (tensor parallel)": ("llama", dict(stages=2, microbatches=2, slices="2", schedule="seq1f1b",
+                                                     tensor=2),
+                                       dict(stages=2, microbatches=1, slices="4", schedule="gpipe")),
+    "2x1x2 -> 1x2x2 (tensor parallel)": ("gpt_nobias", dict(stages=2, microbatches=2, slices="2", schedule="1f1b",
+                                                            tensor=2),
+                                         dict(stages=1, microbatches=1, slices="2", schedule="gpipe", dp=2, tensor=2)),
 }
 
 
@@ -213,8 +230,8 @@ def test_resume_under_another_plan_is_plain_pytorch(case, tmp_path):
     losses_b, watch = train(plan_b, name, N + 1, tmp_path, resume=True)
     check_resumed(watch, tmp_path / "step_000003", name)
     check_next_step(losses_b[0], name, tmp_path / "step_000003", tmp_path / "step_000004")
-    mesh_a = f"{plan_a.header.mesh.pipe}x{plan_a.header.mesh.data}"
-    mesh_b = f"{plan_b.header.mesh.pipe}x{plan_b.header.mesh.data}"
+    mesh_a, mesh_b = (f"{h.mesh.pipe}x{h.mesh.data}" + (f"x{h.mesh.tensor}" if h.mesh.tensor > 1 else "")
+                      for h in (plan_a.header, plan_b.header))
     line = watch.lines[0]
     assert line.startswith(f"resuming step 3 of {tmp_path / 'step_000003'} ")
     assert (f"from a {mesh_a} mesh on a {mesh_b} mesh" if mesh_a != mesh_b else f"on the same {mesh_a} mesh") in line
