@@ -42,11 +42,11 @@ def val_file(folder: Path, n: int = 2000, vocab: int = 256, meta: dict | None = 
     return str(folder / "val.bin")
 
 
-def eval_plan(name: str, *, dp: int = 1, eval_slices=None, schedule: str = "seq1f1b"):
+def eval_plan(name: str, *, dp: int = 1, eval_slices=None, schedule: str = "seq1f1b", tensor: int = 1):
     """A pp=2 plan of tiny_NAME whose evaluation program has its own slicing: `eval_slices`
     for each of its micro-batches (None: the training program's micro-batches)."""
     plan = real_plan(name, stages=2, microbatches=2, slices="2", schedule=schedule, dp=dp,
-                     seq_len=SEQ, batch=BATCH)
+                     seq_len=SEQ, batch=BATCH, tensor=tensor)
     h = plan.header
     mbs = None
     if eval_slices is not None:
@@ -76,6 +76,8 @@ CASES = {
     "pp2-dropout": dict(name="gpt_dropout", eval_slices=THREE),
     # two pipelines over weight replicas: the evaluation runs on replica 0's
     "pp2-chimera": dict(name="llama", eval_slices=THREE, schedule="chimera"),
+    # each rank's evaluation stages share its parts of the weights with its training stages
+    "pp2xtp2-sliced": dict(name="gpt", tensor=2, eval_slices=THREE),
 }
 
 
