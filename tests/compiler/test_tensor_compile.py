@@ -136,14 +136,17 @@ def test_a_measured_profile_is_divided_by_t_with_the_collectives_on_its_link():
         assert two.param_bytes(stage) == one.param_bytes(stage) // 2
 
 
-def test_the_analytic_model_prices_its_all_reduce_with_the_shared_formula():
-    from tpc.compiler.costmodel import AnalyticCostModel, ModelShapes
+def test_the_tensor_groups_all_reduce_is_a_ring_on_the_nodes_link():
+    """The formula the analytic model's `op` degree and the graph model's tensor split share."""
     from tpc.compiler.costmodel.devices import V100
 
-    shapes = ModelShapes(4, 1024, 16, 50304, with_embedding=False, with_head=False)
-    cm = AnalyticCostModel(V100, shapes, (4,), op=8)
-    assert cm._allreduce(1e6) == V100.group_allreduce_time(1e6, 8) > 0
-    assert AnalyticCostModel(V100, shapes, (4,), op=1)._allreduce(1e6) == 0
+    d, n = V100, 1e6
+    assert d.group_allreduce_time(n, 1) == 0
+    assert d.group_allreduce_time(n, 8) == pytest.approx(
+        d.launch_overhead + 14 * d.intra_node_latency + 2 * 7 / 8 * n / d.intra_node_bandwidth)
+    across = d.group_allreduce_time(n, 16)  # two nodes: the network, at the collective efficiency
+    assert across == pytest.approx(d.launch_overhead + 30 * d.inter_node_latency
+                                   + 2 * 15 / 16 * n / (d.inter_node_bandwidth * d.collective_efficiency))
 
 
 def test_a_cost_source_splits_per_degree_once(tmp_path):
