@@ -35,7 +35,7 @@ def parse_lengths(spec) -> tuple[int, ...]:
 
 
 # the options `tpc compile` has a flag for, by field name (seq_len and batch are read apart)
-FLAGS = ("stages", "microbatches", "slices", "schedule", "dp", "ranks", "factory", "cost", "device_model",
+FLAGS = ("stages", "microbatches", "slices", "schedule", "dp", "tensor", "ranks", "factory", "cost", "device_model",
          "memory_per_rank", "shard_optimizer", "explain", "quiet", "virtual_stages", "recompute", "comm", "exchanges",
          "print_after")
 
@@ -60,6 +60,10 @@ def compile_schedule_from_args(args):
     their placement (and, unless given, the micro-batches)."""
     from tpc.compiler.torch_schedule.compile import compile_schedule_file
 
+    if args.tensor is not None and str(args.tensor).strip() != "1":
+        raise _error("--tensor", f"--tensor {args.tensor} with --schedule-file: a schedule file's plan "
+                     "has no tensor axis (not built)", "leave out --tensor, or compile a built-in schedule "
+                     "(--schedule NAME) with --tensor")
     for option, value in (("--schedule", args.schedule), ("--ranks", args.ranks), ("--cost", args.cost),
                           ("--device-model", args.device_model),
                           ("--memory-per-rank", args.memory_per_rank),

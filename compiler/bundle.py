@@ -110,7 +110,8 @@ def compile_bundle(model_path: str, output: str, options: CompileOptions, length
     for seq in lengths[:-1]:
         say(f"length {seq} (stage split of length {longest}: "
             + " | ".join(f"{lo}:{hi}" for lo, hi in split[2]) + "):")
-        o = dataclasses.replace(per_length[seq], stages=split[0], dp=split[1], ranks=None)
+        o = dataclasses.replace(per_length[seq], stages=split[0], dp=split[1], ranks=None,
+                                tensor=h.mesh.tensor)
         plans[seq] = compile_plan(model_path, o, split)
     folder.mkdir(exist_ok=True)
     for seq in lengths:

@@ -47,13 +47,15 @@ def build_header(
     pipe: int | None = None,
     data: int | None = None,
     schedule: str | None = None,
+    tensor: int | None = None,
 ) -> Header:
     """The plan header; stage s runs on pipeline rank s, or for a V-shaped schedule stages s and
     2p-1-s on rank s (`placement.vshape`). Ties within one stage are dropped: a parameter used
-    by one stage only needs no reduction between stages. `pipe`, `data` and `schedule` override
-    the options' (the plan search's candidates)."""
+    by one stage only needs no reduction between stages. `pipe`, `data`, `schedule` and `tensor`
+    override the options' (the plan search's candidates)."""
     pipe = opts.pipe if pipe is None else pipe
     data = opts.data if data is None else data
+    tensor = opts.tensor_size if tensor is None else tensor
     schedule = opts.schedule if schedule is None else schedule
     ranks = vshape(len(ranges), pipe) if stages_per_rank(schedule) == 2 else range(len(ranges))
     stages = tuple(
@@ -68,7 +70,7 @@ def build_header(
     return with_replicas(Header(
         model=ModelLine(path=model_path, sha256=sha256, factory=factory),
         shape=ShapeLine(batch=opts.batch, seq=opts.seq_len, vocab=vocab, dtype="float32"),
-        mesh=MeshLine(pipe=pipe, data=data),
+        mesh=MeshLine(pipe=pipe, data=data, tensor=tensor),
         schedule=ScheduleLine(name=schedule),
         units=UnitsLine(count=len(unit_labels)),
         stages=stages,
@@ -78,15 +80,15 @@ def build_header(
 
 
 def header_maker(*, model_path: str, sha256: str, factory: str, opts: CompileOptions, vocab: int, sliced):
-    """`make(pipe, data, ranges, schedule, microbatches=None) -> Header` for this model: the
-    header of any candidate the plan search builds (ties follow the partition; without
-    `microbatches`, the equal ones of `opts`)."""
+    """`make(pipe, data, ranges, schedule, microbatches=None, tensor=None) -> Header` for this
+    model: the header of any candidate the plan search builds (ties follow the partition; without
+    `microbatches`, the equal ones of `opts`; without `tensor`, the options' tensor degree)."""
 
-    def make(pipe: int, data: int, ranges, schedule: str, microbatches=None) -> Header:
+    def make(pipe: int, data: int, ranges, schedule: str, microbatches=None, tensor=None) -> Header:
         h = build_header(
             model_path=model_path, sha256=sha256, factory=factory, opts=opts, vocab=vocab,
             unit_labels=sliced.unit_labels, ranges=ranges, ties=sliced.ties(ranges),
-            pipe=pipe, data=data, schedule=schedule,
+            pipe=pipe, data=data, schedule=schedule, tensor=tensor,
         )  # fmt: skip
         return h if microbatches is None else with_replicas(dataclasses.replace(h, microbatches=tuple(microbatches)))
 

@@ -7,7 +7,7 @@ TpirError naming the option and saying what would be right. `check_options(**giv
 options as the command line spells them (`--stages auto`, `--slices 5,11`, `--memory-per-rank
 16GiB`) or as values, and returns them checked; an option not given keeps its default.
 
-    --stages N|auto          --microbatches N|auto
+    --stages N|auto          --microbatches N|auto    --tensor T|auto
     --slices N|l1,l2,...|auto                         --memory-per-rank 16GiB|512MiB|80GB|...
 """
 
@@ -45,7 +45,8 @@ class CompileOptions:
     `stages`, `microbatches`, `slices` and `schedule` may be AUTO: the plan search chooses them,
     which needs a cost model (`cost`: a profile from `tpc profile`, or `device_model`).
     `slices` is a count of equal slices, the lengths of each slice, or AUTO. With
-    `stages=AUTO` the search splits `ranks` into pipeline x data (`dp` stays 1)."""
+    `stages=AUTO` the search splits `ranks` into pipeline x data (`dp` stays 1), and with
+    `tensor=AUTO` too into pipeline x data x tensor."""
 
     seq_len: int  # tokens per sequence (required: the plan's shapes are static)
     batch: int  # sequences per optimizer step, all data replicas together (required)
@@ -58,7 +59,10 @@ class CompileOptions:
     # 1F1B over token slices: the memory of 1F1B, the bubble TeraPipe's slices shrink
     schedule: str = "seq1f1b"
     dp: int = 1  # data-parallel replicas: none until asked
-    ranks: int | None = None  # total ranks; None: stages x dp (one stage per pipeline rank)
+    # tensor-parallel ranks per stage (Megatron's split, found in the stage's graph and checked
+    # at compile: docs/parallelism.md); 1: no tensor axis; AUTO: the search (with --stages auto)
+    tensor: int | str = 1
+    ranks: int | None = None  # total ranks; None: stages x dp x tensor (one stage per pipeline rank)
     factory: str = "model"  # the callable in the model file that returns the model
     cost: str | None = None  # a profile from `tpc profile`; None: no plan search
     device_model: str | None = None  # an analytic device (h100, ...); None: no plan search
@@ -105,6 +109,15 @@ class CompileOptions:
         return self.slices == AUTO
 
     @property
+    def tensor_auto(self) -> bool:
+        return self.tensor == AUTO
+
+    @property
+    def tensor_size(self) -> int:
+        """The tensor-parallel degree; 1 until the search picks it (AUTO)."""
+        return 1 if self.tensor_auto else self.tensor
+
+    @property
     def microbatch_count(self) -> int | None:
         """The number of micro-batches; None when the optimiser chooses (AUTO)."""
         return None if self.microbatches == AUTO else self.microbatches
@@ -120,7 +133,7 @@ class CompileOptions:
         if stages_per_rank(self.schedule) == 2:
             return self.stages // 2
         if self.virtual_stages == 1 and self.ranks is not None:
-            return self.ranks // self.dp
+            return self.ranks // (self.dp * self.tensor_size)
         return self.stages
 
     @property
@@ -158,6 +171,11 @@ def _positive(option: str, value, what: str) -> int:
 
 
 
+def _times_tensor(T: int) -> str:
+    """' x --tensor T' in a product of the ranks, when there is a tensor axis."""
+    return f" x --tensor {T}" if T > 1 else ""
+
+
 def _check(o: CompileOptions) -> None:
     """Every option checked against the others (CompileOptions.__post_init__); nothing here
     needs the model."""
@@ -188,6 +206,8 @@ def _check(o: CompileOptions) -> None:
     B = _positive("--batch", o.batch, "the global batch size in sequences, e.g. --batch 8")
     D = _positive("--dp", o.dp, "the number of data-parallel replicas, e.g. --dp 1")
     R = _positive("--ranks", o.ranks, "the total number of ranks") if o.ranks is not None else None
+    T = 1 if o.tensor_auto else _positive("--tensor", o.tensor, "the tensor-parallel ranks of each stage, "
+                                          "e.g. --tensor 2, or auto with --stages auto --ranks N")
     V = _positive("--virtual-stages", o.virtual_stages, "the stages each pipeline rank holds, e.g. --virtual-stages 2")
     if o.recompute not in RECOMPUTE:
         raise _error("--recompute", f"--recompute {o.recompute!r} is not a choice",
@@ -209,6 +229,14 @@ def _check(o: CompileOptions) -> None:
         if V != 1:
             raise _error("--virtual-stages", f"--virtual-stages {V} with --stages auto: the search "
                          "places one stage per rank", "give --stages, or leave out --virtual-stages")
+        if R % T:
+            raise _error("--tensor", f"--tensor {T} does not divide --ranks {R}: the search splits the "
+                         f"ranks into pipeline x data x tensor",
+                         f"give --ranks a multiple of {T}, or --tensor auto")
+    elif o.tensor_auto:
+        raise _error("--tensor", "--tensor auto lets the plan search split --ranks into pipeline x "
+                     "data x tensor", "add --stages auto --ranks N and a cost model, or give the "
+                     "tensor degree, e.g. --tensor 2")
     if not o.stages_auto and stages_per_rank(o.schedule) == 2 and o.stages % 2:
         raise _error("--stages", f"schedule {o.schedule!r} runs a V: stage i and stage 2p-1-i on "
                      f"rank i, two stages on each of p ranks, so it needs an even number of "
@@ -218,29 +246,31 @@ def _check(o: CompileOptions) -> None:
     if not o.stages_auto and stages_per_rank(o.schedule) == 2 and V != 1:
         raise _error("--virtual-stages", f"schedule {o.schedule!r} puts two stages on each rank "
                      "in a V by itself", "leave out --virtual-stages")
-    if R is not None and not o.stages_auto and stages_per_rank(o.schedule) == 2 and R != (o.stages // 2) * D:
+    if R is not None and not o.stages_auto and stages_per_rank(o.schedule) == 2 and R != (o.stages // 2) * D * T:
         raise _error("--ranks", f"--ranks {R} does not match --stages {o.stages} / 2 (two stages per "
-                     f"rank) x --dp {D} = {(o.stages // 2) * D}",
-                     "leave out --ranks, or make it pipeline ranks x dp")
+                     f"rank) x --dp {D}{_times_tensor(T)} = {(o.stages // 2) * D * T}",
+                     f"leave out --ranks, or make it pipeline ranks x dp{' x tensor' * (T > 1)}")
     if replicas(o.schedule) > 1 and V != 1:
         raise _error("--virtual-stages", f"schedule {o.schedule!r} puts one stage of each of its two "
                      "pipelines on every rank by itself", "leave out --virtual-stages")
-    if replicas(o.schedule) > 1 and R is not None and not o.stages_auto and R != o.stages * D:
-        raise _error("--ranks", f"--ranks {R} does not match --stages {o.stages} x --dp {D} = "
-                     f"{o.stages * D}: schedule {o.schedule!r} runs each stage on two ranks, one per "
+    if replicas(o.schedule) > 1 and R is not None and not o.stages_auto and R != o.stages * D * T:
+        raise _error("--ranks", f"--ranks {R} does not match --stages {o.stages} x --dp {D}{_times_tensor(T)} = "
+                     f"{o.stages * D * T}: schedule {o.schedule!r} runs each stage on two ranks, one per "
                      "pipeline direction, and every rank holds one stage of each",
-                     "leave out --ranks, or make it stages x dp")
+                     f"leave out --ranks, or make it stages x dp{' x tensor' * (T > 1)}")
     if R is not None and not o.stages_auto:
-        K = o.stages
-        if V != 1 and R != K * D:
-            raise _error("--ranks", f"--ranks {R} does not match --stages {K} x --dp {D} = {K * D} "
+        K, DT = o.stages, D * T  # ranks of one pipeline rank: its data replicas' tensor groups
+        dp = f"--dp {D}{_times_tensor(T)}"
+        if V != 1 and R != K * DT:
+            raise _error("--ranks", f"--ranks {R} does not match --stages {K} x {dp} = {K * DT} "
                          f"(--virtual-stages {V} puts {V} stages on each of the {K} pipeline ranks)",
-                         "leave out --ranks, or make it stages x dp")
-        if V == 1 and (R % D or K % (R // D)):
-            raise _error("--ranks", f"--ranks {R} does not match --stages {K} x --dp {D} = {K * D}, nor "
-                         f"puts several stages on each pipeline rank (--ranks / --dp dividing the stages)",
-                         f"leave out --ranks, or give {K * D}, or p x {D} with p dividing {K} "
-                         f"(--stages {K} --ranks {(K // 2 or 1) * D} puts 2 stages on each rank)")
+                         f"leave out --ranks, or make it stages x dp{' x tensor' * (T > 1)}")
+        if V == 1 and (R % DT or K % (R // DT)):
+            per = "--dp" if T == 1 else "(--dp x --tensor)"
+            raise _error("--ranks", f"--ranks {R} does not match --stages {K} x {dp} = {K * DT}, nor "
+                         f"puts several stages on each pipeline rank (--ranks / {per} dividing the stages)",
+                         f"leave out --ranks, or give {K * DT}, or p x {DT} with p dividing {K} "
+                         f"(--stages {K} --ranks {(K // 2 or 1) * DT} puts 2 stages on each rank)")
     if o.chunks > 1 and costs and stages_per_rank(o.schedule) == 1:
         raise _error("--virtual-stages" if V != 1 else "--ranks",
                      f"{o.chunks} stages per pipeline rank with a cost model: the plan search "
@@ -306,6 +336,11 @@ def parse_stages(spec) -> int | str:
     return _count("--stages", spec, "give the number of pipeline stages, e.g. --stages 2")
 
 
+def parse_tensor(spec) -> int | str:
+    """`--tensor`: the tensor-parallel degree, or 'auto' (the plan search picks it)."""
+    return _count("--tensor", spec, "give the tensor-parallel ranks of each stage, e.g. --tensor 2, or auto")
+
+
 def parse_microbatches(spec) -> int | str:
     """`--microbatches`: a count, or 'auto' (the optimiser's batch knapsack chooses)."""
     return _count("--microbatches", spec,
@@ -361,6 +396,8 @@ def check_options(**given) -> CompileOptions:
         o["stages"] = parse_stages(o["stages"])
     if "microbatches" in o:
         o["microbatches"] = parse_microbatches(o["microbatches"])
+    if "tensor" in o:
+        o["tensor"] = parse_tensor(o["tensor"])
     seq_len = o.get("seq_len")
     if "slices" in o and isinstance(seq_len, int) and seq_len >= 1:
         o["slices"] = parse_slices(o["slices"], seq_len)

@@ -1,8 +1,11 @@
 """The passes of `tpc compile`, and the pipeline the options make of them.
 
-    load -> trace -> partition -> header                    (no cost model)
-    load -> trace -> costs -> search -> eval-dp             (--cost / --device-model)
+    load -> trace -> partition -> header [-> tensor]                    (no cost model)
+    load -> trace -> costs -> search [-> tensor] -> eval-dp             (--cost / --device-model)
          -> self-check -> schedule [-> recompute] -> lower -> eval [-> write]
+
+`tensor` runs with `--tensor` (T other than 1): Megatron's split of every stage of the
+plan, found in the stage's graph (compiler/tensor), or the split's located refusal.
 
 Each pass is a small named object with its options as fields (compiler/passes.py says what a
 pass is and what the driver does between passes: the plan verified after `lower` and `eval`,
@@ -138,6 +141,64 @@ class BuildHeader(Pass):
         return state.but(header=header)
 
 
+@dataclass(frozen=True)
+class TensorSplit(Pass):
+    """Megatron's split of every stage of the header over its mesh's tensor ranks, found in the
+    stage's captured graph (`compiler.tensor.find_split`): a tensor degree that does not divide
+    the heads, a hidden width or the vocabulary, or an op that mixes the split dimension, is
+    refused here, at the model's line, rather than when the plan runs."""
+
+    name = "tensor"
+    summary = "each stage's tensor split (compiler/tensor), or its refusal at the model's line"
+
+    def run(self, state, note):
+        T = state.header.mesh.tensor
+        if T == 1:
+            note("no tensor axis")
+            return state
+        plans = check_tensor_split(state.sliced, T, [st.units for st in state.header.stages])
+        note(f"tensor {T}: " + " | ".join(f"{len(p.column)} column, {len(p.row)} row" for p in plans)
+             + " parallel matmuls")
+        return state
+
+
+def check_tensor_split(sliced, tensor: int, ranges) -> list:
+    """The `SplitPlan` of each stage [lo, hi) of `ranges` over `tensor` ranks (the stage graph
+    the tensor ranks will run: the last stage with its loss), or the first stage's located
+    TpirError."""
+    from tpc.compiler.frontend.stage import build_stage_graph
+    from tpc.compiler.tensor import find_split
+
+    ctx = sliced.context
+    out = []
+    for lo, hi in ranges:
+        graph, _ = build_stage_graph(ctx, lo, hi, True)
+        out.append(find_split(graph, tensor, ctx.param_names, ctx.model_file))
+    return out
+
+
+def tensor_degrees(sliced, candidates) -> tuple[list[int], list[str]]:
+    """Of the tensor degrees `candidates`, those the whole model's split accepts (ascending),
+    and why each other is refused (its diagnostic's first line): what `--tensor auto` searches."""
+    accepted, refused = [], []
+    for t in sorted(set(candidates)):
+        if t == 1:
+            accepted.append(t)
+            continue
+        try:
+            check_tensor_split(sliced, t, [(0, sliced.num_units)])
+        except TpirError as e:
+            refused.append(f"tensor {t}: {_first_line(e)}")
+        else:
+            accepted.append(t)
+    return accepted, refused
+
+
+def _first_line(e: TpirError) -> str:
+    """What a diagnostic says, without its location and source lines."""
+    return e.diagnostics[0].message if e.diagnostics else str(e).splitlines()[0]
+
+
 # what a parameter keeps allocated on its rank through a run: fp32 weight and gradient (8 bytes),
 # AdamW's two moments (8 bytes, divided over the data-parallel ranks with --shard-optimizer)
 WEIGHT_BYTES_PER_PARAM, MOMENT_BYTES_PER_PARAM = 8, 8
@@ -158,7 +219,8 @@ def check_weights_fit(header, sliced, limit: float | None, shards: int = 1) -> N
     for r in range(header.mesh.value.pipe):
         per_rank[r] = 0.0
         for s in header.stages_of_rank(r):
-            params = sliced.stage_param_count(*header.stages[s].units)
+            # each tensor rank holds 1/T of the stage's (split) weights
+            params = sliced.stage_param_count(*header.stages[s].units) / header.mesh.tensor
             moments = MOMENT_BYTES_PER_PARAM / (1 if header.stages[s].replicas else max(1, shards))
             per_rank[r] += params * (WEIGHT_BYTES_PER_PARAM + moments)
     over = {r: b for r, b in per_rank.items() if b > limit}
@@ -184,7 +246,7 @@ def front_passes(options: CompileOptions, *, split=None, schedule_file: str | No
     option = "--virtual-stages" if o.virtual_stages > 1 else "--stages"
     ranges = None if split is None else tuple(tuple(r) for r in split[2])
     return [Load(o.factory), Trace(o.seq_len, o.num_stages, option, schedule_file),
-            Partition(o.num_stages, ranges), BuildHeader(o)]
+            Partition(o.num_stages, ranges), BuildHeader(o)] + ([TensorSplit()] if o.tensor != 1 else [])
 
 
 # ------------------------------------------------------------------------------ the plan search
@@ -211,22 +273,32 @@ class Costs(Pass):
         return state.but(source=source)
 
 
-def search_space(opts: CompileOptions, num_units: int, split=None):
+def search_space(opts: CompileOptions, num_units: int, split=None, tensors=None, refused=()):
     """What the plan search may choose (compiler/optimise/search.py): the meshes of --stages auto
     --ranks N or the given one, every schedule or the given one, the optimiser's slicing or
-    the given slices. `split` (pipe, data, ranges) fixes the mesh and the stage partition."""
+    the given slices. `split` (pipe, data, ranges) fixes the mesh and the stage partition.
+    `tensors`: the tensor degrees --tensor auto may choose (the model's split accepts them;
+    `refused` says why the others are not), by default every divisor of --ranks."""
     from tpc.compiler.optimise.search import AUTO_SCHEDULES, Space, meshes_for_ranks
 
     if opts.stages_auto:
-        meshes, skipped = meshes_for_ranks(opts.ranks, num_units, opts.batch, opts.microbatch_count or 1)
+        if not opts.tensor_auto:
+            tensors = (opts.tensor,)
+        elif tensors is None:
+            tensors = tuple(t for t in range(1, opts.ranks + 1) if opts.ranks % t == 0)
+        meshes, skipped = meshes_for_ranks(opts.ranks, num_units, opts.batch, opts.microbatch_count or 1,
+                                           tuple(tensors))
+        skipped = [*refused, *skipped]
         if not meshes:
+            axes = "pipeline x data x tensor" if opts.tensor_auto else "pipeline x data"
+            of = f"--ranks {opts.ranks}" + (f" / --tensor {opts.tensor}" if opts.tensor not in (1, "auto") else "")
             raise _error(
                 "--stages",
-                f"no pipeline x data split of --ranks {opts.ranks} fits: " + "; ".join(skipped),
+                f"no {axes} split of {of} fits: " + "; ".join(skipped),
                 "change --ranks, --batch or --microbatches",
             )
     else:
-        meshes, skipped = [(opts.pipe, opts.dp)], []
+        meshes, skipped = [(opts.pipe, opts.dp, opts.tensor_size)], []
     return Space(
         seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.microbatch_count,
         meshes=tuple(meshes), schedules=AUTO_SCHEDULES if opts.schedule_auto else (opts.schedule,),
@@ -259,15 +331,22 @@ class Search(Pass):
         o = self.options
         make = header_maker(model_path=state.model_path, sha256=state.sha256, factory=o.factory, opts=o,
                             vocab=state.vocab, sliced=state.sliced)
-        result = search_plan(state.source, search_space(o, state.source.num_units, self.split), make)
+        tensors, refused = None, ()
+        if o.stages_auto and o.tensor_auto:  # the degrees the model's split accepts
+            tensors, refused = tensor_degrees(state.sliced, [t for t in range(1, o.ranks + 1) if o.ranks % t == 0])
+        elif o.stages_auto and o.tensor != 1:  # the given degree, refused here at the model's line
+            check_tensor_split(state.sliced, o.tensor, [(0, state.sliced.num_units)])
+        space = search_space(o, state.source.num_units, self.split, tensors, refused)
+        result = search_plan(state.source, space, make)
         best = result.best
         # (with a cost model the search fits --memory-per-rank itself, by the memory model it
         # prices every candidate with, and refuses when nothing fits)
-        note(f"{len(result.candidates)} candidates; {best.pipe}x{best.data} {best.schedule}, "
+        note(f"{len(result.candidates)} candidates; {best.mesh} {best.schedule}, "
              f"predicted step {best.time:.4g} s")
         if o.explain:
             _say(o.quiet, explain_search(result))
-        return state.but(header=best.header)
+        # the passes after this one price the chosen plan: its stages split over its tensor ranks
+        return state.but(header=best.header, source=state.source.split(best.tensor))
 
 
 @dataclass(frozen=True)
@@ -465,7 +544,8 @@ def written(plan: Plan, output: str) -> str:
     n = sum(len(p.instrs) for p in plan.ranks)
     return (f"wrote {output}: {h.num_stages} stage{'s' * (h.num_stages != 1)}"
             f"{f' ({h.replicas} weight replicas each)' if h.replicas > 1 else ''} x "
-            f"{h.mesh.data} data replica{'s' * (h.mesh.data != 1)}, "
+            f"{h.mesh.data} data replica{'s' * (h.mesh.data != 1)}"
+            f"{f' x {h.mesh.tensor} tensor ranks' if h.mesh.tensor != 1 else ''}, "
             f"{slicing_summary(h)}, "
             f"schedule {h.schedule.name}, {n} instructions")
 
@@ -485,7 +565,9 @@ def compile_passes(options: CompileOptions, split=None) -> list[Pass]:
         # is chosen by simulated step time
         passes = [Load(o.factory), Trace(o.seq_len, None if o.stages_auto else o.num_stages,
                                          "--virtual-stages" if o.virtual_stages > 1 else "--stages"),
-                  Costs(o.cost, o.device_model), Search(o, split), EvalSlicing(o.microbatch_count)]
+                  Costs(o.cost, o.device_model), Search(o, split)]
+        passes += [TensorSplit()] if o.tensor != 1 else []
+        passes += [EvalSlicing(o.microbatch_count)]
     else:
         passes = front_passes(o, split=split)
     back = back_passes(o.comm, o.exchanges)
@@ -496,6 +578,6 @@ def compile_passes(options: CompileOptions, split=None) -> list[Pass]:
 
 # every pass of `tpc compile`, in pipeline order (`--schedule-file` runs the front half, then
 # its own `csv-place` and `csv-import`: compiler/torch_schedule/compile.py)
-PASSES = (Load, Trace, Partition, BuildHeader, Costs, Search, EvalSlicing, SelfCheck, Schedule, Recompute,
-          Lower, Evaluation, Write)
+PASSES = (Load, Trace, Partition, BuildHeader, Costs, Search, TensorSplit, EvalSlicing, SelfCheck, Schedule,
+          Recompute, Lower, Evaluation, Write)
 PASS_NAMES = tuple(p.name for p in PASSES)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tpc.compiler.costmodel.base import TENSOR_ALLREDUCES_PER_LAYER
 from tpc.compiler.costmodel.on_device import DeviceCostModel
 from tpc.compiler.costmodel.devices import DeviceSpec
 
@@ -93,14 +94,7 @@ class AnalyticCostModel(DeviceCostModel):
 
     def _allreduce(self, nbytes):
         """Ring all-reduce over the `op` GPUs of a stage (inside one node when op fits)."""
-        p = self.op
-        if p == 1:
-            return 0.0 * nbytes
-        d = self.device
-        inside = p <= d.gpus_per_node
-        bw = d.intra_node_bandwidth if inside else d.inter_node_bandwidth * d.collective_efficiency
-        lat = d.intra_node_latency if inside else d.inter_node_latency
-        return d.launch_overhead + 2 * (p - 1) * lat + 2 * (p - 1) / p * nbytes / bw
+        return self.device.group_allreduce_time(nbytes, self.op)
 
     def _layer_times(self, l, c, b):
         """(forward, backward) seconds of one decoder layer for a slice: arrays broadcast.
@@ -144,7 +138,7 @@ class AnalyticCostModel(DeviceCostModel):
                     + 2 * ew(m * h, 2 * k)  # two dropouts
                     + 2 * ew(m * h, 3 * k))  # two residual adds
 
-        ar = 2 * self._allreduce(m * h * e)
+        ar = TENSOR_ALLREDUCES_PER_LAYER * self._allreduce(m * h * e)
         return fwd_mm + elementwise(1) + ar, bwd_mm + elementwise(2) + ar
 
     def _edge_times(self, stage, l, c, b):

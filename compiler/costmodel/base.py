@@ -26,6 +26,7 @@ model overrides where it knows better:
     message_bytes(l, mb_size)            a received activation or gradient: activation_bytes
     kv_slice_bytes(stage, lengths, mb)   the KV cache charged to each slice: kv_bytes of each
     allreduce_time(nbytes, n)            a ring all-reduce: 2(n-1) steps of nbytes/n
+    allreduce_times(nbytes, n)           the same over an array of sizes
     grad_sync_time(stage, data)          allreduce_time(param_bytes(stage), data)
     tied_bytes(name)                     a tied parameter's gradient: 0 (taken as small)
     distinct_stages()                    stages whose costs cover all others: every stage
@@ -39,6 +40,24 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import numpy as np
+
+
+# Tensor parallelism (Megatron-LM's layout): per decoder layer, one all-reduce of the layer's
+# activation after the attention's output projection and one after the MLP's down projection in
+# the forward (g), and one before the QKV projection and one before the MLP's up projection in the
+# backward (f); the vocabulary-parallel token embedding adds one in the forward. Every cost model
+# that prices a tensor split counts these (analytic.py, graph.py, profiled.py).
+TENSOR_ALLREDUCES_PER_LAYER = 2
+
+
+def tensor_allreduces(layers: int, first_unit: bool, tensor: int) -> tuple[int, int]:
+    """The tensor group's (forward, backward) all-reduces of the activation in a unit of
+    `layers` decoder layers (the first unit holding the token embedding) split over `tensor`
+    ranks: none without a tensor axis."""
+    if tensor <= 1:
+        return 0, 0
+    n = TENSOR_ALLREDUCES_PER_LAYER * layers
+    return n + int(first_unit), n
 
 
 class CostModel(ABC):
@@ -114,6 +133,13 @@ class CostModel(ABC):
         if n <= 1 or nbytes <= 0:
             return 0.0
         return 2 * (n - 1) * self.p2p_time(nbytes / n)
+
+    def allreduce_times(self, nbytes, n: int) -> np.ndarray:
+        """`allreduce_time` over an array of sizes."""
+        nbytes = np.asarray(nbytes, dtype=np.float64)
+        if n <= 1:
+            return np.zeros(nbytes.shape)
+        return np.where(nbytes > 0, 2 * (n - 1) * np.asarray(self.p2p_times(nbytes / n), dtype=np.float64), 0.0)
 
     def grad_sync_time(self, stage: int, data: int) -> float:
         """Time to sum a stage's gradients over `data` replicas."""

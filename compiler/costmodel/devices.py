@@ -72,6 +72,19 @@ class DeviceSpec:
         if min(self.launch_overhead, self.host_op_time, self.intra_node_latency, self.inter_node_latency) < 0:
             raise ValueError("device spec: latencies must be >= 0")
 
+    def group_allreduce_time(self, nbytes, ranks: int):
+        """Ring all-reduce of `nbytes` (a number or an array) over the `ranks` GPUs of one
+        tensor-parallel group: on the node's NVLink when the group fits in a node, else across
+        nodes at `collective_efficiency` of their link. 0 for one rank. The analytic GPT model's
+        all-reduces and the traced-graph model's tensor collectives (graph.py) are this one
+        formula."""
+        if ranks <= 1:
+            return 0.0 * nbytes
+        inside = ranks <= self.gpus_per_node
+        bw = self.intra_node_bandwidth if inside else self.inter_node_bandwidth * self.collective_efficiency
+        lat = self.intra_node_latency if inside else self.inter_node_latency
+        return self.launch_overhead + 2 * (ranks - 1) * lat + 2 * (ranks - 1) / ranks * nbytes / bw
+
     def internode_allreduce_time(self, nbytes: float, data: int) -> float:
         """Ring all-reduce of `nbytes` on each GPU over `data` replicas on different nodes.
 

@@ -18,6 +18,18 @@ cache, parameters, what a forward keeps for its backward) come from the graph's 
 Floating-point values count `float_bytes` each (2: the device presets quote bf16/fp16
 tensor-core peaks, so they price a mixed-precision run; the plan itself may run in float32).
 
+Split over a tensor group of T ranks (`tensor`, `tpc compile --tensor T`: Megatron's split,
+docs/parallelism.md), each rank runs every kernel of the stage on 1/T of the work: the FLOPs and
+bytes of every op class are divided by T (the matmuls and attention by heads, and the elementwise
+kernels, most of which act on split values; the norms and residual adds, which stay whole, are
+counted split too: an approximation that flatters small widths), the kernel count is not, and the
+group's all-reduces are added (`base.tensor_allreduces`: two per decoder layer -- a unit's
+caches count its attention layers -- in each direction, and one for the vocabulary-parallel
+embedding of the first unit), each priced by `DeviceSpec.group_allreduce_time` on the node's
+link, the formula the analytic model uses. Parameters, gradients, the KV cache and what a
+forward keeps are divided by T; the activation a stage sends is the whole one (every rank of
+the group holds it after the all-reduce).
+
 This is what `tpc compile/simulate --device-model` use: it works for any model the front end
 can capture. `AnalyticCostModel` is the same roofline over a GPT block written out by hand
 from `ModelShapes`, for models too large to build (bench/paper_table.py prices 175B models).
@@ -30,6 +42,7 @@ from typing import Callable
 
 import numpy as np
 
+from tpc.compiler.costmodel.base import tensor_allreduces
 from tpc.compiler.costmodel.on_device import DeviceCostModel
 from tpc.compiler.costmodel.devices import DeviceSpec
 from tpc.compiler.costmodel.source import CostSource
@@ -49,6 +62,13 @@ class GraphCosts:
     # per unit, its caches as (elements per token, sliding window or None); empty: all full
     kv_caches: tuple = ()
 
+    def unit_layers(self, unit: int) -> int:
+        """The attention layers of a unit (its caches; 1 for a unit with KV elements but no
+        cache list): what the tensor group's all-reduces are counted by."""
+        if self.kv_caches:
+            return len(self.kv_caches[unit])
+        return int(self.kv_elements[unit] > 0)
+
     @classmethod
     def from_sliced(cls, sliced, float_bytes: int = 2, name: str = "") -> "GraphCosts":
         return cls(tuple(sliced.unit_cost_fns(float_bytes)), int(sliced.hidden_size),
@@ -63,32 +83,49 @@ class GraphCosts:
 
 class GraphCostModel(DeviceCostModel):
     """CostModel of the stages `stage_units` ([lo, hi) unit ranges) of a traced model on
-    `device` GPUs, one GPU per stage, consecutive stages on consecutive GPUs of a node."""
+    `device` GPUs, `tensor` GPUs per stage (its tensor group, the module docstring), consecutive
+    stages on consecutive GPUs of a node."""
 
-    def __init__(self, device: DeviceSpec, costs: GraphCosts, stage_units):
+    def __init__(self, device: DeviceSpec, costs: GraphCosts, stage_units, tensor: int = 1):
+        if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1:
+            raise ValueError(f"tensor degree must be a positive whole number, got {tensor!r}")
         ranges = tuple((int(lo), int(hi)) for lo, hi in stage_units)
         ends = [0] + [hi for _, hi in ranges]
         if not ranges or ends[-1] != costs.num_units or any(
                 lo != prev or lo >= hi for (lo, hi), prev in zip(ranges, ends)):
             raise ValueError(f"stage unit ranges {ranges} do not cover units 0:{costs.num_units} in order")
         self.device, self.costs, self.stage_units = device, costs, ranges
+        self.op = tensor  # the GPUs of a stage (DeviceCostModel: which boundaries cross a node)
         self.num_stages = len(ranges)
         self._params = [costs.param_count(lo, hi) for lo, hi in ranges]
 
+    @property
+    def tensor(self) -> int:
+        return self.op
+
     # ------------------------------------------------------------------------ roofline
 
-    def _unit_times(self, fn: UnitCostFn, l, c, b):
-        """(forward GPU s, backward GPU s, forward kernels, backward kernels) of one unit."""
-        d = self.device
-        peak = d.peak_flops * d.flops_efficiency
-        bw = d.mem_bandwidth * d.mem_efficiency
+    def _unit_times(self, fn: UnitCostFn, l, c, b, allreduces=(0, 0)):
+        """(forward GPU s, backward GPU s, forward kernels, backward kernels) of one unit on one
+        rank of its tensor group, with `allreduces` (forward, backward) of the group's
+        all-reduces of the activation (none without a tensor axis)."""
+        d, T = self.device, self.op
+        peak = d.peak_flops * d.flops_efficiency * T  # 1/T of the work on each rank
+        bw = d.mem_bandwidth * d.mem_efficiency * T
         cost = fn(l, c, b)
+        one = d.group_allreduce_time(np.asarray(l, dtype=np.float64) * b * self.costs.hidden
+                                     * self.costs.float_bytes, T) if T > 1 else 0.0
         out = []
-        for work in (cost.fwd, cost.bwd):
+        for work, n in zip((cost.fwd, cost.bwd), allreduces):
             t = sum(np.maximum(work[k].flops / peak, work[k].bytes / bw) for k in CLASSES)
             kernels = sum(work[k].kernels for k in CLASSES)
-            out.append((t + kernels * d.launch_overhead, kernels))
+            # (group_allreduce_time includes each collective's launch)
+            out.append((t + kernels * d.launch_overhead + n * one, kernels + n))
         return out[0][0], out[1][0], out[0][1], out[1][1]
+
+    def _allreduces(self, unit: int) -> tuple[int, int]:
+        """The tensor group's (forward, backward) all-reduces in `unit` (the module docstring)."""
+        return tensor_allreduces(self.costs.unit_layers(unit), unit == 0, self.op)
 
     def slice_times(self, stage, l, c, mb):
         """(forward, backward) seconds of slices on `stage` (numpy arrays broadcast): each the
@@ -97,10 +134,11 @@ class GraphCostModel(DeviceCostModel):
         lo, hi = self.stage_units[stage]
         memo: dict[tuple, tuple] = {}  # identical blocks are priced once
         f = b = kf = kb = 0.0
-        for fn in self.costs.unit_fns[lo:hi]:
-            if fn.signature not in memo:
-                memo[fn.signature] = self._unit_times(fn, l, c, mb)
-            uf, ub, ukf, ukb = memo[fn.signature]
+        for u in range(lo, hi):
+            fn, ars = self.costs.unit_fns[u], self._allreduces(u)
+            if (fn.signature, ars) not in memo:
+                memo[fn.signature, ars] = self._unit_times(fn, l, c, mb, ars)
+            uf, ub, ukf, ukb = memo[fn.signature, ars]
             f, b, kf, kb = f + uf, b + ub, kf + ukf, kb + ukb
         host = self.device.host_op_time
         return np.maximum(f, kf * host), np.maximum(b, kb * host)
@@ -113,7 +151,7 @@ class GraphCostModel(DeviceCostModel):
         """One stage per distinct sequence of units (the same blocks cost the same)."""
         seen: dict[tuple, int] = {}
         for s, (lo, hi) in enumerate(self.stage_units):
-            key = tuple(fn.signature for fn in self.costs.unit_fns[lo:hi])
+            key = tuple((self.costs.unit_fns[u].signature, self._allreduces(u)) for u in range(lo, hi))
             seen.setdefault(key, s)
         return tuple(sorted(seen.values()))
 
@@ -126,8 +164,9 @@ class GraphCostModel(DeviceCostModel):
         return np.asarray(l, dtype=np.float64) * mb * self.costs.hidden * self.costs.float_bytes
 
     def kv_bytes(self, stage: int, l: int, mb_size: int) -> int:
+        """The rank's heads of the cache: 1/T of it (module docstring)."""
         lo, hi = self.stage_units[stage]
-        return int(sum(self.costs.kv_elements[lo:hi]) * l * mb_size * self.costs.float_bytes)
+        return int(sum(self.costs.kv_elements[lo:hi]) * l * mb_size * self.costs.float_bytes / self.op)
 
     def kv_slice_bytes(self, stage: int, lengths, mb_size: int) -> list[int]:
         """KV-cache bytes charged to each slice of a micro-batch of slices `lengths`: a full
@@ -149,32 +188,34 @@ class GraphCostModel(DeviceCostModel):
                     tokens = n if window is None else min(n, left)
                     left -= tokens
                     out[j] += elements * tokens
-        scale = mb_size * self.costs.float_bytes
+        scale = mb_size * self.costs.float_bytes / self.op
         return [int(x * scale) for x in out]
 
     def stash_bytes(self, stage: int, l: int, c: int, mb_size: int) -> int:
         """Bytes the forward's ops leave allocated (their outputs), kept for the backward."""
         lo, hi = self.stage_units[stage]
-        return int(sum(float(fn(l, c, mb_size).stash) for fn in self.costs.unit_fns[lo:hi]))
+        return int(sum(float(fn(l, c, mb_size).stash) for fn in self.costs.unit_fns[lo:hi]) / self.op)
 
     def held_grad_bytes(self, stage: int, l: int, c: int, mb_size: int) -> int:
         """What a split backward keeps between its halves: the output gradients of the stage's
         ops that join a parameter with an activation (flops.py, `_held`)."""
         lo, hi = self.stage_units[stage]
-        return int(sum(float(fn(l, c, mb_size).held) for fn in self.costs.unit_fns[lo:hi]))
+        return int(sum(float(fn(l, c, mb_size).held) for fn in self.costs.unit_fns[lo:hi]) / self.op)
 
     def param_bytes(self, stage: int) -> int:
-        return int(self._params[stage] * self.costs.float_bytes)
+        return int(self._params[stage] * self.costs.float_bytes / self.op)
 
     # ------------------------------------------------------------------------ links
 
     def describe(self) -> str:
         c = self.costs
         return (f"analytic {self.device.name} from the traced graph of {c.name}: {c.num_units} units, "
-                f"stages {self.num_stages}, {8 * c.float_bytes}-bit floats")
+                f"stages {self.num_stages}, {8 * c.float_bytes}-bit floats"
+                + (f", tensor {self.op}" if self.op > 1 else ""))
 
 
-def graph_cost_source(sliced, device: DeviceSpec, float_bytes: int = 2) -> CostSource:
-    """A CostSource pricing any partition of `sliced` (a SlicedModel) on `device`."""
+def graph_cost_source(sliced, device: DeviceSpec, float_bytes: int = 2, tensor: int = 1) -> CostSource:
+    """A CostSource pricing any partition of `sliced` (a SlicedModel) on `device`, each stage
+    split over `tensor` ranks (`CostSource.split` gives the same for another degree)."""
     costs = GraphCosts.from_sliced(sliced, float_bytes)
-    return CostSource(costs.num_units, lambda ranges: GraphCostModel(device, costs, ranges))
+    return CostSource(costs.num_units, lambda ranges, t: GraphCostModel(device, costs, ranges, t), tensor)

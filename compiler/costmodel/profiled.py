@@ -6,18 +6,29 @@ the largest: assumes the device is already saturated, which is what large micro-
 The stash (bytes a slice's forward keeps for its backward) is interpolated the same way, and
 so are the two halves of a split backward (`split_backward_time`), measured apart by
 `tpc profile`.
+
+A profile is measured on unsplit stages. Priced for a tensor group of T ranks (`tensor`, `tpc
+compile --tensor T`), a unit's measured compute is divided by T, and the group's all-reduces of
+the activation are added (`base.tensor_allreduces`: two per decoder layer -- a unit with a KV
+cache -- each way, one more for the first unit's embedding), each the ring all-reduce
+`CostModel.allreduce_time` on the profile's measured link; a split backward's input half carries
+the backward's all-reduces. The memory of parameters, gradients, KV cache and stash is divided
+by T. This is an estimate, not a measurement of the split stages.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from tpc.compiler.costmodel.base import CostModel
+from tpc.compiler.costmodel.base import CostModel, tensor_allreduces
 from tpc.compiler.costmodel.store import Profile
 
 
 class ProfiledCostModel(CostModel):
-    def __init__(self, profile: Profile, stage_units):
+    def __init__(self, profile: Profile, stage_units, tensor: int = 1):
+        if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1:
+            raise ValueError(f"tensor degree must be a positive whole number, got {tensor!r}")
+        self.tensor = tensor
         ranges = [tuple(int(v) for v in r) for r in stage_units]
         ends = [0] + [hi for _, hi in ranges]
         if not ranges or ends[-1] != profile.num_units or any(
@@ -56,7 +67,20 @@ class ProfiledCostModel(CostModel):
         for u in self.profile.units[lo:hi]:
             f = f + self._unit_time(u.fwd, l, c, mb)
             b = b + self._unit_time(u.bwd, l, c, mb)
-        return f, b
+        if self.tensor == 1:
+            return f, b
+        ar_f, ar_b = self._tensor_collectives(stage, l, mb)
+        return f / self.tensor + ar_f, b / self.tensor + ar_b
+
+    def _tensor_collectives(self, stage, l, mb):
+        """(forward, backward) seconds of the tensor group's all-reduces in a slice of `stage`."""
+        lo, hi = self.stage_units[stage]
+        n_f = n_b = 0
+        for i, u in enumerate(self.profile.units[lo:hi], lo):
+            fw, bw = tensor_allreduces(int(u.kv_bytes_per_token > 0), i == 0, self.tensor)
+            n_f, n_b = n_f + fw, n_b + bw
+        one = self.allreduce_times(np.asarray(self.activation_bytes_array(l, mb)), self.tensor)
+        return n_f * one, n_b * one
 
     def slice_time(self, stage: int, l: int, c: int, mb_size: int) -> tuple[float, float]:
         f, b = self.slice_times(stage, l, c, mb_size)
@@ -77,7 +101,9 @@ class ProfiledCostModel(CostModel):
         for u in units:
             t_in = t_in + self._unit_time(u.bwd_input, l, c, mb)
             t_w = t_w + self._unit_time(u.bwd_weight, l, c, mb)
-        return t_in, t_w
+        if self.tensor == 1:
+            return t_in, t_w
+        return t_in / self.tensor + self._tensor_collectives(stage, l, mb)[1], t_w / self.tensor
 
     def split_backward_time(self, stage: int, l: int, c: int, mb_size: int) -> tuple[float, float]:
         """(backward-input, backward-weight) seconds of one slice on one stage: the stage's
@@ -104,7 +130,7 @@ class ProfiledCostModel(CostModel):
 
     def kv_bytes(self, stage: int, l: int, mb_size: int) -> int:
         lo, hi = self.stage_units[stage]
-        return int(sum(u.kv_bytes_per_token for u in self.profile.units[lo:hi]) * l * mb_size)
+        return int(sum(u.kv_bytes_per_token for u in self.profile.units[lo:hi]) * l * mb_size / self.tensor)
 
     def stash_bytes(self, stage: int, l: int, c: int, mb_size: int) -> int:
         """Bytes a slice's forward keeps for its backward: the stage's units' measured stash
@@ -118,7 +144,7 @@ class ProfiledCostModel(CostModel):
                 self._stash[key] = self.activation_bytes(l, mb_size)
             else:
                 args = np.float64(l), np.float64(c), np.float64(mb_size)
-                self._stash[key] = int(sum(float(self._unit_time(u.stash, *args)) for u in units))
+                self._stash[key] = int(sum(float(self._unit_time(u.stash, *args)) for u in units) / self.tensor)
         return self._stash[key]
 
     def held_grad_bytes(self, stage: int, l: int, c: int, mb_size: int) -> int:
@@ -129,11 +155,11 @@ class ProfiledCostModel(CostModel):
         if any(len(u.held) != len(self._sizes) for u in units):
             return 0
         args = np.float64(l), np.float64(c), np.float64(mb_size)
-        return int(sum(float(self._unit_time(u.held, *args)) for u in units))
+        return int(sum(float(self._unit_time(u.held, *args)) for u in units) / self.tensor)
 
     def param_bytes(self, stage: int) -> int:
         lo, hi = self.stage_units[stage]
-        return int(sum(u.param_bytes for u in self.profile.units[lo:hi]))
+        return int(sum(u.param_bytes for u in self.profile.units[lo:hi]) / self.tensor)
 
     def unit_times(self, l: int, c: int, mb: int) -> list[float]:
         """Forward + backward of every unit for one slice: what a stage partition balances."""
@@ -149,4 +175,6 @@ class ProfiledCostModel(CostModel):
         # the fits' error as a share of the model's time: a sub-millisecond unit fitted within
         # 400% of its own time moves a step by far less than that (Profile.fit_error_share)
         return (f"profile of {p.model_path} on {p.device}: {p.num_units} units, "
-                f"fits within {p.fit_error_share():.2%} of the model's time")
+                f"fits within {p.fit_error_share():.2%} of the model's time"
+                + (f"; split over {self.tensor} tensor ranks (compute / {self.tensor}, all-reduces added)"
+                   if self.tensor > 1 else ""))

@@ -1,7 +1,11 @@
 """`load_cost_model`: the one place that turns `--cost FILE` / `--device-model NAME` into a
 CostModel for a given stage partition; `load_cost_source` into a CostSource that builds one for
 any partition (the plan search tries several). A device model prices the traced model's graph
-when it is given (`sliced`, what compile and simulate do), else a GPT of `ModelShapes`."""
+when it is given (`sliced`, what compile and simulate do), else a GPT of `ModelShapes`.
+
+`tensor` is the tensor-parallel degree of every stage (`tpc compile --tensor T`): each model
+prices a stage split over T ranks (graph.py, analytic.py: the `op` degree; profiled.py: a
+profile measured unsplit, its compute divided by T and the collectives added)."""
 
 from __future__ import annotations
 
@@ -40,9 +44,10 @@ def _check_sources(cost, device_model, model_shapes, sliced=None) -> None:
 
 def load_cost_model(cost: str | None = None, device_model: str | None = None,
                     model_shapes: ModelShapes | None = None, stage_units=None,
-                    num_units: int | None = None, op: int = 1,
+                    num_units: int | None = None, tensor: int = 1,
                     model_sha256: str | None = None, device: str | None = None, sliced=None):
-    """A cost model for the stages `stage_units` ([lo, hi) unit ranges, one per stage).
+    """A cost model for the stages `stage_units` ([lo, hi) unit ranges, one per stage), each
+    split over `tensor` ranks.
 
     cost:          a profile from `tpc profile`; refused if `model_sha256` / `device` are given
                    and differ from what it measured.
@@ -59,12 +64,12 @@ def load_cost_model(cost: str | None = None, device_model: str | None = None,
             raise TpirError(Diagnostic(
                 f"the profile has {profile.num_units} units, the stages cover {units[-1][1]}",
                 where="--cost", hint="profile the model at the same sequence length and factory"))
-        return ProfiledCostModel(profile, units)
+        return ProfiledCostModel(profile, units, tensor)
     spec = load_device_spec(device_model)
     if sliced is not None:
         units = stage_units if stage_units is not None else [(0, sliced.num_units)]
         try:
-            return GraphCostModel(spec, GraphCosts.from_sliced(sliced), units)
+            return GraphCostModel(spec, GraphCosts.from_sliced(sliced), units, tensor)
         except ValueError as e:
             raise TpirError(Diagnostic(str(e), where="--device-model",
                                        hint=f"stages must cover units 0:{sliced.num_units} in order"))
@@ -74,7 +79,7 @@ def load_cost_model(cost: str | None = None, device_model: str | None = None,
         n = num_units if num_units is not None else model_shapes.layers + 2
         stage_layers = _stage_layers(stage_units, n, model_shapes)
     try:
-        return AnalyticCostModel(spec, model_shapes, stage_layers, op)
+        return AnalyticCostModel(spec, model_shapes, stage_layers, tensor)
     except ValueError as e:
         raise TpirError(Diagnostic(str(e), where="--device-model",
                                    hint="operator parallelism must divide heads and hidden"))
@@ -93,11 +98,11 @@ def _stage_layers(ranges, num_units: int, model_shapes: ModelShapes) -> tuple[in
 
 def load_cost_source(cost: str | None = None, device_model: str | None = None,
                      model_shapes: ModelShapes | None = None, num_units: int | None = None,
-                     op: int = 1, model_sha256: str | None = None,
+                     tensor: int = 1, model_sha256: str | None = None,
                      device: str | None = None, sliced=None) -> CostSource:
     """A CostSource for the options of `load_cost_model`: the profile is read (and checked)
     once, the device spec parsed (and the traced model's costs lambdified) once, and each
-    partition's model built from them."""
+    partition's model built from them (at degree `tensor`; `CostSource.split` for another)."""
     _check_sources(cost, device_model, model_shapes, sliced)
     if cost:
         profile = load_profile(cost, model_sha256=model_sha256, device=device)
@@ -105,17 +110,17 @@ def load_cost_source(cost: str | None = None, device_model: str | None = None,
             raise TpirError(Diagnostic(
                 f"the profile has {profile.num_units} units, the model has {num_units}",
                 where="--cost", hint="profile the model at the same sequence length and factory"))
-        return CostSource(profile.num_units, lambda ranges: ProfiledCostModel(profile, ranges))
+        return CostSource(profile.num_units, lambda ranges, t: ProfiledCostModel(profile, ranges, t), tensor)
     if sliced is not None:
-        return graph_cost_source(sliced, load_device_spec(device_model))
+        return graph_cost_source(sliced, load_device_spec(device_model), tensor=tensor)
     n = num_units if num_units is not None else model_shapes.layers + 2
     whole = load_cost_model(device_model=device_model, model_shapes=model_shapes,
-                            stage_units=[(0, n)], num_units=n, op=op)  # checks spec and shapes
+                            stage_units=[(0, n)], num_units=n, tensor=tensor)  # checks spec and shapes
 
-    def build(ranges):
-        return AnalyticCostModel(whole.device, model_shapes, _stage_layers(ranges, n, model_shapes), op)
+    def build(ranges, t):
+        return AnalyticCostModel(whole.device, model_shapes, _stage_layers(ranges, n, model_shapes), t)
 
-    return CostSource(n, build)
+    return CostSource(n, build, tensor)
 
 
 def plan_cost_model(header, *, cost: str | None = None, device_model: str | None = None,
@@ -123,16 +128,17 @@ def plan_cost_model(header, *, cost: str | None = None, device_model: str | None
     """The cost model for a plan's own stages: unit costs scaled by slice length (neither
     option), the profile `cost` (checked against the plan's model), or the device model
     `device_model` pricing the traced graph of the plan's model (rebuilt from its file and
-    checked to cut into the plan's units)."""
+    checked to cut into the plan's units); split over the mesh's tensor ranks."""
     if not cost and not device_model:
         return UnitCosts.for_plan(header)
     ranges = [stage.units for stage in header.stages]
+    tensor = header.mesh.tensor
     if cost:
         return load_cost_model(cost=cost, stage_units=ranges, num_units=header.units.count,
-                               model_sha256=header.model.sha256)
+                               model_sha256=header.model.sha256, tensor=tensor)
     from tpc.compiler.frontend.plan_trace import sliced_for_header
     from tpc.compiler.frontend.weightless import build_weightless
 
     model, _ = build_weightless(header.model.path, header.model.factory)  # its graph prices it, not its weights
     sliced = sliced_for_header(model, header, source)
-    return load_cost_model(device_model=device_model, sliced=sliced, stage_units=ranges)
+    return load_cost_model(device_model=device_model, sliced=sliced, stage_units=ranges, tensor=tensor)

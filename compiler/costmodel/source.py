@@ -19,14 +19,33 @@ Ranges = tuple[tuple[int, int], ...]
 
 
 class CostSource:
-    """`build(ranges) -> CostModel` for the partitions of a model of `num_units` units."""
+    """`build(ranges) -> CostModel` for the partitions of a model of `num_units` units.
 
-    def __init__(self, num_units: int, build: Callable[[Ranges], CostModel]):
+    With `tensor` given, `build(ranges, tensor) -> CostModel` prices each stage split over a
+    tensor group of that many ranks, and `split(T)` is the source of the same model at degree T
+    (the plan search prices every tensor degree it tries); without, the source prices unsplit
+    stages only."""
+
+    def __init__(self, num_units: int, build: Callable, tensor: int | None = None):
         if num_units < 1:
             raise ValueError("a model has at least one unit")
         self.num_units = num_units
-        self._build = build
+        self.tensor = 1 if tensor is None else tensor
+        self._any_tensor = build if tensor is not None else None
+        self._build = build if tensor is None else (lambda ranges: build(ranges, self.tensor))
         self._cache: dict[Ranges, CostModel] = {}
+        self._splits: dict[int, CostSource] = {self.tensor: self}
+
+    def split(self, tensor: int) -> "CostSource":
+        """The source of the same model with every stage split over `tensor` ranks (built
+        once per degree)."""
+        if tensor not in self._splits:
+            if self._any_tensor is None:
+                raise ValueError(f"this cost source cannot price a tensor split (degree {tensor})")
+            other = CostSource(self.num_units, self._any_tensor, tensor)
+            other._splits = self._splits  # one family: any member's split is shared
+            self._splits[tensor] = other
+        return self._splits[tensor]
 
     def for_stages(self, ranges) -> CostModel:
         key = tuple((int(lo), int(hi)) for lo, hi in ranges)

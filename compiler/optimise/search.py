@@ -4,7 +4,11 @@
 What is searched depends on the options; everything else is held fixed:
 
 * meshes (`--stages auto --ranks N`): every pipe x data split of N with pipe <= units, the
-  batch divisible by data and at least `--microbatches` sequences per replica;
+  batch divisible by data and at least `--microbatches` sequences per replica; with a tensor
+  degree T (`--tensor T`) every pipe x data split of N / T, and with `--tensor auto` every
+  pipe x data x tensor split of N whose tensor degree the model's split accepts (the caller
+  says which: compiler/pipeline.py); each mesh priced by the cost source split over its T ranks
+  (`CostSource.split`);
 * per mesh, a stage partition from the cost model's per-unit times (compiler/optimise/balance.py).
   With `--slices auto` it is found jointly with the slicing by alternating two exact steps:
   TeraPipe's DP (compiler/optimise/slice_optimiser.py) for the partition, then the partition minimising the
@@ -27,7 +31,8 @@ backend `--comm` names) and simulated under the partition's cost model and that 
 (NCCL's by default, as `tpc compile` lowers for NCCL); its peak memory per rank is the simulator's
 (compiler/predict/memory.py). The fastest candidate whose peak fits `--memory-per-rank` wins; among
 equally fast ones (within a relative 1e-9) the one with the lowest peak memory, then the first
-in that order (pipe ascending, the DP's slicing first, schedules in the order listed).
+in that order (tensor ascending, then pipe ascending, the DP's slicing first, schedules in the
+order listed).
 
 A candidate is not built when its busiest rank's own compute (`busy_bound`, no schedule can do
 better) already exceeds the fastest fitting plan found so far: thin equal slicings, which pay
@@ -82,22 +87,34 @@ MakeHeader = Callable[[int, int, Ranges, str, tuple[Microbatch, ...]], Header]
 # ------------------------------------------------------------------------------- meshes
 
 
-def meshes_for_ranks(ranks: int, num_units: int, batch: int, microbatches: int):
-    """(pipe, data) splits of `ranks` to search, pipe ascending, and why the others are not."""
+def mesh_text(pipe: int, data: int, tensor: int = 1) -> str:
+    """'4x2' (pipe x data), or '2x2x2' (pipe x data x tensor) with a tensor axis."""
+    return f"{pipe}x{data}" + (f"x{tensor}" if tensor != 1 else "")
+
+
+def meshes_for_ranks(ranks: int, num_units: int, batch: int, microbatches: int, tensors=(1,)):
+    """(pipe, data, tensor) splits of `ranks` to search, for each tensor degree of `tensors`
+    (ascending; those that do not divide `ranks` are left out), pipe ascending, and why the
+    others are not."""
     meshes, skipped = [], []
-    for pipe in range(1, ranks + 1):
-        if ranks % pipe:
+    for tensor in tensors:
+        if ranks % tensor:
             continue
-        data = ranks // pipe
-        if pipe > num_units:
-            skipped.append(f"{pipe}x{data}: {pipe} stages but the model has {num_units} units")
-        elif batch % data:
-            skipped.append(f"{pipe}x{data}: a batch of {batch} does not split over {data} replicas")
-        elif batch // data < microbatches:
-            skipped.append(f"{pipe}x{data}: {batch // data} sequence(s) per replica, fewer than "
-                           f"{microbatches} micro-batches")
-        else:
-            meshes.append((pipe, data))
+        rest = ranks // tensor
+        for pipe in range(1, rest + 1):
+            if rest % pipe:
+                continue
+            data = rest // pipe
+            name = mesh_text(pipe, data, tensor)
+            if pipe > num_units:
+                skipped.append(f"{name}: {pipe} stages but the model has {num_units} units")
+            elif batch % data:
+                skipped.append(f"{name}: a batch of {batch} does not split over {data} replicas")
+            elif batch // data < microbatches:
+                skipped.append(f"{name}: {batch // data} sequence(s) per replica, fewer than "
+                               f"{microbatches} micro-batches")
+            else:
+                meshes.append((pipe, data, tensor))
     return meshes, skipped
 
 
@@ -111,7 +128,7 @@ class Space:
     seq_len: int
     batch: int  # global batch, sequences
     microbatches: int | None  # per replica; None: the optimiser's knapsack chooses
-    meshes: tuple[tuple[int, int], ...]  # (pipe, data)
+    meshes: tuple[tuple[int, ...], ...]  # (pipe, data) or (pipe, data, tensor)
     schedules: tuple[str, ...]
     slices: Slices | None = None  # given slices of every micro-batch; None: the optimiser's
     budget: float | None = None  # bytes per rank
@@ -161,6 +178,11 @@ class Candidate:
     fits: bool  # simulated and within the budget
     header: Header | None  # None when not simulated
     simulated: bool = True
+    tensor: int = 1  # tensor ranks per stage
+
+    @property
+    def mesh(self) -> str:
+        return mesh_text(self.pipe, self.data, self.tensor)
 
 
 @dataclass(frozen=True)
@@ -181,12 +203,13 @@ def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> Se
     start = time.perf_counter()
     candidates, dp_runs = [], 0
     incumbent = math.inf  # the fastest fitting time so far
-    for pipe, data, per_rank, schedules in _groups(space, source.num_units):
+    for pipe, data, tensor, per_rank, schedules in _groups(space, source.num_units):
         rows = space.batch // data
-        ranges, slicings, runs = _partition_and_slicings(source, space, pipe * per_rank, data, rows)
+        split = source.split(tensor)  # each stage split over the mesh's tensor ranks
+        ranges, slicings, runs = _partition_and_slicings(split, space, pipe * per_rank, data, rows)
         dp_runs += runs
         # one memo per mesh: every schedule and slicing asks the same (stage, l, c, b) again
-        cost = _Memo(source.for_stages(ranges))
+        cost = _Memo(split.for_stages(ranges))
         for slicing in slicings:
             bound = busy_bound(cost.inner, slicing, data, per_rank)
             for schedule in schedules:
@@ -195,9 +218,9 @@ def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> Se
                 if bound > incumbent * (1 + TIE) and replicas(schedule) == 1:
                     # a rank's own compute already takes longer than a plan that fits
                     candidates.append(Candidate(pipe, data, ranges, schedule, slicing, bound,
-                                                math.nan, False, None, simulated=False))
+                                                math.nan, False, None, simulated=False, tensor=tensor))
                     continue
-                header = make_header(pipe, data, ranges, schedule, slicing.microbatches())
+                header = make_header(pipe, data, ranges, schedule, slicing.microbatches(), tensor=tensor)
                 try:
                     compute = build_schedule(schedule, header)
                 except TpirError:
@@ -209,7 +232,7 @@ def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> Se
                 peak = max(r.peak_memory.total for r in sim.ranks)
                 fits = space.budget is None or peak <= space.budget
                 candidates.append(Candidate(pipe, data, ranges, schedule, slicing,
-                                            sim.iteration_time, peak, fits, header))
+                                            sim.iteration_time, peak, fits, header, tensor=tensor))
                 if fits:
                     incumbent = min(incumbent, sim.iteration_time)
     fitting = [c for c in candidates if c.fits]
@@ -220,16 +243,17 @@ def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> Se
 
 
 def _groups(space: Space, num_units: int):
-    """(pipe, data, stages per rank, schedules) in search order: per mesh, the schedules of one
-    stage per rank, then those of two (the V-shaped ones, 2 x pipe stages: left out where the
-    model has fewer units)."""
+    """(pipe, data, tensor, stages per rank, schedules) in search order: per mesh, the schedules
+    of one stage per rank, then those of two (the V-shaped ones, 2 x pipe stages: left out where
+    the model has fewer units)."""
     from tpc.compiler.schedules import stages_per_rank
 
-    for pipe, data in space.meshes:
+    for pipe, data, *rest in space.meshes:
+        tensor = rest[0] if rest else 1
         for per_rank in (1, 2):
             names = tuple(n for n in space.schedules if stages_per_rank(n) == per_rank)
             if names and pipe * per_rank <= num_units:
-                yield pipe, data, per_rank, names
+                yield pipe, data, tensor, per_rank, names
 
 
 def busy_bound(cost, slicing: Slicing, data: int, per_rank: int = 1) -> float:
@@ -301,7 +325,8 @@ def _nothing_fits(candidates, space: Space) -> TpirError:
 def _describe(c: Candidate) -> str:
     K = len(c.ranges)
     on = f" on {c.pipe} rank{'s' * (c.pipe != 1)}" if K != c.pipe else ""
-    return (f"{K} stage{'s' * (K != 1)}{on} x {c.data} replica{'s' * (c.data != 1)}, "
+    tp = f" x {c.tensor} tensor ranks" if c.tensor != 1 else ""
+    return (f"{K} stage{'s' * (K != 1)}{on} x {c.data} replica{'s' * (c.data != 1)}{tp}, "
             f"units {partition_text(c.ranges)}, "
             f"{c.schedule}, {c.slicing.summary()}")
 
@@ -378,14 +403,15 @@ def explain(result: SearchResult) -> str:
     """The candidates as a table, then the choice and why (for `tpc compile --explain`)."""
     space, best = result.space, result.best
     budget = format_bytes(space.budget) if space.budget is not None else None
-    rows = [("", "mesh", "units/stage", "schedule", "slicing", "step (sim)", "peak/rank", "fits")]
+    tensor = any(len(m) > 2 and m[2] != 1 for m in space.meshes)
+    rows = [("", "mesh (PxDxT)" if tensor else "mesh", "units/stage", "schedule", "slicing", "step (sim)", "peak/rank", "fits")]
     for c in result.candidates:
         if c.simulated:
             step, peak = f"{c.time * 1e3:.4g} ms", format_bytes(c.peak)
             fits = ("yes" if c.fits else "NO") if budget else "-"
         else:
             step, peak, fits = f">={c.time * 1e3:.4g} ms", "-", "pruned"
-        rows.append(("*" if c is best else "", f"{c.pipe}x{c.data}", partition_text(c.ranges),
+        rows.append(("*" if c is best else "", c.mesh, partition_text(c.ranges),
                      c.schedule, c.slicing.summary(), step, peak, fits))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"plan search: {len(result.candidates)} candidates "
@@ -414,7 +440,7 @@ def explain(result: SearchResult) -> str:
     lines.append(f"  why: {why}")
     # what the DP chose on the chosen mesh (its formula's prediction differs from the simulation)
     dp = next((c.slicing.choice for c in result.candidates if c.slicing.choice is not None
-               and (c.pipe, c.data) == (best.pipe, best.data)), None)
+               and (c.pipe, c.data, c.tensor) == (best.pipe, best.data, best.tensor)), None)
     if dp is not None:
         lines += ["  " + line for line in explain_choice(dp).splitlines()]
     return "\n".join(lines)
