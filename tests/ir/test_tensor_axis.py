@@ -67,4 +67,4 @@ def test_the_simulator_refuses_a_tensor_axis(tmp_path, capsys):
     path.write_text(with_mesh("mesh pipe 2 data 1 tensor 2"))
     assert main(["simulate", str(path), "--unit"]) != 0
     assert "the simulator does not run a tensor axis yet" in capsys.readouterr().err
-    check_no_tensor_axis(parse(GOLDEN), "the simulator")  # no tensor axis: nothing to refuse  # no tensor axis: nothing to refuse
+    check_no_tensor_axis(parse(GOLDEN), "the simulator")  # no tensor axis: nothing to refuse
