@@ -31,7 +31,6 @@ def _writing(option: str, path: str, write) -> None:
 
 def cmd_simulate(args) -> int:
     from tpc.ir.files import check_output
-    from tpc.executors.world import check_no_tensor_axis
     from tpc.ir.verify.bundle import is_bundle
 
     for option, path in (("--trace", args.trace), ("--png", args.png)):
@@ -40,7 +39,6 @@ def cmd_simulate(args) -> int:
     if is_bundle(args.plan):
         return simulate_bundle(args)
     plan = load_checked_plan(args.plan, needs_model=bool(args.cost or args.device_model), comm=args.comm)
-    check_no_tensor_axis(plan, "the simulator")
     costs = plan_cost_model(plan.header, cost=args.cost, device_model=args.device_model,
                             source=args.plan)
     result = simulate(plan, costs, args.comm, shard_optimizer=args.shard_optimizer)
@@ -66,7 +64,6 @@ def simulate_bundle(args) -> int:
     step time, and the time per token, which a curriculum trades against the loss)."""
     from tpc.compiler.predict.timeline import slices_summary
     from tpc.compiler.predict.quantities import format_quantity
-    from tpc.executors.world import check_no_tensor_axis
     from tpc.ir.verify.bundle import load_bundle
 
     for option in ("trace", "png", "compare"):
@@ -77,7 +74,6 @@ def simulate_bundle(args) -> int:
     bundle = load_bundle(args.plan, args.comm)
     rows = []
     for member, plan in zip(bundle.index.members, bundle.plans):
-        check_no_tensor_axis(plan, "the simulator")
         costs = plan_cost_model(plan.header, cost=args.cost, device_model=args.device_model,
                                 source=plan.source)
         result = simulate(plan, costs, args.comm, shard_optimizer=args.shard_optimizer)

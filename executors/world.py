@@ -78,20 +78,6 @@ def check_world(plan: Plan, world: World) -> None:
             hint=f"run {launch}, or compile a plan for {world.size} ranks"))
 
 
-def check_no_tensor_axis(plan: Plan, by: str) -> None:
-    """Refuse a plan whose mesh has a tensor axis (`mesh ... tensor T`, format version 4) where
-    `by` does not model the axis: the simulator, whose timeline has no tensor collectives (the
-    executors run it: executors/tensor_ranks.py)."""
-    mesh = plan.header.mesh
-    if mesh.tensor != 1:
-        raise TpirError(Diagnostic(
-            f"the plan splits each stage over {mesh.tensor} tensor ranks (mesh {mesh.sizes}), "
-            f"and {by} does not run a tensor axis yet",
-            loc=mesh.loc, where=plan.source,
-            hint="compile the plan without a tensor axis (its mesh line `mesh pipe "
-                 f"{mesh.pipe} data {mesh.data}`), with more pipeline or data ranks instead"))
-
-
 @dataclass
 class Groups:
     """This rank's process groups (None where a group would have one member)."""

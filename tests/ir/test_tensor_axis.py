@@ -1,14 +1,11 @@
 """The mesh's tensor axis in the format (version 4: `mesh pipe P data D tensor T`): parsed,
-printed, checked by rules T1-T2, and refused by the executors and the simulator, which do not
-run it yet (docs/ir.md, "The tensor axis")."""
+printed, checked by rules T1-T2, and simulated (docs/ir.md, "The tensor axis"; the executors
+run it: tests/executors/test_tensor_parallel.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from tpc.ir.diagnostics import TpirError
 from tpc.ir.parse import parse
 from tpc.ir.printer import print_plan
 from tpc.ir.verify import verify
@@ -52,19 +49,15 @@ def test_t2_the_tensor_degree_divides_the_vocabulary():
     assert "divides 16" in d.hint
 
 
-def test_the_simulator_refuses_a_tensor_axis(tmp_path, capsys):
-    """The simulator's timeline has no tensor collectives: it refuses the axis, located at the
-    mesh line (the executors run it: tests/executors/test_tensor_parallel.py)."""
+def test_the_simulator_runs_a_tensor_axis(tmp_path, capsys):
+    """The tensor ranks of a stage run the same stream: under unit costs the timeline is the
+    plan's without the axis; a cost model prices the split (tests/compiler/test_tensor_compile.py)."""
     from tpc.cli.main import main
-    from tpc.executors.world import check_no_tensor_axis
 
-    plan = parse(with_mesh("mesh pipe 2 data 1 tensor 2"), file="p.tpir")
-    with pytest.raises(TpirError) as e:
-        check_no_tensor_axis(plan, "the simulator")
-    assert "splits each stage over 2 tensor ranks (mesh pipe 2 data 1 tensor 2)" in str(e.value)
-    assert "the simulator does not run a tensor axis yet" in str(e.value)
-    path = tmp_path / "plan.tpir"
-    path.write_text(with_mesh("mesh pipe 2 data 1 tensor 2"))
-    assert main(["simulate", str(path), "--unit"]) != 0
-    assert "the simulator does not run a tensor axis yet" in capsys.readouterr().err
-    check_no_tensor_axis(parse(GOLDEN), "the simulator")  # no tensor axis: nothing to refuse
+    reports = []
+    for mesh in ("mesh pipe 2 data 1", "mesh pipe 2 data 1 tensor 2"):
+        path = tmp_path / "plan.tpir"
+        path.write_text(with_mesh(mesh))
+        assert main(["simulate", str(path), "--unit"]) == 0
+        reports.append(capsys.readouterr().out)
+    assert reports[0] == reports[1] and "iteration time" in reports[0]
