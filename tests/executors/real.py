@@ -53,7 +53,7 @@ def real_plan(name: str, *, stages: int, microbatches: int, slices: str, schedul
     path = path or model_file(name)
     model, sliced, vocab = traced(path, seq_len)
     opts = check_options(stages=str(stages), microbatches=microbatches, seq_len=seq_len, batch=batch,
-                         slices=slices, schedule=schedule, dp=dp, ranks=None)
+                         slices=slices, schedule=schedule, dp=dp, ranks=None, tensor=tensor)
     ranges = [tuple(r) for r in sliced.partition_by_params(stages)]
     header = build_header(model_path=path, sha256=file_sha256(path), factory="model", opts=opts, vocab=vocab,
                           unit_labels=sliced.unit_labels, ranges=ranges, ties=sliced.ties(ranges))
@@ -61,18 +61,7 @@ def real_plan(name: str, *, stages: int, microbatches: int, slices: str, schedul
         header = place(header, PLACEMENTS[placement_of(schedule)](stages, ranks))
     compute = build_schedule(schedule, header)
     choice = uniform(header, recompute) if isinstance(recompute, str) else recompute
-    plan = lower(header, apply_recompute(compute, choice))
-    if tensor != 1:
-        import dataclasses
-
-        from tpc.ir.nodes import MeshLine
-        from tpc.ir.verify import check
-
-        h = plan.header
-        mesh = MeshLine(pipe=h.mesh.pipe, data=h.mesh.data, tensor=tensor)
-        plan = dataclasses.replace(plan, header=dataclasses.replace(h, mesh=mesh, version=4))
-        check(plan)
-    return plan
+    return lower(header, apply_recompute(compute, choice))
 
 
 def fresh_model(name: str, seq_len: int = 16):

@@ -211,3 +211,18 @@ def test_init_from_gives_each_rank_its_part(configs, tmp_path):
     worst, where = gradient_error(res.first_grads, ref_grads)
     assert worst <= TOL, (worst, where)
     assert abs(res.losses[0] - ref_loss) <= TOL * abs(ref_loss)
+
+
+def test_the_commands_compile_and_run_a_tensor_axis(tmp_path, capsys, monkeypatch):
+    """`tpc compile --tensor 2` then `tpc run --interpret --verify-grads`, as a user types them."""
+    from tpc.cli.main import main
+
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    plan = tmp_path / "tp.tpir"
+    assert main(["compile", model_file("llama"), "-o", str(plan), "--seq-len", "16", "--batch", "4", "--stages", "2",
+                 "--dp", "2", "--tensor", "2", "--microbatches", "2", "--slices", "3", "-q"]) == 0
+    assert "mesh pipe 2 data 2 tensor 2\n" in plan.read_text()
+    assert main(["run", "--interpret", str(plan), "--steps", "2", "--verify-grads", "--grad-clip", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "step 2/2" in out and "|g|" in out and ": ok" in out.split("verify-grads:")[1], out
