@@ -49,8 +49,10 @@ PLANS = {
     "1f1b-dp2": dict(stages=2, dp=2, schedule="1f1b"),
     # two pipelines over weight replicas (reduce-replicas on NCCL); chimera refuses tied weights
     "chimera": dict(stages=2, schedule="chimera", model="bench/models/gpt_untied.py"),
+    # each stage split over 2 tensor ranks (4 processes): the tensor collectives on NCCL
+    "1f1b-tp2": dict(stages=2, tensor=2, schedule="1f1b"),
 }
-BF16 = ("seq1f1b", "interleaved")
+BF16 = ("seq1f1b", "interleaved", "1f1b-tp2")
 BF16_TOLERANCE = "5e-2"
 
 
@@ -61,11 +63,11 @@ def free_port() -> int:
 
 
 def ranks_of(plan: Path) -> int:
-    """pipe x data processes the plan needs (its `mesh` line)."""
-    m = re.search(r"^mesh pipe (\d+) data (\d+)", plan.read_text(), re.M)
+    """pipe x data (x tensor) processes the plan needs (its `mesh` line)."""
+    m = re.search(r"^mesh pipe (\d+) data (\d+)(?: tensor (\d+))?", plan.read_text(), re.M)
     if not m:
         raise SystemExit(f"{plan}: no `mesh pipe P data D` line")
-    return int(m.group(1)) * int(m.group(2))
+    return int(m.group(1)) * int(m.group(2)) * int(m.group(3) or 1)
 
 
 def compile_all(out: Path, names) -> dict[str, Path]:
