@@ -91,6 +91,23 @@ def test_interpreter_matches_autograd(name, case, configs):
     assert abs(result.losses[0] - ref_loss) <= TOL * abs(ref_loss)
 
 
+@pytest.mark.parametrize("schedule,stages,slices", [("interleaved", 4, "3"), ("chimera", 2, "2")])
+def test_several_stages_per_rank_and_weight_replicas_under_nccls_rules(schedule, stages, slices):
+    """Two stages on each rank (each tensor rank's stages sharing its parts through one cache)
+    and chimera's two weight replicas (reduce-replicas at the rank's tensor coordinate), with
+    NCCL's rendezvous rules in the interpreter."""
+    kw = dict(ranks=2) if schedule == "interleaved" else {}
+    plan = real_plan("llama", seq_len=SEQ, stages=stages, slices=slices, microbatches=2, schedule=schedule,
+                     tensor=2, **kw)
+    model, sliced, _ = traced(model_file("llama"), SEQ)
+    result = interpret(plan, RunOptions(steps=1, comm="nccl"), model=copy.deepcopy(model), sliced=sliced)
+    h = plan.header
+    ref_loss, ref_grads, _ = batch_reference(copy.deepcopy(model), RandomTokens(0, h.shape.batch, SEQ, h.shape.vocab).get(0))
+    worst, where = gradient_error(result.first_grads, ref_grads)
+    assert worst <= TOL, (worst, where)
+    assert abs(result.losses[0] - ref_loss) <= TOL * abs(ref_loss)
+
+
 def test_fifty_steps_equal_the_plan_without_the_axis():
     """AdamW with weight decay, clipping that acts (the norm is summed over the tensor group,
     a replicated weight counted once): losses, gradient norms and the weights after 50 steps."""
