@@ -171,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--schedule-file", default=None, help="a torch.distributed.pipelining schedule CSV (_dump_csv) giving the compute order, stages, their ranks and the micro-batches (docs/torch-pipelining.md)")
     c.add_argument("--dp", type=int, default=D["dp"], help=f"data-parallel replicas (default: {D['dp']})")
     c.add_argument("--tensor", default=None, help=f"tensor-parallel ranks per stage T (Megatron's split: attention by heads, MLPs column -> row, embedding and head by vocabulary rows), found in each stage's graph and checked at compile: a T that does not divide the heads, a hidden width or the vocabulary is refused at the model's line. The plan's mesh is `pipe P data D tensor T` (P x D x T ranks); the cost model divides the split compute by T and adds the tensor group's all-reduces on the node's link (a --cost profile was measured unsplit: its compute is divided by T likewise). 'auto' with --stages auto --ranks N: the search splits N into pipeline x data x tensor (default: {D['tensor']}; docs/parallelism.md)")
+    c.add_argument("--sequence-parallel", action="store_true", default=None, help="with --tensor T: Megatron's "
+                   "sequence parallelism: between the tensor-parallel regions (norms, residual adds, the stage's "
+                   "output) each tensor rank holds 1/T of a slice's tokens, and the messages between stages carry "
+                   "1/T of them; every slice's length must divide by T. The mesh line gets `sequence-parallel` "
+                   "(format version 5; docs/parallelism.md)")
     c.add_argument("--ranks", type=int, default=D["ranks"], help="total ranks: with --stages auto, the search splits them into pipeline x data (x tensor, with --tensor); else stages x dp x tensor, or fewer for several stages per rank (R / (dp x tensor) dividing --stages, placed as the schedule needs)")
     c.add_argument("--cost", default=D["cost"], help="measured cost profile (.msgpack from `tpc profile`) for --slices/--schedule auto")
     c.add_argument("--device-model", default=D["device_model"], help="analytic cost model instead of a profile: v100 | a100 | h100 | h200 | a spec file")

@@ -70,7 +70,7 @@ def build_header(
     return with_replicas(Header(
         model=ModelLine(path=model_path, sha256=sha256, factory=factory),
         shape=ShapeLine(batch=opts.batch, seq=opts.seq_len, vocab=vocab, dtype="float32"),
-        mesh=MeshLine(pipe=pipe, data=data, tensor=tensor),
+        mesh=MeshLine(pipe=pipe, data=data, tensor=tensor, sequence=opts.sequence_parallel and tensor > 1),
         schedule=ScheduleLine(name=schedule),
         units=UnitsLine(count=len(unit_labels)),
         stages=stages,

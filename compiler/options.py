@@ -63,6 +63,9 @@ class CompileOptions:
     # at compile: docs/parallelism.md); 1: no tensor axis; AUTO: the search (with --stages auto)
     tensor: int | str = 1
     ranks: int | None = None  # total ranks; None: stages x dp x tensor (one stage per pipeline rank)
+    # Megatron's sequence parallelism over the tensor ranks: the activations between the
+    # tensor-parallel regions (and the messages between stages) split along the tokens
+    sequence_parallel: bool = False
     factory: str = "model"  # the callable in the model file that returns the model
     cost: str | None = None  # a profile from `tpc profile`; None: no plan search
     device_model: str | None = None  # an analytic device (h100, ...); None: no plan search
@@ -277,6 +280,16 @@ def _check(o: CompileOptions) -> None:
                      "places one stage per rank",
                      "leave out --cost / --device-model and give the slices and micro-batches, "
                      "or one stage per rank")
+    if o.sequence_parallel:
+        if not o.tensor_auto and T == 1:
+            raise _error("--sequence-parallel", "--sequence-parallel splits the tokens over the tensor ranks of "
+                         "each stage, and there are none (--tensor 1)", "add --tensor T, e.g. --tensor 2")
+        if not o.slices_auto and not o.tensor_auto:
+            bad = next(((lo, hi) for lo, hi in o.cuts if (hi - lo) % T), None)
+            if bad is not None:
+                raise _error("--slices", f"slice {bad[0]}:{bad[1]} has {bad[1] - bad[0]} tokens, which the {T} "
+                             "tensor ranks of --sequence-parallel cannot split evenly",
+                             f"give slices whose lengths are multiples of {T}")
     if o.recompute == "auto" and (not costs or o.memory_per_rank is None):
         raise _error("--recompute", "--recompute auto chooses per stage what to recompute to fit "
                      "--memory-per-rank, priced by a cost model",

@@ -186,7 +186,8 @@ class Distributed:
             from tpc.compiler.tensor import DistGroup
             from tpc.executors.tensor_ranks import TensorRank
 
-            self.tensor = TensorRank(mesh.tensor, mesh.tensor_rank(world.rank), DistGroup(self.groups.tensor))
+            self.tensor = TensorRank(mesh.tensor, mesh.tensor_rank(world.rank), DistGroup(self.groups.tensor),
+                                     sequence=plans.full.header.mesh.sequence)
 
     def _ranks(self, plan: Plan, *, evaluation: bool, channels: Channels, optimizer=None,
                loss_rank: int | None = None) -> DistRanks:

@@ -371,11 +371,11 @@ class Interpreted:
     model, or a stand-in in tests)."""
 
     def __init__(self, options: RunOptions, device: torch.device, model: torch.nn.Module | None,
-                 stages: StageSource, rendezvous: bool, tensor: int = 1):
+                 stages: StageSource, rendezvous: bool, tensor: int = 1, sequence: bool = False):
         """`tensor`: the mesh's tensor degree T. The ranks of each tensor coordinate run on a
         thread of their own (their stages' collectives meet the other threads' at a
         `ThreadGroup`), over a network of their own: a message or a data-parallel sum never
-        crosses tensor coordinates."""
+        crosses tensor coordinates. `sequence`: the mesh's `sequence-parallel`."""
         self.options, self.device, self.model, self.stages = options, device, model, stages
         self.rendezvous = rendezvous
         # the training plans' networks, one per tensor coordinate: the channels' counts run on
@@ -384,6 +384,7 @@ class Interpreted:
         self.copies: dict[int, torch.nn.Module | None] = {}  # global rank -> its model copy
         self.clock = Clock()
         self.tensor_ranks: dict[int, object] = {}  # global rank -> its TensorRank (T > 1)
+        self.sequence = sequence
         if tensor > 1:
             from tpc.compiler.tensor import thread_groups
 
@@ -397,7 +398,7 @@ class Interpreted:
         if rank not in self.tensor_ranks:
             from tpc.executors.tensor_ranks import TensorRank
 
-            self.tensor_ranks[rank] = TensorRank(len(self.hubs), t, self.groups[t])
+            self.tensor_ranks[rank] = TensorRank(len(self.hubs), t, self.groups[t], sequence=self.sequence)
         return self.tensor_ranks[rank]
 
     def _copy(self, rank: int) -> torch.nn.Module | None:
@@ -531,7 +532,8 @@ def interpret(plan: "Plan | PlanSet", options: RunOptions | None = None, *,
     if keep_grads:
         options = dataclasses.replace(options, record_grads=True)
     check_tensor_run(full, options, "the interpreter")
-    executor = Interpreted(options, device, model, stages, rules == NCCL, tensor=full.header.mesh.tensor)
+    executor = Interpreted(options, device, model, stages, rules == NCCL, tensor=full.header.mesh.tensor,
+                           sequence=full.header.mesh.sequence)
     loop = TrainingLoop(plans, executor, options, batches=batches, eval_batches=eval_batches,
                         checkpoints=checkpoints, on_step=on_step, on_eval=on_eval)
     out = loop.run()

@@ -144,7 +144,8 @@ class StageRuntime:
             x = x.detach().requires_grad_(True)
         cache = self._caches.get(mb)
         start = cache.length if cache is not None else 0
-        rec = _Slice(mb, x, int(offset), targets, start, x.size(1))
+        # the slice's tokens (a sequence-parallel stage's input activation holds 1/T of them)
+        rec = _Slice(mb, x, int(offset), targets, start, x.size(1) * getattr(self.module, "token_parts", 1))
         if self.programs is not None:
             y, kv = self._run_programs(rec, keep=not checkpoint, checkpoint=checkpoint)
         else:

@@ -35,6 +35,7 @@ class TensorRank:
     degree: int
     rank: int
     group: object  # a compiler.tensor TensorGroup
+    sequence: bool = False  # `sequence-parallel`: activations between regions split over the tokens
     held: dict = field(default_factory=dict)  # name -> this rank's part (a Parameter)
     shards: dict = field(default_factory=dict)  # name -> ParamShard, of every stage built
 
@@ -65,7 +66,7 @@ def tensor_stage_factory(sliced, model_copy: torch.nn.Module, tensor: TensorRank
     def build(stage, loss_scale: float) -> BuiltStage:
         lo, hi = stage.units
         module = shard_stage(sliced, lo, hi, tensor.degree, tensor.rank, tensor.group, params_from=model_copy,
-                             evaluation=evaluation, held=tensor.held)
+                             evaluation=evaluation, held=tensor.held, sequence=tensor.sequence)
         tensor.shards.update(module.shards)
         release_whole(model_copy, tensor.held)
         return BuiltStage(StageRuntime(module, loss_scale, None), list(module.named_parameters()))

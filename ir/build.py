@@ -175,7 +175,9 @@ class PlanBuilder(Transformer):
     def mesh_line(self, children):
         first, _, pipe, _, data, *rest = children
         tensor = int(rest[1]) if rest else 1
-        return self._make(MeshLine, "mesh", self._trivia(first), pipe=int(pipe), data=int(data), tensor=tensor)
+        sequence = len(rest) > 2 and str(rest[2]) == "sequence-parallel"
+        return self._make(MeshLine, "mesh", self._trivia(first), pipe=int(pipe), data=int(data), tensor=tensor,
+                          sequence=sequence)
 
     @_line
     def schedule_line(self, children):

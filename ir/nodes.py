@@ -59,18 +59,21 @@ from tpc.ir.mesh import Mesh, tie_pipe_ranks
 # The format version `tpc compile` writes. A plan keeps the version it was written in (printing a
 # version-1 plan writes `tpir 1` again), every version in FORMAT_VERSIONS is read, and the
 # verifier (rule H1) refuses a line or instruction that is newer than its plan's version line.
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 # each version this tpc reads, with what it added over the one before (docs/ir.md, "Versions")
 FORMAT_VERSIONS: dict[int, str] = {
     1: "the first format",
     2: "the additions listed under version 2 in docs/ir.md",
     3: "weight replicas: `stage S ranks R0 R1`, `microbatch ... replica K`, `reduce-replicas`",
     4: "a tensor axis: `mesh pipe P data D tensor T`",
+    5: "sequence parallelism: `mesh pipe P data D tensor T sequence-parallel`",
 }
 # the format version that added weight replicas (two pipelines over the same stages)
 REPLICA_VERSION = 3
 # the format version that added the mesh's tensor axis
 TENSOR_VERSION = 4
+# the format version that added sequence parallelism over the tensor axis
+SEQUENCE_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -140,12 +143,15 @@ class ShapeLine(Line):
 
 @dataclass(frozen=True)
 class MeshLine(Line):
-    """`mesh pipe P data D [tensor T]`: P pipeline ranks times D data-parallel replicas, each
-    stage's weights split over T tensor ranks (version 4; 1 when absent)."""
+    """`mesh pipe P data D [tensor T [sequence-parallel]]`: P pipeline ranks times D
+    data-parallel replicas, each stage's weights split over T tensor ranks (version 4; 1 when
+    absent); `sequence-parallel` (version 5): the activations outside the tensor-parallel
+    regions, the messages between stages among them, split over the T ranks along the tokens."""
 
     pipe: int
     data: int = 1
     tensor: int = 1
+    sequence: bool = False
 
     def __post_init__(self):
         _check(self.pipe >= 1 and self.data >= 1 and self.tensor >= 1, "mesh sizes must be >= 1")
@@ -158,7 +164,8 @@ class MeshLine(Line):
     @property
     def sizes(self) -> str:
         """The line's words after `mesh`: "pipe 2 data 1", "pipe 2 data 1 tensor 2"."""
-        return f"pipe {self.pipe} data {self.data}" + (f" tensor {self.tensor}" if self.tensor != 1 else "")
+        tensor = f" tensor {self.tensor}" if self.tensor != 1 or self.sequence else ""
+        return f"pipe {self.pipe} data {self.data}{tensor}" + (" sequence-parallel" if self.sequence else "")
 
 
 @dataclass(frozen=True)

@@ -164,10 +164,13 @@ def compute_messages(header: Header, rank: int, instr: Instr) -> tuple[list, lis
 
 def message_shape(header: Header, mb: int, sl: int, hidden: int) -> tuple[int, int, int]:
     """The shape of every message of micro-batch `mb`, token slice `sl` (an activation or its
-    gradient): (the micro-batch's rows, the slice's tokens, the hidden size). Known from the
-    header alone, so a receive is posted with its shape and no shape is ever sent."""
+    gradient): (the micro-batch's rows, the slice's tokens, the hidden size); with
+    `sequence-parallel`, each tensor rank's 1/T of the slice's tokens. Known from the header
+    alone, so a receive is posted with its shape and no shape is ever sent."""
     lo, hi = header.microbatches[mb].slices[sl]
-    return header.microbatches[mb].size, hi - lo, hidden
+    mesh = header.mesh
+    tokens = (hi - lo) // mesh.tensor if mesh.sequence else hi - lo
+    return header.microbatches[mb].size, tokens, hidden
 
 
 def replica_group(stage: int) -> tuple:

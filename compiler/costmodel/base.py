@@ -165,6 +165,32 @@ class CostModel(ABC):
         return type(self).__name__
 
 
+class TokenParts:
+    """A cost model's prices for a plan with `sequence-parallel` (a mesh with a tensor axis of
+    `parts` ranks): each message between stages carries a tensor rank's 1/`parts` of a slice's
+    tokens, so transfers (`p2p_time`) and received messages (`message_bytes`) are 1/`parts` of
+    the model's. Everything else is the model's own; what a stage keeps between the regions
+    (the stash of its norms and residual adds, also 1/`parts` of the tokens) is not lowered."""
+
+    def __init__(self, inner: CostModel, parts: int):
+        self.inner, self.parts = inner, parts
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def p2p_time(self, nbytes: float) -> float:
+        return self.inner.p2p_time(nbytes / self.parts)
+
+    def p2p_times(self, nbytes) -> np.ndarray:
+        return self.inner.p2p_times(np.asarray(nbytes) / self.parts)
+
+    def message_bytes(self, l: int, mb_size: int) -> float:
+        return self.inner.message_bytes(l, mb_size) / self.parts
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()}, sequence-parallel"
+
+
 def slot_times(cost: CostModel, l, c, mb, backward: bool = True) -> np.ndarray:
     """Time one slice occupies the bottleneck stage: forward + backward + the two transfers
     (with `backward=False`, for a forward-only program: forward + one transfer).

@@ -128,7 +128,17 @@ def plan_cost_model(header, *, cost: str | None = None, device_model: str | None
     """The cost model for a plan's own stages: unit costs scaled by slice length (neither
     option), the profile `cost` (checked against the plan's model), or the device model
     `device_model` pricing the traced graph of the plan's model (rebuilt from its file and
-    checked to cut into the plan's units); split over the mesh's tensor ranks."""
+    checked to cut into the plan's units); split over the mesh's tensor ranks, with
+    `sequence-parallel` its messages 1/T of a slice's tokens (`TokenParts`)."""
+    model = _plan_cost_model(header, cost=cost, device_model=device_model, source=source)
+    if header.mesh.sequence:
+        from tpc.compiler.costmodel.base import TokenParts
+
+        return TokenParts(model, header.mesh.tensor)
+    return model
+
+
+def _plan_cost_model(header, *, cost, device_model, source) -> CostModel:
     if not cost and not device_model:
         return UnitCosts.for_plan(header)
     ranges = [stage.units for stage in header.stages]

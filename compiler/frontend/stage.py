@@ -145,6 +145,11 @@ class StageModule(nn.Module):
     tensor with a window (`kv_windows`) may be cut to its last w - 1 tokens: the result is the
     same."""
 
+    # how many parts of a slice's tokens the stage's input activation holds one of (sequence
+    # parallelism over a tensor group: T, but 1 on the first stage, whose input is the token
+    # ids; compiler/tensor/sequence.py)
+    token_parts = 1
+
     def __init__(self, graph: fx.Graph, attrs: dict, lo: int, hi: int, num_units: int,
                  kv_dims: list[int], kv_shapes: list, kv_dtypes: list, label: str = "", has_loss: bool = True,
                  kv_windows: list | None = None):

@@ -21,6 +21,7 @@ The autograd functions (Megatron's names in brackets):
   all_reduce              forward all-reduce,      backward all-reduce
   all_gather(dim)         forward all-gather,      backward reduce-scatter
   reduce_scatter(dim)     forward reduce-scatter,  backward all-gather
+  split_to_tokens(dim)    forward this rank's part, backward all-gather  (sequence parallelism)
 
 `all_reduce`, `all_gather` and `reduce_scatter` are each other's adjoints, for values that
 differ between ranks; f, g and `gather_from_region` are the cheaper forms Megatron uses where
@@ -197,6 +198,32 @@ def all_gather(x, dim: int, group: TensorGroup):
 
 def reduce_scatter(x, dim: int, group: TensorGroup):
     return _Collective.apply(x, group, _dim(x, dim), _scatter, _gather)
+
+
+def split_to_tokens(x, dim: int, group: TensorGroup):
+    """This rank's part of a value every rank holds whole, along its token dimension `dim`
+    (sequence parallelism); backward, the parts' gradients all-gathered, so the whole value's
+    gradient is again the same on every rank."""
+    return _Collective.apply(x, group, _dim(x, dim), _own_part, _gather)
+
+
+def token_operand(v, like, dim: int, group: TensorGroup):
+    """An operand `v`, held whole by every rank, of an op between token-split values (sequence
+    parallelism), whose result's token dimension is `dim` (negative: counted from the right, as
+    broadcasting aligns); `like` is one of the op's token-split operands. Where `v` runs along
+    the tokens (a learned position table, a rotary table), the rank's tokens of it
+    (`split_to_tokens`); otherwise (a norm's weight, a bias: the same for every token) `v`
+    through f, since each rank's gradient of it covers its own tokens only."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    a = v.dim() + dim
+    local = like.size(like.dim() + dim)
+    if a >= 0 and v.size(a) == local * group.size and v.size(a) != 1:
+        return split_to_tokens(v, a, group) if v.is_floating_point() else _part(v, a, group.rank, group.size)
+    if a >= 0 and v.size(a) not in (1, local * group.size):
+        raise ValueError(f"an operand of size {v.size(a)} along the tokens meets this rank's {local} tokens "
+                         f"of {local * group.size}")
+    return copy_to_region(v, group) if v.is_floating_point() else v
 
 
 def vocab_parallel_embedding(weight, ids, start: int, group: TensorGroup):

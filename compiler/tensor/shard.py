@@ -171,6 +171,7 @@ def shard_graph(graph: fx.Graph, plan: SplitPlan, rank: int) -> fx.Graph:
                 prod = g.node_copy(n, get)
                 bias = None
             new = g.call_function(collectives.reduce_from_region, (prod, group_node()))
+            prod.meta, new.meta = dict(n.meta), dict(n.meta)  # the sum's shape is the matmul's
             if bias is not None:
                 new = g.call_function(torch.ops.aten.add.Tensor, (new, env[bias]))
         else:
@@ -232,13 +233,15 @@ class TensorStage(StageModule):
 
 
 def shard_stage(sm, lo: int, hi: int, degree: int, rank: int, group, params_from: nn.Module | None = None,
-                with_loss: bool = True, evaluation: bool = False, held: dict | None = None) -> TensorStage:
+                with_loss: bool = True, evaluation: bool = False, held: dict | None = None,
+                sequence: bool = False) -> TensorStage:
     """Tensor rank `rank`'s module of units [lo, hi) of the `SlicedModel` `sm`, split over
     `degree` ranks; `group` the rank's `TensorGroup`. Parameters are copied from `params_from`
     (default: the model) and cut by their `ParamShard`. `evaluation`: dropout off, as
     `SlicedModel.stage_module` builds it. `held` (name -> Parameter): the rank's parts already
     made, shared with its other stages (a tie on one rank, the evaluation's stages); the parts
-    made here are added to it."""
+    made here are added to it. `sequence`: with sequence parallelism (`sequence.py`): the stage's
+    input and output activations are the rank's 1/T of the slice's tokens."""
     ctx = sm.context
     graph, sites = build_stage_graph(ctx, lo, hi, with_loss)
     if evaluation:
@@ -247,6 +250,10 @@ def shard_stage(sm, lo: int, hi: int, degree: int, rank: int, group, params_from
         graph = without_dropout(graph)
     plan = find_split(graph, degree, ctx.param_names, ctx.model_file)
     rank_graph = shard_graph(graph, plan, rank)
+    if sequence and degree > 1:
+        from tpc.compiler.tensor.sequence import sequence_parallel
+
+        rank_graph = sequence_parallel(rank_graph, degree, ctx.seq_sym, lo == 0, GROUP_ATTR)
     src = params_from if params_from is not None else sm.model
     params, buffers = dict(src.named_parameters()), dict(src.named_buffers())
     shards = {name: ParamShard.of(ps, degree) for name, ps in plan.params.items()}
@@ -284,6 +291,7 @@ def shard_stage(sm, lo: int, hi: int, degree: int, rank: int, group, params_from
     stage = TensorStage(rank_graph, attrs, lo, hi, sm.num_units, kv_dims, shapes, dtypes, label, with_loss,
                         kv_windows=windows)
     stage.shards, stage.plan = shards, plan
+    stage.token_parts = degree if sequence and degree > 1 and lo > 0 else 1
     return stage
 
 

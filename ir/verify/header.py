@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import re
 
-from tpc.ir.nodes import FORMAT_VERSION, FORMAT_VERSIONS, REPLICA_VERSION, TENSOR_VERSION, Loc, Plan
+from tpc.ir.nodes import (FORMAT_VERSION, FORMAT_VERSIONS, REPLICA_VERSION, SEQUENCE_VERSION, TENSOR_VERSION, Loc,
+                          Plan)
 from tpc.ir.verify.report import Report
 
 # parameter dtypes a plan may name (`shape ... dtype D`); the executors map them to torch dtypes
@@ -82,10 +83,20 @@ def _check_model_and_dtype(plan: Plan, rep: Report) -> None:
 
 
 def check_tensor_axis(plan, rep: Report) -> None:
-    """T1-T2 for the mesh line's tensor axis (`plan`: a plan, or a bundle's index): `tensor T`
+    """T1-T4 for the mesh line's tensor axis (`plan`: a plan, or a bundle's index): `tensor T`
     needs format version 4 (H1), and T divides the vocabulary (the embedding and the head are
-    split over the tensor ranks by vocabulary rows)."""
+    split over the tensor ranks by vocabulary rows); `sequence-parallel` needs format version 5
+    (H1) and a tensor axis (T3), and T divides every slice's tokens, of the training and the
+    evaluation program (T4: each rank's messages carry 1/T of them)."""
     mesh = plan.header.mesh if hasattr(plan, "header") else plan.mesh
+    if mesh.sequence:
+        require_version(plan, rep, SEQUENCE_VERSION, mesh.loc, "header (mesh)", (0, 3), "`sequence-parallel`")
+        if mesh.tensor == 1:
+            rep.add(mesh.loc, "header (mesh)", (0, 3),
+                    "`sequence-parallel` splits the tokens over the tensor ranks, and this mesh has none (tensor 1)",
+                    "give the mesh a tensor axis (`tensor 2 sequence-parallel`), or drop `sequence-parallel`")
+        elif hasattr(plan, "header"):
+            _check_token_parts(plan, mesh.tensor, rep)
     if mesh.tensor == 1:
         return
     require_version(plan, rep, TENSOR_VERSION, mesh.loc, "header (mesh)", (0, 3), f"`tensor {mesh.tensor}`")
@@ -314,3 +325,22 @@ def _check_sections(plan: Plan, rep: Report) -> bool:
                 f"{len(plan.ranks)} rank sections (missing: {missing})",
                 f"add a `rank R` section for every rank 0..{pipe - 1}")
     return ok
+
+
+def _check_token_parts(plan, parts: int, rep: Report) -> None:
+    """T4: every slice's tokens split evenly over the `parts` tensor ranks (the first slice
+    that does not is reported, per program)."""
+    programs = [("", plan.header.microbatches)]
+    if plan.eval is not None:
+        programs.append(("the evaluation's ", plan.eval.microbatches))
+    for what, mbs in programs:
+        for mb in mbs:
+            bad = next(((lo, hi) for lo, hi in mb.slices if (hi - lo) % parts), None)
+            if bad is not None:
+                lo, hi = bad
+                rep.add(mb.loc, "header (microbatch)", (0, 4),
+                        f"{what}micro-batch {mb.index}'s slice {lo}:{hi} has {hi - lo} tokens, which the {parts} "
+                        "tensor ranks of `sequence-parallel` cannot split evenly",
+                        f"cut slices whose lengths are multiples of {parts} (`tpc compile --slices` with such "
+                        "lengths), or drop `sequence-parallel`")
+                break

@@ -27,7 +27,7 @@ def test_an_example_compiles_with_a_tensor_axis_and_verifies(example, tmp_path, 
     out = tmp_path / "plan.tpir"
     assert main(["compile", str(EXAMPLES / f"{example}.py"), "-o", str(out), *SMALL, "--tensor", "2"]) == 0
     text = out.read_text()
-    assert text.startswith("tpir 4\n") and "\nmesh pipe 2 data 1 tensor 2\n" in text
+    assert text.startswith("tpir 5\n") and "\nmesh pipe 2 data 1 tensor 2\n" in text
     plan = verify_file(str(out))
     assert (plan.header.mesh.pipe, plan.header.mesh.data, plan.header.mesh.tensor) == (2, 1, 2)
     assert plan.header.mesh.value.size == 4
@@ -215,3 +215,37 @@ def test_a_fixed_tensor_degree_with_stages_auto_splits_the_rest(tmp_path, capsys
     err = capsys.readouterr().err
     assert " 1x2x2" in err and " 2x1x2" in err and " 4x1 " not in err
     assert out.read_text().count("tensor 2\n") == 1
+
+
+def test_sequence_parallel_is_written_on_the_mesh_line_and_checked(tmp_path, capsys):
+    """`--sequence-parallel` (with --tensor T): the mesh line says so (format version 5); without
+    a tensor axis, or with a slice T does not divide, refused before the model is traced."""
+    out = tmp_path / "plan.tpir"
+    assert main(["compile", str(EXAMPLES / "nanogpt.py"), "-o", str(out), *SMALL, "--tensor", "2",
+                 "--sequence-parallel", "--slices", "4,8,4", "-q"]) == 0
+    assert "\nmesh pipe 2 data 1 tensor 2 sequence-parallel\n" in out.read_text()
+    assert main(["verify", str(out)]) == 0
+    capsys.readouterr()
+    with pytest.raises(TpirError, match=r"there are none \(--tensor 1\)"):
+        check_options(seq_len=16, batch=2, sequence_parallel=True)
+    with pytest.raises(TpirError, match="slice 0:5 has 5 tokens, which the 2 tensor ranks"):
+        check_options(seq_len=16, batch=2, tensor=2, sequence_parallel=True, slices="5,11")
+
+
+def test_the_simulator_prices_a_sequence_parallel_plans_messages_at_1_over_t(tmp_path):
+    """`plan_cost_model` of a `sequence-parallel` plan: transfers and received messages are a
+    tensor rank's 1/T of a slice's tokens; the compute is the split model's own."""
+    from tpc.compiler.costmodel.resolve import plan_cost_model
+    from tpc.ir.verify import verify_file
+
+    costs = {}
+    for sp in (False, True):
+        out = tmp_path / f"plan{sp}.tpir"
+        assert main(["compile", str(EXAMPLES / "nanogpt.py"), "-o", str(out), *SMALL, "--tensor", "2",
+                     "--slices", "4,8,4", "-q", *(["--sequence-parallel"] if sp else [])]) == 0
+        costs[sp] = plan_cost_model(verify_file(str(out)).header, device_model="h100")
+    plain, split = costs[False], costs[True]
+    assert split.p2p_time(1 << 20) == pytest.approx(plain.p2p_time(1 << 19))
+    assert split.message_bytes(8, 2) == pytest.approx(plain.message_bytes(8, 2) / 2)
+    assert split.slice_time(0, 8, 0, 2) == plain.slice_time(0, 8, 0, 2)
+    assert split.describe().endswith("sequence-parallel")

@@ -45,15 +45,16 @@ def traced(path: str, seq_len: int):
 
 def real_plan(name: str, *, stages: int, microbatches: int, slices: str, schedule: str, seq_len: int = 16,
               batch: int = 4, dp: int = 1, path: str | None = None, ranks: int | None = None,
-              recompute: str | dict = "none", tensor: int = 1) -> Plan:
+              recompute: str | dict = "none", tensor: int = 1, sequence: bool = False) -> Plan:
     """A verified plan for tiny_NAME.py (or the model file `path`). `ranks`: put the stages on
     that many pipeline ranks in the schedule's placement (several chunks per rank); `recompute`:
     'none', 'full', or a choice per stage; `tensor`: each stage split over that many tensor
-    ranks (the mesh's tensor axis, format version 4)."""
+    ranks (the mesh's tensor axis, format version 4); `sequence`: with sequence parallelism."""
     path = path or model_file(name)
     model, sliced, vocab = traced(path, seq_len)
     opts = check_options(stages=str(stages), microbatches=microbatches, seq_len=seq_len, batch=batch,
-                         slices=slices, schedule=schedule, dp=dp, ranks=None, tensor=tensor)
+                         slices=slices, schedule=schedule, dp=dp, ranks=None, tensor=tensor,
+                         sequence_parallel=sequence)
     ranges = [tuple(r) for r in sliced.partition_by_params(stages)]
     header = build_header(model_path=path, sha256=file_sha256(path), factory="model", opts=opts, vocab=vocab,
                           unit_labels=sliced.unit_labels, ranges=ranges, ties=sliced.ties(ranges))

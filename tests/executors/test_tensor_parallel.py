@@ -68,19 +68,24 @@ def reference(name, configs, plan):
     return batch_reference(model, RandomTokens(0, h.shape.batch, SEQ, h.shape.vocab).get(0))
 
 
-CASES = {  # name: (stages, micro-batches, slices, schedule, data replicas)
-    "pp2xtp2-unsliced": (2, 2, "1", "1f1b", 1),
-    "pp2xtp2-sliced": (2, 2, "2,9,5", "seq1f1b", 1),
-    "pp2xtp2xdp2-sliced": (2, 2, "3", "gpipe", 2),
+CASES = {  # name: (stages, micro-batches, slices, schedule, data replicas, sequence parallelism)
+    "pp2xtp2-unsliced": (2, 2, "1", "1f1b", 1, False),
+    "pp2xtp2-sliced": (2, 2, "2,9,5", "seq1f1b", 1, False),
+    "pp2xtp2xdp2-sliced": (2, 2, "3", "gpipe", 2, False),
+    # sequence parallelism: every slice's tokens split over the 2 tensor ranks between regions
+    "pp2xtp2-sp-unsliced": (2, 2, "1", "1f1b", 1, True),
+    "pp2xtp2-sp-sliced": (2, 2, "4,8,4", "seq1f1b", 1, True),
+    "pp2xtp2xdp2-sp-sliced": (2, 2, "4", "gpipe", 2, True),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("name", MODELS)
 def test_interpreter_matches_autograd(name, case, configs):
-    stages, mbs, slices, schedule, dp = CASES[case]
+    stages, mbs, slices, schedule, dp, sequence = CASES[case]
     plan = plan_for(name, configs, stages=stages, microbatches=mbs, slices=slices, schedule=schedule, dp=dp,
-                    tensor=2)
+                    tensor=2, sequence=sequence)
+    assert plan.header.mesh.sequence == sequence
     model, sliced = fresh(name, configs)
     result = interpret(plan, RunOptions(steps=1), model=model, sliced=sliced)
     ref_loss, ref_grads, _ = reference(name, configs, plan)
@@ -108,17 +113,20 @@ def test_several_stages_per_rank_and_weight_replicas_under_nccls_rules(schedule,
     assert abs(result.losses[0] - ref_loss) <= TOL * abs(ref_loss)
 
 
-def test_fifty_steps_equal_the_plan_without_the_axis():
+@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "tp-sp"])
+def test_fifty_steps_equal_the_plan_without_the_axis(sequence):
     """AdamW with weight decay, clipping that acts (the norm is summed over the tensor group,
-    a replicated weight counted once): losses, gradient norms and the weights after 50 steps."""
-    kw = dict(stages=2, microbatches=2, slices="2,9,5", schedule="seq1f1b", seq_len=SEQ, dp=2)
+    a replicated weight counted once): losses, gradient norms and the weights after 50 steps,
+    with and without sequence parallelism."""
+    kw = dict(stages=2, microbatches=2, slices="4,8,4", schedule="seq1f1b", seq_len=SEQ, dp=2)
     opts = RunOptions(steps=50, grad_clip=0.5, optim=OptimSpec("adamw", weight_decay=0.1))
     runs = {}
     for tensor in (1, 2):
         norms = []
         model, sliced, _ = traced(model_file("nanogpt"), SEQ)
-        runs[tensor] = interpret(real_plan("nanogpt", tensor=tensor, **kw), opts, model=copy.deepcopy(model),
-                                 sliced=sliced, on_step=lambda step, loss, info, n=norms: n.append(info["grad_norm"]))
+        plan = real_plan("nanogpt", tensor=tensor, sequence=sequence and tensor > 1, **kw)
+        runs[tensor] = interpret(plan, opts, model=copy.deepcopy(model), sliced=sliced,
+                                 on_step=lambda step, loss, info, n=norms: n.append(info["grad_norm"]))
         runs[tensor].norms = norms
     plain, split = runs[1], runs[2]
     assert max(n for n in plain.norms) > 0.5  # the clipping acted
@@ -172,21 +180,24 @@ def test_what_a_tensor_axis_does_not_run_is_refused_before_any_step(how, expect)
 # ------------------------------------------------------------------------------- torchrun
 
 
-TORCHRUN = {  # name: (stages, slices, schedule, data replicas)
-    "nanogpt": (2, "2,9,5", "seq1f1b", 1),
-    "hf-llama": (2, "1", "1f1b", 1),
-    "hf-gpt2": (2, "3", "seq1f1b", 1),
-    "llama": (2, "2,9,5", "seq1f1b", 2),  # 8 processes
+TORCHRUN = {  # case: (model, stages, slices, schedule, data replicas, sequence parallelism)
+    "nanogpt": ("nanogpt", 2, "2,9,5", "seq1f1b", 1, False),
+    "hf-llama": ("hf-llama", 2, "1", "1f1b", 1, False),
+    "hf-gpt2": ("hf-gpt2", 2, "3", "seq1f1b", 1, False),
+    "llama": ("llama", 2, "2,9,5", "seq1f1b", 2, False),  # 8 processes
+    "nanogpt-sp": ("nanogpt", 2, "4,8,4", "seq1f1b", 1, True),
+    "hf-gpt2-sp": ("hf-gpt2", 2, "4", "gpipe", 2, True),  # 8 processes; Conv1D flattens the tokens
 }
 
 
-@pytest.mark.parametrize("name", list(TORCHRUN))
-def test_torchrun_gloo_matches_autograd_and_the_interpreter(name, configs, tmp_path):
+@pytest.mark.parametrize("case", list(TORCHRUN))
+def test_torchrun_gloo_matches_autograd_and_the_interpreter(case, configs, tmp_path):
     """`tpc run` under torchrun, one process per (tensor, pipe, data) rank: --verify-grads on
     the first step, the losses of 3 steps with clipping equal to the interpreter's, and the
     checkpoint each process wrote its parts into, exported whole, the interpreter's weights."""
-    stages, slices, schedule, dp = TORCHRUN[name]
-    plan = plan_for(name, configs, stages=stages, microbatches=2, slices=slices, schedule=schedule, dp=dp, tensor=2)
+    name, stages, slices, schedule, dp, sequence = TORCHRUN[case]
+    plan = plan_for(name, configs, stages=stages, microbatches=2, slices=slices, schedule=schedule, dp=dp, tensor=2,
+                    sequence=sequence)
     path = tmp_path / "plan.tpir"
     path.write_text(print_plan(plan), encoding="utf-8")
     metrics = tmp_path / "m.jsonl"
@@ -243,3 +254,15 @@ def test_the_commands_compile_and_run_a_tensor_axis(tmp_path, capsys, monkeypatc
     assert main(["run", "--interpret", str(plan), "--steps", "2", "--verify-grads", "--grad-clip", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "step 2/2" in out and "|g|" in out and ": ok" in out.split("verify-grads:")[1], out
+
+
+def test_sequence_parallel_messages_carry_a_ranks_tokens():
+    """With `sequence-parallel` a message is a tensor rank's 1/T of the slice's tokens: the shape
+    every receive is posted with (and the interpreter checks each message against)."""
+    from tpc.ir.semantics import message_shape
+
+    plain = real_plan("llama", stages=2, microbatches=2, slices="4,8,4", schedule="seq1f1b", seq_len=SEQ, tensor=2)
+    split = real_plan("llama", stages=2, microbatches=2, slices="4,8,4", schedule="seq1f1b", seq_len=SEQ, tensor=2,
+                      sequence=True)
+    assert [message_shape(plain.header, 0, i, 32) for i in range(3)] == [(2, 4, 32), (2, 8, 32), (2, 4, 32)]
+    assert [message_shape(split.header, 0, i, 32) for i in range(3)] == [(2, 2, 32), (2, 4, 32), (2, 2, 32)]

@@ -15,7 +15,7 @@ GOLDEN = (Path(__file__).resolve().parents[1] / "compiler" / "golden" / "seq1f1b
 
 def with_mesh(mesh: str, version: int = 4) -> str:
     head, rest = GOLDEN.split("\n", 1)
-    assert head == "tpir 4"
+    assert head == "tpir 5"
     return f"tpir {version}\n" + rest.replace("mesh pipe 2 data 1\n", mesh + "\n")
 
 
@@ -47,6 +47,32 @@ def test_t2_the_tensor_degree_divides_the_vocabulary():
     (d,) = verify(parse(with_mesh("mesh pipe 2 data 1 tensor 3"), file="p.tpir"))
     assert "tensor 3 does not divide the vocabulary of 16" in d.message and d.loc.line == 4
     assert "divides 16" in d.hint
+
+
+def test_sequence_parallel_is_read_printed_and_verified():
+    plan = parse(with_mesh("mesh pipe 2 data 1 tensor 2 sequence-parallel", version=5), file="p.tpir")
+    assert plan.header.mesh.sequence and plan.header.mesh.tensor == 2 and verify(plan) == []
+    text = print_plan(plan)
+    assert "\nmesh pipe 2 data 1 tensor 2 sequence-parallel\n" in text
+    assert parse(text).header.mesh == plan.header.mesh
+    assert not parse(with_mesh("mesh pipe 2 data 1 tensor 2"), file="p.tpir").header.mesh.sequence
+
+
+def test_t3_sequence_parallel_needs_version_5_and_a_tensor_axis():
+    (d,) = verify(parse(with_mesh("mesh pipe 2 data 1 tensor 2 sequence-parallel", version=4), file="p.tpir"))
+    assert d.message == "`sequence-parallel` needs format version 5, and this plan says `tpir 4`" and d.loc.line == 4
+    (d,) = verify(parse(with_mesh("mesh pipe 2 data 1 tensor 1 sequence-parallel", version=5), file="p.tpir"))
+    assert "this mesh has none (tensor 1)" in d.message and d.loc.line == 4
+    assert "tensor 2 sequence-parallel" in d.hint
+
+
+def test_t4_every_slice_splits_evenly_over_the_tensor_ranks():
+    text = with_mesh("mesh pipe 2 data 1 tensor 2 sequence-parallel", version=5)
+    text = text.replace("microbatch 1 size 2 slices 0:8 8:16 16:24", "microbatch 1 size 2 slices 0:9 9:16 16:24")
+    (d,) = [d for d in verify(parse(text, file="p.tpir")) if "sequence-parallel" in d.message]
+    assert d.message == ("micro-batch 1's slice 0:9 has 9 tokens, which the 2 tensor ranks of `sequence-parallel` "
+                         "cannot split evenly")
+    assert d.loc.line == 11 and "multiples of 2" in d.hint
 
 
 def test_the_simulator_runs_a_tensor_axis(tmp_path, capsys):
