@@ -3,8 +3,9 @@
 Each schedule is its own module with `NAME`, `PLACEMENT` (the name of the stage placement it is
 made for, a key of `placement.PLACEMENTS`: where the compiler puts the stages when a rank holds
 several) and `build(header, **params) -> dict[rank, list[Instr]]` (compute instructions only:
-forward, backward, backward-input, backward-weight). Parameters are keyword-only arguments of
-`build` with defaults; `build_schedule` refuses unknown ones with a located error. Adding a
+forward, backward, backward-input, backward-weight; a schedule with `OWN_RECOMPUTE = True` also
+writes `checkpoint` forwards and `recompute`s, and `--recompute` adds none). Parameters are
+keyword-only arguments of `build` with defaults; `build_schedule` refuses unknown ones with a located error. Adding a
 schedule is one new module and one line in `SCHEDULES`; no other schedule changes.
 """
 
