@@ -118,3 +118,15 @@ def test_unit_cost_figures(p, m):
     assert _unit("1f1b-last-no-recompute", p, m).iteration_time == base - 2
     assert _unit("1f1b-critical-path", p, m).iteration_time == base - 3
     assert _unit("1f1b-critical-path", p, m, NCCL).iteration_time == base - (3 if p == 2 else 1)
+
+
+def test_schedule_auto_with_full_recompute_compares_them(tmp_path):
+    """`--schedule auto --recompute full` simulates every candidate recomputed and compares
+    Merak's three; on the h100 model the last stage (the head) is the one worth keeping."""
+    from tpc.cli.main import main
+
+    out = tmp_path / "a.tpir"
+    assert main(["compile", "examples/gpt.py", "-o", str(out), "--stages", "4", "--microbatches", "8",
+                 "--seq-len", "64", "--batch", "8", "--schedule", "auto", "--device-model", "h100",
+                 "--recompute", "full", "--quiet"]) == 0
+    assert 'schedule "1f1b-last-no-recompute"' in out.read_text()
