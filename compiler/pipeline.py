@@ -279,7 +279,7 @@ def search_space(opts: CompileOptions, num_units: int, split=None, tensors=None,
     the given slices. `split` (pipe, data, ranges) fixes the mesh and the stage partition.
     `tensors`: the tensor degrees --tensor auto may choose (the model's split accepts them;
     `refused` says why the others are not), by default every divisor of --ranks."""
-    from tpc.compiler.optimise.search import AUTO_SCHEDULES, Space, meshes_for_ranks
+    from tpc.compiler.optimise.search import AUTO_SCHEDULES, RECOMPUTE_SCHEDULES, Space, meshes_for_ranks
 
     if opts.stages_auto:
         if not opts.tensor_auto:
@@ -301,7 +301,8 @@ def search_space(opts: CompileOptions, num_units: int, split=None, tensors=None,
         meshes, skipped = [(opts.pipe, opts.dp, opts.tensor_size)], []
     return Space(
         seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.microbatch_count,
-        meshes=tuple(meshes), schedules=AUTO_SCHEDULES if opts.schedule_auto else (opts.schedule,),
+        meshes=tuple(meshes), schedules=(AUTO_SCHEDULES + (RECOMPUTE_SCHEDULES if opts.recompute == "full" else ())
+                   if opts.schedule_auto else (opts.schedule,)),
         # with --recompute auto the budget is met by recomputation after the search
         slices=None if opts.slices_auto else opts.cuts,
         budget=None if opts.recompute == "auto" else opts.memory_per_rank,
@@ -310,6 +311,7 @@ def search_space(opts: CompileOptions, num_units: int, split=None, tensors=None,
         comm=opts.comm,
         exchanges=opts.exchanges,
         shard_optimizer=opts.shard_optimizer,
+        recompute="full" if opts.recompute == "full" else "none",
     )  # fmt: skip
 
 
@@ -425,7 +427,20 @@ class Recompute(Pass):
     def run(self, state, note):
         from tpc.compiler.lowering import recompute
 
+        from tpc.compiler.schedules import own_recompute
+
         header, compute = state.header, state.compute
+        if own_recompute(header.schedule.name):
+            # Merak's critical-path 1F1B places its own recomputation (compiler/schedules/critical_path.py)
+            if self.mode == "auto":
+                raise TpirError(Diagnostic(
+                    f"schedule {header.schedule.name!r} places its own recomputation (every stage "
+                    "recomputed but, in some variants, the last), so --recompute auto has nothing "
+                    "to choose", where="--recompute",
+                    hint=f"use --recompute full (or none: the same plan) with --schedule "
+                         f"{header.schedule.name}, or --recompute auto with --schedule 1f1b"))
+            note(f"{self.mode}: schedule {header.schedule.name} places its own recomputation")
+            return state
         if self.mode == "auto":
             costs = state.source.for_stages([st.units for st in header.stages])
             shards = header.mesh.data if self.shard_optimizer else 1

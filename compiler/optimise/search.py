@@ -75,6 +75,10 @@ from tpc.ir.semantics import DEFAULT_COMM, CommRules
 # chimera, which a model with tied weights refuses: the search then leaves it out)
 AUTO_SCHEDULES = ("terapipe", "seq1f1b", "1f1b", "gpipe", "zb-h1", "zb-h2", "seq-zb", "zbv", "dualpipev",
                   "chimera")
+# Merak's critical-path 1F1B (compiler/schedules/critical_path.py): compared too when every
+# candidate is recomputed (`--recompute full`), since they differ from 1f1b only in where and
+# whether they recompute
+RECOMPUTE_SCHEDULES = ("1f1b-pre-recompute", "1f1b-last-no-recompute", "1f1b-critical-path")
 # DP runs per mesh when the partition and the slicing are chosen together
 ROUNDS = 4
 # relative difference of simulated times below which two candidates are equally fast
@@ -143,6 +147,9 @@ class Space:
     exchanges: Exchanges = DEFAULT_EXCHANGES
     # the run shards its optimizer state over the data-parallel group (`--shard-optimizer`)
     shard_optimizer: bool = False
+    # `--recompute full`: each candidate is simulated recomputed, as it will be written (a
+    # schedule that places its own recomputation as it places it); otherwise as built
+    recompute: str = "none"
 
 
 @dataclass(frozen=True)
@@ -197,7 +204,8 @@ class SearchResult:
 def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> SearchResult:
     """The fastest simulated plan of `space` that fits its memory budget (module docstring)."""
     from tpc.compiler.lowering.lower import lower
-    from tpc.compiler.schedules import build_schedule, replicas
+    from tpc.compiler.lowering import recompute
+    from tpc.compiler.schedules import build_schedule, own_recompute, replicas
     from tpc.compiler.predict.simulate import simulate
 
     start = time.perf_counter()
@@ -227,6 +235,8 @@ def search_plan(source: CostSource, space: Space, make_header: MakeHeader) -> Se
                     if len(space.schedules) == 1:
                         raise  # the schedule the user named refuses this plan: say why
                     continue  # e.g. dualpipev with fewer than 2 x pipe micro-batches
+                if space.recompute == "full" and not own_recompute(schedule):
+                    compute = recompute.apply(compute, recompute.uniform(header, "full"))
                 plan = lower(header, compute, verify=False, comm=space.comm, exchanges=space.exchanges)
                 sim = simulate(plan, cost, space.comm, shard_optimizer=space.shard_optimizer)
                 peak = max(r.peak_memory.total for r in sim.ranks)

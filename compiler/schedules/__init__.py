@@ -3,8 +3,9 @@
 Each schedule is its own module with `NAME`, `PLACEMENT` (the name of the stage placement it is
 made for, a key of `placement.PLACEMENTS`: where the compiler puts the stages when a rank holds
 several) and `build(header, **params) -> dict[rank, list[Instr]]` (compute instructions only:
-forward, backward, backward-input, backward-weight). Parameters are keyword-only arguments of
-`build` with defaults; `build_schedule` refuses unknown ones with a located error. Adding a
+forward, backward, backward-input, backward-weight; a schedule with `OWN_RECOMPUTE = True` also
+writes `checkpoint` forwards and `recompute`s, and `--recompute` adds none). Parameters are
+keyword-only arguments of `build` with defaults; `build_schedule` refuses unknown ones with a located error. Adding a
 schedule is one new module and one line in `SCHEDULES`; no other schedule changes.
 """
 
@@ -28,6 +29,9 @@ from tpc.compiler.schedules import (
     zb_h2,
     zbv,
     dualpipev,
+    full_critical_path,
+    last_no_recompute,
+    pre_recompute,
 )
 from tpc.compiler.schedules.common import Compute
 from tpc.ir.diagnostics import Diagnostic, TpirError
@@ -36,7 +40,8 @@ from tpc.ir.nodes import Header
 MODULES: dict[str, ModuleType] = {
     mod.NAME: mod
     for mod in (gpipe, one_f_one_b, terapipe, seq1f1b, interleaved, looped_bfs, zb_h1, zb_h2,
-                seq_zb, seq_interleaved, zbv, dualpipev, chimera)
+                seq_zb, seq_interleaved, zbv, dualpipev, chimera, pre_recompute, last_no_recompute,
+                full_critical_path)
 }
 SCHEDULES: dict[str, Callable[..., Compute]] = {name: mod.build for name, mod in MODULES.items()}
 
@@ -77,6 +82,13 @@ def with_replicas(header: Header) -> Header:
     from tpc.compiler.schedules.placement import bidirectional
 
     return bidirectional(header)
+
+
+def own_recompute(name: str) -> bool:
+    """Whether schedule `name` places its own recomputation (`checkpoint` forwards and
+    `recompute` instructions: Merak's critical-path 1F1B, compiler/schedules/critical_path.py),
+    so that `--recompute` adds none; an unknown name: False."""
+    return bool(getattr(MODULES[name], "OWN_RECOMPUTE", False)) if name in MODULES else False
 
 
 def stages_per_rank(name: str) -> int:

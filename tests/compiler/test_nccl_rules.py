@@ -25,7 +25,7 @@ from tpc.ir.verify import verify, verify_file
 from . import make_header
 
 UNEQUAL = (5, 11, 1, 7)  # sums to SEQ = 24
-ONE_STAGE_PER_RANK = ("1f1b", "seq1f1b")  # refuse several stages on a rank
+ONE_STAGE_PER_RANK = ("1f1b", "seq1f1b", "1f1b-pre-recompute", "1f1b-last-no-recompute", "1f1b-critical-path")  # refuse several stages on a rank
 IR_GOLDEN = Path(__file__).parent.parent / "ir" / "golden"
 COMPILER_GOLDEN = Path(__file__).parent / "golden"
 

@@ -30,7 +30,7 @@ from tpc.ir.verify import verify
 from . import make_header
 
 UNEQUAL = (5, 11, 1, 7)  # sums to SEQ = 24
-ONE_STAGE_PER_RANK = ("1f1b", "seq1f1b")
+ONE_STAGE_PER_RANK = ("1f1b", "seq1f1b", "1f1b-pre-recompute", "1f1b-last-no-recompute", "1f1b-critical-path")
 
 
 def _printed(plan):

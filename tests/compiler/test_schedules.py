@@ -27,6 +27,8 @@ def _compute_key(instr):
 
 
 SPLIT = ("zb-h1", "zb-h2", "seq-zb")  # backward-input / backward-weight instead of backward
+# Merak's critical-path 1F1B: their own recompute instructions beside forward and backward
+RECOMPUTING = ("1f1b-pre-recompute", "1f1b-last-no-recompute", "1f1b-critical-path")
 # schedules that need the looped placement when a rank holds several stages
 LOOPED_ONLY = ("interleaved", "seq-interleaved")
 # schedules of two stages per rank in a V only (tests/compiler/test_schedules_vshape.py)
@@ -37,7 +39,8 @@ ONE_STAGE_PER_RANK = sorted(set(SCHEDULES) - set(V_ONLY) - set(BIDIRECTIONAL))
 
 
 def test_registry_names():
-    assert sorted(SCHEDULES) == ["1f1b", "chimera", "dualpipev", "gpipe", "interleaved", "looped-bfs", "seq-interleaved",
+    assert sorted(SCHEDULES) == ["1f1b", "1f1b-critical-path", "1f1b-last-no-recompute", "1f1b-pre-recompute",
+                                 "chimera", "dualpipev", "gpipe", "interleaved", "looped-bfs", "seq-interleaved",
                                  "seq-zb", "seq1f1b", "terapipe", "zb-h1", "zb-h2", "zbv"]
 
 
@@ -70,9 +73,9 @@ def test_each_unit_has_one_forward_and_one_backward_on_its_rank(name):
     ops = (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT) if name in SPLIT else (Op.FORWARD, Op.BACKWARD)
     assert sorted(compute) == [0, 1, 2, 3]
     for rank, instrs in compute.items():
-        assert all(i.op in ops for i in instrs)
+        assert all(i.op in ops or (name in RECOMPUTING and i.op is Op.RECOMPUTE) for i in instrs)
         assert all(header.stage_rank(i.stage) == rank for i in instrs)
-    counts = Counter(_compute_key(i) for instrs in compute.values() for i in instrs)
+    counts = Counter(_compute_key(i) for instrs in compute.values() for i in instrs if i.op is not Op.RECOMPUTE)
     want = {
         (op, s, m, i)
         for op in ops
