@@ -187,6 +187,8 @@ TORCHRUN = {  # case: (model, stages, slices, schedule, data replicas, sequence 
     "llama": ("llama", 2, "2,9,5", "seq1f1b", 2, False),  # 8 processes
     "nanogpt-sp": ("nanogpt", 2, "4,8,4", "seq1f1b", 1, True),
     "hf-gpt2-sp": ("hf-gpt2", 2, "4", "gpipe", 2, True),  # 8 processes; Conv1D flattens the tokens
+    "hf-llama-sp": ("hf-llama", 2, "1", "1f1b", 1, True),
+    "llama-sp": ("llama", 2, "4,8,4", "seq1f1b", 1, True),
 }
 
 
