@@ -51,6 +51,8 @@ PLANS = {
     "chimera": dict(stages=2, schedule="chimera", model="bench/models/gpt_untied.py"),
     # each stage split over 2 tensor ranks (4 processes): the tensor collectives on NCCL
     "1f1b-tp2": dict(stages=2, tensor=2, schedule="1f1b"),
+    # and with sequence parallelism: the messages a rank's half of each slice's tokens
+    "seq1f1b-tp2-sp": dict(stages=2, tensor=2, sequence_parallel=True),
 }
 BF16 = ("seq1f1b", "interleaved", "1f1b-tp2")
 BF16_TOLERANCE = "5e-2"
@@ -79,7 +81,8 @@ def compile_all(out: Path, names) -> dict[str, Path]:
         options = {**BASE, **PLANS[name]}
         argv = ["compile", options.pop("model", MODEL), "-o", str(path), "-q"]
         for key, value in options.items():
-            argv += [f"--{key.replace('_', '-')}", str(value)]
+            flag = f"--{key.replace('_', '-')}"
+            argv += [flag] if value is True else [flag, str(value)]
         if main(argv) != 0:
             raise SystemExit(f"tpc {' '.join(argv)} failed")
         plans[name] = path
