@@ -125,3 +125,19 @@ def test_torchrun_gloo_matches_autograd_and_the_interpreter(paths, tmp_path):
     assert set(exported) == set(res.state_dict)
     worst = max((float((exported[k] - w).abs().max()), k) for k, w in res.state_dict.items())
     assert worst[0] <= TOL, worst
+
+
+def test_a_tensor_axis_matches_autograd():
+    """Tied nanoGPT on pipe 2 x tensor 2: the tie, the replicas and the tensor parts together."""
+    from tests.executors.real import model_file
+
+    plan = real_plan("nanogpt", seq_len=SEQ, stages=2, slices="2", microbatches=2, schedule="chimera", tensor=2)
+    h = plan.header
+    assert h.replicas == 2 and h.mesh.tensor == 2 and [t.stages for t in h.ties] == [(0, 1)]
+    model, sliced, _ = traced(model_file("nanogpt"), SEQ)
+    result = interpret(plan, RunOptions(steps=1), model=copy.deepcopy(model), sliced=sliced)
+    ref_loss, ref_grads, _ = batch_reference(copy.deepcopy(model),
+                                             RandomTokens(0, h.shape.batch, SEQ, h.shape.vocab).get(0))
+    worst, where = gradient_error(result.first_grads, ref_grads)
+    assert worst <= TOL, (worst, where)
+    assert abs(result.losses[0] - ref_loss) <= TOL * abs(ref_loss)
