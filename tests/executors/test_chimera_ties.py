@@ -3,7 +3,8 @@ weight, so stages 0 and D-1 tie a parameter while each has two weight replicas (
 D-1, crosswise). The tie's one `reduce-tied` covers every rank holding a replica of a tied stage
 and `reduce-replicas` leaves the tied parameter out: loss and gradients equal plain autograd's
 (<= 1e-5) on examples/gpt.py and a Hugging Face GPT-2 built from a config, in the interpreter
-and under torchrun on gloo; 3 clipped steps equal 1F1B's losses, gradient norms and weights."""
+and under torchrun on gloo, and with a tensor axis; 3 clipped steps equal 1F1B's losses, gradient
+norms and weights."""
 
 from __future__ import annotations
 
