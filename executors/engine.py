@@ -581,7 +581,11 @@ class RankEngine:
         self.transport.reduce_tied(instr.tie, _grad_of(param))
 
     def _reduce_replicas(self, instr: Instr) -> None:
-        grads = [_grad_of(p) for _, p in unique_parameters(self._stage(instr.stage).named_parameters)]
+        # a tied parameter is left to its reduce-tied, whose ranks are every rank holding a
+        # replica of a tied stage: one sum over each replica of each tied stage (docs/ir.md, W1)
+        tied = {t.name for t in self.header.ties}
+        grads = [_grad_of(p) for n, p in unique_parameters(self._stage(instr.stage).named_parameters)
+                 if n not in tied]
         self.transport.reduce_replicas(instr.stage, grads)
 
     def _reduce_loss(self, instr: Instr) -> None:

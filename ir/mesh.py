@@ -172,9 +172,17 @@ class Mesh:
         return " x ".join(f"{n} {s}" for n, s in reversed(self.axes))
 
 
-def tie_pipe_ranks(first_rank: Sequence[int], tie_stages: Iterable[int]) -> tuple[int, ...]:
+def tie_pipe_ranks(stage_ranks: Sequence[int | Sequence[int]], tie_stages: Iterable[int]) -> tuple[int, ...]:
     """The pipeline ranks holding a stage of a tie (the members of its `reduce-tied` within one
-    replica), ascending. `first_rank[s]` is replica 0's pipeline rank of stage s: a plan with ties
-    has no weight replicas (rule H2), so that is the stage's only rank. A stage index outside
-    `first_rank` (a header the verifier is about to refuse) counts for nothing."""
-    return tuple(sorted({first_rank[s] for s in tie_stages if 0 <= s < len(first_rank)}))
+    data-parallel replica), ascending. `stage_ranks[s]` is the pipeline rank of stage s, or the
+    ranks of all its weight replicas (format version 3): every rank holding any replica of a
+    tied stage holds the tied tensor, so every one of them is a member, and the one reduction
+    sums each replica's contribution once (`reduce-replicas` leaves tied parameters out). A
+    stage index outside `stage_ranks` (a header the verifier is about to refuse) counts for
+    nothing."""
+    out: set[int] = set()
+    for s in tie_stages:
+        if 0 <= s < len(stage_ranks):
+            got = stage_ranks[s]
+            out.update((got,) if isinstance(got, int) else got)
+    return tuple(sorted(out))

@@ -262,10 +262,11 @@ class Header:
         return self.stages[stage].ranks
 
     def tie_ranks(self, name: str) -> tuple[int, ...]:
-        """The pipeline ranks holding a stage of tie `name` (the members of its `reduce-tied`
-        within a replica), ascending; () for an undeclared tie."""
-        first = [st.ranks[0] for st in self.stages]
-        return next((tie_pipe_ranks(first, t.stages) for t in self.ties if t.name == name), ())
+        """The pipeline ranks holding any weight replica of a stage of tie `name` (the members
+        of its `reduce-tied` within a data-parallel replica), ascending; () for an undeclared
+        tie."""
+        ranks = [st.ranks for st in self.stages]
+        return next((tie_pipe_ranks(ranks, t.stages) for t in self.ties if t.name == name), ())
 
     def stages_of_rank(self, rank: int) -> tuple[int, ...]:
         """The stages whose weights (any replica) live on pipeline rank `rank`."""

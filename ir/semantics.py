@@ -195,18 +195,23 @@ def tie_ranks(header: Header, name: str) -> tuple[int, ...]:
     return header.tie_ranks(name)
 
 
-def allreduce_covers(stage_rank: Sequence[int], ties: Iterable[Iterable[int]], stage: int) -> frozenset[int]:
-    """The stages whose gradients `allreduce stage S` reduces: S, and every stage on S's rank
-    joined to it by ties (`stage_rank[s]` the rank of stage s, `ties` the stages of each tie).
-    A tied parameter of two stages on one rank is one tensor, reduced by the first allreduce of
-    either; so each of those allreduces must come after the backwards of all of them."""
-    rank, tie_sets = stage_rank[stage], [set(t) for t in ties]
+def allreduce_covers(stage_rank: Sequence[int | Sequence[int]], ties: Iterable[Iterable[int]], stage: int,
+                     rank: int | None = None) -> frozenset[int]:
+    """The stages whose gradients `allreduce stage S` on pipeline rank `rank` reduces: S, and
+    every stage on that rank joined to it by ties (`stage_rank[s]` the rank of stage s, or the
+    ranks of its weight replicas; `ties` the stages of each tie; `rank` defaults to S's only or
+    first rank). A tied parameter of two stages on one rank is one tensor, reduced by the first
+    allreduce of either; so each of those allreduces must come after the backwards of all of
+    them."""
+    held = [(r,) if isinstance(r, int) else tuple(r) for r in stage_rank]
+    rank = held[stage][0] if rank is None else rank
+    tie_sets = [set(t) for t in ties]
     group, todo = {stage}, [stage]
     while todo:
         s = todo.pop()
         for tie in tie_sets:
             if s in tie:
-                new = {t for t in tie if 0 <= t < len(stage_rank) and stage_rank[t] == rank} - group
+                new = {t for t in tie if 0 <= t < len(held) and rank in held[t]} - group
                 group |= new
                 todo += new
     return frozenset(group)

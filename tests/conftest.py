@@ -38,6 +38,7 @@ def examples_dir() -> Path:
 # --durations=0 on the 2-core machine). tests/test_tiers.py checks that each entry still names a
 # test. (A module may also mark itself: `pytestmark = pytest.mark.slow`.)
 SLOW = (
+    "tests/executors/test_chimera_ties.py::test_torchrun_gloo_matches_autograd_and_the_interpreter",
     "tests/executors/test_critical_path_schedules.py::test_torchrun_gloo_matches_autograd_and_the_interpreter",
     "tests/executors/test_tensor_parallel.py::test_torchrun_gloo_matches_autograd_and_the_interpreter",
     "tests/compiler/tensor/test_tensor_exact.py::test_more_hugging_face_families_split_exactly[gemma]",

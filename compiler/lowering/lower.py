@@ -258,8 +258,8 @@ def insert_allreduce(header: Header, streams: Streams) -> Streams:
         for p, instr in enumerate(stream):
             if instr.op in BACKWARD_OPS:
                 last[instr.stage] = p
-        ranks = [st.rank for st in header.stages]
-        covers = {s: allreduce_covers(ranks, (t.stages for t in header.ties), s) for s in last}
+        ranks = [st.ranks for st in header.stages]
+        covers = {s: allreduce_covers(ranks, (t.stages for t in header.ties), s, rank) for s in last}
         after = {s: max(last.get(t, -1) for t in covers[s]) for s in last}
         at: dict[int, list[Instr]] = defaultdict(list)
         for s, p in sorted(after.items(), key=lambda kv: (kv[1], kv[0])):

@@ -252,8 +252,10 @@ class _Sim:
             return self._collective(r, instr.tie, _tie_ranks(self.header, r, instr),
                                     self.costs.tied_bytes(instr.tie))
         elif instr.op is Op.REDUCE_REPLICAS:
+            # a tied parameter is summed by its reduce-tied, not here (docs/ir.md, W1)
+            tied = sum(self.costs.tied_bytes(t.name) for t in self.header.ties if instr.stage in t.stages)
             return self._collective(r, replica_group(instr.stage), self.header.stage_ranks(instr.stage),
-                                    self.costs.param_bytes(instr.stage))
+                                    max(0.0, self.costs.param_bytes(instr.stage) - tied))
         elif instr.op is Op.ALLREDUCE:
             cost = self.costs.grad_sync_time(instr.stage, self.header.mesh.data)
             self._finish(r, t, t + cost, 0.0, prev)

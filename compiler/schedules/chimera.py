@@ -51,8 +51,15 @@ if the cap is what holds it back; once every forward has run, the same holds for
 Constraints, refused with a located error: an even number of stages D >= 2 (with D odd the
 middle rank would hold both replicas of the middle stage), at least 2 micro-batches (one per
 direction: a replica that runs none would have no gradient to reduce), one rank per stage and pipeline
-(`--stages D` on D ranks, no `--virtual-stages`), and no tied parameters (a tie between the
-first and the last stage would put the tied tensor on every rank twice; untie it in the model).
+(`--stages D` on D ranks, no `--virtual-stages`).
+
+Tied parameters (GPT-2's embedding and head, the model Chimera was built for). A tie between the
+first and the last stage lands on ranks 0 and D-1, each of which holds a replica of both stages:
+there the two stages share one tensor, whose gradient gathers both stages' contributions. The
+tie's one `reduce-tied` sums that tensor over every rank holding any replica of a tied stage
+(`Header.tie_ranks`), and `reduce-replicas` of the tied stages leaves the tied parameter out, so
+each replica of each tied stage contributes once (docs/ir.md, rule W1). A tie between any other
+stages works the same way, over the ranks of all their replicas.
 """
 
 from __future__ import annotations
@@ -101,15 +108,6 @@ def check_header(header: Header, schedule: str = NAME) -> None:
             f"replicas), but the plan has {where}", where=f"--schedule {schedule}",
             hint="let `tpc compile --schedule chimera` place the stages (one per rank and "
                  "pipeline), without --virtual-stages"))
-    if header.ties:
-        names = ", ".join(repr(t.name) for t in header.ties)
-        raise TpirError(Diagnostic(
-            f"schedule {schedule!r} keeps two replicas of every stage, and the model ties "
-            f"parameters between stages ({names}): the tied tensor would sit on each rank twice, "
-            "summed over the ties and over the replicas by two reductions that do not know of "
-            "each other", where=f"--schedule {schedule}",
-            hint="untie the parameter in the model (e.g. give the output head its own weight), "
-                 "or choose another schedule"))
 
 
 def build(header: Header) -> Compute:

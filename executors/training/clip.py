@@ -98,12 +98,14 @@ def copies_not_owned(header, pipe_rank: int, stage_names=None) -> frozenset[str]
     each tie is counted by the rank of its first stage; every other rank holding it skips it.
     Stages name a tied parameter by the tie's name (its canonical name) on every rank. A stage
     with weight replicas is counted by its replica 0's rank: the others skip its parameters
-    (`stage_names[s]`, the names of stage s's parameters on this rank)."""
+    (`stage_names[s]`, the names of stage s's parameters on this rank), except a tied one, which
+    the tie's rule counts (its first stage's replica 0 rank) whichever replica holds it."""
+    tied = {t.name for t in header.ties}
     ties = {t.name for t in header.ties
             if header.stage_ranks(min(t.stages))[0] != pipe_rank
             and any(pipe_rank in header.stage_ranks(s) for s in t.stages)}
     replicas = {n for s, names in (stage_names or {}).items()
-                if header.stage_ranks(s)[0] != pipe_rank for n in names}
+                if header.stage_ranks(s)[0] != pipe_rank for n in names if n not in tied}
     return frozenset(ties | replicas)
 
 

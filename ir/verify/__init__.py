@@ -69,7 +69,7 @@ Program order on a rank (X "after" Y: Y's line comes earlier in the same rank se
       stage on its rank joined to s by ties (`semantics.allreduce_covers`: a tied parameter of
       two stages on one rank is one tensor, reduced by the first of their allreduces).
   R10 `reduce-tied NAME` after every backward and backward-weight of the tie's stages held by
-      that rank.
+      that rank (any of their weight replicas).
   R11 `step` after every forward, recompute, backward(-input/-weight), allreduce and
       reduce-tied of its rank: it is the last instruction that touches parameters.
 
@@ -113,7 +113,10 @@ these in place of the training-only ones (evaluation.py):
 Weight replicas (format version 3: `stage S ranks R0 R1 ...`, `microbatch ... replica K`,
 `reduce-replicas stage S`; docs/ir.md, "Weight replicas"):
   W1  each needs `tpir 3` (H1); a stage's replica ranks are distinct and exist (H2); every stage
-      has as many replicas as the others; no tie in a plan with replicas.
+      has as many replicas as the others. A tie may join replicated stages: its members (O6,
+      C7, D1) are every rank holding any replica of a tied stage, and `reduce-replicas` sums
+      the stage's other parameters, leaving the tied one to `reduce-tied` (one sum that counts
+      each replica of each tied stage once).
   W2  a micro-batch's replica is one the stages have; the evaluation runs on replica 0 (E1).
   W3  "the rank of stage S" in O2-O4, C3, C4 and R2/R5 is the rank of S's replica for the
       instruction's micro-batch.

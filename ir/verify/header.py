@@ -142,9 +142,10 @@ def _check_stages(plan: Plan, rep: Report) -> bool:
 
 
 def _check_replicas(plan: Plan, rep: Report, st, where: str, order: tuple) -> bool:
-    """H2 for `stage S ranks R0 R1 ...` (format version 3): distinct ranks, as many replicas as
-    every other stage has, and no tied parameter (a tie would be summed over the ties' ranks
-    and over the replicas by two instructions that do not know of each other)."""
+    """H2 for `stage S ranks R0 R1 ...` (format version 3): distinct ranks and as many replicas
+    as every other stage has. A tie may join replicated stages: its `reduce-tied` covers every
+    rank holding a replica of a tied stage, and `reduce-replicas` leaves the tied parameter out
+    (rule W1), so each copy's gradient is summed once."""
     h = plan.header
     require_version(plan, rep, REPLICA_VERSION, st.loc, where, order,
                     "`ranks` (weight replicas of a stage)")  # reported; the rest still checks
@@ -160,11 +161,6 @@ def _check_replicas(plan: Plan, rep: Report, st, where: str, order: tuple) -> bo
                 "give every stage the same number of replicas: each pipeline runs through all "
                 "the stages")
         return False
-    if h.ties and st.index == 0:
-        rep.add(h.ties[0].loc, "header, tie line 0", (0, 5000),
-                f"tie \"{h.ties[0].name}\" in a plan whose stages have weight replicas",
-                "untie the parameter in the model (e.g. give the output head its own weight): "
-                "a tied parameter of replicated stages is not supported")
     return True
 
 

@@ -428,7 +428,7 @@ def _check_after_all(ins: Instr, r: int, p: int, shape: Shape, idx: Index,
         last = idx.last_about.get((ins.stage, ins.mb))
         what = f"the KV cache of stage {ins.stage} mb {ins.mb}, which {{}} still uses"
     elif op is O.ALLREDUCE:
-        covered = shape.allreduce_covers[ins.stage]
+        covered = shape.allreduce_covers.get((r, ins.stage), frozenset({ins.stage}))
         lasts = [idx.last_wgrad[(r, s)] for s in covered if (r, s) in idx.last_wgrad]
         last = max(lasts) if lasts else None
         tied = (f" (and of stage{'s' * (len(covered) > 2)} "
@@ -436,7 +436,7 @@ def _check_after_all(ins: Instr, r: int, p: int, shape: Shape, idx: Index,
                 if len(covered) > 1 else "")
         what = f"the gradients of stage {ins.stage}{tied}, to which {{}} still adds"
     elif op is O.REDUCE_TIED:
-        tied = [s for s in shape.ties.get(ins.tie, ()) if shape.stage_rank[s] == r]
+        tied = [s for s in shape.ties.get(ins.tie, ()) if r in shape.ranks_of[s]]
         lasts = [idx.last_wgrad[(r, s)] for s in tied if (r, s) in idx.last_wgrad]
         last = max(lasts) if lasts else None
         what = f"the gradient of tie \"{ins.tie}\", to which {{}} still adds"

@@ -178,8 +178,9 @@ class Shape:
     # tie -> ranks holding its stages
     tie_ranks: dict[str, frozenset[int]]
     ends: frozenset[int]  # the ranks of the first and last stage: they load
-    # stage -> the stages whose gradients its allreduce reduces (semantics.allreduce_covers)
-    allreduce_covers: dict[int, frozenset[int]]
+    # (rank, stage) -> the stages whose gradients the rank's allreduce of the stage reduces
+    # (semantics.allreduce_covers), for every stage the rank holds a replica of
+    allreduce_covers: dict[tuple[int, int], frozenset[int]]
     forward_only: bool = False  # the evaluation program (rules E2-E4)
     # the rank of each weight replica of each stage (format version 3), replica 0's first
     ranks_of: list[tuple[int, ...]] = field(default_factory=list)
@@ -204,7 +205,7 @@ class Shape:
         ranks_of = [st.ranks for st in h.stages]
         replica = [mb.replica if mb.replica < len(ranks_of[0]) else 0 for mb in h.microbatches]
         ties = valid_ties(plan)
-        tie_ranks = {n: frozenset(tie_pipe_ranks(stage_rank, st)) for n, st in ties.items()}
+        tie_ranks = {n: frozenset(tie_pipe_ranks(ranks_of, st)) for n, st in ties.items()}
         groups = {**tie_ranks, **{replica_group(s): frozenset(rs) for s, rs in enumerate(ranks_of)
                                   if len(rs) > 1}}
         return Shape(
@@ -214,7 +215,8 @@ class Shape:
             tie_ranks=tie_ranks,
             ends=frozenset(r for s in (0, len(h.stages) - 1) for r in ranks_of[s]),
             forward_only=plan.forward_only,
-            allreduce_covers={s: allreduce_covers(stage_rank, ties.values(), s) for s in range(len(h.stages))},
+            allreduce_covers={(r, s): allreduce_covers(ranks_of, ties.values(), s, r)
+                              for s in range(len(h.stages)) for r in ranks_of[s]},
             ranks_of=ranks_of, replica=replica, groups=groups,
         )
 

@@ -28,9 +28,9 @@ from tpc.compiler.schedules import build_schedule, stages_per_rank
 from tpc.compiler.predict.quantities import format_bytes
 from tpc.compiler.optimise.search import AUTO_SCHEDULES, search_plan
 
-# the tiny model ties its head to its embedding: chimera refuses it, so the search leaves it out
-# (tests/compiler/test_schedules_chimera.py; the untied case in test_chimera_is_searched below)
-TIED_SEARCHED = tuple(n for n in AUTO_SCHEDULES if n != "chimera")
+# the tiny model ties its head to its embedding: every schedule is searched, chimera included
+# (its tie reduced over both replicas of both tied stages: tests/executors/test_chimera_ties.py)
+TIED_SEARCHED = AUTO_SCHEDULES
 from tpc.compiler.predict.simulate import simulate
 from tpc.compiler.optimise.slicing import equal_slices
 from tpc.ir.diagnostics import TpirError
@@ -160,24 +160,25 @@ def _fixed_slices_search(tiny, source, budget=None, comm="nccl"):
 def test_schedule_auto_is_the_fastest_schedule_that_fits(tiny, source, which_budget):
     """Brute force: every schedule the search compares (AUTO_SCHEDULES) built on the chosen
     partition and simulated here; the search's choice is the fastest of those within the budget.
-    A V-shaped schedule runs twice the stages on the same ranks, on a partition of its own: its
-    header is the search's candidate of that schedule, built and simulated here again."""
+    Each schedule's header is the search's candidate of that schedule, built and simulated here
+    again (a V-shaped schedule runs twice the stages on the same ranks, on a partition of its
+    own; chimera two replicas of each stage, its tie reduced over both)."""
     free = _fixed_slices_search(tiny, source)
     peaks = sorted({c.peak for c in free.candidates if c.simulated})
     budget = None if which_budget == "none" else (peaks[0] + peaks[1]) / 2
     result = _fixed_slices_search(tiny, source, budget)
     brute = {}
-    assert not any(c.schedule == "chimera" for c in free.candidates)
+    assert any(c.schedule == "chimera" for c in free.candidates)
     for name in sorted(TIED_SEARCHED):
+        # each schedule's own candidate header: a V-shaped one runs twice the stages on the same
+        # ranks (a partition of its own), chimera places two replicas of each stage
+        c = next(c for c in free.candidates if c.schedule == name)
+        opts = check_options(**{**BASE, "schedule": "auto", "microbatches": 4, "slices": "8"}, device_model="h100")
+        make = header_maker(model_path=TINY, sha256=tiny.sha, factory="model", opts=opts,
+                            vocab=tiny.vocab, sliced=tiny.sliced)
+        h = make(c.pipe, c.data, c.ranges, name, c.slicing.microbatches())
         if stages_per_rank(name) == 2:
-            c = next(c for c in free.candidates if c.schedule == name)
-            opts = check_options(**{**BASE, "schedule": "auto", "microbatches": 4, "slices": "8"}, device_model="h100")
-            make = header_maker(model_path=TINY, sha256=tiny.sha, factory="model", opts=opts,
-                                vocab=tiny.vocab, sliced=tiny.sliced)
-            h = make(c.pipe, c.data, c.ranges, name, c.slicing.microbatches())
             assert h.num_stages == 2 * h.mesh.pipe == 2 * result.best.header.mesh.pipe
-        else:
-            h = dataclasses.replace(result.best.header, schedule=ScheduleLine(name=name))
         t, peak = simulated(h, source)
         if budget is None or peak <= budget:
             brute[name] = t

@@ -157,11 +157,32 @@ def test_an_odd_number_of_stages_is_refused():
     assert "even number of stages, not 3" in e.value.render() and "--stages 4" in e.value.render()
 
 
-def test_ties_are_refused_with_the_reason():
+@pytest.mark.parametrize("tied", [(0, 3), (0, 1)])
+def test_a_tie_is_reduced_once_over_every_replica_of_its_stages(tied):
+    """GPT-2's embedding and head (stages 0 and D-1, both on ranks 0 and D-1), and a tie of two
+    neighbours (over all four ranks): one `reduce-tied` on every rank holding a replica of a
+    tied stage, beside the stages' `reduce-replicas` (which leave the tied parameter out)."""
+    h = chimera(4, mbs=4, slices=3, ties=(("wte", tied),))
+    for comm in ("gloo", "nccl"):
+        plan = lower(h, build_schedule("chimera", h), comm=comm, verify=False)
+        assert verify(parse(print_plan(plan), file="chimera.tpir"), comm) == []
+    holders = sorted({r for s in tied for r in h.stage_ranks(s)})
+    assert list(h.tie_ranks("wte")) == holders
+    for prog in plan.ranks:
+        ops = [i.op for i in prog.instrs]
+        assert ops.count(Op.REDUCE_TIED) == (prog.rank in holders)
+        assert ops.count(Op.REDUCE_REPLICAS) == 2 and ops[-1] is Op.STEP
+
+
+def test_a_tie_with_replicas_missing_on_one_holder_is_reported():
+    """Rank 3 holds stage 0's second replica: it is a member of the tie's reduction (C7)."""
     h = chimera(4, mbs=4, ties=(("wte", (0, 3)),))
-    with pytest.raises(TpirError) as e:
-        build_schedule("chimera", h)
-    assert "'wte'" in e.value.render() and "untie" in e.value.render()
+    plan = lower(h, build_schedule("chimera", h), comm="gloo", verify=False)
+    text = print_plan(plan)
+    lines = text.splitlines()
+    at = max(i for i, line in enumerate(lines) if line.strip() == 'reduce-tied "wte"')
+    diags = verify(parse("\n".join(lines[:at] + lines[at + 1:]) + "\n", file="chimera.tpir"), "gloo")
+    assert any('never reduces tie "wte"' in d.message for d in diags), diags
 
 
 def test_another_schedule_refuses_a_header_with_replicas():

@@ -42,12 +42,16 @@ FOUR = [  # pipe 2 x data 2
     dict(plan=_plan("zbv", stages=4, ranks=2, dp=2, batch=8, slices="3")),
     dict(plan=_plan("zbv", stages=4, ranks=2, dp=2, batch=8)),
     dict(plan=_plan("dualpipev", stages=4, ranks=2, dp=2, batch=8, microbatches=4, slices="1")),
-    # chimera: two pipelines over weight replicas, on the untied tiny Llama (tied models are
-    # refused); 4 ranks x {1, 3, unequal slices}, and pipe 2 x data 2
+    # chimera: two pipelines over weight replicas, on the untied tiny Llama: 4 ranks x {1, 3,
+    # unequal slices}, and pipe 2 x data 2; then on the tied tiny GPT (embedding = head, its
+    # tie reduced once over both replicas of both tied stages): pipe 2 x data 2, and 4 ranks
+    # under NCCL's rules
     *[dict(model="llama", plan=_plan("chimera", stages=4, batch=8, microbatches=4, slices=s))
       for s in ("1", "3", "2,9,5")],
     dict(model="llama", plan=_plan("chimera", stages=2, dp=2, batch=8, microbatches=2, slices="2,9,5")),
     dict(model="llama", plan=_plan("chimera", stages=4, batch=8, microbatches=4), comm="nccl"),
+    dict(plan=_plan("chimera", stages=2, dp=2, batch=8, microbatches=2, slices="3")),
+    dict(plan=_plan("chimera", stages=4, batch=8, microbatches=4), comm="nccl"),
 ]
 
 

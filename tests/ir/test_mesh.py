@@ -89,6 +89,12 @@ def test_tie_members_are_each_stages_first_rank():
     assert tie_pipe_ranks([0, 1], [0, 5]) == (0,)  # a stage the verifier refuses counts for nothing
 
 
+def test_tie_members_are_every_rank_holding_a_replica_of_a_tied_stage():
+    chimera = [(0, 3), (1, 2), (2, 1), (3, 0)]  # stage s on ranks s and 3 - s
+    assert tie_pipe_ranks(chimera, [0, 3]) == (0, 3)
+    assert tie_pipe_ranks(chimera, [0, 1]) == (0, 1, 2, 3)
+
+
 # ------------------------------------------------------------------- no rank arithmetic elsewhere
 
 AXIS_SIZES = {"pipe", "data"}

@@ -110,3 +110,18 @@ def test_a_replicated_stage_is_counted_by_its_replica_0s_rank():
     names = {0: ["wte.weight", "h.0.w"], 1: ["h.1.w", "head.weight"]}
     assert copies_not_owned(header, 0, names) == frozenset({"h.1.w", "head.weight"})
     assert copies_not_owned(header, 1, names) == frozenset({"wte.weight", "h.0.w"})
+
+
+def test_a_tie_of_replicated_stages_is_counted_once():
+    """Chimera on GPT-2: stages 0 and 1 tie "wte.weight", and both ranks hold a replica of both
+    stages. Rank 0 (replica 0 of stage 0) counts the tie; rank 1 skips it and the rest of its
+    stage-0 copy, rank 0 the rest of its stage-1 copy."""
+    header = Header(
+        model=ModelLine("m.py", "0" * 64), shape=ShapeLine(batch=2, seq=4, vocab=8), mesh=MeshLine(pipe=2),
+        schedule=ScheduleLine("chimera"), units=UnitsLine(2),
+        stages=(Stage(0, 0, (0, 1), replicas=(1,)), Stage(1, 1, (1, 2), replicas=(0,))),
+        ties=(Tie("wte.weight", (0, 1)),),
+        microbatches=(Microbatch(0, 1, ((0, 4),)), Microbatch(1, 1, ((0, 4),), replica=1)))
+    names = {0: ["wte.weight", "h.0.w"], 1: ["h.1.w", "wte.weight"]}
+    assert copies_not_owned(header, 0, names) == frozenset({"h.1.w"})
+    assert copies_not_owned(header, 1, names) == frozenset({"wte.weight", "h.0.w"})

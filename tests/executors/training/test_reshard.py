@@ -206,6 +206,13 @@ CASES = {
                                 dict(stages=2, microbatches=2, slices="2", schedule="1f1b")),
     "seq1f1b 2x1 -> chimera 4x1": ("llama", dict(stages=2, microbatches=2, slices="2", schedule="seq1f1b"),
                                    dict(stages=4, microbatches=4, slices="3", schedule="chimera")),
+    # chimera with a tie (embedding = head on stages 0 and 3, both on ranks 0 and 3): the tied
+    # weight written once, read into each of the four copies
+    "chimera tied 4x1 -> seq1f1b 2x1": ("gpt_nobias", dict(stages=4, microbatches=4, slices="2,9,5",
+                                                          schedule="chimera"),
+                                        dict(stages=2, microbatches=2, slices="2", schedule="seq1f1b")),
+    "1f1b 2x1 -> chimera tied 4x1": ("gpt_nobias", dict(stages=2, microbatches=2, slices="2", schedule="1f1b"),
+                                     dict(stages=4, microbatches=2, slices="3", schedule="chimera")),
     # a tensor axis: each rank's part of the split weights and of their AdamW moments written as
     # rectangles of the whole tensor, read back at another tensor degree (none, or 2 with data
     # replicas); the tiny Llama's one key/value head is replicated over the 2 ranks
