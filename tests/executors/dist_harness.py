@@ -72,3 +72,25 @@ def tpc_command() -> str:
     not whichever `tpc` comes first on PATH)."""
     beside = Path(sys.executable).parent / "tpc"
     return str(beside) if beside.exists() else "tpc"
+
+
+def torchrun_verified(plan, tmp_path: Path, steps: int = 3, clip: float = 0.5) -> list[dict]:
+    """`tpc run PLAN` under torchrun, one process per rank of the plan's mesh, `steps` steps
+    clipped at `clip`, with --verify-grads (which must say ok), the metrics and a checkpoint
+    written to tmp_path/ck; returns the metrics rows."""
+    import json
+    import subprocess
+
+    from tpc.ir.printer import print_plan
+
+    path = tmp_path / "plan.tpir"
+    path.write_text(print_plan(plan), encoding="utf-8")
+    metrics = tmp_path / "m.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(plan.header.mesh.value.size),
+           "--master-port", str(free_port()), "--no-python", tpc_command(), "run", str(path), "--steps", str(steps),
+           "--verify-grads", "--grad-clip", str(clip), "--metrics", str(metrics), "--timeout", "60", "--device", "cpu",
+           "--checkpoint-dir", str(tmp_path / "ck")]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "verify-grads: loss" in done.stdout and ": ok" in done.stdout, done.stdout[-2000:]
+    return [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.executors.dist_harness import free_port, tpc_command
+from tests.executors.dist_harness import torchrun_verified
 from tests.executors.real import real_plan, traced
 from tpc.executors.interpreter import interpret
 from tpc.executors.oracle import batch_reference, gradient_error
@@ -26,7 +23,6 @@ from tpc.executors.training.batches import RandomTokens
 from tpc.executors.training.export import export_state_dict
 from tpc.executors.training.optimizer import OptimSpec
 from tpc.ir.nodes import Op
-from tpc.ir.printer import print_plan
 
 TOL = 1e-5
 SEQ = 16
@@ -103,18 +99,7 @@ def test_torchrun_gloo_matches_autograd_and_the_interpreter(paths, tmp_path):
     interpreter's model."""
     plan = plan_for("hf-gpt2", paths, stages=4, microbatches=4, slices="2,9,5", schedule="chimera", batch=8)
     check_tied_plan(plan)
-    path = tmp_path / "plan.tpir"
-    path.write_text(print_plan(plan), encoding="utf-8")
-    metrics = tmp_path / "m.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port",
-           str(free_port()), "--no-python", tpc_command(), "run", str(path), "--steps", "3", "--verify-grads",
-           "--grad-clip", "0.5", "--metrics", str(metrics), "--timeout", "60", "--device", "cpu",
-           "--checkpoint-dir", str(tmp_path / "ck")]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "verify-grads: loss" in done.stdout and ": ok" in done.stdout, done.stdout[-2000:]
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = torchrun_verified(plan, tmp_path)
     model, sliced = fresh("hf-gpt2", paths)
     norms = []
     res = interpret(plan, RunOptions(steps=3, grad_clip=0.5), model=model, sliced=sliced,

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.executors.dist_harness import free_port, tpc_command
+from tests.executors.dist_harness import torchrun_verified
 from tests.executors.real import model_file, real_plan, traced
 from tpc.executors.interpreter import interpret
 from tpc.executors.oracle import batch_reference, gradient_error
@@ -26,7 +23,6 @@ from tpc.executors.training.export import export_state_dict
 from tpc.executors.training.run_checkpoints import RunCheckpoints
 from tpc.executors.training.optimizer import OptimSpec
 from tpc.ir.diagnostics import TpirError
-from tpc.ir.printer import print_plan
 
 TOL = 1e-5
 SEQ = 16
@@ -200,19 +196,7 @@ def test_torchrun_gloo_matches_autograd_and_the_interpreter(case, configs, tmp_p
     name, stages, slices, schedule, dp, sequence = TORCHRUN[case]
     plan = plan_for(name, configs, stages=stages, microbatches=2, slices=slices, schedule=schedule, dp=dp, tensor=2,
                     sequence=sequence)
-    path = tmp_path / "plan.tpir"
-    path.write_text(print_plan(plan), encoding="utf-8")
-    metrics = tmp_path / "m.jsonl"
-    world = plan.header.mesh.value.size
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-           str(free_port()), "--no-python", tpc_command(), "run", str(path), "--steps", "3", "--verify-grads",
-           "--grad-clip", "0.5", "--metrics", str(metrics), "--timeout", "60", "--device", "cpu",
-           "--checkpoint-dir", str(tmp_path / "ck")]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "verify-grads: loss" in done.stdout and ": ok" in done.stdout, done.stdout[-2000:]
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = torchrun_verified(plan, tmp_path)
     model, sliced = fresh(name, configs)
     res = interpret(plan, RunOptions(steps=3, grad_clip=0.5), model=model, sliced=sliced)
     assert [r["step"] for r in rows] == [1, 2, 3]
