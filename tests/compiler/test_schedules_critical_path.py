@@ -120,13 +120,26 @@ def test_unit_cost_figures(p, m):
     assert _unit("1f1b-critical-path", p, m, NCCL).iteration_time == base - (3 if p == 2 else 1)
 
 
-def test_schedule_auto_with_full_recompute_compares_them(tmp_path):
+def test_schedule_auto_with_full_recompute_compares_them(tmp_path, capsys):
     """`--schedule auto --recompute full` simulates every candidate recomputed and compares
-    Merak's three; on the h100 model the last stage (the head) is the one worth keeping."""
+    Merak's three; on the h100 model, of the 1F1B family the one keeping the last stage (the
+    head) is the fastest, and the plan written is the fastest candidate of all (chimera, whose
+    two pipelines fill each other's bubbles, here)."""
+    import re
+
     from tpc.cli.main import main
 
     out = tmp_path / "a.tpir"
     assert main(["compile", "examples/gpt.py", "-o", str(out), "--stages", "4", "--microbatches", "8",
                  "--seq-len", "64", "--batch", "8", "--schedule", "auto", "--device-model", "h100",
-                 "--recompute", "full", "--quiet"]) == 0
-    assert 'schedule "1f1b-last-no-recompute"' in out.read_text()
+                 "--recompute", "full", "--explain"]) == 0
+    err = capsys.readouterr().err
+    times = {m.group(1): float(m.group(2))
+             for m in re.finditer(r"^\s+\*?\s+4x1\s+\S+\s+(\S+)\s+.*?(\d+\.\d+) ms", err, re.M)}
+    merak = {"1f1b-pre-recompute", "1f1b-last-no-recompute", "1f1b-critical-path"}
+    assert merak <= set(times), err
+    family = {n: t for n, t in times.items() if n in merak | {"1f1b"}}
+    assert min(family, key=family.get) == "1f1b-last-no-recompute", family
+    assert family["1f1b-pre-recompute"] == family["1f1b"]
+    best = min(times, key=times.get)
+    assert f'schedule "{best}"' in out.read_text()
