@@ -42,11 +42,12 @@ def val_file(folder: Path, n: int = 2000, vocab: int = 256, meta: dict | None = 
     return str(folder / "val.bin")
 
 
-def eval_plan(name: str, *, dp: int = 1, eval_slices=None, schedule: str = "seq1f1b", tensor: int = 1):
+def eval_plan(name: str, *, dp: int = 1, eval_slices=None, schedule: str = "seq1f1b", tensor: int = 1,
+              sequence: bool = False):
     """A pp=2 plan of tiny_NAME whose evaluation program has its own slicing: `eval_slices`
     for each of its micro-batches (None: the training program's micro-batches)."""
     plan = real_plan(name, stages=2, microbatches=2, slices="2", schedule=schedule, dp=dp,
-                     seq_len=SEQ, batch=BATCH, tensor=tensor)
+                     seq_len=SEQ, batch=BATCH, tensor=tensor, sequence=sequence)
     h = plan.header
     mbs = None
     if eval_slices is not None:
@@ -78,6 +79,8 @@ CASES = {
     "pp2-chimera": dict(name="llama", eval_slices=THREE, schedule="chimera"),
     # each rank's evaluation stages share its parts of the weights with its training stages
     "pp2xtp2-sliced": dict(name="gpt", tensor=2, eval_slices=THREE),
+    # and with sequence parallelism: slices of even lengths, each rank's half of their tokens
+    "pp2xtp2-sp-sliced": dict(name="gpt", tensor=2, sequence=True, eval_slices=[[(0, 6), (6, 12), (12, 16)]]),
 }
 
 
