@@ -34,6 +34,8 @@ from tpc.executors.options import RunOptions
 from tpc.compiler.frontend.weightless import move_real
 from tpc.executors.plan_model import StageSource, load_rank_model, rank_parameter_names, slice_model
 from tpc.executors.run import CurriculumFlags, RunSetup, write_trace
+from tpc.executors.tensor_ranks import TensorRank
+from tpc.compiler.tensor import DistGroup
 from tpc.executors.training.dir_lock import release_held
 from tpc.executors.training_loop import PlanSet, TrainingLoop
 from tpc.executors.world import World, backend_cause, check_world, init, make_groups, report_layout
@@ -180,14 +182,10 @@ class Distributed:
         self.clock = Clock()
         self.current: DistRanks | None = None  # what the watchdog watches
         self.watchdog: Watchdog | None = None
-        mesh = plans.full.header.mesh.value
-        self.tensor = None  # this rank's TensorRank on a mesh with a tensor axis
-        if mesh.tensor > 1:
-            from tpc.compiler.tensor import DistGroup
-            from tpc.executors.tensor_ranks import TensorRank
-
-            self.tensor = TensorRank(mesh.tensor, mesh.tensor_rank(world.rank), DistGroup(self.groups.tensor),
-                                     sequence=plans.full.header.mesh.sequence)
+        mesh = plans.full.header.mesh
+        # this rank's TensorRank on a mesh with a tensor axis
+        self.tensor = TensorRank.of(mesh, mesh.value.tensor_rank(world.rank),
+                                    DistGroup(self.groups.tensor) if mesh.tensor > 1 else None)
 
     def _ranks(self, plan: Plan, *, evaluation: bool, channels: Channels, optimizer=None,
                loss_rank: int | None = None) -> DistRanks:

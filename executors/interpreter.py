@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -33,7 +34,8 @@ from tpc.executors.training.batches import BatchSource, RandomTokens
 from tpc.executors.engine import Blocked, Clock, RankEngine, RankError, TraceEvent, read_step
 from tpc.executors.options import RunOptions
 from tpc.executors.plan_model import StageSource, load_plan_model
-from tpc.executors.tensor_ranks import check_tensor_run, held_bytes
+from tpc.executors.tensor_ranks import TensorRank, check_tensor_run, held_bytes
+from tpc.compiler.tensor import thread_groups
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
 from tpc.executors.training_loop import PlanSet, TrainingLoop
@@ -277,8 +279,6 @@ def run_tensor_threads(engines: list[RankEngine], groups: list) -> None:
     """Run the engines of each tensor coordinate cooperatively on a thread of their own (their
     stages' collectives meet at `groups[t]`); the first failure is raised, after the group is
     broken so that the other threads stop waiting for the failed one."""
-    import threading
-
     by_t: dict[int, list[RankEngine]] = {}
     for e in engines:
         by_t.setdefault(e.tensor_rank, []).append(e)
@@ -303,8 +303,6 @@ def run_tensor_threads(engines: list[RankEngine], groups: list) -> None:
 
 
 def _broken_wait(e: BaseException) -> bool:
-    import threading
-
     while e is not None:
         if isinstance(e, threading.BrokenBarrierError):
             return True
@@ -371,34 +369,28 @@ class Interpreted:
     model, or a stand-in in tests)."""
 
     def __init__(self, options: RunOptions, device: torch.device, model: torch.nn.Module | None,
-                 stages: StageSource, rendezvous: bool, tensor: int = 1, sequence: bool = False):
-        """`tensor`: the mesh's tensor degree T. The ranks of each tensor coordinate run on a
-        thread of their own (their stages' collectives meet the other threads' at a
-        `ThreadGroup`), over a network of their own: a message or a data-parallel sum never
-        crosses tensor coordinates. `sequence`: the mesh's `sequence-parallel`."""
+                 stages: StageSource, rendezvous: bool, mesh=None):
+        """`mesh`: the plans' mesh line; with a tensor axis of T ranks, the ranks of each tensor
+        coordinate run on a thread of their own (their stages' collectives meet the other
+        threads' at a `ThreadGroup`), over a network of their own: a message or a data-parallel
+        sum never crosses tensor coordinates."""
         self.options, self.device, self.model, self.stages = options, device, model, stages
         self.rendezvous = rendezvous
         # the training plans' networks, one per tensor coordinate: the channels' counts run on
         # across plans
+        self.mesh = mesh
+        tensor = mesh.tensor if mesh is not None else 1
         self.hubs = [_Hub() for _ in range(tensor)]
         self.copies: dict[int, torch.nn.Module | None] = {}  # global rank -> its model copy
         self.clock = Clock()
-        self.tensor_ranks: dict[int, object] = {}  # global rank -> its TensorRank (T > 1)
-        self.sequence = sequence
-        if tensor > 1:
-            from tpc.compiler.tensor import thread_groups
+        self.tensor_ranks: dict[int, TensorRank | None] = {}  # global rank -> its TensorRank
+        # one group for every stage: each thread runs the same instructions in the same order,
+        # so its collectives meet the other threads' in order
+        self.groups = thread_groups(tensor) if tensor > 1 else None
 
-            # one group for every stage: each thread runs the same instructions in the same
-            # order, so its collectives meet the other threads' in order
-            self.groups = thread_groups(tensor)
-
-    def _tensor_rank(self, rank: int, t: int):
-        if len(self.hubs) == 1:
-            return None
+    def _tensor_rank(self, rank: int, t: int) -> TensorRank | None:
         if rank not in self.tensor_ranks:
-            from tpc.executors.tensor_ranks import TensorRank
-
-            self.tensor_ranks[rank] = TensorRank(len(self.hubs), t, self.groups[t], sequence=self.sequence)
+            self.tensor_ranks[rank] = TensorRank.of(self.mesh, t, self.groups[t]) if self.groups else None
         return self.tensor_ranks[rank]
 
     def _copy(self, rank: int) -> torch.nn.Module | None:
@@ -423,17 +415,14 @@ class Interpreted:
 
     def build(self, plan: Plan, shared: "InterpretedRanks | None") -> "InterpretedRanks":
         engines = self._engines(plan, self.hubs, evaluation=False, rendezvous=self.rendezvous, shared=shared)
-        return InterpretedRanks(plan, engines, self.model, self.device, groups=self._groups())
-
-    def _groups(self) -> list | None:
-        return self.groups if len(self.hubs) > 1 else None
+        return InterpretedRanks(plan, engines, self.model, self.device, groups=self.groups)
 
     def build_eval(self, plan: Plan, training: "InterpretedRanks") -> "InterpretedRanks":
         view = plan.evaluation()
         # replica 0's (data and weight) last-stage rank holds the loss
         last = view.header.mesh.value.rank(pipe=view.header.stage_ranks(view.header.num_stages - 1)[0])
         engines = self._engines(view, [_Hub() for _ in self.hubs], evaluation=True, rendezvous=False)
-        return InterpretedRanks(view, engines, self.model, self.device, loss_rank=last, groups=self._groups())
+        return InterpretedRanks(view, engines, self.model, self.device, loss_rank=last, groups=self.groups)
 
     def waiting(self, what: str):
         return contextlib.nullcontext()  # a blocked rank here raises Blocked; nothing waits
@@ -532,8 +521,7 @@ def interpret(plan: "Plan | PlanSet", options: RunOptions | None = None, *,
     if keep_grads:
         options = dataclasses.replace(options, record_grads=True)
     check_tensor_run(full, options, "the interpreter")
-    executor = Interpreted(options, device, model, stages, rules == NCCL, tensor=full.header.mesh.tensor,
-                           sequence=full.header.mesh.sequence)
+    executor = Interpreted(options, device, model, stages, rules == NCCL, mesh=full.header.mesh)
     loop = TrainingLoop(plans, executor, options, batches=batches, eval_batches=eval_batches,
                         checkpoints=checkpoints, on_step=on_step, on_eval=on_eval)
     out = loop.run()

@@ -39,6 +39,12 @@ class TensorRank:
     held: dict = field(default_factory=dict)  # name -> this rank's part (a Parameter)
     shards: dict = field(default_factory=dict)  # name -> ParamShard, of every stage built
 
+    @staticmethod
+    def of(mesh, t: int, group) -> "TensorRank | None":
+        """Tensor rank `t` of the plan's mesh line `mesh` (`ir.nodes.MeshLine`) over `group`;
+        None without a tensor axis."""
+        return TensorRank(mesh.tensor, t, group, sequence=mesh.sequence) if mesh.tensor > 1 else None
+
     def split(self, name: str):
         """The `ParamShard` of parameter `name` when it is cut over the ranks, else None
         (replicated: every tensor rank holds it whole)."""
