@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 
-from tpc.executors.training.batches import microbatch_tokens, split_tokens
+from tpc.executors.training.batches import Batch, microbatch
 from tpc.executors.options import RunOptions
 from tpc.executors.training.optimizer import RankOptimizer
 from tpc.executors.training.param_groups import unique_parameters
@@ -298,15 +298,13 @@ class RankEngine:
 
     # ------------------------------------------------------------------------- driving
 
-    def begin_step(self, step: int, tokens: torch.Tensor) -> None:
-        """Start one pass over the stream with the global batch `tokens` (batch, seq+1)."""
+    def begin_step(self, step: int, tokens: "torch.Tensor | Batch") -> None:
+        """Start one pass over the stream with the global batch: `tokens` (batch, seq+1), or a
+        `Batch` of ids and targets."""
         self.step, self.pc = step, 0
         self.transport.start_step(step)
-        if tokens.device.type == "cpu" and self.device.type == "cuda":
-            # once per step, from pinned memory: a copy from pageable memory would wait for the
-            # stream (the loads then cut the micro-batches from it on the device)
-            tokens = tokens.pin_memory().to(self.device, non_blocking=True)
-        self.tokens = tokens
+        # once per step onto the device; the loads cut the micro-batches from it there
+        self.batch = Batch.of(tokens).to(self.device)
         self.env: dict[Message, torch.Tensor] = {}
         self.ids: dict[int, torch.Tensor] = {}
         self.targets: dict[int, torch.Tensor] = {}
@@ -438,8 +436,8 @@ class RankEngine:
     # ------------------------------------------------------------------------ handlers
 
     def _load(self, instr: Instr) -> None:
-        tokens = microbatch_tokens(self.tokens, self.header, self.data_rank, instr.mb)
-        ids, targets = split_tokens(tokens)
+        rows = microbatch(self.batch, self.header, self.data_rank, instr.mb)
+        ids, targets = rows.ids, rows.targets
         # this rank's ends for the micro-batch: with weight replicas (chimera), a rank holding
         # the first stage of one pipeline and the last of the other loads only what its runs use
         if self.header.stage_rank(0, instr.mb) == self.pipe_rank:
@@ -536,9 +534,13 @@ class RankEngine:
     def _free_kv(self, instr: Instr) -> None:
         self._stage(instr.stage).runtime.free_kv(instr.mb)
 
-    def _build_optimizer(self) -> "RankOptimizer | ShardedOptimizer":
+    def _build_optimizer(self) -> "RankOptimizer | ShardedOptimizer | ExternalOptimizer":
         """This rank's optimizer: over its stages' parameters, or with `--shard-optimizer` on a
         mesh with data-parallel replicas, over its share of them (training/sharded_optimizer.py)."""
+        if self.options.external_optimizer:
+            from tpc.executors.training.optimizer import ExternalOptimizer
+
+            return ExternalOptimizer(self.named_parameters)
         if not (self.options.shard_optimizer and self.header.mesh.data > 1):
             return RankOptimizer(self.named_parameters, self.options.optim)
         from tpc.executors.training.sharded_optimizer import ShardedOptimizer
