@@ -1,0 +1,200 @@
+"""tpc as a library: compile a model (object or file) into a plan, load a plan, and build this
+process's `Pipeline` of it, from a user's own training script. `import tpc` re-exports these
+(tpc/__init__.py); docs/library.md is the guide.
+
+    plan = compile(model, seq_len=256, batch=16, stages=2, microbatches=4, slices=2)
+    pipe = pipeline(plan, model)                   # under torchrun: this rank's stages
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-4)
+    loss = pipe.step(inputs, targets)               # one step: every micro-batch and slice
+    pipe.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
+
+Under torchrun every process calls the same functions with the same arguments; `pipeline`
+joins the process group (gloo on the CPU, NCCL on CUDA) unless the script already did. Outside
+torchrun a plan of one rank runs in the process; a plan of several runs there only with
+`interpret=True` (the reference interpreter: every rank in this process, for checking).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from tpc.compiler.frontend.model_file import MODEL_OBJECT, model_source, with_forward
+from tpc.executors.options import RunOptions
+from tpc.executors.pipeline import Pipeline, PlanSet, check_optimizer
+from tpc.ir.diagnostics import Diagnostic, TpirError
+from tpc.ir.nodes import Plan
+
+__all__ = ["compile", "load", "pipeline", "with_forward", "Pipeline", "Plan"]
+
+
+def compile(model: "torch.nn.Module | str | os.PathLike", *, seq_len: int, batch: int, output: str | None = None,
+            quiet: bool = True, **options) -> Plan:
+    """Compile `model` into a verified plan with the options of `tpc compile` (docs/compile.md),
+    spelled as keyword arguments: `stages=2`, `microbatches=4`, `slices=2` or `(24, 40)`,
+    `schedule="1f1b"`, `dp=2`, `tensor=2`, `cost="profile.json"`, ... `model` is a model object
+    (compiled as it is; its forward takes (B, T) token ids and returns (B, T, V) logits: see
+    `with_forward`), or the path of a model file or of a Hugging Face config.json. With
+    `output`, the plan is also written there (atomically, after it is read back and verified).
+    `quiet=False` shows the passes' progress."""
+    from tpc.compiler.compile import compile_plan
+    from tpc.compiler.options import check_options
+
+    if "factory" in options and not isinstance(model, (str, os.PathLike)):
+        raise TpirError(Diagnostic("compile(model, factory=...): a factory names a callable of a model file",
+                                   hint="pass the model file's path with factory=, or the model object alone"))
+    try:
+        opts = check_options(seq_len=seq_len, batch=batch, quiet=quiet, **options)
+    except TypeError as e:
+        raise TpirError(Diagnostic(f"compile(): {e}", hint="the options are `tpc compile`'s, e.g. stages=2, "
+                                   "microbatches=4, slices=2, schedule='1f1b' (docs/compile.md)")) from None
+    # the user's random streams are left as they were: a script that draws its batches after
+    # compiling draws the same ones as without tpc
+    with torch.random.fork_rng(devices=[]):
+        if isinstance(model, (str, os.PathLike)):
+            return compile_plan(os.fspath(model), opts, output=output)
+        if not isinstance(model, torch.nn.Module):
+            raise TpirError(Diagnostic(f"compile(): the model is a {type(model).__name__}",
+                                       hint="pass a torch.nn.Module, or the path of a model file"))
+        opts = dataclasses.replace(opts, factory=MODEL_OBJECT)
+        return compile_plan(model_source(model), opts, output=output, model=model)
+
+
+def load(path: "str | os.PathLike") -> Plan:
+    """Read and verify a `.tpir` plan (under NCCL's rules, which every backend's plan obeys)."""
+    from tpc.ir.verify import verify_file
+
+    return verify_file(os.fspath(path))
+
+
+def pipeline(plan: "Plan | str | os.PathLike", model: torch.nn.Module | None = None, *, device: str = "auto",
+             interpret: bool = False, seed: int = 0, timeout: float = 120.0, compile: bool = False,
+             bf16: bool = False) -> Pipeline:
+    """This process's part of `plan` (a Plan, or the path of a `.tpir` file), ready to step.
+
+    `model`: the model the plan was compiled from, with its weights (every process builds it
+    the same way, e.g. after the same `torch.manual_seed`); under torchrun this rank's stages
+    train its parameters themselves (the same tensors). None: the plan's model file is built
+    here with the weights of `seed`, this rank's parameters only (a plan compiled from an
+    object needs the object). `device`: cpu, cuda or auto (cuda:LOCAL_RANK when CUDA is
+    present). `interpret`: every rank of the plan in this process (the reference
+    interpreter; outside torchrun). `compile`: the stages' programs compiled with
+    torch.compile before the first step; `bf16`: bf16 autocast (CUDA). `timeout`: seconds a
+    rank waits for a peer."""
+    if not isinstance(plan, Plan):
+        plan = load(plan)
+    # "cuda:1" as a script may spell it: each rank computes on cuda:LOCAL_RANK
+    options = RunOptions(seed=seed, device=str(device).split(":")[0], timeout=timeout, compile=compile, bf16=bf16,
+                         external_optimizer=True, lr_schedule="constant", quiet=True)
+    plans = PlanSet.single(plan)
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TpirError(Diagnostic(f"pipeline(plan, model): the model is a {type(model).__name__}",
+                                   hint="pass the torch.nn.Module the plan was compiled from"))
+    if model is None and plan.header.model.factory == MODEL_OBJECT:
+        raise TpirError(Diagnostic(
+            "pipeline(plan): this plan was compiled from a model object; pass the object",
+            loc=plan.header.model.loc, where=plan.source, hint="pipeline(plan, model)"))
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    size = plan.header.mesh.value.size
+    if interpret or (not under_torchrun and size == 1):
+        with torch.random.fork_rng(devices=[]):
+            pipe, sliced = _interpreted(plans, model, options)
+    elif not under_torchrun:
+        mesh = plan.header.mesh.value
+        raise TpirError(Diagnostic(
+            f"this plan runs on {size} ranks ({mesh.describe()}) "
+            "but this process was not started by torchrun", where=plan.source,
+            hint=f"start the script with `torchrun --nproc-per-node {size} SCRIPT`, or pass interpret=True to "
+                 "run every rank in this process (the reference interpreter: slow, for checking)"))
+    else:
+        with torch.random.fork_rng(devices=[]):
+            pipe, sliced = _distributed(plans, model, options)
+    if model is not None:
+        _watch_optimizers(pipe, model, sliced)
+    return pipe
+
+
+def _interpreted(plans: PlanSet, model, options: RunOptions) -> Pipeline:
+    from tpc.executors.interpreter import Interpreted
+    from tpc.executors.plan_model import StageSource, load_plan_model
+    from tpc.executors.tensor_ranks import check_tensor_run
+    from tpc.ir.semantics import NCCL
+    from tpc.ir.verify import check
+
+    full = plans.full
+    device = options.torch_device()
+    rules = options.comm_rules(device, interpreted=True)
+    check(full, rules)
+    check_tensor_run(full, options, "the interpreter")
+    if model is None:
+        model = load_plan_model(full, options.seed)
+    stages = StageSource.of(plans, model)
+    executor = Interpreted(options, device, model, stages, rules == NCCL, mesh=full.header.mesh)
+    pipe = Pipeline(plans, executor, evaluation=full.eval is not None)
+    executor.start()
+    return pipe, stages.sliced[full.header.shape.seq]
+
+
+def _distributed(plans: PlanSet, model, options: RunOptions) -> Pipeline:
+    from tpc.compiler.frontend.weightless import move_real
+    from tpc.executors.distributed import Distributed
+    from tpc.executors.plan_model import StageSource, check_plan_model, load_rank_model, rank_parameter_names, slice_model
+    from tpc.executors.tensor_ranks import check_tensor_run
+    from tpc.executors.world import World, check_world, init
+    from tpc.ir.verify import check
+
+    import torch.distributed as dist
+
+    full = plans.full
+    world = World.from_env()
+    check_world(full, world)
+    device = options.torch_device(world.local_rank)
+    check(full, options.comm_rules(device))
+    check_tensor_run(full, options, "the distributed executor")
+    sliced = None
+    if model is None:
+        check_plan_model(full)
+        from tpc.executors.plan_model import load_plan_model
+
+        names_of = load_plan_model(full, options.seed, weights=False)
+        sliced = {seq: slice_model(names_of, p) for seq, p in plans.plans.items()}
+        names = rank_parameter_names(plans, sliced, full.header.mesh.value.pipe_rank(world.rank))
+        model = move_real(load_rank_model(full, options.seed, names), device)
+    elif any(p.device != device for p in model.parameters()):
+        model.to(device)
+    init(world, device, options.timeout)
+    stages = StageSource.of(plans, model, sliced=sliced)
+    executor = Distributed(world, options, device, plans, stages=stages, model=model)
+    pipe = Pipeline(plans, executor, evaluation=full.eval is not None)
+    executor.start()
+    return pipe, stages.sliced[full.header.shape.seq]
+
+
+_hooked = False
+
+
+def _watch_optimizers(pipe: Pipeline, model: torch.nn.Module, sliced) -> None:
+    """Remember `model`'s parameters and which pipeline rank trains each, so that an optimizer
+    over parameters this process does not train is refused at its first step
+    (`pipeline.check_optimizer`, run before every optimizer's step in this process)."""
+    global _hooked
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters():
+        names.setdefault(id(p), n)
+    h = pipe.plans.full.header
+    holders: dict[str, int] = {}
+    for stage in h.stages:
+        lo, hi = stage.units
+        for n in sorted(sliced.stage_param_names(lo, hi)):
+            holders.setdefault(n, h.stage_ranks(stage.index)[0])
+    if pipe.interpreted:  # every rank trains copies of the model's parameters
+        holders = {}
+    pipe.model_names, pipe.holders = names, holders
+    if not _hooked:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(lambda opt, args, kwargs: check_optimizer(opt))
+        _hooked = True
