@@ -161,6 +161,10 @@ class DistRanks:
     def gradients(self) -> dict[str, torch.Tensor]:
         return dict(self.engine.grads)
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by name (with a tensor axis, its parts)."""
+        return {n: p.detach() for n, p in self.engine.named_parameters}
+
 
 class Distributed:
     """The distributed executor as the training loop's executor: this process's rank of each

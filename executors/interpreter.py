@@ -475,6 +475,10 @@ class InterpretedRanks:
     def gradients(self) -> dict[str, torch.Tensor]:
         return canonical_names(self.model, _gather(self.engines, lambda e: e.grads.items()))
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters by name (replica 0's; a tensor axis's parts joined)."""
+        return canonical_names(self.model, _gather(self.engines, lambda e: ((n, p.detach()) for n, p in e.named_parameters)))
+
 
 def interpret(plan: "Plan | PlanSet", options: RunOptions | None = None, *,
               model: torch.nn.Module | None = None, sliced=None, stage_factory_for=None,

@@ -73,6 +73,11 @@ class Ranks(Protocol):
         """The gradients of the last step (before its update) of this process's parameters."""
         ...
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """This process's parameters by name: a rank's (its parts, with a tensor axis), or,
+        where every rank is here, the whole model's."""
+        ...
+
 
 class EvalRanks(Protocol):
     def evaluate(self, k: int, tokens: torch.Tensor) -> float:
@@ -260,8 +265,9 @@ class Pipeline:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This process's parameters by the unsliced model's names (with a tensor axis, this
-        rank's part of each parameter it cuts). Every rank's together are the whole model's."""
-        return {n: p.detach() for n, p in self.named_parameters()}
+        rank's part of each parameter it cuts). Every rank's together are the whole model's;
+        with every rank in this process (`interpret=True`), the whole model's."""
+        return self.first.weights()
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load this process's parameters from `state`, keyed by the unsliced model's names: a

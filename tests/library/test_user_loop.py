@@ -25,6 +25,16 @@ def test_sgd_onecycle_and_clipping_match_plain_pytorch_in_one_process():
     _close(got_losses, got, want_losses, want)
 
 
+def test_a_tensor_axis_and_data_replicas_match_too_in_one_process():
+    """Two stages x two tensor ranks x two replicas: the clipping norm counts each shard once
+    and the state_dict joins the shards."""
+    model = hf_llama()
+    want_losses, want = plain_loop(model)
+    got_losses, got = tpc_loop(model, interpret=True, stages=2, tensor=2, dp=2, microbatches=2, slices=2)
+    assert set(got) == set(want)
+    _close(got_losses, got, want_losses, want)
+
+
 def test_sgd_onecycle_and_clipping_match_plain_pytorch_under_torchrun(tmp_path):
     """Two stages x two data-parallel replicas, four gloo ranks; the tied embedding and head on
     the first and last stage."""
