@@ -27,25 +27,35 @@ from tpc.executors.options import RunOptions
 from tpc.executors.pipeline import Pipeline, PlanSet, check_optimizer
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
+from tpc.ir.verify.bundle import LoadedBundle
 
-__all__ = ["compile", "load", "pipeline", "with_forward", "Pipeline", "Plan"]
+__all__ = ["compile", "load", "pipeline", "with_forward", "Pipeline", "Plan", "LoadedBundle"]
 
 
-def compile(model: "torch.nn.Module | str | os.PathLike", *, seq_len: int, batch: int, output: str | None = None,
-            quiet: bool = True, **options) -> Plan:
+def compile(model: "torch.nn.Module | str | os.PathLike", *, seq_len: "int | tuple[int, ...]", batch: int,
+            output: str | None = None, quiet: bool = True, constant_tokens: bool = False,
+            **options) -> "Plan | LoadedBundle":
     """Compile `model` into a verified plan with the options of `tpc compile` (docs/compile.md),
     spelled as keyword arguments: `stages=2`, `microbatches=4`, `slices=2` or `(24, 40)`,
     `schedule="1f1b"`, `dp=2`, `tensor=2`, `cost="profile.json"`, ... `model` is a model object
     (compiled as it is; its forward takes (B, T) token ids and returns (B, T, V) logits: see
     `with_forward`), or the path of a model file or of a Hugging Face config.json. With
     `output`, the plan is also written there (atomically, after it is read back and verified).
-    `quiet=False` shows the passes' progress."""
+    `quiet=False` shows the passes' progress.
+
+    Several lengths (`seq_len=(64, 128, 256)`) compile a plan bundle into the folder `output`:
+    one plan per length on one stage split (docs/training.md, "Plan bundles"; with
+    `constant_tokens`, the batch shrinks as the length grows), returned as a `LoadedBundle`,
+    whose pipeline steps each batch with the plan of its length."""
     from tpc.compiler.compile import compile_plan
     from tpc.compiler.options import check_options
 
     if "factory" in options and not isinstance(model, (str, os.PathLike)):
         raise TpirError(Diagnostic("compile(model, factory=...): a factory names a callable of a model file",
                                    hint="pass the model file's path with factory=, or the model object alone"))
+    lengths = tuple(seq_len) if isinstance(seq_len, (tuple, list)) else (seq_len,)
+    if len(lengths) > 1 or constant_tokens:
+        return _compile_bundle(model, lengths, batch, output, quiet, constant_tokens, options)
     try:
         opts = check_options(seq_len=seq_len, batch=batch, quiet=quiet, **options)
     except TypeError as e:
@@ -63,17 +73,39 @@ def compile(model: "torch.nn.Module | str | os.PathLike", *, seq_len: int, batch
         return compile_plan(model_source(model), opts, output=output, model=model)
 
 
-def load(path: "str | os.PathLike") -> Plan:
-    """Read and verify a `.tpir` plan (under NCCL's rules, which every backend's plan obeys)."""
+def _compile_bundle(model, lengths, batch, output, quiet, constant_tokens, options) -> "LoadedBundle":
+    from tpc.compiler.bundle import check_lengths, compile_bundle
+    from tpc.compiler.options import check_options
+
+    if output is None:
+        raise TpirError(Diagnostic(f"compile(seq_len={lengths}): a plan bundle is written into a folder",
+                                   hint="pass output='plans' (the folder is created)"))
+    lengths = tuple(sorted(lengths))
+    check_lengths(lengths, options.get("slices"))
+    opts = check_options(seq_len=lengths[-1], batch=batch, quiet=quiet, **options)
+    with torch.random.fork_rng(devices=[]):
+        if isinstance(model, (str, os.PathLike)):
+            return compile_bundle(os.fspath(model), output, opts, lengths, constant_tokens=constant_tokens)
+        opts = dataclasses.replace(opts, factory=MODEL_OBJECT)
+        return compile_bundle(model_source(model), output, opts, lengths, constant_tokens=constant_tokens,
+                              model=model)
+
+
+def load(path: "str | os.PathLike") -> "Plan | LoadedBundle":
+    """Read and verify a `.tpir` plan, or a plan bundle's folder (under NCCL's rules, which
+    every backend's plan obeys)."""
     from tpc.ir.verify import verify_file
+    from tpc.ir.verify.bundle import is_bundle, load_bundle
 
-    return verify_file(os.fspath(path))
+    path = os.fspath(path)
+    return load_bundle(path) if is_bundle(path) else verify_file(path)
 
 
-def pipeline(plan: "Plan | str | os.PathLike", model: torch.nn.Module | None = None, *, device: str = "auto",
+def pipeline(plan: "Plan | LoadedBundle | str | os.PathLike", model: torch.nn.Module | None = None, *, device: str = "auto",
              interpret: bool = False, seed: int = 0, timeout: float = 120.0, compile: bool = False,
              bf16: bool = False) -> Pipeline:
-    """This process's part of `plan` (a Plan, or the path of a `.tpir` file), ready to step.
+    """This process's part of `plan` (a Plan, a plan bundle, or the path of either), ready to
+    step; a bundle's pipeline steps each batch with the plan of its length.
 
     `model`: the model the plan was compiled from, with its weights (every process builds it
     the same way, e.g. after the same `torch.manual_seed`); under torchrun this rank's stages
@@ -84,12 +116,15 @@ def pipeline(plan: "Plan | str | os.PathLike", model: torch.nn.Module | None = N
     interpreter; outside torchrun). `compile`: the stages' programs compiled with
     torch.compile before the first step; `bf16`: bf16 autocast (CUDA). `timeout`: seconds a
     rank waits for a peer."""
-    if not isinstance(plan, Plan):
+    if not isinstance(plan, (Plan, LoadedBundle)):
         plan = load(plan)
+    # a bundle: one plan per length, sharing the weights; each step runs its batch's length
+    plans = (PlanSet({p.header.shape.seq: p for p in plan.plans}, lambda step: plan.lengths[-1])
+             if isinstance(plan, LoadedBundle) else PlanSet.single(plan))
+    plan = plans.full
     # "cuda:1" as a script may spell it: each rank computes on cuda:LOCAL_RANK
     options = RunOptions(seed=seed, device=str(device).split(":")[0], timeout=timeout, compile=compile, bf16=bf16,
                          external_optimizer=True, lr_schedule="constant", quiet=True)
-    plans = PlanSet.single(plan)
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TpirError(Diagnostic(f"pipeline(plan, model): the model is a {type(model).__name__}",
                                    hint="pass the torch.nn.Module the plan was compiled from"))
@@ -127,7 +162,8 @@ def _interpreted(plans: PlanSet, model, options: RunOptions) -> Pipeline:
     full = plans.full
     device = options.torch_device()
     rules = options.comm_rules(device, interpreted=True)
-    check(full, rules)
+    for p in plans.plans.values():
+        check(p, rules)
     check_tensor_run(full, options, "the interpreter")
     if model is None:
         model = load_plan_model(full, options.seed)
@@ -152,7 +188,8 @@ def _distributed(plans: PlanSet, model, options: RunOptions) -> Pipeline:
     world = World.from_env()
     check_world(full, world)
     device = options.torch_device(world.local_rank)
-    check(full, options.comm_rules(device))
+    for p in plans.plans.values():
+        check(p, options.comm_rules(device))
     check_tensor_run(full, options, "the distributed executor")
     sliced = None
     if model is None:

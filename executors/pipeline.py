@@ -160,6 +160,9 @@ class Pipeline:
     def evaluate(self, k: int, batch: "Batch | torch.Tensor") -> torch.Tensor:
         """The evaluation program once on the global batch; its loss on the device, not read."""
         if self.eval_ranks is None:
+            from tpc.executors.evaluation import require_eval_program
+
+            require_eval_program(self.plans.full)  # a plan from before the evaluation program
             raise TpirError(Diagnostic("this pipeline was built without the evaluation program",
                                        hint="build it with evaluation=True"))
         batch = Batch.of(batch)

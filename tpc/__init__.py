@@ -13,6 +13,6 @@ The public API (docs/library.md); everything else under `tpc.` is private and ma
         optimizer.zero_grad(set_to_none=True)
 """
 
-from tpc.executors.library import Pipeline, Plan, compile, load, pipeline, with_forward
+from tpc.executors.library import LoadedBundle, Pipeline, Plan, compile, load, pipeline, with_forward
 
-__all__ = ["compile", "load", "pipeline", "with_forward", "Pipeline", "Plan"]
+__all__ = ["compile", "load", "pipeline", "with_forward", "Pipeline", "Plan", "LoadedBundle"]

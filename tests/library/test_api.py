@@ -35,7 +35,8 @@ def _batch(plan, seed: int = 3):
 
 
 def test_the_public_api_is_what_the_docs_list():
-    assert sorted(tpc.__all__) == sorted(["compile", "load", "pipeline", "with_forward", "Pipeline", "Plan"])
+    assert sorted(tpc.__all__) == sorted(["compile", "load", "pipeline", "with_forward", "Pipeline", "Plan",
+                                          "LoadedBundle"])
     assert all(callable(getattr(tpc, name)) for name in tpc.__all__)
 
 
@@ -198,3 +199,35 @@ def test_compile_options_are_tpc_compiles_and_mistakes_are_located():
         tpc.compile(_gpt(), seq_len=16, batch=4, slices=(5, 5))
     with pytest.raises(TpirError, match=r"the model is a str|no such model file"):
         tpc.compile("no/such/model.py", seq_len=16, batch=4)
+
+
+def test_a_bundle_steps_each_batch_with_the_plan_of_its_length(tmp_path):
+    """seq_len=(8, 16) compiles a plan per length on one stage split; the pipeline steps an
+    8-token batch and a 16-token batch, each by its plan, on the same weights: plain PyTorch's
+    losses and weights, after SGD steps of the user's."""
+    import copy
+
+    model = _gpt()
+    ref = copy.deepcopy(model)
+    bundle = tpc.compile(model, seq_len=(8, 16), batch=4, stages=2, slices=2, output=str(tmp_path / "plans"))
+    assert bundle.lengths == (8, 16) and isinstance(tpc.load(tmp_path / "plans"), tpc.LoadedBundle)
+    pipe = tpc.pipeline(bundle, model, interpret=True)
+    opt, ref_opt = torch.optim.SGD(pipe.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(2)
+    for length in (8, 16, 8):
+        tokens = torch.randint(0, bundle.plans[0].header.shape.vocab, (4, length + 1), generator=g)
+        loss = pipe.step(tokens)  # (rows, seq + 1): each position predicts the next
+        opt.step()
+        opt.zero_grad()
+        out = ref(tokens[:, :-1])
+        want = torch.nn.functional.cross_entropy(out.reshape(-1, out.size(-1)), tokens[:, 1:].reshape(-1))
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert abs(float(loss) - float(want)) <= 1e-5 * float(want), (length, float(loss), float(want))
+    for n, p in ref.named_parameters():
+        assert torch.allclose(pipe.state_dict()[n], p.detach(), rtol=0, atol=1e-5), n
+    with pytest.raises(TpirError, match=r"a batch of shape \(4, 12\), but the plan trains batches of 4 rows of 8, 16"):
+        pipe.step(torch.zeros(4, 13, dtype=torch.long))
+    with pytest.raises(TpirError, match=r"a plan bundle is written into a folder"):
+        tpc.compile(model, seq_len=(8, 16), batch=4)
