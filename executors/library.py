@@ -54,6 +54,8 @@ def compile(model: "torch.nn.Module | str | os.PathLike", *, seq_len: "int | tup
         raise TpirError(Diagnostic("compile(model, factory=...): a factory names a callable of a model file",
                                    hint="pass the model file's path with factory=, or the model object alone"))
     lengths = tuple(seq_len) if isinstance(seq_len, (tuple, list)) else (seq_len,)
+    if "schedule_file" in options:
+        return _compile_schedule_file(model, lengths, batch, output, quiet, options)
     if len(lengths) > 1 or constant_tokens:
         return _compile_bundle(model, lengths, batch, output, quiet, constant_tokens, options)
     try:
@@ -71,6 +73,37 @@ def compile(model: "torch.nn.Module | str | os.PathLike", *, seq_len: "int | tup
                                        hint="pass a torch.nn.Module, or the path of a model file"))
         opts = dataclasses.replace(opts, factory=MODEL_OBJECT)
         return compile_plan(model_source(model), opts, output=output, model=model)
+
+
+def _compile_schedule_file(model, lengths, batch, output, quiet, options) -> Plan:
+    """`tpc compile --schedule-file CSV`: the plan of a torch.distributed.pipelining schedule
+    CSV (docs/torch-pipelining.md); the other options it takes are `microbatches`, `slices`,
+    `dp` and `stages`."""
+    from tpc.compiler.optimise.slicing import AUTO
+    from tpc.compiler.options import parse_slices
+    from tpc.compiler.pipeline import write_plan
+    from tpc.compiler.torch_schedule.compile import compile_schedule_file
+
+    options = dict(options)
+    csv = os.fspath(options.pop("schedule_file"))
+    known = {"microbatches", "slices", "dp", "stages"}
+    if set(options) - known or len(lengths) != 1:
+        extra = sorted(set(options) - known) or ["several lengths"]
+        raise TpirError(Diagnostic(f"compile(schedule_file=...): {', '.join(extra)} with a schedule file",
+                                   hint=f"a schedule file takes seq_len (one), batch, {', '.join(sorted(known))}"))
+    slices = parse_slices(options.pop("slices", 1), lengths[0])
+    if slices == AUTO:
+        raise TpirError(Diagnostic("compile(schedule_file=..., slices='auto'): the schedule file fixes the "
+                                   "units of work", hint="give a slice count or lengths"))
+    with torch.random.fork_rng(devices=[]):
+        obj = not isinstance(model, (str, os.PathLike))
+        plan = compile_schedule_file(model_source(model) if obj else os.fspath(model), csv, seq_len=lengths[0],
+                                     batch=batch, slices=slices, quiet=quiet,
+                                     factory=MODEL_OBJECT if obj else "model", model=model if obj else None,
+                                     **options)
+    if output is not None:
+        write_plan(plan, output, quiet=quiet)
+    return plan
 
 
 def _compile_bundle(model, lengths, batch, output, quiet, constant_tokens, options) -> "LoadedBundle":

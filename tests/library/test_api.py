@@ -231,3 +231,17 @@ def test_a_bundle_steps_each_batch_with_the_plan_of_its_length(tmp_path):
         pipe.step(torch.zeros(4, 13, dtype=torch.long))
     with pytest.raises(TpirError, match=r"a plan bundle is written into a folder"):
         tpc.compile(model, seq_len=(8, 16), batch=4)
+
+
+def test_a_torch_schedule_csv_compiles_from_python(tmp_path):
+    """`schedule_file=` is `tpc compile --schedule-file`: torch's own GPipe, written by
+    torch.distributed.pipelining, as the plan of a model object."""
+    from tests.compiler.torch_schedules import build, dump
+    import torch.distributed.pipelining.schedules as S
+
+    csv = dump(build(S.ScheduleGPipe, 2, 1, 4), tmp_path / "gpipe.csv")
+    plan = tpc.compile(_gpt(), seq_len=16, batch=4, schedule_file=csv, output=str(tmp_path / "p.tpir"))
+    assert plan.header.num_stages == 2 and len(plan.header.microbatches) == 4
+    assert tpc.load(tmp_path / "p.tpir").header.model.factory == "<object>"
+    with pytest.raises(TpirError, match=r"recompute with a schedule file"):
+        tpc.compile(_gpt(), seq_len=16, batch=4, schedule_file=csv, recompute="full")
