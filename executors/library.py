@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
 import torch
 
@@ -50,43 +49,59 @@ def compile(model: "torch.nn.Module | str | os.PathLike", *, seq_len: "int | tup
     from tpc.compiler.compile import compile_plan
     from tpc.compiler.options import check_options
 
-    if "factory" in options and not isinstance(model, (str, os.PathLike)):
-        raise TpirError(Diagnostic("compile(model, factory=...): a factory names a callable of a model file",
-                                   hint="pass the model file's path with factory=, or the model object alone"))
+    path, obj = _given(model, options)
     lengths = tuple(seq_len) if isinstance(seq_len, (tuple, list)) else (seq_len,)
-    if "schedule_file" in options:
-        return _compile_schedule_file(model, lengths, batch, output, quiet, options)
-    if len(lengths) > 1 or constant_tokens:
-        return _compile_bundle(model, lengths, batch, output, quiet, constant_tokens, options)
-    try:
-        opts = check_options(seq_len=seq_len, batch=batch, quiet=quiet, **options)
-    except TypeError as e:
-        raise TpirError(Diagnostic(f"compile(): {e}", hint="the options are `tpc compile`'s, e.g. stages=2, "
-                                   "microbatches=4, slices=2, schedule='1f1b' (docs/compile.md)")) from None
     # the user's random streams are left as they were: a script that draws its batches after
     # compiling draws the same ones as without tpc
     with torch.random.fork_rng(devices=[]):
-        if isinstance(model, (str, os.PathLike)):
-            return compile_plan(os.fspath(model), opts, output=output)
-        if not isinstance(model, torch.nn.Module):
-            raise TpirError(Diagnostic(f"compile(): the model is a {type(model).__name__}",
-                                       hint="pass a torch.nn.Module, or the path of a model file"))
-        opts = dataclasses.replace(opts, factory=MODEL_OBJECT)
-        return compile_plan(model_source(model), opts, output=output, model=model)
+        if "schedule_file" in options:
+            plan = _compile_schedule_file(path, obj, lengths, batch, quiet, options)
+            if output is not None:
+                from tpc.compiler.pipeline import write_plan
+
+                write_plan(plan, output, quiet=quiet)
+            return plan
+        if len(lengths) > 1 or constant_tokens:
+            return _compile_bundle(path, obj, lengths, batch, output, quiet, constant_tokens, options)
+        return compile_plan(path, _options(check_options, seq_len=seq_len, batch=batch, quiet=quiet, **options),
+                            output=output, model=obj)
 
 
-def _compile_schedule_file(model, lengths, batch, output, quiet, options) -> Plan:
+def _given(model, options: dict) -> tuple[str, "torch.nn.Module | None"]:
+    """(the path a plan names, the model object or None) of what `compile` was given; a model
+    object's plan names its class's file and the factory MODEL_OBJECT."""
+    if isinstance(model, (str, os.PathLike)):
+        return os.fspath(model), None
+    if not isinstance(model, torch.nn.Module):
+        raise TpirError(Diagnostic(f"compile(): the model is a {type(model).__name__}",
+                                   hint="pass a torch.nn.Module, or the path of a model file"))
+    if "factory" in options:
+        raise TpirError(Diagnostic("compile(model, factory=...): a factory names a callable of a model file",
+                                   hint="pass the model file's path with factory=, or the model object alone"))
+    options["factory"] = MODEL_OBJECT
+    return model_source(model), model
+
+
+def _options(check, **given):
+    """`check(**given)`, an unknown keyword said as a located error."""
+    try:
+        return check(**given)
+    except TypeError as e:
+        raise TpirError(Diagnostic(f"compile(): {e}", hint="the options are `tpc compile`'s, e.g. stages=2, "
+                                   "microbatches=4, slices=2, schedule='1f1b' (docs/compile.md)")) from None
+
+
+def _compile_schedule_file(path: str, obj, lengths, batch, quiet, options) -> Plan:
     """`tpc compile --schedule-file CSV`: the plan of a torch.distributed.pipelining schedule
     CSV (docs/torch-pipelining.md); the other options it takes are `microbatches`, `slices`,
-    `dp` and `stages`."""
+    `dp`, `stages` and `factory`."""
     from tpc.compiler.optimise.slicing import AUTO
     from tpc.compiler.options import parse_slices
-    from tpc.compiler.pipeline import write_plan
     from tpc.compiler.torch_schedule.compile import compile_schedule_file
 
     options = dict(options)
     csv = os.fspath(options.pop("schedule_file"))
-    known = {"microbatches", "slices", "dp", "stages"}
+    known = {"microbatches", "slices", "dp", "stages", "factory"}
     if set(options) - known or len(lengths) != 1:
         extra = sorted(set(options) - known) or ["several lengths"]
         raise TpirError(Diagnostic(f"compile(schedule_file=...): {', '.join(extra)} with a schedule file",
@@ -95,18 +110,11 @@ def _compile_schedule_file(model, lengths, batch, output, quiet, options) -> Pla
     if slices == AUTO:
         raise TpirError(Diagnostic("compile(schedule_file=..., slices='auto'): the schedule file fixes the "
                                    "units of work", hint="give a slice count or lengths"))
-    with torch.random.fork_rng(devices=[]):
-        obj = not isinstance(model, (str, os.PathLike))
-        plan = compile_schedule_file(model_source(model) if obj else os.fspath(model), csv, seq_len=lengths[0],
-                                     batch=batch, slices=slices, quiet=quiet,
-                                     factory=MODEL_OBJECT if obj else "model", model=model if obj else None,
-                                     **options)
-    if output is not None:
-        write_plan(plan, output, quiet=quiet)
-    return plan
+    return compile_schedule_file(path, csv, seq_len=lengths[0], batch=batch, slices=slices, quiet=quiet,
+                                 model=obj, **options)
 
 
-def _compile_bundle(model, lengths, batch, output, quiet, constant_tokens, options) -> "LoadedBundle":
+def _compile_bundle(path: str, obj, lengths, batch, output, quiet, constant_tokens, options) -> "LoadedBundle":
     from tpc.compiler.bundle import check_lengths, compile_bundle
     from tpc.compiler.options import check_options
 
@@ -115,13 +123,8 @@ def _compile_bundle(model, lengths, batch, output, quiet, constant_tokens, optio
                                    hint="pass output='plans' (the folder is created)"))
     lengths = tuple(sorted(lengths))
     check_lengths(lengths, options.get("slices"))
-    opts = check_options(seq_len=lengths[-1], batch=batch, quiet=quiet, **options)
-    with torch.random.fork_rng(devices=[]):
-        if isinstance(model, (str, os.PathLike)):
-            return compile_bundle(os.fspath(model), output, opts, lengths, constant_tokens=constant_tokens)
-        opts = dataclasses.replace(opts, factory=MODEL_OBJECT)
-        return compile_bundle(model_source(model), output, opts, lengths, constant_tokens=constant_tokens,
-                              model=model)
+    opts = _options(check_options, seq_len=lengths[-1], batch=batch, quiet=quiet, **options)
+    return compile_bundle(path, output, opts, lengths, constant_tokens=constant_tokens, model=obj)
 
 
 def load(path: "str | os.PathLike") -> "Plan | LoadedBundle":
