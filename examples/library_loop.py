@@ -23,12 +23,13 @@ from gpt import model as gpt  # noqa: E402 - the example model beside this file
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--steps", type=int, default=20)
 parser.add_argument("--interpret", action="store_true", help="run every rank in this process")
+parser.add_argument("--device", default="cpu", help="cpu | cuda (each rank on cuda:LOCAL_RANK) | auto")
 args = parser.parse_args()
 
 torch.manual_seed(0)  # every rank builds the same weights
 model = gpt(n_layer=4, n_embd=64, n_head=4, block_size=64)
 plan = tpc.compile(model, seq_len=64, batch=8, stages=2, microbatches=4, slices=2, schedule="1f1b")
-pipe = tpc.pipeline(plan, model, interpret=args.interpret, device="cpu")
+pipe = tpc.pipeline(plan, model, interpret=args.interpret, device=args.device)
 
 optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3, weight_decay=0.1)
 schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=args.steps)
