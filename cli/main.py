@@ -292,6 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "evaluation, each of the plan's batch x seq, the same K every time (default: 4)")
     r.add_argument("--save-best", action="store_true", help="also keep the checkpoint of the lowest "
                    "validation loss, as DIR/best beside DIR/latest (needs --checkpoint-dir, --eval-data)")
+    r.add_argument("--random-ltd", metavar="UNITS", help="random layerwise token dropping (DeepSpeed's "
+                   "random-LTD): units A:B (or a comma list, middle units only) run each slice on a random "
+                   "sorted subset of its tokens, drawn per step, data replica, micro-batch, unit and slice from a "
+                   "seeded generator; the others skip them (docs/random-ltd.md)")
+    r.add_argument("--random-ltd-schedule", metavar="S", help="the kept tokens per sequence: "
+                   "MIN,MAX,REQUIRE_STEPS[,SEQ_PER_STEP] (DeepSpeed's fixed_linear: from min_value to max_value "
+                   "over require_steps, a multiple of seq_per_step), or DeepSpeed's random_ltd_schedule JSON")
     r.add_argument("--allow-nonfinite-loss", action="store_true", help="train on when a step's loss "
                    "is nan or inf (by default the run stops there, before anything of that step is saved)")
     r.add_argument("--compile", action="store_true", help="run every stage through its programs (its "

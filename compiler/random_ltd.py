@@ -107,9 +107,38 @@ class RandomLTD:
                 for u, per in self.micro_batch(step, replica, mb, lengths).items()}
 
 
-def parse_units(text: str, num_units: int) -> tuple[int, ...]:
+def from_flags(units: str, schedule: str, seed: int = 1234) -> RandomLTD:
+    """`--random-ltd UNITS --random-ltd-schedule S`: S is MIN,MAX,REQUIRE_STEPS[,SEQ_PER_STEP],
+    or DeepSpeed's `random_ltd_schedule` as JSON text or a .json file holding it (its
+    `min_value`, `max_value`, `schedule_type`, `schedule_config.require_steps` and
+    `.seq_per_step`; a whole `random_ltd` section is read from its `random_ltd_schedule`)."""
+    import json
+    from pathlib import Path
+
+    text = schedule.strip()
+    try:
+        if text.startswith("{") or text.endswith(".json"):
+            conf = json.loads(text if text.startswith("{") else Path(text).read_text())
+            conf = conf.get("random_ltd_schedule", conf)
+            sub = conf.get("schedule_config", {})
+            return RandomLTD(units=parse_units(units), min_value=int(conf["min_value"]),
+                             max_value=int(conf["max_value"]), require_steps=int(sub["require_steps"]),
+                             seq_per_step=int(sub.get("seq_per_step", 1)),
+                             schedule_type=conf.get("schedule_type", "fixed_linear"), seed=seed)
+        numbers = [int(x) for x in text.split(",")]
+        if len(numbers) not in (3, 4):
+            raise ValueError(text)
+    except (ValueError, KeyError, OSError, TypeError) as e:
+        raise TpirError(Diagnostic(f"cannot read the random-LTD schedule {schedule!r} ({type(e).__name__}: {e})",
+                                   where="--random-ltd-schedule",
+                                   hint="MIN,MAX,REQUIRE_STEPS[,SEQ_PER_STEP], e.g. 128,2048,20000,16, or "
+                                        "DeepSpeed's random_ltd_schedule JSON")) from None
+    return RandomLTD(parse_units(units), *numbers[:3], *(numbers[3:] or [1]), seed=seed)
+
+
+def parse_units(text: str, num_units: int | None = None) -> tuple[int, ...]:
     """`--random-ltd` units: "A:B" (units A..B-1), or a comma list; refused outside the middle
-    units 1..num_units-2."""
+    units 1..num_units-2 (with `num_units`; else the stages refuse them when built)."""
     try:
         if ":" in text:
             a, b = text.split(":")
@@ -119,9 +148,10 @@ def parse_units(text: str, num_units: int) -> tuple[int, ...]:
     except ValueError:
         raise TpirError(Diagnostic(f"cannot read the units {text!r}", where="--random-ltd",
                                    hint="write A:B (units A to B-1) or a comma list, e.g. 1:3")) from None
-    bad = [u for u in units if not 0 < u < num_units - 1]
+    bad = [u for u in units if u < 1 or (num_units is not None and u > num_units - 2)]
     if not units or bad:
+        middle = f"1..{num_units - 2}" if num_units is not None else "from 1 on"
         raise TpirError(Diagnostic(
-            f"random-LTD drops tokens in the middle units 1..{num_units - 2} only, not {bad or text!r}",
-            where="--random-ltd", hint=f"e.g. --random-ltd 1:{num_units - 1}"))
+            f"random-LTD drops tokens in the middle units ({middle}) only, not {bad or text!r}",
+            where="--random-ltd", hint="e.g. --random-ltd 1:3 (units 1 and 2)"))
     return units

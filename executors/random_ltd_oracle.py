@@ -5,11 +5,12 @@ Each dropped unit is a numbered block of the model (`transformer.h.1`, `model.la
 label); while the oracle runs, that module's forward gathers the kept tokens of every argument
 that runs over the sequence, runs the block's own forward on them, and scatters its output
 back over its input (a token not kept skips the block). Arguments over the sequence, for a
-sequence of T tokens: a tensor whose axis 1 has T entries (the hidden states, positions, RoPE's
-cos/sin) is gathered on that axis; a 1-D tensor of T entries (cache positions) too; a mask of
-(T, T) in its last two axes is cut to its top-left (k, k) block (DeepSpeed's causal mask of the
-kept tokens). The block computes its causal mask from its input otherwise, among the k kept
-tokens in order.
+batch of B sequences of T tokens, told by their sizes (the tests keep B, T and the widths
+apart): a mask of (T, T) in its last two axes is cut to its top-left (k, k) block (DeepSpeed's
+causal mask of the kept tokens); a tensor of (B or 1, T, ...) (the hidden states, positions,
+RoPE's cos/sin) is gathered on axis 1; one of (T, ...) (a RoPE table, cache positions) on axis
+0. The block computes its causal mask from its input otherwise, among the k kept tokens in
+order.
 
 The kept positions are the same `RandomLTD` draws the stages make (`tpc.compiler.random_ltd`):
 per micro-batch, the union of its slices' subsets. The oracle runs micro-batch by micro-batch
@@ -29,17 +30,17 @@ from tpc.compiler.random_ltd import RandomLTD
 from tpc.executors.oracle import Reference
 
 
-def _gather(a, keep: torch.Tensor, T: int):
+def _gather(a, keep: torch.Tensor, T: int, B: int):
     if isinstance(a, (tuple, list)):
-        return type(a)(_gather(x, keep, T) for x in a)
+        return type(a)(_gather(x, keep, T, B) for x in a)
     if not isinstance(a, torch.Tensor):
         return a
     k = keep.numel()
     if a.dim() >= 2 and a.size(-1) == T and a.size(-2) == T:
         return a[..., :k, :k]  # a (T, T) mask: the kept tokens' top-left block
-    if a.dim() >= 2 and a.size(1) == T:
+    if a.dim() >= 2 and a.size(1) == T and a.size(0) in (1, B):  # (batch or 1, T, ...)
         return a.index_select(1, keep.to(a.device))
-    if a.dim() == 1 and a.size(0) == T:
+    if a.dim() >= 1 and a.size(0) == T:  # (T, ...): positions, a RoPE table
         return a.index_select(0, keep.to(a.device))
     return a
 
@@ -56,8 +57,9 @@ def dropping(model: nn.Module, blocks: dict[str, torch.Tensor]):
 
             def forward(*args, _own=own, _keep=keep, **kwargs):
                 hidden = args[0] if args else next(iter(kwargs.values()))
-                T = hidden.size(1)
-                out = _own(*_gather(tuple(args), _keep, T), **{n: _gather(v, _keep, T) for n, v in kwargs.items()})
+                B, T = hidden.size(0), hidden.size(1)
+                out = _own(*_gather(tuple(args), _keep, T, B),
+                           **{n: _gather(v, _keep, T, B) for n, v in kwargs.items()})
                 first = out[0] if isinstance(out, (tuple, list)) else out
                 merged = hidden.index_copy(1, _keep.to(hidden.device), first)
                 return (merged, *out[1:]) if isinstance(out, (tuple, list)) else merged

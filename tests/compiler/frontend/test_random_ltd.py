@@ -17,7 +17,7 @@ from tests.compiler.frontend.hf_models import hf_model
 from tests.executors.real import model_file
 from tpc.compiler.frontend import SlicedModel, load_model
 from tpc.compiler.frontend.model_file import read_vocab
-from tpc.compiler.random_ltd import RandomLTD, parse_units
+from tpc.compiler.random_ltd import RandomLTD, from_flags, parse_units
 from tpc.executors.oracle import gradient_error, reference
 from tpc.executors.random_ltd_oracle import ltd_reference
 from tpc.ir.diagnostics import TpirError
@@ -123,7 +123,7 @@ def test_the_kept_count_follows_deepspeeds_fixed_linear_schedule():
 def test_refusals_are_located():
     with pytest.raises(TpirError) as e:
         parse_units("0:2", 4)
-    assert "middle units 1..2" in e.value.render()
+    assert "middle units (1..2)" in e.value.render()
     with pytest.raises(TpirError) as e:
         RandomLTD(units=(1,), min_value=9, max_value=4, require_steps=1)
     assert "above max_value" in e.value.render()
@@ -131,3 +131,18 @@ def test_refusals_are_located():
         RandomLTD(units=(1,), min_value=1, max_value=4, require_steps=1, schedule_type="fixed_root")
     assert "fixed_linear" in e.value.render()
     assert parse_units("1:3", 4) == (1, 2) and parse_units("2,1", 4) == (1, 2)
+    with pytest.raises(TpirError) as e:
+        from_flags("1:3", "5,13")
+    assert "MIN,MAX,REQUIRE_STEPS" in e.value.render()
+    deepspeed = ('{"random_ltd_schedule": {"min_value": 128, "max_value": 2048, "schedule_type": "fixed_linear", '
+                 '"schedule_config": {"require_steps": 200000, "seq_per_step": 16}}}')
+    assert from_flags("1:3", deepspeed) == RandomLTD((1, 2), 128, 2048, 200000, 16)
+    assert from_flags("1:3", "128,2048,200000,16") == RandomLTD((1, 2), 128, 2048, 200000, 16)
+
+
+def test_dropping_the_first_unit_is_refused_when_building_the_stage():
+    model, vocab = nanogpt()
+    sliced = SlicedModel.from_model(model, seq_len=SEQ, vocab=vocab)
+    with pytest.raises(TpirError) as e:
+        sliced.stage_module(0, sliced.num_units, dropped=(0,))
+    assert "is the first" in e.value.render()
