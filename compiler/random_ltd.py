@@ -111,7 +111,7 @@ def from_flags(units: str, schedule: str, seed: int = 1234) -> RandomLTD:
     """`--random-ltd UNITS --random-ltd-schedule S`: S is MIN,MAX,REQUIRE_STEPS[,SEQ_PER_STEP],
     or DeepSpeed's `random_ltd_schedule` as JSON text or a .json file holding it (its
     `min_value`, `max_value`, `schedule_type`, `schedule_config.require_steps` and
-    `.seq_per_step`; a whole `random_ltd` section is read from its `random_ltd_schedule`)."""
+    `.seq_per_step`), alone or inside a DeepSpeed config."""
     import json
     from pathlib import Path
 
@@ -119,7 +119,7 @@ def from_flags(units: str, schedule: str, seed: int = 1234) -> RandomLTD:
     try:
         if text.startswith("{") or text.endswith(".json"):
             conf = json.loads(text if text.startswith("{") else Path(text).read_text())
-            conf = conf.get("random_ltd_schedule", conf)
+            conf = _schedule_section(conf)
             sub = conf.get("schedule_config", {})
             return RandomLTD(units=parse_units(units), min_value=int(conf["min_value"]),
                              max_value=int(conf["max_value"]), require_steps=int(sub["require_steps"]),
@@ -134,6 +134,18 @@ def from_flags(units: str, schedule: str, seed: int = 1234) -> RandomLTD:
                                    hint="MIN,MAX,REQUIRE_STEPS[,SEQ_PER_STEP], e.g. 128,2048,20000,16, or "
                                         "DeepSpeed's random_ltd_schedule JSON")) from None
     return RandomLTD(parse_units(units), *numbers[:3], *(numbers[3:] or [1]), seed=seed)
+
+
+def _schedule_section(conf: dict) -> dict:
+    """The `random_ltd_schedule` dict inside a DeepSpeed config (at any depth: a whole
+    ds_config.json holds it under data_efficiency.data_routing.random_ltd), or `conf` itself."""
+    stack = [conf]
+    while stack:
+        d = stack.pop()
+        if "random_ltd_schedule" in d:
+            return d["random_ltd_schedule"]
+        stack.extend(v for v in d.values() if isinstance(v, dict))
+    return conf
 
 
 def parse_units(text: str, num_units: int | None = None) -> tuple[int, ...]:

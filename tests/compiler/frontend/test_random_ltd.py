@@ -137,6 +137,8 @@ def test_refusals_are_located():
     deepspeed = ('{"random_ltd_schedule": {"min_value": 128, "max_value": 2048, "schedule_type": "fixed_linear", '
                  '"schedule_config": {"require_steps": 200000, "seq_per_step": 16}}}')
     assert from_flags("1:3", deepspeed) == RandomLTD((1, 2), 128, 2048, 200000, 16)
+    whole = '{"data_efficiency": {"data_routing": {"random_ltd": ' + deepspeed + '}}}'
+    assert from_flags("1:3", whole) == RandomLTD((1, 2), 128, 2048, 200000, 16)
     assert from_flags("1:3", "128,2048,200000,16") == RandomLTD((1, 2), 128, 2048, 200000, 16)
 
 
