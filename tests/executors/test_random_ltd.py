@@ -4,7 +4,8 @@ kept tokens per (step, replica, micro-batch, slice) from the seeded generator
 kept tokens only), and the first step's loss and gradients equal the plain-PyTorch oracle's
 (executors/random_ltd_oracle.py, <= 1e-5): nanoGPT (examples/nanogpt.py), the tiny Llama and a
 Hugging Face Llama from a config (RoPE), unsliced and sliced, data-parallel, with recomputation,
-in the interpreter and under torchrun on gloo (`tpc run --random-ltd ... --verify-grads`)."""
+under chimera and under the sequence-length curriculum, in the interpreter and under torchrun on
+gloo (`tpc run --random-ltd ... --verify-grads`)."""
 
 from __future__ import annotations
 
@@ -103,3 +104,40 @@ def test_torchrun_gloo_verify_grads(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "verify-grads: loss" in done.stdout and ": ok" in done.stdout, done.stdout[-2000:]
+
+
+def test_with_the_sequence_length_curriculum_two_steps_equal_the_oracles(tmp_path):
+    """DeepSpeed's CL + LTD: a bundle of lengths 8 and 16 under `fixed_linear:8:16:2`, so step 0
+    runs 8 tokens and step 1 16, the kept count growing too (capped at the step's length). Each
+    step's loss equals the oracle's on the same truncated batch, the oracle's weights updated by
+    plain SGD in between."""
+    import torch
+
+    from tpc.cli.main import main
+    from tpc.executors.run import CurriculumRun
+    from tpc.executors.training.optimizer import OptimSpec
+    from tpc.executors.training_loop import PlanSet
+
+    path = model_file("nanogpt")
+    bundle = tmp_path / "plans"
+    assert main(["compile", path, "-o", str(bundle), "--seq-len", "8,16", "--batch", "4", "--stages", "2",
+                 "--microbatches", "2", "--slices", "2", "-q"]) == 0
+    model, sliced, _ = traced(path, SEQ)
+    ltd = RandomLTD(units=(1, 2), min_value=6, max_value=12, require_steps=1, seq_per_step=2)
+    lr = 0.5
+    options = RunOptions(steps=2, optim=OptimSpec("sgd", lr, 0.0), lr_schedule="constant", random_ltd=ltd)
+    run = CurriculumRun(str(bundle), options, "fixed_linear:8:16:2", "seqlen_truncate")
+    batches = run.batches(options)
+    result = interpret(PlanSet(run.plans, run.length_of, curriculum=True), options, model=copy.deepcopy(model),
+                       batches=batches)
+    oracle = copy.deepcopy(model)
+    for step in range(2):
+        h = run.plans[run.length_of(step)].header
+        tokens = batches.get(step)
+        assert tokens.shape[1] == h.shape.seq + 1 and h.shape.seq == (8 if step == 0 else 16)
+        rows = [(h.microbatch_rows(m)[0], mb.size, 0, mb.lengths) for m, mb in enumerate(h.microbatches)]
+        want = ltd_reference(oracle, tokens, ltd, sliced.unit_labels, step, rows)
+        assert abs(result.losses[step] - want.loss) <= TOL * abs(want.loss), (step, result.losses, want.loss)
+        with torch.no_grad():
+            for n, p in oracle.named_parameters():
+                p -= lr * want.grads[n]
