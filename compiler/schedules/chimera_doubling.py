@@ -19,8 +19,9 @@ doubled. Its constraints are chimera's.
 Unit costs (F = 1, B = 2 per micro-batch and stage): in the picture of the paper's figure a
 slot lasts B and holds one backward or one doubled forward, a rank has N/2 + N work slots and
 Chimera's D - 2 empty ones, so a step of N = 2kD micro-batches lasts 2(3N/2 + D - 2) =
-3N + 2D - 4, a bubble of (D-2)/(3N/2+D-2) (tests/compiler/test_schedules_chimera_doubling.py,
-bench/chimera_doubling.py).
+3N + 2D - 4, a bubble of (D-2)/(3N/2+D-2). Under buffered sends the order meets it from
+N = 4D on and beats it at N = 2D; with N = D or an odd multiple of D plain chimera can be
+faster (tests/compiler/test_schedules_chimera_doubling.py, bench/chimera_doubling.py).
 """
 
 from __future__ import annotations
