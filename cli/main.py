@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(seqlen_truncate)")
     c.add_argument("--batch", type=int, required=True, help="global batch size (sequences per step)")
     c.add_argument("--slices", default=D["slices"], help=f"token slices per micro-batch: N (equal), l1,l2,... (lengths summing to L), or 'auto' (the optimiser chooses) (default: {D['slices']})")
-    c.add_argument("--schedule", default=None, help=f"gpipe | 1f1b | terapipe | seq1f1b | interleaved | looped-bfs | zb-h1 | zb-h2 | seq-zb | seq-interleaved | zbv | dualpipev | chimera (two pipelines over weight replicas) | 1f1b-pre-recompute | 1f1b-last-no-recompute | 1f1b-critical-path (Merak's critical-path 1F1B: they place their own recomputation) | auto (with --recompute full it compares Merak's too; default: {D['schedule']}; docs/schedules.md)")
+    c.add_argument("--schedule", default=None, help=f"gpipe | 1f1b | terapipe | seq1f1b | interleaved | looped-bfs | zb-h1 | zb-h2 | seq-zb | seq-interleaved | zbv | dualpipev | chimera (two pipelines over weight replicas) | chimera-doubling (chimera, two micro-batches' forwards together) | 1f1b-pre-recompute | 1f1b-last-no-recompute | 1f1b-critical-path (Merak's critical-path 1F1B: they place their own recomputation) | auto (with --recompute full it compares Merak's too; default: {D['schedule']}; docs/schedules.md)")
     c.add_argument("--virtual-stages", type=int, default=D["virtual_stages"], metavar="V", help=f"stages per pipeline rank: --stages K ranks hold K x V stages, stage s on rank s mod K (interleaved, looped-bfs, ...; default: {D['virtual_stages']}). Also: --stages K --ranks R with R / dp dividing K")
     c.add_argument("--recompute", default=D["recompute"], choices=("none", "full", "auto"), help=f"activation recomputation: none; full (every forward keeps only its input, a `recompute` rebuilds it before the backward); auto (per stage, the fewest stages that make every rank fit --memory-per-rank; needs a cost model) (default: {D['recompute']})")
     c.add_argument("--schedule-file", default=None, help="a torch.distributed.pipelining schedule CSV (_dump_csv) giving the compute order, stages, their ranks and the micro-batches (docs/torch-pipelining.md)")
@@ -292,6 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "evaluation, each of the plan's batch x seq, the same K every time (default: 4)")
     r.add_argument("--save-best", action="store_true", help="also keep the checkpoint of the lowest "
                    "validation loss, as DIR/best beside DIR/latest (needs --checkpoint-dir, --eval-data)")
+    r.add_argument("--random-ltd", metavar="UNITS", help="random layerwise token dropping (DeepSpeed's "
+                   "random-LTD): units A:B (or a comma list, middle units only) run each slice on a random "
+                   "sorted subset of its tokens, drawn per step, data replica, micro-batch, unit and slice from a "
+                   "seeded generator; the others skip them (docs/training.md)")
+    r.add_argument("--random-ltd-schedule", metavar="S", help="the kept tokens per sequence: "
+                   "MIN,MAX,REQUIRE_STEPS[,SEQ_PER_STEP] (DeepSpeed's fixed_linear: from min_value to max_value "
+                   "over require_steps, a multiple of seq_per_step), or DeepSpeed's random_ltd_schedule JSON")
     r.add_argument("--allow-nonfinite-loss", action="store_true", help="train on when a step's loss "
                    "is nan or inf (by default the run stops there, before anything of that step is saved)")
     r.add_argument("--compile", action="store_true", help="run every stage through its programs (its "

@@ -24,7 +24,24 @@ def options_from_args(args) -> RunOptions:
         checkpoint_dir=args.checkpoint_dir, resume=args.resume, init_from=args.init_from,
         verify_grads=args.verify_grads, quiet=args.quiet, compile=args.compile, comm=args.comm,
         eval_data=args.eval_data, save_best=args.save_best, allow_nonfinite_loss=args.allow_nonfinite_loss,
-        shard_optimizer=args.shard_optimizer)
+        shard_optimizer=args.shard_optimizer, random_ltd=_random_ltd(args))
+
+
+def _random_ltd(args):
+    """`--random-ltd UNITS` with its `--random-ltd-schedule`, or None."""
+    from tpc.ir.diagnostics import Diagnostic, TpirError
+
+    units, schedule = getattr(args, "random_ltd", None), getattr(args, "random_ltd_schedule", None)
+    if units is None and schedule is None:
+        return None
+    if units is None or schedule is None:
+        given, missing = ("--random-ltd", "--random-ltd-schedule") if schedule is None else \
+            ("--random-ltd-schedule", "--random-ltd")
+        raise TpirError(Diagnostic(f"{given} needs {missing}", where=given,
+                                   hint="e.g. --random-ltd 1:7 --random-ltd-schedule 128,2048,20000,16"))
+    from tpc.compiler.random_ltd import from_flags
+
+    return from_flags(units, schedule, seed=1234 + (args.seed or 0))
 
 
 def _given(**flags) -> dict:

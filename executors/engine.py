@@ -166,20 +166,27 @@ StageFactory = Callable[[Stage, float], BuiltStage]
 
 
 def stage_factory_from_model(sliced, model_copy: torch.nn.Module, evaluation: bool = False,
-                             programs: Callable[[Stage], "ProgramOptions | None"] | None = None) -> StageFactory:
+                             programs: Callable[[Stage], "ProgramOptions | None"] | None = None,
+                             dropped: tuple[int, ...] = ()) -> StageFactory:
     """Stages cut from the front end's `SlicedModel`, sharing parameters with `model_copy` (so
     that two stages of one rank share a tied parameter, and the copy's state_dict is current).
     `evaluation`: the stages of the evaluation program, as `model.eval()` runs them (dropout
     off), sharing the same parameters with the training stages. `programs(stage)`: how the
-    stage runs its programs (`programs_for`), None for eager autograd."""
+    stage runs its programs (`programs_for`), None for eager autograd. `dropped`: the units that
+    run on their kept tokens only (random-LTD, `RunOptions.random_ltd`)."""
 
     def build(stage: Stage, loss_scale: float) -> BuiltStage:
         from tpc.compiler.programs.stage_programs import StagePrograms
         from tpc.executors.stage_runtime import StageRuntime
 
         lo, hi = stage.units
-        module = sliced.stage_module(lo, hi, params_from=model_copy, evaluation=evaluation)
+        module = sliced.stage_module(lo, hi, params_from=model_copy, evaluation=evaluation, dropped=dropped)
         how = programs(stage) if programs is not None else None
+        if how is not None and module.dropped:
+            raise TpirError(Diagnostic(
+                f"stage {stage.index} runs its programs (the plan splits its backward, or --compile), "
+                "and random-LTD runs the stages under eager autograd", where="--random-ltd",
+                hint="use a schedule without a split backward (not zb-h1, zb-h2, seq-zb, zbv, dualpipev)"))
         runtime = StageRuntime(module, loss_scale, None if how is None else StagePrograms(module, how))
         return BuiltStage(runtime, list(module.named_parameters()))
 
@@ -463,9 +470,13 @@ class RankEngine:
                                            hint=f"put `load mb {m}` before the first forward of it"))
             targets = self.targets[m][:, lo:hi]
         capacity = self.header.microbatches[m].slices[-1][1]
+        keep = self._kept(stage, m, i)
         with self.compute_context():
             if self.forward_only:
                 out = stage.runtime.evaluate(m, i, x, lo, targets=targets, capacity=capacity)
+            elif keep is not None:
+                out = stage.runtime.forward(m, i, x, lo, targets=targets, checkpoint=instr.checkpoint,
+                                            capacity=capacity, keep=keep)
             else:
                 out = stage.runtime.forward(m, i, x, lo, targets=targets, checkpoint=instr.checkpoint,
                                             capacity=capacity)
@@ -473,6 +484,18 @@ class RankEngine:
             self.step_loss = self.step_loss + out.detach().double()  # on the device: no sync per slice
         else:
             self._put(output_message(Payload.ACT, s, m, i), out)
+
+    def _kept(self, stage: BuiltStage, m: int, i: int) -> list | None:
+        """Random-LTD: per dropped unit of the stage, the kept positions of slice i of
+        micro-batch m this step (the seeded draw every rank and the oracle make alike,
+        tpc.compiler.random_ltd); None when the stage drops nothing."""
+        ltd = self.options.random_ltd
+        dropped = getattr(getattr(stage.runtime, "module", None), "dropped", ())
+        if ltd is None or not dropped:
+            return None
+        lengths = self.header.microbatches[m].lengths
+        count = ltd.slice_counts(ltd.kept(self.step), lengths)[i]
+        return [ltd.keep(self.step, self.data_rank, m, u, i, lengths[i], count).to(self.device) for u in dropped]
 
     def _recompute(self, instr: Instr) -> None:
         s, m, i = instr.key

@@ -86,6 +86,9 @@ class RunOptions:
     eval_every: int = 0
     eval_batches: int = 4
     save_best: bool = False
+    # random layerwise token dropping (tpc.compiler.random_ltd.RandomLTD): its units run on a
+    # random subset of each slice's tokens, the kept count following its schedule; None: off
+    random_ltd: object = None
 
     def __post_init__(self):
         # (the optimizer's numbers are checked by OptimSpec)
@@ -122,6 +125,9 @@ class RunOptions:
             raise _refuse("--init-from", f"--init-from {self.init_from}: no such file or directory",
                           "give a state_dict .pt, a .safetensors file, a Hugging Face model directory "
                           "(config.json + safetensors) or a checkpoint directory")
+        if self.random_ltd is not None and self.compile:
+            raise _refuse("--random-ltd", "random-LTD runs the stages under eager autograd; --compile "
+                          "runs their compiled programs", "drop --compile, or --random-ltd")
         if self.lr_schedule not in LR_SCHEDULES:
             raise _refuse("--lr-schedule", f"unknown learning-rate schedule {self.lr_schedule!r}",
                           f"use one of: {', '.join(LR_SCHEDULES)}")

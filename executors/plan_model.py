@@ -122,6 +122,10 @@ class StageSource:
                 raise TpirError(Diagnostic("a tensor axis needs the model's front end (`sliced`)",
                                            hint="run with the plan's model, not a stand-in stage factory"))
             return self.factory_for(model_copy)
+        ltd = getattr(options, "random_ltd", None)
+        if tensor is not None and ltd is not None:
+            raise TpirError(Diagnostic("random-LTD does not run on a mesh with a tensor axis",
+                                       where="--random-ltd", hint="compile the plan without --tensor"))
         if tensor is not None:
             from tpc.executors.tensor_ranks import tensor_stage_factory
 
@@ -130,7 +134,8 @@ class StageSource:
         from tpc.executors.options import RunOptions
 
         return stage_factory_from_model(self.sliced[plan.header.shape.seq], model_copy, evaluation=evaluation,
-                                        programs=programs_for(plan, options or RunOptions()))
+                                        programs=programs_for(plan, options or RunOptions()),
+                                        dropped=() if evaluation or ltd is None else tuple(ltd.units))
 
     def hidden_size(self, plan: Plan) -> int:
         return self.hidden if self.factory_for is not None else self.sliced[plan.header.shape.seq].hidden_size

@@ -16,6 +16,7 @@ would compute with the original's modules).
 
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +146,7 @@ class GradientCheck:
 
     def __init__(self, plan: Plan, options: RunOptions, model: torch.nn.Module):
         self.tolerance = options.tolerance
+        self.plan, self.options = plan, options
         from tpc.compiler.frontend.weightless import holds_weights
 
         # the one place a distributed run builds the whole model: the seed gives it the weights
@@ -160,8 +162,23 @@ class GradientCheck:
 
     def reference(self, tokens: torch.Tensor):
         if self._ref is None:
-            self._ref = batch_reference(self.model, tokens)
+            ltd = self.options.random_ltd
+            self._ref = batch_reference(self.model, tokens) if ltd is None else self._ltd_reference(ltd, tokens)
         return self._ref
+
+    def _ltd_reference(self, ltd, tokens: torch.Tensor):
+        """Random-LTD's oracle for step 0 (executors/random_ltd_oracle.py): the model's own
+        blocks on the kept tokens every rank drew, micro-batch by micro-batch of every replica."""
+        from tpc.compiler.frontend.plan_trace import sliced_for_header
+        from tpc.executors.random_ltd_oracle import ltd_reference
+        from tpc.executors.training.batches import replica_rows
+
+        h = self.plan.header
+        labels = sliced_for_header(copy.deepcopy(self.model), h).unit_labels
+        rows = [(replica_rows(h, r)[0] + h.microbatch_rows(m)[0], mb.size, r, mb.lengths)
+                for r in range(h.mesh.data) for m, mb in enumerate(h.microbatches)]
+        ref = ltd_reference(self.model, tokens, ltd, labels, 0, rows)
+        return ref
 
     def compare_part(self, grads: dict[str, torch.Tensor], tokens: torch.Tensor, shards=None, tensor_rank: int = 0):
         """(worst error, its parameter, names compared) over the parameters in `grads` (one

@@ -53,6 +53,12 @@ class _Slice:
     start: int  # tokens of this micro-batch before this slice (its prefix length)
     length: int  # tokens of this slice
     prefix: list = field(default_factory=list)  # the leaves this slice read its prefix through
+    # random layerwise token dropping: per dropped unit of the stage, the slice's kept positions
+    # (None: every token); a dropped unit's cache holds its kept tokens only, so each cached
+    # tensor has its own count of earlier tokens (`starts`) and of this slice's (`lengths`)
+    keep: list | None = None
+    starts: list = field(default_factory=list)
+    lengths: list = field(default_factory=list)
     window_copies: list | None = None  # checkpointed: copies of its windowed prefixes, to recompute from
     # the graph-connected output (None while checkpointed): on the last stage the loss; on
     # any other its gradient edge only (`_output`), so that the activation itself is freed
@@ -83,10 +89,12 @@ class _Acc:
 class _Cache:
     """One micro-batch's keys/values on this stage, and the gradients sent into them."""
 
-    kv: list  # per cached tensor: a buffer holding the tokens [base[t], length)
-    length: int = 0
+    kv: list  # per cached tensor: a buffer holding the tokens [base[t], filled[t])
+    length: int = 0  # the micro-batch's tokens so far (the slices' lengths)
     grad: list | None = None  # per cached tensor an _Acc (None: nothing received yet)
     base: list = field(default_factory=list)  # per cached tensor: the token at buffer index 0
+    # per cached tensor: its tokens so far (`length`, but a dropped unit's holds its kept ones)
+    filled: list = field(default_factory=list)
 
 
 def storage_key(t: torch.Tensor) -> tuple:
@@ -126,9 +134,10 @@ class StageRuntime:
     # ------------------------------------------------------------------ forward
 
     def forward(self, mb: int, sl: int, x: torch.Tensor, offset: int, targets=None, checkpoint: bool = False,
-                capacity: int | None = None):
+                capacity: int | None = None, keep: list | None = None):
         """Forward one slice; returns the detached activation to send (or the scaled loss).
-        `capacity`: the micro-batch's token count, if known (sizes its KV buffers once)."""
+        `capacity`: the micro-batch's token count, if known (sizes its KV buffers once); `keep`:
+        per dropped unit of the stage, the slice's kept positions (random-LTD)."""
         if (mb, sl) in self._slices:
             raise RuntimeError(f"forward of micro-batch {mb} slice {sl} already ran on stage "
                                f"{self.module.lo}:{self.module.hi}")
@@ -145,13 +154,19 @@ class StageRuntime:
         cache = self._caches.get(mb)
         start = cache.length if cache is not None else 0
         # the slice's tokens (a sequence-parallel stage's input activation holds 1/T of them)
-        rec = _Slice(mb, x, int(offset), targets, start, x.size(1) * getattr(self.module, "token_parts", 1))
+        rec = _Slice(mb, x, int(offset), targets, start, x.size(1) * getattr(self.module, "token_parts", 1),
+                     keep=keep)
+        if keep is not None and self.programs is not None:
+            raise RuntimeError(f"stage {self.module.lo}:{self.module.hi} runs its programs (a split backward "
+                               "or --compile): random-LTD runs under eager autograd only")
+        rec.starts = list(cache.filled) if cache is not None else [0] * self.module.num_kv
         if self.programs is not None:
             y, kv = self._run_programs(rec, keep=not checkpoint, checkpoint=checkpoint)
         else:
             with torch.set_grad_enabled(not checkpoint):
                 y, kv = self._run(rec, checkpoint)
-        self._append(mb, kv, capacity)
+        self._append(mb, kv, capacity, rec.length)
+        rec.lengths = [k.size(d) for k, d in zip(kv, self.module.kv_dims)]
         if not checkpoint and self.programs is None:
             rec.y, rec.kv_out = self._output(y), kv
         self._slices[(mb, sl)] = rec
@@ -173,12 +188,12 @@ class StageRuntime:
             if start == 0:
                 prefix = self._empty_kv(x.size(0), x.device)
             else:
-                prefix = [self._prefix_view(cache, t, start) for t in range(len(cache.kv))]
+                prefix = [self._prefix_view(cache, t, cache.filled[t]) for t in range(len(cache.kv))]
             if self.programs is not None:
                 y, kv = self._forward_program(x, int(offset), prefix, targets)
             else:
                 y, kv = self.module(x, int(offset), prefix, targets)
-            self._append(mb, kv, capacity)
+            self._append(mb, kv, capacity, x.size(1) * getattr(self.module, "token_parts", 1))
         self._evaluated[mb] = sl + 1
         return self._scaled(y)
 
@@ -210,9 +225,9 @@ class StageRuntime:
             return self._empty_kv(rec.x.size(0), rec.x.device)
         cache = self._caches[rec.mb]
         if rec.window_copies is not None:  # a recompute: the windowed prefixes may have been overwritten
-            return [copy if copy is not None else self._prefix_view(cache, t, rec.start)
+            return [copy if copy is not None else self._prefix_view(cache, t, rec.starts[t])
                     for t, copy in enumerate(rec.window_copies)]
-        prefix = [self._prefix_view(cache, t, rec.start) for t in range(len(cache.kv))]
+        prefix = [self._prefix_view(cache, t, rec.starts[t]) for t in range(len(cache.kv))]
         if checkpoint and any(w is not None for w in self.module.kv_windows):
             rec.window_copies = [p.detach().clone() if w is not None else None
                                  for p, w in zip(prefix, self.module.kv_windows)]
@@ -225,6 +240,8 @@ class StageRuntime:
             rec.prefix = []
         else:
             rec.prefix = prefix = [_leaf(p) for p in prefix]
+        if rec.keep is not None:
+            return self.module(rec.x, rec.offset, prefix, rec.targets, keep=rec.keep)
         return self.module(rec.x, rec.offset, prefix, rec.targets)
 
     def _forward_program(self, x, offset: int, prefix: list, targets):
@@ -258,15 +275,16 @@ class StageRuntime:
         p = start if w is None else min(start, w - 1)
         return cache.kv[t].narrow(d, start - p - cache.base[t], p)
 
-    def _append(self, mb: int, kv: list, capacity: int | None) -> None:
+    def _append(self, mb: int, kv: list, capacity: int | None, tokens: int) -> None:
         """Write a slice's keys/values after the cached ones: into buffers of the micro-batch's
         whole length when `capacity` is known, else into buffers that grow by doubling; a
-        windowed tensor into a buffer of its last w - 1 tokens plus the slice."""
-        n = kv[0].size(self.module.kv_dims[0]) if kv else 0
+        windowed tensor into a buffer of its last w - 1 tokens plus the slice. `tokens`: the
+        slice's length (a dropped unit's tensors hold fewer: their kept tokens)."""
         cache = self._caches.get(mb)
         if cache is None:
             bufs = []
             for k, d, w in zip(kv, self.module.kv_dims, self.module.kv_windows):
+                n = k.size(d)
                 size = capacity if capacity is not None and capacity > n else n
                 if w is not None:  # a buffer of its own: it is overwritten in place when full
                     size = max(n, min(size, w - 1 + n) if capacity is not None else w - 1 + n)
@@ -276,24 +294,27 @@ class StageRuntime:
                     buf = k.new_empty(k.shape[:d] + (size,) + k.shape[d + 1:])
                     buf.narrow(d, 0, n).copy_(k.detach())
                     bufs.append(buf)
-            self._caches[mb] = _Cache(bufs, n, base=[0] * len(bufs))
+            self._caches[mb] = _Cache(bufs, tokens, base=[0] * len(bufs),
+                                      filled=[k.size(d) for k, d in zip(kv, self.module.kv_dims)])
             return
         for t, (k, d, w) in enumerate(zip(kv, self.module.kv_dims, self.module.kv_windows)):
-            buf, filled = cache.kv[t], cache.length - cache.base[t]
+            n = k.size(d)
+            buf, filled = cache.kv[t], cache.filled[t] - cache.base[t]
             if buf.size(d) < filled + n:
                 if w is None:  # full: a buffer twice as large
                     grown = buf.new_empty(buf.shape[:d] + (max(2 * buf.size(d), filled + n),) + buf.shape[d + 1:])
                     grown.narrow(d, 0, filled).copy_(buf.narrow(d, 0, filled))
                     cache.kv[t] = buf = grown
                 else:  # windowed: keep the last w - 1 tokens, at the front
-                    m = min(cache.length, w - 1)
+                    m = min(cache.filled[t], w - 1)
                     tail = buf.narrow(d, filled - m, m).clone()
                     if buf.size(d) < m + n:
                         cache.kv[t] = buf = buf.new_empty(buf.shape[:d] + (m + n,) + buf.shape[d + 1:])
                     buf.narrow(d, 0, m).copy_(tail)
-                    cache.base[t], filled = cache.length - m, m
+                    cache.base[t], filled = cache.filled[t] - m, m
             buf.narrow(d, filled, n).copy_(k.detach())
-        cache.length += n
+            cache.filled[t] += n
+        cache.length += tokens
 
     def _empty_kv(self, batch: int, device: torch.device) -> list:
         """The zero-length caches of a first slice, made once per batch size: building them
@@ -338,17 +359,18 @@ class StageRuntime:
         got = []
         for t, d in enumerate(self.module.kv_dims):
             acc = cache.grad[t] if cache.grad is not None else None
-            lo = max(rec.start, acc.base) if acc is not None else 0
-            hi = min(rec.start + rec.length, acc.base + acc.g.size(d)) if acc is not None else 0
+            start, length = rec.starts[t], rec.lengths[t]
+            lo = max(start, acc.base) if acc is not None else 0
+            hi = min(start + length, acc.base + acc.g.size(d)) if acc is not None else 0
             if acc is None or lo >= hi:  # no later slice read these tokens
                 got.append(None)
                 continue
             part = acc.g.narrow(d, lo - acc.base, hi - lo)
-            if hi - lo < rec.length:  # a windowed cache: later slices read only its last tokens
+            if hi - lo < length:  # a windowed cache: later slices read only its last tokens
                 shape = list(part.shape)
-                shape[d] = rec.length
+                shape[d] = length
                 g = part.new_zeros(shape)
-                g.narrow(d, lo - rec.start, hi - lo).copy_(part)
+                g.narrow(d, lo - start, hi - lo).copy_(part)
                 part = g
             got.append(part)
         return got
@@ -404,7 +426,7 @@ class StageRuntime:
                     # added in: the graph a split backward keeps for its weight half holds the
                     # leaf, whose gradient is a view of all of the attention's key gradient
                     leaf.grad = None
-                cache.grad[t] = self._accumulate(cache.grad[t], g, shape, dtype, d, rec.start, w is None)
+                cache.grad[t] = self._accumulate(cache.grad[t], g, shape, dtype, d, rec.starts[t], w is None)
         rec.prefix = []
         rec.sent_kv_grads = True
 

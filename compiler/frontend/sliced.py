@@ -246,12 +246,14 @@ class SlicedModel:
         return self._original
 
     def stage_module(self, lo: int, hi: int, params_from: nn.Module | None = None,
-                     with_loss: bool = True, evaluation: bool = False) -> StageModule:
+                     with_loss: bool = True, evaluation: bool = False, dropped=()) -> StageModule:
         """Units [lo, hi) as a `StageModule`; `evaluation`: as `model.eval()` runs them
-        (dropout off, `inference.py`)."""
+        (dropout off, `inference.py`); `dropped`: units (of all the model's) that run on a
+        subset of each slice's tokens (random layerwise token dropping, `random_ltd.py`)."""
         if not (0 <= lo < hi <= self.num_units):
             raise ValueError(f"unit range {lo}:{hi} is not inside 0:{self.num_units}")
-        graph, sites = build_stage_graph(self._ctx, lo, hi, with_loss)
+        drop = tuple(sorted(u for u in set(dropped) if lo <= u < hi))
+        graph, sites = build_stage_graph(self._ctx, lo, hi, with_loss, frozenset(drop))
         if evaluation:
             from tpc.compiler.frontend.inference import without_dropout
 
@@ -279,7 +281,7 @@ class SlicedModel:
                 windows.append(window)
         label = self.unit_labels[lo] if hi - lo == 1 else f"{self.unit_labels[lo]} .. {self.unit_labels[hi - 1]}"
         return StageModule(graph, attrs, lo, hi, self.num_units, kv_dims, shapes, dtypes, label, with_loss,
-                           kv_windows=windows)
+                           kv_windows=windows, dropped=drop)
 
     # ---------------------------------------------------------------- helpers
 

@@ -46,11 +46,18 @@ aten = torch.ops.aten
 _ANY_LAYOUT = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}
 
 
-def build_stage_graph(ctx: PassContext, lo: int, hi: int, with_loss: bool) -> tuple[fx.Graph, list[CacheSite]]:
+def build_stage_graph(ctx: PassContext, lo: int, hi: int, with_loss: bool,
+                      dropped: frozenset[int] = frozenset()) -> tuple[fx.Graph, list[CacheSite]]:
     """Extract units [lo, hi) of the front end's final context (`SlicedModel.context`) into a
-    new graph; returns it and the cache sites of those units, in graph order."""
+    new graph; returns it and the cache sites of those units, in graph order. Each unit of
+    `dropped` runs on the tokens a `keep_U` placeholder names (random layerwise token dropping,
+    `random_ltd.py`)."""
+    from tpc.compiler.frontend.random_ltd import check_droppable, copy_dropped_unit
+
     units = ctx.units[lo:hi]
     sites = [s for s, u in zip(ctx.cache_sites, ctx.site_units) if lo <= u < hi]
+    drop = sorted(u for u in dropped if lo <= u < hi)
+    check_droppable(ctx, drop)
     g = fx.Graph()
     x = g.placeholder("x")
     off = g.placeholder("offset")
@@ -58,8 +65,9 @@ def build_stage_graph(ctx: PassContext, lo: int, hi: int, with_loss: bool) -> tu
     prefixes = [prefix for s in sites for _, prefix, _, _ in s.cached]
     for prefix in prefixes:
         env[prefix] = g.placeholder(prefix.target)
+    keeps = {u: g.placeholder(f"keep_{u}") for u in drop}
     targets = g.placeholder("targets") if (with_loss and hi == len(ctx.units)) else None
-    last_placeholder = targets or (env[prefixes[-1]] if prefixes else off)
+    last_placeholder = targets or (keeps[drop[-1]] if drop else env[prefixes[-1]] if prefixes else off)
     device: list[fx.Node] = []  # x.device, made when a node first needs it
 
     def input_device() -> fx.Node:
@@ -73,8 +81,8 @@ def build_stage_graph(ctx: PassContext, lo: int, hi: int, with_loss: bool) -> tu
     def on_input_device(a):
         return input_device() if isinstance(a, torch.device) else a
 
-    def copy(n: fx.Node) -> fx.Node:
-        new = g.node_copy(n, get)
+    def copy(n: fx.Node, resolve=None) -> fx.Node:
+        new = g.node_copy(n, resolve or get)
         if new.op == "call_function":
             if new.target in _ANY_LAYOUT:
                 new.target = _ANY_LAYOUT[new.target]
@@ -97,7 +105,10 @@ def build_stage_graph(ctx: PassContext, lo: int, hi: int, with_loss: bool) -> tu
         env[n] = new
         return new
 
-    for u in units:
+    for i, u in enumerate(units, start=lo):
+        if i in keeps:
+            copy_dropped_unit(ctx, g, u, keeps[i], env, get, copy)
+            continue
         for n in u.nodes:
             if n.op == "placeholder":
                 continue
@@ -152,8 +163,11 @@ class StageModule(nn.Module):
 
     def __init__(self, graph: fx.Graph, attrs: dict, lo: int, hi: int, num_units: int,
                  kv_dims: list[int], kv_shapes: list, kv_dtypes: list, label: str = "", has_loss: bool = True,
-                 kv_windows: list | None = None):
+                 kv_windows: list | None = None, dropped: tuple[int, ...] = ()):
         super().__init__()
+        # the units that run on a subset of each slice's tokens (random layerwise token
+        # dropping): forward takes the kept tokens of each, `keep`
+        self.dropped = tuple(dropped)
         for name, (kind, value) in sorted(attrs.items()):
             _set_attr(self, name, value, kind)
         self.lo, self.hi, self.num_units = lo, hi, num_units
@@ -174,10 +188,22 @@ class StageModule(nn.Module):
         self._fn = glb["forward"]
         self.code = code.src
 
-    def forward(self, x, offset: int, kv_prefix: list, targets=None):
+    def forward(self, x, offset: int, kv_prefix: list, targets=None, keep: list | None = None):
+        """`keep`: with dropped units, per dropped unit the sorted int64 positions (within the
+        slice) of the tokens it runs on; None runs every token through every unit."""
         if len(kv_prefix) != self.num_kv:
             raise ValueError(f"stage {self.lo}:{self.hi} takes {self.num_kv} cached tensors, got {len(kv_prefix)}")
         args = [x, int(offset), *kv_prefix]
+        if self.dropped:
+            if keep is None:
+                every = torch.arange(x.size(1) * self.token_parts, device=x.device)
+                keep = [every] * len(self.dropped)
+            if len(keep) != len(self.dropped):
+                raise ValueError(f"stage {self.lo}:{self.hi} drops tokens in units {list(self.dropped)}, "
+                                 f"got {len(keep)} sets of kept tokens")
+            args += list(keep)
+        elif keep:
+            raise ValueError(f"stage {self.lo}:{self.hi} drops no tokens, got kept tokens for {len(keep)} units")
         if self.has_loss:
             if targets is None:
                 raise ValueError("the last stage needs targets (B, l) int64 to compute the loss")

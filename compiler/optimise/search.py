@@ -72,9 +72,10 @@ from tpc.ir.semantics import DEFAULT_COMM, CommRules
 # the schedules `--schedule auto` compares, in the order that breaks ties
 # (the zero-bubble ones after the plain ones: a tie keeps the simpler schedule; the looped
 # schedules of several chunks per rank are not among them, the V-shaped ones are, and so is
-# chimera, tied weights or not; a schedule that refuses the shape is left out)
+# chimera (plain and with forward doubling), tied weights or not; a schedule that refuses the
+# shape is left out)
 AUTO_SCHEDULES = ("terapipe", "seq1f1b", "1f1b", "gpipe", "zb-h1", "zb-h2", "seq-zb", "zbv", "dualpipev",
-                  "chimera")
+                  "chimera", "chimera-doubling")
 # Merak's critical-path 1F1B (compiler/schedules/critical_path.py): compared too when every
 # candidate is recomputed (`--recompute full`), since they differ from 1f1b only in where and
 # whether they recompute

@@ -17,6 +17,7 @@ from typing import Callable
 
 from tpc.compiler.schedules import (
     chimera,
+    chimera_doubling,
     gpipe,
     interleaved,
     looped_bfs,
@@ -40,7 +41,7 @@ from tpc.ir.nodes import Header
 MODULES: dict[str, ModuleType] = {
     mod.NAME: mod
     for mod in (gpipe, one_f_one_b, terapipe, seq1f1b, interleaved, looped_bfs, zb_h1, zb_h2,
-                seq_zb, seq_interleaved, zbv, dualpipev, chimera, pre_recompute, last_no_recompute,
+                seq_zb, seq_interleaved, zbv, dualpipev, chimera, chimera_doubling, pre_recompute, last_no_recompute,
                 full_critical_path)
 }
 SCHEDULES: dict[str, Callable[..., Compute]] = {name: mod.build for name, mod in MODULES.items()}

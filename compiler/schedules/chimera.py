@@ -30,8 +30,11 @@ takes 2N + D - 2, a bubble of (D - 2)/(2N + D - 2) against 1F1B's
 (D - 1)/(N + D - 1). With N = kD, the units follow one another (Chimera's "direct
 concatenation"): the next unit's forwards start as soon as a rank has room for them, so under
 F = B the bubbles at the end of one unit are filled and the step stays 2N + D - 2. Under B = 2F
-the unit's bubbles grow and concatenated units leave bubbles in the middle (the paper's remedy,
-forward doubling, is not built); the step stays shorter than 1F1B's up to N = 2D.
+the unit's bubbles grow and concatenated units leave bubbles in the middle; the step stays
+shorter than 1F1B's up to N = 2D. The paper's remedy, forward doubling, is the schedule
+`chimera-doubling` (compiler/schedules/chimera_doubling.py): `build_order(doubling=True)` runs
+the same order-making with the forwards of two micro-batches of one pipeline as one job
+(`forward_groups`) and twice the activation cap.
 
 Token slices. The jobs are slices: forward (s, m, i) needs the forward of (s - 1, m, i) (its
 input) and of (s, m, i - 1) (the key/value cache of the earlier slices); backward (s, m, i) needs
@@ -111,16 +114,96 @@ def check_header(header: Header, schedule: str = NAME) -> None:
 
 
 def build(header: Header) -> Compute:
-    check_header(header)
+    return build_order(header, doubling=False)
+
+
+def build_order(header: Header, *, doubling: bool, schedule: str = NAME) -> Compute:
+    """Chimera's order (module docstring); with `doubling`, forward doubling
+    (compiler/schedules/chimera_doubling.py): the forwards of two micro-batches of one pipeline
+    run together, one after the other, and a rank holds up to 2D micro-batches' activations."""
+    check_header(header, schedule)
+    jobs = _Jobs(header, doubling)
     # the runs under B = F give Chimera's own order (its figures assume F = B); under B = 2F
     # the concatenated units leave bubbles in the middle that another rule or cost may fill
     # better: keep the shortest step under B = 2F, the usual cost of a backward
-    runs = [_run(header, backward=b, rule=rule) for b in (1, 2) for rule in FORWARD_RULES]
-    return min(runs, key=lambda run: _replay(header, run[1], backward=2))[0]
+    runs = [_run(jobs, backward=b, rule=rule) for b in (1, 2) for rule in FORWARD_RULES]
+    return min((order for order, _ in runs), key=lambda order: _replay(header, order, backward=2))
+
+
+def forward_groups(header: Header, doubling: bool) -> tuple[tuple[int, ...], ...]:
+    """The micro-batches whose forwards run together, in entry order: each alone, or with
+    `doubling` pairs of consecutive micro-batches of one pipeline (m and m + 2) cut into the same
+    slices; a micro-batch without such a partner (the last of its pipeline, or one cut
+    otherwise) runs alone."""
+    mbs = header.microbatches
+    if not doubling:
+        return tuple((m,) for m in range(len(mbs)))
+    groups, open_ = [], {}  # open_: replica -> the group still waiting for its partner
+    for m, mb in enumerate(mbs):
+        g = open_.pop(mb.replica, None)
+        if g is not None and mbs[g[0]].lengths == mb.lengths:
+            g.append(m)
+            continue
+        groups.append([m])
+        open_[mb.replica] = groups[-1]
+    return tuple(tuple(g) for g in groups)
+
+
+class _Jobs:
+    """The jobs of one step: forward (0, stage, group, slice) of a group's micro-batches
+    (`forward_groups`), backward (1, stage, micro-batch, slice); what each needs, costs and
+    where it runs."""
+
+    def __init__(self, header: Header, doubling: bool):
+        self.header = header
+        self.D = header.num_stages
+        self.lengths = [m.lengths for m in header.microbatches]
+        self.groups = forward_groups(header, doubling)
+        self.group_of = {m: g for g, members in enumerate(self.groups) for m in members}
+        # a rank holds at most D micro-batches' activations (1F1B's first rank), 2D doubled
+        self.cap = self.D * (2 if doubling else 1)
+
+    def members(self, job) -> tuple[int, ...]:
+        return self.groups[job[2]] if job[0] == 0 else (job[2],)
+
+    def rank(self, job) -> int:
+        return self.header.stage_rank(job[1], self.members(job)[0])
+
+    def slices(self, job) -> int:
+        return len(self.lengths[self.members(job)[0]])
+
+    def cost(self, job, backward: float) -> float:
+        per = 1 if job[0] == 0 else backward
+        return per * sum(self.lengths[m][job[3]] for m in self.members(job))
+
+    def needs(self, job) -> list:
+        """The jobs `job` waits for (module docstring; a doubled forward waits for the inputs of
+        both its micro-batches)."""
+        kind, s, u, i = job
+        if kind == 0:
+            return ([(0, s - 1, u, i)] if s > 0 else []) + ([(0, s, u, i - 1)] if i > 0 else [])
+        out = [(0, s, self.group_of[u], i)]
+        if s < self.D - 1:
+            out.append((1, s + 1, u, i))
+        if i + 1 < len(self.lengths[u]):
+            out.append((1, s, u, i + 1))
+        return out
+
+    def all(self):
+        """Every job, forwards per group, backwards per micro-batch."""
+        for g, members in enumerate(self.groups):
+            for s in range(self.D):
+                for i in range(len(self.lengths[members[0]])):
+                    yield (0, s, g, i)
+        for m in range(len(self.lengths)):
+            for s in range(self.D):
+                for i in range(len(self.lengths[m])):
+                    yield (1, s, m, i)
 
 
 def _needs(job, D: int, lengths) -> list:
-    """The jobs `job` waits for (module docstring): job = (kind 0 F | 1 B, stage, mb, slice)."""
+    """The jobs a micro-batch's `job` waits for (module docstring): job = (kind 0 F | 1 B,
+    stage, mb, slice)."""
     kind, s, m, i = job
     if kind == 0:
         return ([(0, s - 1, m, i)] if s > 0 else []) + ([(0, s, m, i - 1)] if i > 0 else [])
@@ -132,20 +215,23 @@ def _needs(job, D: int, lengths) -> list:
     return out
 
 
-def _replay(header: Header, jobs_of: dict, backward: float) -> float:
-    """The step time of each rank's job list run in its order, each job when its needs are
-    done, under F = 1, B = `backward` per token (free messages)."""
+def _replay(header: Header, order: Compute, backward: float) -> float:
+    """The step time of each rank's instructions run in its order, each when its needs are
+    done, under F = 1, B = `backward` per token (free messages): a doubled forward's two
+    micro-batches each start when their own input is there, as the executors run them."""
     D = header.num_stages
     lengths = [m.lengths for m in header.microbatches]
+    jobs_of = {r: [(0 if i.op is Op.FORWARD else 1, i.stage, i.mb, i.slice) for i in instrs]
+               for r, instrs in order.items()}
     end: dict = {}
     ptr = {r: 0 for r in jobs_of}
     clock = {r: 0.0 for r in jobs_of}
     moved = True
     while moved:
         moved = False
-        for r, jobs in jobs_of.items():
-            while ptr[r] < len(jobs):
-                job = jobs[ptr[r]]
+        for r, todo in jobs_of.items():
+            while ptr[r] < len(todo):
+                job = todo[ptr[r]]
                 deps = _needs(job, D, lengths)
                 if any(n not in end for n in deps):
                     break
@@ -162,35 +248,30 @@ def _replay(header: Header, jobs_of: dict, backward: float) -> float:
 FORWARD_RULES = ("entry", "critical", "paired")
 
 
-def _run(header: Header, backward: float, rule: str = "entry"):
+def _run(jobs: _Jobs, backward: float, rule: str = "entry"):
     """(compute order, each rank's jobs in order) of the run of the module docstring, jobs
     costing F = 1, B = `backward` per token, forwards picked by `rule` (FORWARD_RULES)."""
-    D = header.num_stages
-    mbs = header.microbatches
-    lengths = [m.lengths for m in mbs]
-    rank = {(s, m): header.stage_rank(s, m) for s in range(D) for m in range(len(mbs))}
+    header, D = jobs.header, jobs.D
 
     def cost(job):
-        return lengths[job[2]][job[3]] * (1 if job[0] == 0 else backward)
+        return jobs.cost(job, backward)
 
     left: dict[int, int] = {r: 0 for r in range(header.mesh.pipe)}  # jobs not yet started
     ready: dict[int, list] = {r: [] for r in left}  # jobs whose needs are all done, per rank
     waiting: dict = {}  # job -> how many of its needs are not done
     users: dict = {}  # job -> the jobs that need it
     backwards_left: dict[tuple[int, int], int] = {}  # (rank, mb) -> its backwards not yet done
-    for m in range(len(mbs)):
-        for s in range(D):
-            r = rank[(s, m)]
-            for i in range(len(lengths[m])):
-                for job in ((0, s, m, i), (1, s, m, i)):
-                    left[r] += 1
-                    needs = _needs(job, D, lengths)
-                    waiting[job] = len(needs)
-                    for n in needs:
-                        users.setdefault(n, []).append(job)
-                    if not needs:
-                        ready[r].append(job)
-            backwards_left[(r, m)] = backwards_left.get((r, m), 0) + len(lengths[m])
+    for job in jobs.all():
+        r = jobs.rank(job)
+        left[r] += 1
+        needs = jobs.needs(job)
+        waiting[job] = len(needs)
+        for n in needs:
+            users.setdefault(n, []).append(job)
+        if not needs:
+            ready[r].append(job)
+        if job[0] == 1:
+            backwards_left[(r, job[2])] = backwards_left.get((r, job[2]), 0) + 1
     holding = {r: set() for r in left}  # micro-batches with live activations on rank r
     order: Compute = empty(header)
     jobs_of: dict[int, list] = {r: [] for r in left}
@@ -198,7 +279,8 @@ def _run(header: Header, backward: float, rule: str = "entry"):
     running: list = []  # heap of (end time, rank, job)
 
     def priority(job):
-        kind, s, m, i = job
+        kind, s, u, i = job
+        m = jobs.members(job)[0]  # a forward group enters with its first micro-batch
         # backwards first (by entry order, slices in reverse token order, stages from the last);
         # then forwards by `rule`: by entry order (slices in token order, stages from the first),
         # by the longest way to the end, or slice by slice over a pair of micro-batches
@@ -212,35 +294,40 @@ def _run(header: Header, backward: float, rule: str = "entry"):
 
     def path(job):  # the longest chain of work from the start of job to the end of the step
         if job not in tail:
-            kind, s, m, i = job
+            kind, s, u, i = job
             nxt = []
             if kind == 0:
                 if s < D - 1:
-                    nxt.append((0, s + 1, m, i))
-                if i + 1 < len(lengths[m]):
-                    nxt.append((0, s, m, i + 1))
-                nxt.append((1, s, m, i))
+                    nxt.append((0, s + 1, u, i))
+                if i + 1 < jobs.slices(job):
+                    nxt.append((0, s, u, i + 1))
+                nxt.extend((1, s, m, i) for m in jobs.members(job))
             else:
                 if s > 0:
-                    nxt.append((1, s - 1, m, i))
+                    nxt.append((1, s - 1, u, i))
                 if i > 0:
-                    nxt.append((1, s, m, i - 1))
+                    nxt.append((1, s, u, i - 1))
             tail[job] = cost(job) + max((path(n) for n in nxt), default=0)
         return tail[job]
 
+    def fits(job, r: int) -> bool:
+        new = [m for m in jobs.members(job) if m not in holding[r]]
+        return not new or len(holding[r]) + len(new) <= jobs.cap
+
     def pick(r: int, relax: bool):
         for j in sorted(ready[r], key=priority):
-            if j[0] == 1 or relax or j[2] in holding[r] or len(holding[r]) < D:
+            if j[0] == 1 or relax or fits(j, r):
                 return j
         return None
 
     def start(job, r: int, now: float) -> None:
-        kind, s, m, i = job
+        kind, s, u, i = job
         ready[r].remove(job)
         left[r] -= 1
-        if kind == 0:
-            holding[r].add(m)
-        order[r].append(Instr(Op.FORWARD if kind == 0 else Op.BACKWARD, stage=s, mb=m, slice=i))
+        for m in jobs.members(job):
+            if kind == 0:
+                holding[r].add(m)
+            order[r].append(Instr(Op.FORWARD if kind == 0 else Op.BACKWARD, stage=s, mb=m, slice=i))
         jobs_of[r].append(job)
         free_at[r] = now + cost(job)
         heapq.heappush(running, (free_at[r], r, job))
@@ -262,7 +349,7 @@ def _run(header: Header, backward: float, rule: str = "entry"):
             for user in users.get(job, ()):
                 waiting[user] -= 1
                 if not waiting[user]:
-                    ready[rank[(user[1], user[2])]].append(user)
+                    ready[jobs.rank(user)].append(user)
             if job[0] == 1:
                 backwards_left[(r, job[2])] -= 1
                 if not backwards_left[(r, job[2])]:

@@ -34,13 +34,13 @@ LOOPED_ONLY = ("interleaved", "seq-interleaved")
 # schedules of two stages per rank in a V only (tests/compiler/test_schedules_vshape.py)
 V_ONLY = ("zbv", "dualpipev")
 # two weight replicas of every stage (tests/compiler/test_schedules_chimera.py)
-BIDIRECTIONAL = ("chimera",)
+BIDIRECTIONAL = ("chimera", "chimera-doubling")
 ONE_STAGE_PER_RANK = sorted(set(SCHEDULES) - set(V_ONLY) - set(BIDIRECTIONAL))
 
 
 def test_registry_names():
     assert sorted(SCHEDULES) == ["1f1b", "1f1b-critical-path", "1f1b-last-no-recompute", "1f1b-pre-recompute",
-                                 "chimera", "dualpipev", "gpipe", "interleaved", "looped-bfs", "seq-interleaved",
+                                 "chimera", "chimera-doubling", "dualpipev", "gpipe", "interleaved", "looped-bfs", "seq-interleaved",
                                  "seq-zb", "seq1f1b", "terapipe", "zb-h1", "zb-h2", "zbv"]
 
 

@@ -104,8 +104,8 @@ def test_the_papers_bubble_with_direct_concatenation(D, k):
 @pytest.mark.parametrize("D,N", [(4, 4), (4, 8), (6, 6), (6, 12), (8, 8), (8, 16)])
 def test_with_a_backward_twice_a_forward_chimera_still_beats_1f1b(D, N):
     """F = 1, B = 2: the basic unit's bubbles grow (its figure assumes F = B) and concatenated
-    units leave bubbles in the middle (the paper's remedy, forward doubling, is not built), but
-    the step stays shorter than 1F1B's up to N = 2D."""
+    units leave bubbles in the middle (the paper's remedy, forward doubling, is tested in
+    test_schedules_chimera_doubling.py), but the step stays shorter than 1F1B's up to N = 2D."""
     assert run(D, N).iteration_time < run_1f1b(D, N).iteration_time
 
 
