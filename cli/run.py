@@ -24,7 +24,13 @@ def options_from_args(args) -> RunOptions:
         checkpoint_dir=args.checkpoint_dir, resume=args.resume, init_from=args.init_from,
         verify_grads=args.verify_grads, quiet=args.quiet, compile=args.compile, comm=args.comm,
         eval_data=args.eval_data, save_best=args.save_best, allow_nonfinite_loss=args.allow_nonfinite_loss,
-        shard_optimizer=args.shard_optimizer)
+        shard_optimizer=args.shard_optimizer, documents=_documents(args))
+
+
+def _documents(args):
+    from tpc.compiler.options import parse_documents
+
+    return parse_documents(getattr(args, "documents", None))
 
 
 def _given(**flags) -> dict:

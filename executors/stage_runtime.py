@@ -69,6 +69,8 @@ class _Slice:
     y_meta: tuple | None = None
     held_bytes: int = 0  # of `held`, what backward_input computed (not the forward's saved values)
     sent_kv_grads: bool = False  # backward (or backward_input) ran: earlier slices' K/V grads are final
+    # over packed documents: each row's document starts (`StageModule.forward`); None otherwise
+    documents: tuple | None = None
 
 
 @dataclass
@@ -126,9 +128,12 @@ class StageRuntime:
     # ------------------------------------------------------------------ forward
 
     def forward(self, mb: int, sl: int, x: torch.Tensor, offset: int, targets=None, checkpoint: bool = False,
-                capacity: int | None = None):
+                capacity: int | None = None, documents=None):
         """Forward one slice; returns the detached activation to send (or the scaled loss).
-        `capacity`: the micro-batch's token count, if known (sizes its KV buffers once)."""
+        `capacity`: the micro-batch's token count, if known (sizes its KV buffers once).
+        `documents`: over packed documents, each row's document starts (the micro-batch's load);
+        the slice reads only the cached tokens of its own documents, and sends gradients into no
+        other (`StageModule.forward`)."""
         if (mb, sl) in self._slices:
             raise RuntimeError(f"forward of micro-batch {mb} slice {sl} already ran on stage "
                                f"{self.module.lo}:{self.module.hi}")
@@ -145,8 +150,12 @@ class StageRuntime:
         cache = self._caches.get(mb)
         start = cache.length if cache is not None else 0
         # the slice's tokens (a sequence-parallel stage's input activation holds 1/T of them)
-        rec = _Slice(mb, x, int(offset), targets, start, x.size(1) * getattr(self.module, "token_parts", 1))
+        rec = _Slice(mb, x, int(offset), targets, start, x.size(1) * getattr(self.module, "token_parts", 1),
+                     documents=documents)
         if self.programs is not None:
+            if documents is not None:
+                raise RuntimeError("packed documents run eagerly: a stage's traced programs (--compile, a "
+                                   "split backward) do not take document boundaries")
             y, kv = self._run_programs(rec, keep=not checkpoint, checkpoint=checkpoint)
         else:
             with torch.set_grad_enabled(not checkpoint):
@@ -158,7 +167,7 @@ class StageRuntime:
         return self._scaled(y).detach()
 
     def evaluate(self, mb: int, sl: int, x: torch.Tensor, offset: int, targets=None,
-                 capacity: int | None = None) -> torch.Tensor:
+                 capacity: int | None = None, documents=None) -> torch.Tensor:
         """Forward one slice with no autograd graph and nothing kept but the KV cache the next
         slice reads (the evaluation program); returns the activation (or the scaled loss)."""
         done = self._evaluated.get(mb, 0)
@@ -174,8 +183,10 @@ class StageRuntime:
                 prefix = self._empty_kv(x.size(0), x.device)
             else:
                 prefix = [self._prefix_view(cache, t, start) for t in range(len(cache.kv))]
-            if self.programs is not None:
+            if self.programs is not None and documents is None:
                 y, kv = self._forward_program(x, int(offset), prefix, targets)
+            elif documents is not None:
+                y, kv = self.module(x, int(offset), prefix, targets, documents=documents)
             else:
                 y, kv = self.module(x, int(offset), prefix, targets)
             self._append(mb, kv, capacity)
@@ -225,6 +236,8 @@ class StageRuntime:
             rec.prefix = []
         else:
             rec.prefix = prefix = [_leaf(p) for p in prefix]
+        if rec.documents is not None:
+            return self.module(rec.x, rec.offset, prefix, rec.targets, documents=rec.documents)
         return self.module(rec.x, rec.offset, prefix, rec.targets)
 
     def _forward_program(self, x, offset: int, prefix: list, targets):

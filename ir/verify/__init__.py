@@ -24,7 +24,8 @@ meaningless, so those stop verification after the header):
       slices tile [0, seq) in order: no gap, no overlap, no empty slice.
   H6  one `rank R` section per pipeline rank, in rank order.
   H7  `documents eos ID mean M` (format version 6): ID is a token of the vocabulary, M at most
-      the row's length, no tensor axis; every rank that runs a stage of a micro-batch loads it
+      the row's length, no tensor axis, no split backward (`backward-input`: the executors run
+      packed documents eagerly); every rank that runs a stage of a micro-batch loads it
       (O3 and C3 then ask for those loads, and a forward of a middle stage waits for its load).
 
 Operands (an instruction that fails one of these is reported once and then left out of the

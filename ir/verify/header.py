@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from tpc.ir.nodes import (DOCUMENTS_VERSION, FORMAT_VERSION, FORMAT_VERSIONS, REPLICA_VERSION, SEQUENCE_VERSION, TENSOR_VERSION, Loc,
-                          Plan)
+                          Op, Plan)
 from tpc.ir.verify.report import Report
 
 # parameter dtypes a plan may name (`shape ... dtype D`); the executors map them to torch dtypes
@@ -87,7 +87,8 @@ def _check_documents(plan: Plan, rep: Report) -> None:
     """H7: `documents eos ID mean M` needs format version 6 (H1); the separator is a token of the
     vocabulary and the mean document length at most the row's; the plan has no tensor axis
     (a rank of a tensor group would cut the documents of a row in parts). Every rank that runs
-    a stage of a micro-batch loads it (its document boundaries; rules O3 and C3)."""
+    a stage of a micro-batch loads it (its document boundaries; rules O3 and C3). No backward is
+    split (`backward-input`): the executors run packed documents eagerly."""
     h = plan.header
     d = h.documents
     if d is None:
@@ -105,6 +106,12 @@ def _check_documents(plan: Plan, rep: Report) -> None:
         rep.add(d.loc, "header (documents)", (0, 2),
                 "packed documents on a mesh with a tensor axis: not supported",
                 "drop `tensor` from the mesh line, or the documents line")
+    split = next(((r, i) for r in plan.ranks for i in r.instrs if i.op in (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)), None)
+    if split is not None:
+        rep.add(split[1].loc or d.loc, "header (documents)", (0, 2),
+                f"`{split[1]}` in a plan over packed documents: a split backward runs a stage's traced "
+                "programs, which do not take document boundaries; packed documents run each stage eagerly",
+                "compile the plan with a schedule whose backward is whole (seq1f1b, terapipe, 1f1b, gpipe, ...)")
 
 
 def check_tensor_axis(plan, rep: Report) -> None:
