@@ -272,6 +272,8 @@ class Costs(Pass):
     summary = "cost models for any partition (--cost or --device-model)"
     cost: str | None = None
     device_model: str | None = None
+    # packed documents: their mean length, which the traced-graph model prices attention by
+    document_length: int | None = None
 
     def run(self, state, note):
         from tpc.compiler.costmodel.resolve import load_cost_source
@@ -279,8 +281,11 @@ class Costs(Pass):
         sliced = state.sliced
         source = load_cost_source(cost=self.cost, device_model=self.device_model,
                                   sliced=sliced if self.device_model else None, num_units=sliced.num_units,
-                                  model_sha256=state.sha256 if self.cost else None)
-        note(f"--cost {self.cost}" if self.cost else f"--device-model {self.device_model}")
+                                  model_sha256=state.sha256 if self.cost else None,
+                                  document_length=self.document_length)
+        note((f"--cost {self.cost}" if self.cost else f"--device-model {self.device_model}")
+             + (f", attention over documents of mean length {self.document_length}"
+                if self.document_length is not None and self.device_model else ""))
         return state.but(source=source)
 
 
@@ -594,7 +599,8 @@ def compile_passes(options: CompileOptions, split=None) -> list[Pass]:
         passes = [Load(o.factory), Trace(o.seq_len, None if o.stages_auto else o.num_stages,
                                          "--virtual-stages" if o.virtual_stages > 1 else "--stages",
                                          documents=o.documents),
-                  Costs(o.cost, o.device_model), Search(o, split)]
+                  Costs(o.cost, o.device_model,
+                        (o.document_length or o.seq_len) if o.documents is not None else None), Search(o, split)]
         passes += [TensorSplit()] if o.tensor != 1 else []
         passes += [EvalSlicing(o.microbatch_count)]
     else:
