@@ -230,7 +230,14 @@ class StageRuntime:
         return prefix
 
     def _run(self, rec: _Slice, checkpoint: bool = False):
-        """The module on one slice under autograd, its prefix read as leaves viewing the cache."""
+        """The module on one slice under autograd, its prefix read as leaves viewing the cache.
+        Over packed documents a slice at whose first token every row starts a document reads no
+        cached token: it gets the empty prefix of a first slice, holds no view of the cache and
+        sends the earlier slices no gradient."""
+        if rec.documents is not None and rec.start > 0 and all(rec.start in row for row in rec.documents):
+            rec.prefix = []
+            return self.module(rec.x, rec.offset, self._empty_kv(rec.x.size(0), rec.x.device), rec.targets,
+                               documents=rec.documents)
         prefix = self._prefix(rec, checkpoint)
         if rec.start == 0:
             rec.prefix = []
@@ -398,7 +405,7 @@ class StageRuntime:
         """Add the gradients this slice's backward sent into its prefix (`grads`, per cached
         tensor, with programs; else what autograd left in its prefix leaves) to the cache's
         gradients, where the earlier slices find theirs."""
-        if rec.start > 0:
+        if rec.start > 0 and (grads is not None or rec.prefix):  # (a slice that read no prefix sends nothing)
             cache = self._caches[rec.mb]
             if cache.grad is None:
                 cache.grad = [None] * len(cache.kv)

@@ -37,13 +37,14 @@ SEQ = 16
 
 class Rows:
     """A fixed batch of packed rows: documents of several lengths, one of a single token (its
-    separator), one starting exactly at a slice boundary (8), a row ending in a separator, a
+    separator), documents starting exactly at a slice boundary (8) in both rows of a micro-batch
+    (that slice reads no cached token), a row ending in a separator, a
     row of one document."""
 
     def __init__(self, vocab: int, batch: int = 4):
         g = torch.Generator().manual_seed(3)
         t = torch.randint(3, vocab, (batch, SEQ + 1), generator=g)
-        for row, ends in enumerate([(2, 7, 8, 12), (4, 15), (), (0, 9, 10)][:batch]):
+        for row, ends in enumerate([(2, 7, 8, 12), (4, 7, 15), (), (0, 9, 10)][:batch]):
             for e in ends:
                 t[row, e] = EOS
         self.tokens = t
