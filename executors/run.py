@@ -117,9 +117,10 @@ class RunSetup:
             # the plan under the rules of the backend it will run on
             plan = verify_file(path, options.comm_rules(device, interpreted=interpreted))
             check_plan_model(plan)
-            check_documents_run(plan, options)
             plans = PlanSet.single(plan)
             batches = batch_source(plan, options)
+        for each in plans.plans.values():  # each plan of a curriculum's bundle alike
+            check_documents_run(each, options)
         check_tensor_run(plans.full, options, "the interpreter" if interpreted else "the distributed executor")
         check_bf16(options, device)
         # a rank of a distributed run builds only its stages' weights, later (distributed.py);
