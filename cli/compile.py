@@ -37,7 +37,7 @@ def parse_lengths(spec) -> tuple[int, ...]:
 # the options `tpc compile` has a flag for, by field name (seq_len and batch are read apart)
 FLAGS = ("stages", "microbatches", "slices", "schedule", "dp", "tensor", "sequence_parallel", "ranks", "factory", "cost", "device_model",
          "memory_per_rank", "shard_optimizer", "explain", "quiet", "virtual_stages", "recompute", "comm", "exchanges",
-         "print_after", "documents")
+         "print_after", "documents", "document_length")
 
 
 def print_after_names(values) -> tuple[str, ...]:
@@ -66,8 +66,8 @@ def options_from_args(args, seq_len: int | None = None) -> CompileOptions:
     """The flags as checked options; a flag left out (None) keeps the default of
     `CompileOptions` (the parser's defaults are read from it: cli/main.py)."""
     given = {name: getattr(args, name) for name in FLAGS if getattr(args, name) is not None}
-    if getattr(args, "document_length", None) is not None:
-        given["document_length"] = document_length(args.document_length, given.get("documents"))
+    if "document_length" in given:  # a length, or a token file to measure it in
+        given["document_length"] = document_length(given["document_length"], given.get("documents"))
     if "print_after" in given:
         given["print_after"] = print_after_names(given["print_after"])
     return check_options(seq_len=parse_lengths(args.seq_len)[-1] if seq_len is None else seq_len,

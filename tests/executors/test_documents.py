@@ -97,6 +97,7 @@ CASES = [
     ("llama", 2, "1,7,8", 2, "terapipe"),
     ("hf-llama", 1, "1", 1, "gpipe"),
     ("hf-llama", 2, "5,3,8", 2, "1f1b"),
+    ("alibi", 2, "3,5,8", 2, "seq1f1b"),  # a position bias, read at the positions within the documents
 ]
 
 
@@ -189,7 +190,10 @@ def test_plan_and_run_must_agree_on_documents(tmp_path, capsys, monkeypatch):
     model = model_file("nanogpt")
     common = ["--stages", "2", "--seq-len", str(SEQ), "--batch", "2", "--slices", "2", "--quiet"]
     assert main(["compile", model, "-o", str(plain), *common]) == 0
-    assert main(["compile", model, "-o", str(packed), *common, "--documents", f"eos:{EOS}"]) == 0
+    data = _token_file(tmp_path, [[7] * n + [EOS] for n in (3, 9, 1, 6) * 10])
+    assert main(["compile", model, "-o", str(packed), *common, "--documents", f"eos:{EOS}",
+                 "--document-length", data]) == 0
+    assert "documents eos 2 mean 6\n" in packed.read_text()  # (4 + 10 + 2 + 7) / 4 = 5.75 measured
     assert main(["compile", model, "-o", str(tmp_path / "x.tpir"), *common, "--documents", "eos:999"]) == 1
     assert "outside the model's vocabulary of 256" in capsys.readouterr().err
     assert main(["run", "--interpret", str(plain), "--documents", f"eos:{EOS}"]) == 1
