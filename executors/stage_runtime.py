@@ -31,6 +31,16 @@ windowed prefix to recompute from. Gradients sent into a windowed cache collect 
 at most w - 1 tokens: by the time slice i runs backward every later slice has, and only the
 w - 1 tokens before slice i can still receive gradients. So a windowed layer's cache and its
 gradients take O(w) memory however long the sequence.
+
+Packed documents (`forward(..., documents=starts)`): a slice reads only the tokens of the
+documents its rows' first tokens are in (`StageModule.forward` narrows each row's prefix), and
+none when every row starts a document at it. After each slice the runtime drops the tokens of
+documents no later slice reads (`_drop_finished`: those before the document each row's next token
+is in, the earliest over the rows): the live tokens move to a buffer of their own, which grows by
+doubling from there, and a slice's prefix leaves are copies of the live tokens rather than views,
+so that a finished document's buffer goes once nothing reads it. The gradients sent into the cache
+collect as a window's do, per region read. A checkpointed forward keeps everything after it (its
+recompute reads its prefix again). So the cache holds about one document per row, not the row.
 """
 
 from __future__ import annotations
@@ -89,6 +99,9 @@ class _Cache:
     length: int = 0
     grad: list | None = None  # per cached tensor an _Acc (None: nothing received yet)
     base: list = field(default_factory=list)  # per cached tensor: the token at buffer index 0
+    # over packed documents: a checkpointed slice will read its prefix again when recomputed, so
+    # no finished document is dropped from this micro-batch's cache after it
+    keep_all: bool = False
 
 
 def storage_key(t: torch.Tensor) -> tuple:
@@ -160,7 +173,12 @@ class StageRuntime:
         else:
             with torch.set_grad_enabled(not checkpoint):
                 y, kv = self._run(rec, checkpoint)
-        self._append(mb, kv, capacity)
+        if documents is not None:  # the cache grows from its live documents (`_drop_finished`)
+            self._append(mb, kv, None)
+            self._caches[mb].keep_all |= checkpoint
+            self._drop_finished(mb, documents)
+        else:
+            self._append(mb, kv, capacity)
         if not checkpoint and self.programs is None:
             rec.y, rec.kv_out = self._output(y), kv
         self._slices[(mb, sl)] = rec
@@ -189,7 +207,9 @@ class StageRuntime:
                 y, kv = self.module(x, int(offset), prefix, targets, documents=documents)
             else:
                 y, kv = self.module(x, int(offset), prefix, targets)
-            self._append(mb, kv, capacity)
+            self._append(mb, kv, None if documents is not None else capacity)
+            if documents is not None:
+                self._drop_finished(mb, documents)
         self._evaluated[mb] = sl + 1
         return self._scaled(y)
 
@@ -241,6 +261,10 @@ class StageRuntime:
         prefix = self._prefix(rec, checkpoint)
         if rec.start == 0:
             rec.prefix = []
+        elif rec.documents is not None:
+            # copies of the live documents' tokens, not views: a view would keep the whole buffer,
+            # finished documents included, alive until this slice's backward
+            rec.prefix = prefix = [_leaf(p.clone()) for p in prefix]
         else:
             rec.prefix = prefix = [_leaf(p) for p in prefix]
         if rec.documents is not None:
@@ -275,8 +299,27 @@ class StageRuntime:
     def _prefix_view(self, cache: _Cache, t: int, start: int) -> torch.Tensor:
         """Tokens [start - p, start) of cached tensor t: p = start, or at most w - 1 for a window."""
         w, d = self.module.kv_windows[t], self.module.kv_dims[t]
-        p = start if w is None else min(start, w - 1)
+        # (a full cache over packed documents holds the tokens from its first live document on)
+        p = start - cache.base[t] if w is None else min(start, w - 1)
         return cache.kv[t].narrow(d, start - p - cache.base[t], p)
+
+    def _drop_finished(self, mb: int, documents) -> None:
+        """Over packed documents: drop from micro-batch `mb`'s full caches the tokens of documents
+        no later slice reads, those before the document every row's next token is in. The live
+        tokens move to a new buffer of their own (never in place: a slice's saved keys may be
+        the old buffer); the old one goes with its last reader. Not after a checkpointed slice,
+        whose recompute reads its prefix again."""
+        cache = self._caches[mb]
+        if cache.keep_all:
+            return
+        nxt = cache.length
+        live = min(max(s for s in row if s <= nxt) for row in documents)
+        for t, (d, w) in enumerate(zip(self.module.kv_dims, self.module.kv_windows)):
+            if w is not None or live <= cache.base[t]:
+                continue
+            buf = cache.kv[t]
+            cache.kv[t] = buf.narrow(d, live - cache.base[t], nxt - live).clone()
+            cache.base[t] = live
 
     def _append(self, mb: int, kv: list, capacity: int | None) -> None:
         """Write a slice's keys/values after the cached ones: into buffers of the micro-batch's
@@ -410,6 +453,9 @@ class StageRuntime:
             if cache.grad is None:
                 cache.grad = [None] * len(cache.kv)
             for t, (d, w) in enumerate(zip(self.module.kv_dims, self.module.kv_windows)):
+                # a full cache's gradients cover [0, start) from the first backward on; over packed
+                # documents only the regions slices read (their live documents), as a window's
+                full = w is None and rec.documents is None
                 if grads is not None:
                     if not cache.kv[t].is_floating_point():  # a cache of token ids
                         continue
@@ -424,7 +470,7 @@ class StageRuntime:
                     # added in: the graph a split backward keeps for its weight half holds the
                     # leaf, whose gradient is a view of all of the attention's key gradient
                     leaf.grad = None
-                cache.grad[t] = self._accumulate(cache.grad[t], g, shape, dtype, d, rec.start, w is None)
+                cache.grad[t] = self._accumulate(cache.grad[t], g, shape, dtype, d, rec.start, full)
         rec.prefix = []
         rec.sent_kv_grads = True
 

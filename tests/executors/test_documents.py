@@ -70,14 +70,19 @@ def per_document(model, tokens: torch.Tensor):
     return float(loss.detach()), {n: (g if g is not None else torch.zeros_like(p)) for (n, p), g in zip(params, grads)}
 
 
-def document_plan(path: str, *, stages: int, slices: str, microbatches: int = 2, schedule: str = "seq1f1b"):
+def document_plan(path: str, *, stages: int, slices: str, microbatches: int = 2, schedule: str = "seq1f1b",
+                  recompute: str = "none"):
     model, sliced, vocab = traced(path, SEQ)
     opts = check_options(stages=str(stages), microbatches=microbatches, seq_len=SEQ, batch=4, slices=slices,
                          schedule=schedule, documents=f"eos:{EOS}")
     ranges = [tuple(r) for r in sliced.partition_by_params(stages)]
     header = build_header(model_path=path, sha256=file_sha256(path), factory="model", opts=opts, vocab=vocab,
                           unit_labels=sliced.unit_labels, ranges=ranges, ties=sliced.ties(ranges))
-    return lower(header, build_schedule(schedule, header)), model, sliced, vocab
+    from tpc.compiler.lowering.recompute import apply as apply_recompute
+    from tpc.compiler.lowering.recompute import uniform
+
+    compute = apply_recompute(build_schedule(schedule, header), uniform(header, recompute))
+    return lower(header, compute), model, sliced, vocab
 
 
 def hf_llama_file(tmp_path_factory) -> str:
@@ -112,6 +117,19 @@ def test_each_document_as_if_alone(tmp_path_factory, name, stages, slices, mbs, 
     assert abs(result.losses[0] - ref_loss) <= 1e-5 * abs(ref_loss)
     worst, where = gradient_error(result.first_grads, ref_grads, floor=gradient_floor(ref_grads))
     assert worst <= 1e-5, f"{where}: {worst:.3g}"
+
+
+def test_recomputed_slices_read_their_documents_again():
+    """With every forward checkpointed and recomputed, no finished document is dropped before
+    the recompute reads it: still each document as if alone."""
+    plan, model, sliced, vocab = document_plan(model_file("nanogpt"), stages=2, slices="3,5,8", recompute="full")
+    assert any(i.checkpoint for r in plan.ranks for i in r.instrs)
+    rows = Rows(vocab)
+    ref_loss, ref_grads = per_document(copy.deepcopy(model), rows.tokens)
+    result = interpret(plan, RunOptions(steps=1, documents=EOS), model=copy.deepcopy(model), sliced=sliced,
+                       batches=rows)
+    assert abs(result.losses[0] - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert gradient_error(result.first_grads, ref_grads, floor=gradient_floor(ref_grads))[0] <= 1e-5
 
 
 def test_across_documents_differs_from_the_oracle():
@@ -221,3 +239,31 @@ def test_torchrun_gloo_matches_each_document_alone(tmp_path, tmp_path_factory, n
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "verify-grads: loss" in done.stdout and ": ok" in done.stdout, done.stdout[-2000:]
+
+
+def test_finished_documents_leave_the_cache():
+    """The runtime drops the keys and values of documents no later slice reads (both rows start
+    a document at 8: after the slice [4, 8) the cache holds nothing), and the gradients are still
+    those of each document alone."""
+    from tpc.executors.stage_runtime import StageRuntime
+    from tpc.executors.training.documents import document_starts, mask_crossing_targets
+
+    model, sliced, vocab = traced(model_file("nanogpt"), SEQ)
+    rows = Rows(vocab, batch=2)
+    ids, targets = rows.tokens[:, :-1], rows.tokens[:, 1:]
+    starts = document_starts(ids, EOS)
+    targets = mask_crossing_targets(ids, targets, EOS)
+    copy_ = copy.deepcopy(model)
+    stage = sliced.stage_module(0, sliced.num_units, params_from=copy_, documents=True)
+    runtime = StageRuntime(stage, 1.0 / ids.numel())
+    held = []
+    for sl, lo in enumerate(range(0, SEQ, 4)):
+        runtime.forward(0, sl, ids[:, lo:lo + 4], lo, targets=targets[:, lo:lo + 4], capacity=SEQ, documents=starts)
+        held.append(max(b.size(d) for b, d in zip(runtime.kv_buffers(0), stage.kv_dims)))
+    assert held[1] == 0 and held[2] == 4 and max(held) < SEQ
+    for sl in reversed(range(SEQ // 4)):
+        runtime.backward(0, sl)
+    got = {n: p.grad for n, p in copy_.named_parameters() if p.grad is not None}
+    _, ref = per_document(copy.deepcopy(model), rows.tokens)
+    worst, where = gradient_error(got, ref, floor=gradient_floor(ref))
+    assert worst <= 1e-5, f"{where}: {worst:.3g}"
