@@ -62,7 +62,7 @@ def rank_alternate(rank: int, world: int, plan_path: str, repeats: int, block: i
     from tpc.executors.evaluation import Evaluation
     from tpc.executors.options import RunOptions
     from tpc.executors.plan_model import StageSource
-    from tpc.executors.training_loop import PlanSet
+    from tpc.executors.pipeline import PlanSet
 
     plan, model, sliced = tpc_setup(plan_path)
     options = RunOptions(steps=1, timeout=600.0, eval_data="random")

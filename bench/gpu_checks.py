@@ -152,6 +152,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", type=int, default=4, help="runs at a time (default: 4)")
     ap.add_argument("--no-slicing", action="store_true", help="skip bench/gpu_slicing.py")
     ap.add_argument("--slicing-args", default="--repeats 3", help="arguments of bench/gpu_slicing.py")
+    ap.add_argument("--no-library", action="store_true",
+                    help="skip the library's own training loop (examples/library_loop.py on 2 ranks)")
     args = ap.parse_args(argv)
     at_root()
     import torch
@@ -211,6 +213,13 @@ def main(argv=None) -> int:
     print()
     print(table(["plan", "dtype", "ranks", "result", "verify-grads; last step"], sorted(rows)))
     failed = [r for r in rows if r[3] != "ok"]
+    if not args.no_library:  # a user's own loop (import tpc) on 2 ranks, NCCL on CUDA
+        code, text = launch_ranks(2, ["examples/library_loop.py", "--device", args.device, "--steps", "6"],
+                                  args.device, gpus, out / "library_loop.log", args.limit, args.nodes)
+        last = [ln for ln in text.splitlines() if ln.startswith(("step ", "evaluation "))][-2:]
+        print(f"\n# examples/library_loop.py (import tpc, 2 ranks): {'ok' if code == 0 else f'exit {code}'}; "
+              + " | ".join(last), flush=True)
+        failed += [["library_loop"]] if code != 0 else []
     if not args.no_slicing:
         for extra in ([], ["--compile"]):  # eager, then every stage's programs compiled
             print("\n# bench/gpu_slicing.py " + " ".join([args.slicing_args, *extra]), flush=True)

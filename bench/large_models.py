@@ -97,7 +97,7 @@ def rank_main(plan: str) -> int:
     """One rank: `tpc run PLAN --steps 1`, then its peak RSS against what its stages hold."""
     from tpc.cli.main import main
     from tpc.executors.plan_model import load_plan_model, rank_parameter_names, slice_model
-    from tpc.executors.training_loop import PlanSet
+    from tpc.executors.pipeline import PlanSet
     from tpc.ir.parse import parse
 
     status = main(["run", plan, "--steps", "1", "--optimizer", "adamw", "--timeout", "600"])

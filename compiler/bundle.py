@@ -91,8 +91,9 @@ def bundle_options(options: CompileOptions, lengths: tuple[int, ...], constant_t
 
 
 def compile_bundle(model_path: str, output: str, options: CompileOptions, lengths: tuple[int, ...],
-                   *, constant_tokens: bool = False) -> LoadedBundle:
-    """Compile one plan per length into the folder `output` (see the module docstring)."""
+                   *, constant_tokens: bool = False, model=None) -> LoadedBundle:
+    """Compile one plan per length into the folder `output` (see the module docstring).
+    `model`: a model object to compile as it is (the library's; `model_path` its class's file)."""
     per_length = bundle_options(options, tuple(lengths), constant_tokens)
     folder = Path(output)
     if folder.exists() and not folder.is_dir():
@@ -103,7 +104,7 @@ def compile_bundle(model_path: str, output: str, options: CompileOptions, length
     longest = lengths[-1]
     say = (lambda text: None) if options.quiet else (lambda text: print(text, flush=True))
     say(f"length {longest}:")
-    first = compile_plan(model_path, per_length[longest])
+    first = compile_plan(model_path, per_length[longest], model=model)
     h = first.header
     split = (h.mesh.pipe, h.mesh.data, tuple(s.units for s in h.stages))
     plans: dict[int, Plan] = {longest: first}
@@ -112,7 +113,7 @@ def compile_bundle(model_path: str, output: str, options: CompileOptions, length
             + " | ".join(f"{lo}:{hi}" for lo, hi in split[2]) + "):")
         o = dataclasses.replace(per_length[seq], stages=split[0], dp=split[1], ranks=None,
                                 tensor=h.mesh.tensor)
-        plans[seq] = compile_plan(model_path, o, split)
+        plans[seq] = compile_plan(model_path, o, split, model=model)
     folder.mkdir(exist_ok=True)
     for seq in lengths:
         write_plan(plans[seq], str(folder / member_file(seq)), quiet=options.quiet, comm=options.comm)

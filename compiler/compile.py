@@ -19,11 +19,13 @@ from tpc.compiler.pipeline import PASS_NAMES, Write, compile_passes, written
 from tpc.ir.nodes import Plan
 
 
-def compile_plan(model_path: str, options: CompileOptions, split=None, *, output: str | None = None) -> Plan:
+def compile_plan(model_path: str, options: CompileOptions, split=None, *, output: str | None = None,
+                 model=None) -> Plan:
     """Compile `model_path` into a verified plan: the passes `compile_passes(options, split)`
     (compiler/pipeline.py) run by one driver. `split`, a (pipe, data, stage unit ranges) triple,
     fixes the mesh and the stage partition (the plans of a bundle share one); the rest is chosen
-    as the options say. With `output`, the `write` pass writes the plan there."""
+    as the options say. With `output`, the `write` pass writes the plan there. `model`: a model
+    object to compile as it is (the library's), `model_path` then the file of its class."""
     opts = options
     passes = compile_passes(opts, split)
     if output is not None:
@@ -35,7 +37,7 @@ def compile_plan(model_path: str, options: CompileOptions, split=None, *, output
         Progress(opts.quiet).say(f"note: {', '.join(unused)} serve(s) the plan search, which needs "
                                  "--cost or --device-model; without one, --memory-per-rank only refuses a "
                                  "rank whose parameters and optimizer state alone do not fit")
-    plan = manager.run(CompileState(model_path=model_path, factory=opts.factory)).plan
+    plan = manager.run(CompileState(model_path=model_path, factory=opts.factory, model=model)).plan
     if output is not None and not opts.quiet:
         print(written(plan, output))
     return plan

@@ -368,7 +368,10 @@ def parse_microbatches(spec) -> int | str:
 
 def parse_slices(spec, seq_len: int) -> int | tuple[int, ...] | str:
     """`--slices`: 'N' (a count of equal slices), 'l1,l2,...' (lengths) or 'auto'. The values
-    are checked against `seq_len` by CompileOptions; here only the spelling."""
+    are checked against `seq_len` by CompileOptions; here only the spelling. From Python the
+    lengths may be a tuple or list of numbers (the library's `tpc.compile(..., slices=(24, 40))`)."""
+    if isinstance(spec, (tuple, list)):
+        spec = ",".join(str(v) for v in spec)
     text = str(spec).strip()
     if text.lower() == AUTO:
         return AUTO

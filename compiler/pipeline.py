@@ -54,7 +54,7 @@ def _say(quiet: bool, text: str) -> None:
 
 @dataclass(frozen=True)
 class Load(Pass):
-    """The model file: its module, content hash and vocabulary."""
+    """The model file: its module, content hash and vocabulary (or a model object given)."""
 
     name = "load"
     summary = "the model file: module, content hash, vocabulary"
@@ -64,6 +64,9 @@ class Load(Pass):
         from tpc.compiler.frontend import file_sha256
         from tpc.compiler.frontend.weightless import build_weightless
 
+        if state.model is not None:  # a model object (the library's `tpc.compile(model)`), as it is
+            note(f"{sum(p.numel() for p in state.model.parameters()):,} parameters, the object given")
+            return state.but(sha256=file_sha256(state.model_path), vocab=None, factory=self.factory)
         # built without weights: every parameter on the meta device (compiler/frontend/weightless.py);
         # the vocabulary is read from the trace
         model, _ = build_weightless(state.model_path, self.factory)

@@ -37,7 +37,8 @@ from tpc.executors.run import CurriculumFlags, RunSetup, write_trace
 from tpc.executors.tensor_ranks import TensorRank
 from tpc.compiler.tensor import DistGroup
 from tpc.executors.training.dir_lock import release_held
-from tpc.executors.training_loop import PlanSet, TrainingLoop
+from tpc.executors.pipeline import PlanSet
+from tpc.executors.training_loop import TrainingLoop
 from tpc.executors.world import World, backend_cause, check_world, init, make_groups, report_layout
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
@@ -160,6 +161,10 @@ class DistRanks:
     def gradients(self) -> dict[str, torch.Tensor]:
         return dict(self.engine.grads)
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by name (with a tensor axis, its parts)."""
+        return {n: p.detach() for n, p in self.engine.named_parameters}
+
 
 class Distributed:
     """The distributed executor as the training loop's executor: this process's rank of each
@@ -170,12 +175,17 @@ class Distributed:
     `stages` (a StageSource) says where a plan's stages come from. `before_instr(engine,
     index)` runs before each instruction (tests inject faults with it)."""
 
+    every_rank = False  # (pipeline.Executor)
+
     def __init__(self, world: World, options: RunOptions, device: torch.device, plans: PlanSet, *,
                  stages: StageSource, model: torch.nn.Module | None = None, before_instr=None):
         self.world, self.options, self.device = world, options, device
         self.stages, self.model = stages, model
         self.before_instr = before_instr
-        self.groups = make_groups(plans.full, world, options.timeout, pipeline=options.needs_grad_norm)
+        # the pipeline group sums the global gradient norm: of the step, or of a library user's
+        # clip_grad_norm_
+        self.groups = make_groups(plans.full, world, options.timeout,
+                                  pipeline=options.needs_grad_norm or options.external_optimizer)
         self.wire = Wire.of(dist.get_backend(), options.comm_rules(device))
         self.dtype = DTYPES[plans.full.header.shape.dtype]  # the plan was verified: a known name
         self.channels = Channels()

@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 
-from tpc.executors.training.batches import microbatch_tokens, split_tokens
+from tpc.executors.training.batches import Batch, microbatch
 from tpc.executors.training.documents import document_starts, mask_crossing_targets
 from tpc.executors.options import RunOptions
 from tpc.executors.training.optimizer import RankOptimizer
@@ -308,17 +308,16 @@ class RankEngine:
 
     # ------------------------------------------------------------------------- driving
 
-    def begin_step(self, step: int, tokens: torch.Tensor) -> None:
-        """Start one pass over the stream with the global batch `tokens` (batch, seq+1)."""
+    def begin_step(self, step: int, tokens: "torch.Tensor | Batch") -> None:
+        """Start one pass over the stream with the global batch: `tokens` (batch, seq+1), or a
+        `Batch` of ids and targets."""
         self.step, self.pc = step, 0
         self.transport.start_step(step)
-        # the batch as the host holds it: document boundaries are read there, never from the device
-        self.host_tokens = tokens if tokens.device.type == "cpu" else None
-        if tokens.device.type == "cpu" and self.device.type == "cuda":
-            # once per step, from pinned memory: a copy from pageable memory would wait for the
-            # stream (the loads then cut the micro-batches from it on the device)
-            tokens = tokens.pin_memory().to(self.device, non_blocking=True)
-        self.tokens = tokens
+        batch = Batch.of(tokens)
+        # the ids as the host holds them: document boundaries are read there, never from the device
+        self.host_ids = batch.ids if batch.ids.device.type == "cpu" else None
+        # once per step onto the device; the loads cut the micro-batches from it there
+        self.batch = batch.to(self.device)
         self.env: dict[Message, torch.Tensor] = {}
         self.ids: dict[int, torch.Tensor] = {}
         self.targets: dict[int, torch.Tensor] = {}
@@ -452,15 +451,15 @@ class RankEngine:
     # ------------------------------------------------------------------------ handlers
 
     def _load(self, instr: Instr) -> None:
-        tokens = microbatch_tokens(self.tokens, self.header, self.data_rank, instr.mb)
-        ids, targets = split_tokens(tokens)
+        rows = microbatch(self.batch, self.header, self.data_rank, instr.mb)
+        ids, targets = rows.ids, rows.targets
         docs = self.header.documents
         if docs is not None:
             # every stage's rank loads: the boundaries are read from the host's copy of the batch
             # (no transfer from the device, no message between ranks); the target after a
             # separator, the next document's first token, is not predicted
-            host = self.host_tokens if self.host_tokens is not None else self.tokens.cpu()
-            host_ids, _ = split_tokens(microbatch_tokens(host, self.header, self.data_rank, instr.mb))
+            host = self.host_ids if self.host_ids is not None else self.batch.ids.cpu()
+            host_ids = microbatch(Batch(host, host), self.header, self.data_rank, instr.mb).ids
             self.documents[instr.mb] = document_starts(host_ids, docs.eos)
             targets = mask_crossing_targets(ids, targets, docs.eos)
         # this rank's ends for the micro-batch: with weight replicas (chimera), a rank holding
@@ -565,9 +564,13 @@ class RankEngine:
     def _free_kv(self, instr: Instr) -> None:
         self._stage(instr.stage).runtime.free_kv(instr.mb)
 
-    def _build_optimizer(self) -> "RankOptimizer | ShardedOptimizer":
+    def _build_optimizer(self) -> "RankOptimizer | ShardedOptimizer | ExternalOptimizer":
         """This rank's optimizer: over its stages' parameters, or with `--shard-optimizer` on a
         mesh with data-parallel replicas, over its share of them (training/sharded_optimizer.py)."""
+        if self.options.external_optimizer:
+            from tpc.executors.training.optimizer import ExternalOptimizer
+
+            return ExternalOptimizer(self.named_parameters)
         if not (self.options.shard_optimizer and self.header.mesh.data > 1):
             return RankOptimizer(self.named_parameters, self.options.optim)
         from tpc.executors.training.sharded_optimizer import ShardedOptimizer

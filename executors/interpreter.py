@@ -38,7 +38,8 @@ from tpc.executors.tensor_ranks import TensorRank, check_tensor_run, held_bytes
 from tpc.compiler.tensor import thread_groups
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
-from tpc.executors.training_loop import PlanSet, TrainingLoop
+from tpc.executors.pipeline import PlanSet
+from tpc.executors.training_loop import TrainingLoop
 from tpc.ir.mesh import DATA, PIPE
 from tpc.ir.verify import check
 from tpc.ir.semantics import NCCL, Message, wait_chain
@@ -368,6 +369,8 @@ class Interpreted:
     `stages` (a StageSource) says where a plan's stages come from (the front end's sliced
     model, or a stand-in in tests)."""
 
+    every_rank = True  # (pipeline.Executor)
+
     def __init__(self, options: RunOptions, device: torch.device, model: torch.nn.Module | None,
                  stages: StageSource, rendezvous: bool, mesh=None):
         """`mesh`: the plans' mesh line; with a tensor axis of T ranks, the ranks of each tensor
@@ -471,6 +474,10 @@ class InterpretedRanks:
 
     def gradients(self) -> dict[str, torch.Tensor]:
         return canonical_names(self.model, _gather(self.engines, lambda e: e.grads.items()))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters by name (replica 0's; a tensor axis's parts joined)."""
+        return canonical_names(self.model, _gather(self.engines, lambda e: ((n, p.detach()) for n, p in e.named_parameters)))
 
 
 def interpret(plan: "Plan | PlanSet", options: RunOptions | None = None, *,

@@ -81,6 +81,9 @@ class RunOptions:
     # shard the optimizer state (and the update) over each stage's data-parallel group
     # (ZeRO-1, training/sharded_optimizer.py); nothing to shard without data-parallel replicas
     shard_optimizer: bool = False
+    # the library's pipelines (tpc.Pipeline): a plan's `step` updates nothing; it leaves the
+    # gradients, summed over the ranks that share each parameter, for the user's own optimizer
+    external_optimizer: bool = False
     eval_data: str | None = None
     eval_every: int = 0
     eval_batches: int = 4
@@ -145,6 +148,11 @@ class RunOptions:
         if self.save_best and not self.checkpoint_dir:
             raise _refuse("--save-best", "--save-best needs --checkpoint-dir",
                           "e.g. --checkpoint-dir ckpt --save-best (the best checkpoint is DIR/best)")
+        if self.external_optimizer and (self.shard_optimizer or self.grad_clip > 0):
+            raise _refuse("--shard-optimizer" if self.shard_optimizer else "--grad-clip",
+                          "a pipeline whose optimizer is the user's cannot shard tpc's optimizer state "
+                          "or clip inside the step", "clip with Pipeline.clip_grad_norm_ before your "
+                          "optimizer's step; shard its state with your own tools")
         self.lr_at(0)  # refuses a meaningless schedule (warm-up past the end) now
 
     def check_outputs(self) -> None:

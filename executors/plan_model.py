@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from tpc.compiler.frontend import SlicedModel, file_sha256, load_model
+from tpc.compiler.frontend.model_file import MODEL_OBJECT
 from tpc.compiler.frontend.plan_trace import sliced_for_header
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
@@ -25,6 +26,12 @@ from tpc.ir.nodes import Plan
 def check_plan_model(plan: Plan) -> None:
     """Refuse a model file that is missing or differs from the one the plan was compiled from."""
     line = plan.header.model
+    if line.factory == MODEL_OBJECT:
+        raise TpirError(Diagnostic(
+            f"the plan was compiled from a model object in Python (tpc.compile(model, ...)), not from a "
+            f"model file: `tpc run` cannot build it", loc=line.loc, where=plan.source,
+            hint="run it from Python with the same model: `tpc.pipeline(plan, model)` (docs/library.md), or "
+                 f"compile a model file: `tpc compile FILE -o PLAN`"))
     path = Path(line.path)
     if not path.is_file():
         raise TpirError(Diagnostic(

@@ -26,7 +26,7 @@ from tpc.executors.evaluation import eval_batches, perplexity
 from tpc.executors.options import RunOptions
 from tpc.executors.oracle import batch_reference, gradient_error, gradient_floor
 from tpc.executors.plan_model import check_plan_model, load_plan_model
-from tpc.executors.training_loop import PlanSet
+from tpc.executors.pipeline import PlanSet
 from tpc.executors.tensor_ranks import check_tensor_run
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan

@@ -5,19 +5,16 @@ checkpoints, progress and the curriculum wired here and nowhere else.
                         on_step=..., on_eval=...)
     outcome = loop.run()
 
-`plans` is a `PlanSet`: the plans a run may step with, by sequence length, and which one step s
-uses (`length_of`). One plan is a set of one; a plan bundle under a curriculum
-(executors/curriculum.py) is a set of several that share their mesh and stage split.
-
-The `Executor` is how this process runs ranks: the reference interpreter runs every rank of the
-plan here (executors/interpreter.py), the distributed executor one rank per process
-(executors/distributed.py). For each plan it builds `Ranks`: this process's engines of the plan
-and how to run one step of them. The plans of a set share the model's weights and the
-optimizer's state, so switching plans between steps moves nothing.
+`plans` is a `PlanSet` (executors/pipeline.py): the plans a run may step with, by sequence
+length, and which one step s uses (`length_of`). The loop steps them through a `Pipeline`
+(executors/pipeline.py), the object a library user steps too (`import tpc`): one way to run a
+plan. The `Executor` is how this process runs ranks: the reference interpreter runs every rank
+of the plan here (executors/interpreter.py), the distributed executor one rank per process
+(executors/distributed.py).
 
 What the loop does, in order:
-1. every plan's ranks are built (the optimizer of the first serves the others), and the
-   evaluation program's (the longest plan's `eval` section) when `eval_batches` are given;
+1. the pipeline is built: every plan's ranks (the optimizer of the first serves the others), and
+   the evaluation program's (the longest plan's `eval` section) when `eval_batches` are given;
 2. the checkpoint (or --init-from weights) is loaded into the first plan's engines, and the
    step to start at read from it;
 3. `executor.start()` (the distributed executor: a barrier, and the trace clock);
@@ -29,8 +26,7 @@ What the loop does, in order:
    the first step's gradients are kept; the evaluation when due; `on_step(step, loss, info)`;
    a checkpoint when due (and the best one after an evaluation, with --save-best).
 
-This loop is what a library user will drive (tpc as a library); it holds no process state of
-its own beyond what `run` returns.
+The loop holds no process state of its own beyond what `run` returns.
 """
 
 from __future__ import annotations
@@ -38,93 +34,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, ContextManager, Mapping, Protocol
 
 import torch
 
 from tpc.executors.host_sync import watched
+from tpc.executors.pipeline import Pipeline, PlanSet, Ranks
 from tpc.ir.diagnostics import Diagnostic, TpirError
-from tpc.ir.nodes import Plan
-
-
-@dataclass(frozen=True)
-class PlanSet:
-    """The plans of a run by sequence length, and the length step s runs at. `curriculum` says
-    whether the set came from a curriculum (its steps then report their length and tokens)."""
-
-    plans: Mapping[int, Plan]
-    length_of: Callable[[int], int]
-    curriculum: bool = False
-
-    @staticmethod
-    def single(plan: Plan) -> "PlanSet":
-        seq = plan.header.shape.seq
-        return PlanSet({seq: plan}, lambda step: seq)
-
-    @property
-    def lengths(self) -> list[int]:
-        return sorted(self.plans)
-
-    @property
-    def full(self) -> Plan:
-        """The longest plan: batches are drawn at its length, and its evaluation program
-        measures the validation loss."""
-        return self.plans[max(self.plans)]
-
-    def plan_at(self, step: int) -> tuple[int, Plan]:
-        seq = self.length_of(step)
-        return seq, self.plans[seq]
-
-
-class Ranks(Protocol):
-    """This process's ranks of one plan."""
-
-    plan: Plan
-    engines: list  # RankEngine: what checkpoints load into and save from
-
-    def step(self, step: int, tokens: torch.Tensor) -> float:
-        """Run one training step on the global batch `tokens`; the global loss."""
-        ...
-
-    def gradients(self) -> dict[str, torch.Tensor]:
-        """The gradients of the last step (before its update) of this process's parameters."""
-        ...
-
-
-class EvalRanks(Protocol):
-    def evaluate(self, k: int, tokens: torch.Tensor) -> float:
-        """Run the evaluation program once on batch `tokens`; its loss (the same everywhere)."""
-        ...
-
-
-class Executor(Protocol):
-    """How this process runs the ranks of a plan."""
-
-    device: torch.device
-
-    def build(self, plan: Plan, shared: Ranks | None) -> Ranks:
-        """The ranks of a training plan; `shared`: ranks of another plan of the set, whose
-        weights and optimizer these share."""
-        ...
-
-    def build_eval(self, plan: Plan, training: Ranks) -> EvalRanks:
-        """The ranks of `plan`'s evaluation program, sharing `training`'s weights."""
-        ...
-
-    def waiting(self, what: str) -> ContextManager:
-        """Marks a wait on the other ranks (for the watchdog's report)."""
-        ...
-
-    def start(self) -> None:
-        """Before the first step, after loading: the ranks meet; trace times count from here."""
-        ...
-
-    def about_to_step(self, ranks: Ranks) -> None:
-        """`ranks` run the next step (what the watchdog watches)."""
-        ...
-
-    def close(self) -> None:
-        ...
 
 
 @dataclass
@@ -184,20 +99,16 @@ class TrainingLoop:
 
         options, executor, plans = self.options, self.executor, self.plans
         if self.eval_batches is not None:
-            require_eval_program(plans.full)
-        ranks: dict[int, Ranks] = {}
-        out = LoopOutcome(losses=[], first_grads={}, ranks=ranks)
+            require_eval_program(plans.full)  # before anything is built
+        out = LoopOutcome(losses=[], first_grads={})
         try:  # from the first build on: the executor may hold a thread (the watchdog) to end
-            first: Ranks | None = None
-            for seq in plans.lengths:
-                ranks[seq] = executor.build(plans.plans[seq], first)
-                first = first or ranks[seq]
-            out.last = first
+            pipe = Pipeline(plans, executor, evaluation=self.eval_batches is not None)
+            out.ranks, out.last = pipe.ranks, pipe.first
+            first = pipe.first
             evaluation = None
             if self.eval_batches is not None:
-                program = executor.build_eval(plans.full, ranks[max(ranks)])
                 evaluation = Evaluation(self.eval_batches, options.eval_every, options.steps,
-                                        program.evaluate, executor.device)
+                                        pipe.evaluate, executor.device)
             start = 0
             if self.checkpoints is not None:
                 with executor.waiting("rank 0 to lock the checkpoint folder"):
@@ -212,11 +123,10 @@ class TrainingLoop:
                     self.on_eval(0, out.eval_losses[-1][1])
             for step in range(start, options.steps):
                 seq, plan = plans.plan_at(step)
-                current = out.last = ranks[seq]
-                executor.about_to_step(current)
                 with watched(f"step {step + 1}"):  # the device is read once, by the step itself
                     started = time.perf_counter()
-                    loss = current.step(step, self.batches.get(step))
+                    loss = pipe.run(step, self.batches.get(step))
+                    current = out.last = pipe.last
                     if not math.isfinite(loss) and not options.allow_nonfinite_loss:
                         raise nonfinite_loss(step, loss, self.checkpoints)
                     out.losses.append(loss)

@@ -61,6 +61,10 @@ SLOW = (
     "tests/executors/test_compiled_programs.py::test_recomputation_and_data_parallel_run_compiled_and_exact",
     "tests/executors/test_compiled_programs.py::test_code_nobody_here_wrote_runs_compiled_and_exact",
     # multi-process: ranks under torchrun (gloo), bench scripts run as programs
+    "tests/library/test_nanogpt.py",
+    "tests/library/test_user_loop.py::test_sgd_onecycle_and_clipping_match_plain_pytorch_under_torchrun",
+    "tests/library/test_api.py::test_under_torchrun_the_refusal_names_the_rank_that_trains_the_parameter",
+    "tests/library/test_library_doc.py::test_the_example_script_runs_and_learns",
     "tests/bench/test_gpu_checks_smoke.py",
     "tests/bench/test_gpu_slicing_smoke.py::test_smoke_run_prints_three_filled_tables",
     "tests/bench/test_gpu_slicing_smoke.py::test_timed_steps_size_kv_as_the_engine_and_copy_no_gradients",

@@ -28,7 +28,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "architecture.md"
-PACKAGES = ("grammar", "ir", "compiler", "executors", "cli")
+PACKAGES = ("grammar", "ir", "compiler", "executors", "cli", "tpc")
 
 
 def product_modules() -> list[str]:

@@ -7,6 +7,7 @@ missing, does not parse, has no such callable, the callable raises, or returns n
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import inspect
@@ -94,6 +95,43 @@ def load_model(path: str, factory: str = "model") -> nn.Module:
             f"`{factory}()` returned {type(net).__name__}, not a torch.nn.Module", loc=_def_loc(fn, path),
             hint=f"return the model itself, e.g. `def {factory}(): return GPT(GPTConfig())`"))
     return net
+
+
+# the factory a plan's model line names when the plan was compiled from a model object in
+# Python (`tpc.compile(model, ...)`): its path is the file of the model's class, and `tpc run`
+# cannot build it (the library runs such a plan with the object: `tpc.pipeline(plan, model)`)
+MODEL_OBJECT = "<object>"
+
+
+def with_forward(model: nn.Module, forward) -> nn.Module:
+    """`model` as tpc captures it, through `forward(model, ids) -> logits (B, T, V)`: a shallow
+    copy sharing every parameter, buffer and submodule (so the same names), whose own `forward`
+    calls `forward` on the original. For a model whose `forward` does not return the logits of
+    every position from the ids alone (nanoGPT's GPT returns the last position's unless given
+    targets: `with_forward(gpt, lambda m, ids: m(ids, ids)[0])`)."""
+    base = type(model)
+
+    def adapted(self, ids):
+        return forward(model, ids)
+
+    view = copy.copy(model)
+    view.__class__ = type(base.__name__, (base,), {
+        "forward": adapted, "__module__": base.__module__, "__qualname__": base.__qualname__})
+    return view
+
+
+def model_source(model: nn.Module) -> str:
+    """The file of `model`'s class (what a plan compiled from the object names on its model line)."""
+    cls = type(model)
+    for klass in cls.__mro__:
+        try:
+            path = inspect.getsourcefile(klass)
+        except TypeError:
+            continue
+        if path and os.path.isfile(path) and "torch/nn/modules" not in path.replace(os.sep, "/"):
+            return path
+    raise TpirError(Diagnostic(f"the source file of {cls.__qualname__} is not known",
+                               hint="define the model's class in a Python file"))
 
 
 def _def_loc(fn, path: str) -> Loc:

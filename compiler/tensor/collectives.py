@@ -226,14 +226,18 @@ def token_operand(v, like, dim: int, group: TensorGroup):
     return copy_to_region(v, group) if v.is_floating_point() else v
 
 
-def vocab_parallel_embedding(weight, ids, start: int, group: TensorGroup):
+def vocab_parallel_embedding(weight, ids, start: int, group: TensorGroup, padding_idx: int = -1):
     """An embedding whose rows [start, start + n) this rank holds (n = weight.size(0)): ids
     outside them look up zeros, and the ranks' lookups are summed (g), so every rank gets the
-    whole embedding and each row's gradient reaches only the rank that holds it."""
+    whole embedding and each row's gradient reaches only the rank that holds it. The
+    embedding's `padding_idx` (a row of the whole vocabulary; -1: none) gets no gradient from
+    the lookup, on the rank that holds it."""
     n = weight.size(0)
     outside = (ids < start) | (ids >= start + n)
     local = (ids - start).masked_fill(outside, 0)
-    out = torch.nn.functional.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    # None, not -1: F.embedding reads a negative padding_idx as counted from the last row
+    pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + n else None
+    out = torch.nn.functional.embedding(local, weight, padding_idx=pad).masked_fill(outside.unsqueeze(-1), 0.0)
     return reduce_from_region(out, group)
 
 

@@ -151,7 +151,10 @@ def shard_graph(graph: fx.Graph, plan: SplitPlan, rank: int) -> fx.Graph:
         elif n.name in plan.embeddings:
             w, ids = env[n.args[0]], env[n.args[1]]
             vocab = int(n.args[0].meta["val"].shape[0])
-            new = g.call_function(collectives.vocab_parallel_embedding, (w, ids, rank * (vocab // T), group_node()))
+            # aten.embedding(weight, ids, padding_idx=-1, ...): the padding row gets no gradient
+            pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
+            new = g.call_function(collectives.vocab_parallel_embedding,
+                                  (w, ids, rank * (vocab // T), group_node(), pad))
         elif n.name in plan.column:
             a = call_args(n)
             x = a["input"] if name == "linear" else (a["mat1"] if name == "addmm" else n.args[0])

@@ -36,13 +36,14 @@ def _error(option: str, message: str, hint: str) -> TpirError:
 def compile_schedule_file(model_path: str, schedule_file: str, *, seq_len: int, batch: int,
                           microbatches: int | None = None, slices: int | tuple[int, ...] = 1,
                           dp: int = 1, stages: int | None = None, factory: str = "model",
-                          quiet: bool = False, print_after: tuple[str, ...] = ()) -> Plan:
+                          quiet: bool = False, print_after: tuple[str, ...] = (), model=None) -> Plan:
     """The verified plan of `schedule_file` on the model of `model_path` (module docstring).
     `microbatches` and `stages` may be left None: the CSV says them. `slices` is a count of
     equal token slices per micro-batch or their lengths (the CSV fixes the units of work, so
     not AUTO). The passes: `tpc compile`'s front half (load, trace, partition, header), then
     csv-place, self-check, csv-import and eval, run by the same driver (compiler/passes.py;
-    `print_after` as `tpc compile --print-after`)."""
+    `print_after` as `tpc compile --print-after`). `model`: a model object to compile as it is
+    (the library's; `model_path` its class's file)."""
     from tpc.compiler.options import CompileOptions
     from tpc.compiler.passes import CompileState, PassManager
     from tpc.compiler.pipeline import Evaluation, SelfCheck, front_passes
@@ -81,7 +82,7 @@ def compile_schedule_file(model_path: str, schedule_file: str, *, seq_len: int, 
               # `tpc compile` writes it without a cost model
               Evaluation(NCCL))
     manager = PassManager(passes, comm=NCCL, print_after=tuple(print_after), quiet=quiet, known=PASS_NAMES)
-    return manager.run(CompileState(model_path=model_path, factory=factory)).plan
+    return manager.run(CompileState(model_path=model_path, factory=factory, model=model)).plan
 
 
 @dataclass(frozen=True)

@@ -97,5 +97,24 @@ class RankOptimizer:
             self.opt.state.pop(p, None)
 
 
+class ExternalOptimizer:
+    """The `step` instruction of a pipeline whose optimizer is the user's (`tpc.Pipeline`): it
+    updates nothing and zeroes nothing. The gradients stay in the parameters' `.grad`, summed
+    over every rank that holds each parameter (the plan's allreduce and reduce-tied ran before
+    it), for the user's optimizer to step on, exactly as after `loss.backward()` in one process."""
+
+    sharded = False
+
+    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]]):
+        self.params = [p for _, p in unique_parameters(named_params)]
+        self.keep_grads = False
+
+    def set_lr(self, lr: float) -> None:
+        return None
+
+    def step(self) -> None:
+        return None
+
+
 def build_optimizer(named_params, spec: OptimSpec) -> RankOptimizer:
     return RankOptimizer(named_params, spec)

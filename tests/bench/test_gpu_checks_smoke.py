@@ -38,6 +38,8 @@ def test_one_node_and_a_node_per_rank_both_pass_the_gradient_check(tmp_path):
         for cells in table.values():
             assert cells[3] == "ok" and "grad error" in cells[4] and "step 2/2" in cells[4], cells
         assert (tmp_path / mode / "1f1b-fp32.log").read_text().count("verify-grads:") == 1
+        # a user's own loop through the library, on 2 ranks
+        assert "# examples/library_loop.py (import tpc, 2 ranks): ok; step " in p.stdout, p.stdout[-2000:]
 
 
 def test_a_failing_run_fails_the_script(tmp_path):

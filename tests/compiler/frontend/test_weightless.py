@@ -15,7 +15,7 @@ from tests.executors.real import real_plan
 from tpc.compiler.frontend import SlicedModel, load_model
 from tpc.compiler.frontend.weightless import build_holding, build_weightless
 from tpc.executors.plan_model import load_rank_model, rank_parameter_names
-from tpc.executors.training_loop import PlanSet
+from tpc.executors.pipeline import PlanSet
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 

@@ -162,3 +162,20 @@ def test_the_loss_is_vocabulary_parallel_and_logits_leaving_a_stage_are_gathered
         got = on_threads(2, lambda r: stages[r](ids, 0, stages[r].empty_kv(2))[0])
     for logits in got:
         assert relative_error(logits, getattr(want, "logits", want)) <= 1e-5
+
+
+def test_the_embeddings_padding_row_and_every_rank_s_last_row_train_as_autograd_trains_them():
+    """Hugging Face embeddings have a padding row (pad_token_id 0) that gets no gradient from the
+    lookup. A vocabulary-parallel embedding keeps it on the rank that holds that row, and no
+    other: the other rank's last row is an ordinary row (F.embedding would read a padding index
+    of -1 as the last row). The batch holds the padding token and each rank's last token; the
+    tied head gives every row a gradient of its own."""
+    m = hf_model("llama", "sdpa", tie_word_embeddings=True)
+    sm = SlicedModel.from_model(m, seq_len=L, vocab=VOCAB, check_slices=None)
+    ids, targets = batch(VOCAB, 2, L)
+    ids = ids.clone()
+    ids[0, :3] = torch.tensor([0, VOCAB // 2 - 1, VOCAB - 1])
+    ref = reference(m, ids, targets)
+    losses, grads = whole_step(sm, ids, targets, 2)
+    assert relative_error(torch.tensor(losses[0]), torch.tensor(ref.loss)) <= 1e-5
+    assert_grads_match(grads, {n: g for n, g in ref.grads.items() if n not in ref.unused})
