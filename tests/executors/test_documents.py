@@ -98,6 +98,7 @@ CASES = [
     # model, stages, slices, micro-batches, schedule
     ("nanogpt", 1, "1", 1, "gpipe"),  # unsliced
     ("nanogpt", 2, "3,5,8", 2, "seq1f1b"),  # a document starts at token 8, a slice boundary
+    ("gpt", 2, "4,4,8", 2, "1f1b"),  # examples/gpt.py
     ("llama", 1, "1", 1, "gpipe"),
     ("llama", 2, "1,7,8", 2, "terapipe"),
     ("hf-llama", 1, "1", 1, "gpipe"),
