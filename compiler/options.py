@@ -421,8 +421,9 @@ def _check_documents(o: CompileOptions) -> None:
                                               1 <= o.document_length <= o.seq_len):
         raise _error("--document-length", f"--document-length {o.document_length!r}: a mean document length "
                      f"is between 1 and the row's {o.seq_len} tokens",
-                     "give the corpus's mean document length in tokens (`tpc profile --data FILE --documents "
-                     "eos:ID` measures it), or a token file to measure")
+                     "give the corpus's mean document length in tokens, or its token file to measure it in "
+                     "(--document-length FILE); a corpus whose documents are longer than a row needs a longer "
+                     "--seq-len, or its documents cut (examples/prepare_corpus.py --max-document)")
     if o.tensor != 1:
         raise _error("--documents", f"--documents with --tensor {o.tensor}: packed documents are not "
                      "supported on a tensor axis", "leave out --tensor, or --documents")
