@@ -64,6 +64,7 @@ SLOW = (
     "tests/library/test_nanogpt.py",
     "tests/library/test_user_loop.py::test_sgd_onecycle_and_clipping_match_plain_pytorch_under_torchrun",
     "tests/library/test_api.py::test_under_torchrun_the_refusal_names_the_rank_that_trains_the_parameter",
+    "tests/library/test_api.py::test_a_plan_file_runs_under_torchrun_with_each_rank_building_only_its_parameters",
     "tests/library/test_library_doc.py::test_the_example_script_runs_and_learns",
     "tests/bench/test_gpu_checks_smoke.py",
     "tests/bench/test_gpu_slicing_smoke.py::test_smoke_run_prints_three_filled_tables",

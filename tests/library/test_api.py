@@ -245,3 +245,42 @@ def test_a_torch_schedule_csv_compiles_from_python(tmp_path):
     assert tpc.load(tmp_path / "p.tpir").header.model.factory == "<object>"
     with pytest.raises(TpirError, match=r"recompute with a schedule file"):
         tpc.compile(_gpt(), seq_len=16, batch=4, schedule_file=csv, recompute="full")
+
+
+def _from_file_rank(rank: int, out_dir: str, path: str) -> None:
+    pipe = tpc.pipeline(path, device="cpu")  # no model: this rank builds its own parameters (seed 0)
+    plan = tpc.load(path)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    losses = []
+    for seed in (3, 4):
+        losses.append(float(pipe.step(*_batch(plan, seed))))
+        opt.step()
+        opt.zero_grad()
+    torch.save({"losses": losses, "state": pipe.state_dict()}, os.path.join(out_dir, f"rank{rank}.pt"))
+    pipe.close()
+
+
+def test_a_plan_file_runs_under_torchrun_with_each_rank_building_only_its_parameters(tmp_path):
+    """`tpc.pipeline(PATH)` without a model: each rank builds its own stages' parameters from the
+    plan's model file and seed, as `tpc run` does; the losses and weights are plain PyTorch's on
+    the model the seed builds."""
+    from tpc.executors.plan_model import load_plan_model
+
+    path = str(tmp_path / "p.tpir")
+    plan = tpc.compile(GPT, seq_len=16, batch=4, stages=2, microbatches=2, slices=2, output=path)
+    codes, errs = launch(2, tmp_path, _from_file_rank, path, limit=240)
+    assert codes == [0, 0], errs
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert set(parts[0]["state"]).isdisjoint(set(parts[1]["state"]) - {"transformer.wte.weight"})
+    ref = load_plan_model(plan, seed=0)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for seed, got in zip((3, 4), parts[0]["losses"]):
+        x, y = _batch(plan, seed)
+        loss = torch.nn.functional.cross_entropy(ref(x).reshape(-1, plan.header.shape.vocab), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert abs(got - float(loss)) <= 1e-5 * float(loss)
+    state = {**parts[0]["state"], **parts[1]["state"]}
+    for n, p in ref.named_parameters():
+        assert torch.allclose(state[n], p.detach(), rtol=0, atol=1e-5), n
