@@ -37,7 +37,7 @@ def parse_lengths(spec) -> tuple[int, ...]:
 # the options `tpc compile` has a flag for, by field name (seq_len and batch are read apart)
 FLAGS = ("stages", "microbatches", "slices", "schedule", "dp", "tensor", "sequence_parallel", "ranks", "factory", "cost", "device_model",
          "memory_per_rank", "shard_optimizer", "explain", "quiet", "virtual_stages", "recompute", "comm", "exchanges",
-         "print_after")
+         "print_after", "documents", "document_length")
 
 
 def print_after_names(values) -> tuple[str, ...]:
@@ -45,10 +45,29 @@ def print_after_names(values) -> tuple[str, ...]:
     return tuple(n.strip() for v in values or () for n in str(v).split(",") if n.strip())
 
 
+def document_length(spec, documents) -> int:
+    """`--document-length N` or `--document-length FILE`: the mean document length, given or
+    measured in a token file at the separator of `--documents`."""
+    from tpc.compiler.options import parse_documents
+
+    text = str(spec).strip()
+    if text.isdigit():
+        return int(text)
+    eos = parse_documents(documents)
+    if eos is None:
+        raise _error("--document-length", "--document-length FILE measures documents at the separator of "
+                     "--documents, which is not given", "add --documents eos:ID")
+    from tpc.executors.training.token_file import document_profile
+
+    return max(1, round(document_profile(text, eos).mean))
+
+
 def options_from_args(args, seq_len: int | None = None) -> CompileOptions:
     """The flags as checked options; a flag left out (None) keeps the default of
     `CompileOptions` (the parser's defaults are read from it: cli/main.py)."""
     given = {name: getattr(args, name) for name in FLAGS if getattr(args, name) is not None}
+    if "document_length" in given:  # a length, or a token file to measure it in
+        given["document_length"] = document_length(given["document_length"], given.get("documents"))
     if "print_after" in given:
         given["print_after"] = print_after_names(given["print_after"])
     return check_options(seq_len=parse_lengths(args.seq_len)[-1] if seq_len is None else seq_len,

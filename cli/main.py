@@ -183,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "--memory-per-rank fitting and --schedule auto count 1/d of the optimizer state per rank "
                    "(d: data-parallel size)")
     c.add_argument("--memory-per-rank", default=D["memory_per_rank"], help="memory budget per rank for --schedule auto, e.g. 16GiB")
+    c.add_argument("--documents", default=None, metavar="eos:ID",
+                   help="the rows are packed documents ended by token ID: positions restart and attention stays "
+                        "inside each document, the target after a separator is not predicted (the plan's "
+                        "`documents` line; run it with the same --documents; docs/training.md, 'Packed documents')")
+    c.add_argument("--document-length", default=None, metavar="N|FILE",
+                   help="with --documents: the corpus's mean document length in tokens, or a token file to measure "
+                        "it in; the cost model prices attention by it (default: the row's length)")
     c.add_argument("--explain", action="store_true", help="print the candidates the optimiser considered and why it chose")
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     c.add_argument("--comm", type=CommRules, choices=tuple(CommRules), default=D["comm"], help=f"the backend the plan is for, whose communication rules it is lowered, searched and verified under (default: {D['comm']}): nccl (CUDA: a send completes only when its receive is posted, so sends and receives that two ranks must post together become one `exchange`) or gloo (CPU: buffered sends, no exchanges needed). A plan for nccl also runs on gloo (docs/training.md, 'Communication')")
@@ -256,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--comm", type=CommRules, choices=tuple(CommRules), default=None, help="the communication rules to run under and verify the plan for (default: the backend's own: nccl on CUDA, gloo on the CPU and with --interpret). --comm nccl on the CPU runs NCCL's rules with the interpreter or gloo: a send completes only when its receive is posted, an `exchange` is one batch, so a plan that would hang on GPUs hangs (and is reported) here (docs/training.md, 'Communication')")
     r.add_argument("--verify-grads", action="store_true", help="compare loss and gradients with plain autograd on the unsliced model; exit 1 above --tolerance")
     r.add_argument("--tolerance", type=float, default=None, help="largest relative gradient error for --verify-grads (default: 1e-5)")
+    r.add_argument("--documents", default=None, metavar="eos:ID",
+                   help="the token file's rows are packed documents ended by token ID (the plan must be compiled "
+                        "with the same --documents): rows start at a document, every stage reads the boundaries")
     r.add_argument("--data", help="token file (.bin of uint16 ids, see examples/prepare_corpus.py); default: random tokens from --seed")
     r.add_argument("--seed", type=int, default=None, help="seed for weights and batches (default: 0)")
     r.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 3e-4)")

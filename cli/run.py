@@ -24,7 +24,7 @@ def options_from_args(args) -> RunOptions:
         checkpoint_dir=args.checkpoint_dir, resume=args.resume, init_from=args.init_from,
         verify_grads=args.verify_grads, quiet=args.quiet, compile=args.compile, comm=args.comm,
         eval_data=args.eval_data, save_best=args.save_best, allow_nonfinite_loss=args.allow_nonfinite_loss,
-        shard_optimizer=args.shard_optimizer, random_ltd=_random_ltd(args))
+        shard_optimizer=args.shard_optimizer, random_ltd=_random_ltd(args), documents=_documents(args))
 
 
 def _random_ltd(args):
@@ -42,6 +42,12 @@ def _random_ltd(args):
     from tpc.compiler.random_ltd import from_flags
 
     return from_flags(units, schedule, seed=1234 + (args.seed or 0))
+
+
+def _documents(args):
+    from tpc.compiler.options import parse_documents
+
+    return parse_documents(getattr(args, "documents", None))
 
 
 def _given(**flags) -> dict:

@@ -11,6 +11,7 @@ from tpc.compiler.options import CompileOptions
 from tpc.compiler.schedules import stages_per_rank, with_replicas
 from tpc.compiler.schedules.placement import vshape
 from tpc.ir.nodes import (
+    DocumentsLine,
     Header,
     MeshLine,
     Microbatch,
@@ -76,7 +77,15 @@ def build_header(
         stages=stages,
         ties=tie_lines,
         microbatches=tuple(Microbatch(index=m, size=n, slices=opts.cuts) for m, n in enumerate(sizes)),
+        documents=documents_line(opts),
     ))
+
+
+def documents_line(opts: CompileOptions) -> DocumentsLine | None:
+    """The `documents` line of `--documents eos:ID` (mean: `--document-length`, else the row)."""
+    if opts.documents is None:
+        return None
+    return DocumentsLine(eos=opts.documents, mean=opts.document_length or opts.seq_len)
 
 
 def header_maker(*, model_path: str, sha256: str, factory: str, opts: CompileOptions, vocab: int, sliced):

@@ -88,6 +88,11 @@ class CompileOptions:
     exchanges: Exchanges = DEFAULT_EXCHANGES
     # the passes after which the compile prints the IR (compiler/passes.py; "all": every one)
     print_after: tuple[str, ...] = ()
+    # packed documents (`--documents eos:ID`): the separator id; None: each row is one text
+    documents: int | None = None
+    # the corpus's mean document length in tokens (`--document-length`), which the cost model
+    # prices attention by; None: the row's length (no document ends inside a row)
+    document_length: int | None = None
 
     def __post_init__(self):
         _check(self)
@@ -198,6 +203,7 @@ def _check(o: CompileOptions) -> None:
         raise _error("--exchanges", f"--exchanges {o.exchanges} with --comm gloo: a plan for gloo's "
                      "buffered sends has no exchange to order",
                      "leave out --exchanges, or compile for --comm nccl")
+    _check_documents(o)
     # pass names (compiler/pipeline.py); which are valid, the pipeline of these options says
     after = (o.print_after,) if isinstance(o.print_after, str) else tuple(o.print_after or ())
     object.__setattr__(o, "print_after", after)
@@ -400,6 +406,41 @@ def parse_memory(text: str) -> float:
     return float(m.group(1)) * _UNITS[unit]
 
 
+def _check_documents(o: CompileOptions) -> None:
+    """--documents and --document-length: a separator id >= 0, a mean length within the row, no
+    tensor axis (a tensor rank would hold part of each row's documents)."""
+    if o.documents is None:
+        if o.document_length is not None:
+            raise _error("--document-length", "--document-length without --documents: the rows are one text each",
+                         "add --documents eos:ID (the corpus's separator id), or leave out --document-length")
+        return
+    if isinstance(o.documents, bool) or not isinstance(o.documents, int) or o.documents < 0:
+        raise _error("--documents", f"--documents: the separator id {o.documents!r} is not a token id",
+                     "give the corpus's end-of-document token, e.g. --documents eos:50256")
+    if o.document_length is not None and not (isinstance(o.document_length, int) and
+                                              1 <= o.document_length <= o.seq_len):
+        raise _error("--document-length", f"--document-length {o.document_length!r}: a mean document length "
+                     f"is between 1 and the row's {o.seq_len} tokens",
+                     "give the corpus's mean document length in tokens, or its token file to measure it in "
+                     "(--document-length FILE); a corpus whose documents are longer than a row needs a longer "
+                     "--seq-len, or its documents cut (examples/prepare_corpus.py --max-document)")
+    if o.tensor != 1:
+        raise _error("--documents", f"--documents with --tensor {o.tensor}: packed documents are not "
+                     "supported on a tensor axis", "leave out --tensor, or --documents")
+
+
+def parse_documents(spec) -> int | None:
+    """`--documents eos:ID` -> ID (None stays None)."""
+    if spec is None or (isinstance(spec, int) and not isinstance(spec, bool)):
+        return spec
+    text = str(spec).strip()
+    kind, _, value = text.partition(":")
+    if kind.strip().lower() != "eos" or not value.strip().lstrip("-").isdigit():
+        raise _error("--documents", f"--documents {text!r} is not `eos:ID`",
+                     "name the corpus's end-of-document token id, e.g. --documents eos:50256")
+    return int(value)
+
+
 def check_options(**given) -> CompileOptions:
     """The compile options `given`, as the command line spells them (strings: "auto", "5,11",
     "16GiB") or as values, read and checked; every option not given keeps its default
@@ -429,4 +470,6 @@ def check_options(**given) -> CompileOptions:
         o["print_after"] = tuple(o["print_after"] or ())
     if isinstance(o.get("exchanges"), str):
         o["exchanges"] = o["exchanges"].strip().lower()
+    if "documents" in o:
+        o["documents"] = parse_documents(o["documents"])
     return CompileOptions(**o)

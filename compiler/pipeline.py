@@ -34,7 +34,7 @@ from tpc.compiler.header import (
 from tpc.compiler.lowering.lower import DEFAULT_EXCHANGES, Exchanges
 from tpc.compiler.options import CompileOptions
 from tpc.compiler.passes import Pass
-from tpc.compiler.schedules import stages_per_rank
+from tpc.compiler.schedules import splits_backward, stages_per_rank
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Plan
 from tpc.ir.semantics import DEFAULT_COMM, CommRules
@@ -86,12 +86,19 @@ class Trace(Pass):
     stages: int | None = None
     stages_option: str = "--stages"
     schedule_file: str | None = None  # the stages are the schedule file's (`--schedule-file`)
+    documents: int | None = None  # `--documents eos:ID`: the model must reset at a document boundary
 
     def run(self, state, note):
         from tpc.compiler.frontend import SlicedModel
 
         sliced = SlicedModel.from_model(state.model, seq_len=self.seq_len, vocab=state.vocab, check_slices=None)
         note(f"{sliced.num_units} units, vocab {sliced.vocab}")
+        if self.documents is not None:
+            if self.documents >= sliced.vocab:
+                raise _error("--documents", f"--documents eos:{self.documents}: the separator id is outside the "
+                             f"model's vocabulary of {sliced.vocab}",
+                             f"give the corpus's end-of-document token, an id below {sliced.vocab}")
+            sliced.check_documents()
         if self.stages is not None and self.stages > sliced.num_units:
             if self.schedule_file is not None:
                 raise _error("--schedule-file", f"{self.schedule_file} runs {self.stages} stages but the model "
@@ -248,7 +255,11 @@ def front_passes(options: CompileOptions, *, split=None, schedule_file: str | No
     o = options
     option = "--virtual-stages" if o.virtual_stages > 1 else "--stages"
     ranges = None if split is None else tuple(tuple(r) for r in split[2])
-    return [Load(o.factory), Trace(o.seq_len, o.num_stages, option, schedule_file),
+    if o.documents is not None and not o.schedule_auto and splits_backward(o.schedule):
+        raise _error("--schedule", f"--documents with schedule {o.schedule!r}, which splits each backward in "
+                     "two: packed documents run each stage eagerly, and a split backward runs its traced programs",
+                     "choose a schedule whose backward is whole (seq1f1b, terapipe, 1f1b, gpipe, ...)")
+    return [Load(o.factory), Trace(o.seq_len, o.num_stages, option, schedule_file, o.documents),
             Partition(o.num_stages, ranges), BuildHeader(o)] + ([TensorSplit()] if o.tensor != 1 else [])
 
 
@@ -264,6 +275,8 @@ class Costs(Pass):
     summary = "cost models for any partition (--cost or --device-model)"
     cost: str | None = None
     device_model: str | None = None
+    # packed documents: their mean length, which the traced-graph model prices attention by
+    document_length: int | None = None
 
     def run(self, state, note):
         from tpc.compiler.costmodel.resolve import load_cost_source
@@ -271,8 +284,11 @@ class Costs(Pass):
         sliced = state.sliced
         source = load_cost_source(cost=self.cost, device_model=self.device_model,
                                   sliced=sliced if self.device_model else None, num_units=sliced.num_units,
-                                  model_sha256=state.sha256 if self.cost else None)
-        note(f"--cost {self.cost}" if self.cost else f"--device-model {self.device_model}")
+                                  model_sha256=state.sha256 if self.cost else None,
+                                  document_length=self.document_length)
+        note((f"--cost {self.cost}" if self.cost else f"--device-model {self.device_model}")
+             + (f", attention over documents of mean length {self.document_length}"
+                if self.document_length is not None and self.device_model else ""))
         return state.but(source=source)
 
 
@@ -304,8 +320,10 @@ def search_space(opts: CompileOptions, num_units: int, split=None, tensors=None,
         meshes, skipped = [(opts.pipe, opts.dp, opts.tensor_size)], []
     return Space(
         seq_len=opts.seq_len, batch=opts.batch, microbatches=opts.microbatch_count,
-        meshes=tuple(meshes), schedules=(AUTO_SCHEDULES + (RECOMPUTE_SCHEDULES if opts.recompute == "full" else ())
-                   if opts.schedule_auto else (opts.schedule,)),
+        meshes=tuple(meshes), schedules=tuple(
+            s for s in (AUTO_SCHEDULES + (RECOMPUTE_SCHEDULES if opts.recompute == "full" else ())
+                        if opts.schedule_auto else (opts.schedule,))
+            if opts.documents is None or not splits_backward(s)),  # documents: whole backwards only
         # with --recompute auto the budget is met by recomputation after the search
         slices=None if opts.slices_auto else opts.cuts,
         budget=None if opts.recompute == "auto" else opts.memory_per_rank,
@@ -582,8 +600,10 @@ def compile_passes(options: CompileOptions, split=None) -> list[Pass]:
         # a cost model is named: the partition comes from its unit times, and whatever is 'auto'
         # is chosen by simulated step time
         passes = [Load(o.factory), Trace(o.seq_len, None if o.stages_auto else o.num_stages,
-                                         "--virtual-stages" if o.virtual_stages > 1 else "--stages"),
-                  Costs(o.cost, o.device_model), Search(o, split)]
+                                         "--virtual-stages" if o.virtual_stages > 1 else "--stages",
+                                         documents=o.documents),
+                  Costs(o.cost, o.device_model,
+                        (o.document_length or o.seq_len) if o.documents is not None else None), Search(o, split)]
         passes += [TensorSplit()] if o.tensor != 1 else []
         passes += [EvalSlicing(o.microbatch_count)]
     else:

@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Protocol
 import torch
 
 from tpc.executors.training.batches import Batch, microbatch
+from tpc.executors.training.documents import document_starts, mask_crossing_targets
 from tpc.executors.options import RunOptions
 from tpc.executors.training.optimizer import RankOptimizer
 from tpc.executors.training.param_groups import unique_parameters
@@ -140,7 +141,7 @@ class StageRuntimeLike(Protocol):
 
     live_activations: int
 
-    def forward(self, mb, sl, x, offset, targets=None, checkpoint=False, capacity=None): ...
+    def forward(self, mb, sl, x, offset, targets=None, checkpoint=False, capacity=None, documents=None): ...
 
     def recompute(self, mb, sl): ...
 
@@ -167,26 +168,35 @@ StageFactory = Callable[[Stage, float], BuiltStage]
 
 def stage_factory_from_model(sliced, model_copy: torch.nn.Module, evaluation: bool = False,
                              programs: Callable[[Stage], "ProgramOptions | None"] | None = None,
-                             dropped: tuple[int, ...] = ()) -> StageFactory:
+                             dropped: tuple[int, ...] = (), documents: bool = False) -> StageFactory:
     """Stages cut from the front end's `SlicedModel`, sharing parameters with `model_copy` (so
     that two stages of one rank share a tied parameter, and the copy's state_dict is current).
     `evaluation`: the stages of the evaluation program, as `model.eval()` runs them (dropout
     off), sharing the same parameters with the training stages. `programs(stage)`: how the
     stage runs its programs (`programs_for`), None for eager autograd. `dropped`: the units that
-    run on their kept tokens only (random-LTD, `RunOptions.random_ltd`)."""
+    run on their kept tokens only (random-LTD, `RunOptions.random_ltd`). `documents`: the plan's
+    rows are packed documents (its `documents` line): the stages reset positions and attend within
+    each document, eagerly."""
 
     def build(stage: Stage, loss_scale: float) -> BuiltStage:
         from tpc.compiler.programs.stage_programs import StagePrograms
         from tpc.executors.stage_runtime import StageRuntime
 
         lo, hi = stage.units
-        module = sliced.stage_module(lo, hi, params_from=model_copy, evaluation=evaluation, dropped=dropped)
+        module = sliced.stage_module(lo, hi, params_from=model_copy, evaluation=evaluation, dropped=dropped,
+                                     documents=documents)
         how = programs(stage) if programs is not None else None
         if how is not None and module.dropped:
             raise TpirError(Diagnostic(
                 f"stage {stage.index} runs its programs (the plan splits its backward, or --compile), "
                 "and random-LTD runs the stages under eager autograd", where="--random-ltd",
                 hint="use a schedule without a split backward (not zb-h1, zb-h2, seq-zb, zbv, dualpipev)"))
+        if documents and how is not None:
+            raise TpirError(Diagnostic(
+                f"stage {stage.index}: packed documents run eagerly, and this run asks for the stage's traced "
+                "programs (--compile, or a schedule that splits the backward)",
+                hint="run without --compile, or compile the plan with a schedule whose backward is whole "
+                     "(seq1f1b, terapipe, gpipe, 1f1b, ...)"))
         runtime = StageRuntime(module, loss_scale, None if how is None else StagePrograms(module, how))
         return BuiltStage(runtime, list(module.named_parameters()))
 
@@ -310,11 +320,16 @@ class RankEngine:
         `Batch` of ids and targets."""
         self.step, self.pc = step, 0
         self.transport.start_step(step)
+        batch = Batch.of(tokens)
+        # the ids as the host holds them: document boundaries are read there, never from the device
+        self.host_ids = batch.ids if batch.ids.device.type == "cpu" else None
         # once per step onto the device; the loads cut the micro-batches from it there
-        self.batch = Batch.of(tokens).to(self.device)
+        self.batch = batch.to(self.device)
         self.env: dict[Message, torch.Tensor] = {}
         self.ids: dict[int, torch.Tensor] = {}
         self.targets: dict[int, torch.Tensor] = {}
+        # over packed documents: micro-batch -> each row's document starts (host ints)
+        self.documents: dict[int, tuple] = {}
         self.step_loss: torch.Tensor | float = 0.0  # on the device from the first loss on
         self.grad_sq, self.grad_norm = None, None
         self.reduced: set[int] = set()  # ids of parameters already allreduced this step
@@ -445,6 +460,15 @@ class RankEngine:
     def _load(self, instr: Instr) -> None:
         rows = microbatch(self.batch, self.header, self.data_rank, instr.mb)
         ids, targets = rows.ids, rows.targets
+        docs = self.header.documents
+        if docs is not None:
+            # every stage's rank loads: the boundaries are read from the host's copy of the batch
+            # (no transfer from the device, no message between ranks); the target after a
+            # separator, the next document's first token, is not predicted
+            host = self.host_ids if self.host_ids is not None else self.batch.ids.cpu()
+            host_ids = microbatch(Batch(host, host), self.header, self.data_rank, instr.mb).ids
+            self.documents[instr.mb] = document_starts(host_ids, docs.eos)
+            targets = mask_crossing_targets(ids, targets, docs.eos)
         # this rank's ends for the micro-batch: with weight replicas (chimera), a rank holding
         # the first stage of one pipeline and the last of the other loads only what its runs use
         if self.header.stage_rank(0, instr.mb) == self.pipe_rank:
@@ -470,16 +494,22 @@ class RankEngine:
                                            hint=f"put `load mb {m}` before the first forward of it"))
             targets = self.targets[m][:, lo:hi]
         capacity = self.header.microbatches[m].slices[-1][1]
+        extra = {}
+        if self.header.documents is not None:
+            if m not in self.documents:
+                raise TpirError(Diagnostic(f"micro-batch {m} is not loaded: its document boundaries are unknown",
+                                           hint=f"put `load mb {m}` before the first forward of it"))
+            extra["documents"] = self.documents[m]
         keep = self._kept(stage, m, i)
         with self.compute_context():
             if self.forward_only:
-                out = stage.runtime.evaluate(m, i, x, lo, targets=targets, capacity=capacity)
+                out = stage.runtime.evaluate(m, i, x, lo, targets=targets, capacity=capacity, **extra)
             elif keep is not None:
                 out = stage.runtime.forward(m, i, x, lo, targets=targets, checkpoint=instr.checkpoint,
                                             capacity=capacity, keep=keep)
             else:
                 out = stage.runtime.forward(m, i, x, lo, targets=targets, checkpoint=instr.checkpoint,
-                                            capacity=capacity)
+                                            capacity=capacity, **extra)
         if s == self.last_stage:
             self.step_loss = self.step_loss + out.detach().double()  # on the device: no sync per slice
         else:

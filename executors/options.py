@@ -40,6 +40,8 @@ class RunOptions:
     bf16: bool = False  # bf16 autocast around compute (CUDA only; weights, grads, messages fp32)
     timeout: float = 120.0  # seconds a rank waits for a peer before giving up (torchrun)
     data: str | None = None  # token file; None: random tokens from `seed`
+    # the separator id of packed documents (`--documents eos:ID`); the plan must say the same
+    documents: int | None = None
     # record each instruction's start and end; with `trace_path`, write them there (Chrome
     # trace). On CUDA the engine waits for the device after each instruction, so a traced run
     # is slower.

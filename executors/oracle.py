@@ -57,11 +57,40 @@ def reference(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> Ref
     return Reference(float(loss.detach()), out, unused)
 
 
-def batch_reference(model: nn.Module, tokens: torch.Tensor) -> Reference:
+def batch_reference(model: nn.Module, tokens: torch.Tensor, eos: int | None = None) -> Reference:
     """The reference for a batch of tokens (batch, seq + 1): ids are all but the last token of
-    each row, targets all but the first; gradients on the CPU."""
-    ref = reference(model, tokens[:, :-1], tokens[:, 1:])
+    each row, targets all but the first; gradients on the CPU. `eos`: the rows are packed
+    documents ended by that separator, and the reference is `document_reference`'s."""
+    if eos is not None:
+        ref = document_reference(model, tokens[:, :-1], tokens[:, 1:], eos)
+    else:
+        ref = reference(model, tokens[:, :-1], tokens[:, 1:])
     return ref._replace(grads={n: g.cpu() for n, g in ref.grads.items()})
+
+
+def document_reference(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor, eos: int) -> Reference:
+    """The reference over packed documents: every document of every row through the unsliced
+    model on its own (no mask: it is the whole input; its positions start at 0), next-token
+    cross-entropy summed over its tokens but its separator's (whose target is the next
+    document's first token), divided by all the batch's tokens, as the plan's loss is."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    total = None
+    for row_ids, row_targets in zip(ids, targets):
+        ends = [int(i) + 1 for i in (row_ids == eos).nonzero().flatten()]
+        bounds = [0, *[e for e in ends if e < len(row_ids)], len(row_ids)]
+        for a, b in zip(bounds, bounds[1:]):
+            doc = row_ids[a:b].contiguous()[None]  # (1, n): one document alone
+            logits = logits_of(model(doc))
+            keep = doc[0] != eos
+            if not bool(keep.any()):
+                continue
+            part = F.cross_entropy(logits[0][keep].float(), row_targets[a:b][keep], reduction="sum")
+            total = part if total is None else total + part
+    loss = total / ids.numel()
+    grads = torch.autograd.grad(loss, [p for _, p in params], allow_unused=True)
+    out = {n: (g if g is not None else torch.zeros_like(p)).detach() for (n, p), g in zip(params, grads)}
+    unused = frozenset(n for (n, _), g in zip(params, grads) if g is None)
+    return Reference(float(loss.detach()), out, unused)
 
 
 def gradient_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],

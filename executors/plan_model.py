@@ -135,7 +135,8 @@ class StageSource:
 
         return stage_factory_from_model(self.sliced[plan.header.shape.seq], model_copy, evaluation=evaluation,
                                         programs=programs_for(plan, options or RunOptions()),
-                                        dropped=() if evaluation or ltd is None else tuple(ltd.units))
+                                        dropped=() if evaluation or ltd is None else tuple(ltd.units),
+                                        documents=plan.header.documents is not None)
 
     def hidden_size(self, plan: Plan) -> int:
         return self.hidden if self.factory_for is not None else self.sliced[plan.header.shape.seq].hidden_size

@@ -40,11 +40,36 @@ def batch_source(plan: Plan, options: RunOptions):
     if options.data:
         from tpc.executors.training.token_file import TokenFileBatches
 
+        docs = plan.header.documents
         return TokenFileBatches(options.data, seed=options.seed, batch=shape.batch, seq=shape.seq,
-                                vocab=shape.vocab)
+                                vocab=shape.vocab, eos=docs.eos if docs is not None else None)
     from tpc.executors.training.batches import RandomTokens
 
     return RandomTokens(options.seed, shape.batch, shape.seq, shape.vocab)
+
+
+def check_documents_run(plan: Plan, options: RunOptions) -> None:
+    """`--documents eos:ID` and the plan agree: a plan compiled for packed documents resets
+    positions and masks attention at the separator it names, one compiled without attends across
+    the whole row; each is refused with the other data, saying why."""
+    docs, eos = plan.header.documents, options.documents
+    if docs is None and eos is not None:
+        raise TpirError(Diagnostic(
+            f"--documents eos:{eos}: the plan was compiled for rows of one text each, so its attention "
+            "would run across document boundaries and its positions would not restart",
+            loc=plan.header.shape.loc, where=plan.source,
+            hint=f"compile the plan with --documents eos:{eos}, or run without --documents"))
+    if docs is not None and eos is None:
+        raise TpirError(Diagnostic(
+            f"the plan was compiled for packed documents ended by token {docs.eos}, and the run has no "
+            "--documents: every row would be cut into documents at that token without being asked",
+            loc=docs.loc, where=plan.source,
+            hint=f"run with --documents eos:{docs.eos}, or compile the plan without --documents"))
+    if docs is not None and eos != docs.eos:
+        raise TpirError(Diagnostic(
+            f"--documents eos:{eos}, and the plan was compiled for documents ended by token {docs.eos}",
+            loc=docs.loc, where=plan.source,
+            hint=f"run with --documents eos:{docs.eos}, or compile the plan with --documents eos:{eos}"))
 
 
 def check_bf16(options: RunOptions, device: torch.device) -> None:
@@ -95,6 +120,8 @@ class RunSetup:
             check_plan_model(plan)
             plans = PlanSet.single(plan)
             batches = batch_source(plan, options)
+        for each in plans.plans.values():  # each plan of a curriculum's bundle alike
+            check_documents_run(each, options)
         check_tensor_run(plans.full, options, "the interpreter" if interpreted else "the distributed executor")
         check_bf16(options, device)
         # a rank of a distributed run builds only its stages' weights, later (distributed.py);
@@ -147,6 +174,8 @@ class GradientCheck:
     def __init__(self, plan: Plan, options: RunOptions, model: torch.nn.Module):
         self.tolerance = options.tolerance
         self.plan, self.options = plan, options
+        # over packed documents the reference runs each document on its own
+        self.eos = plan.header.documents.eos if plan.header.documents is not None else None
         from tpc.compiler.frontend.weightless import holds_weights
 
         # the one place a distributed run builds the whole model: the seed gives it the weights
@@ -163,7 +192,8 @@ class GradientCheck:
     def reference(self, tokens: torch.Tensor):
         if self._ref is None:
             ltd = self.options.random_ltd
-            self._ref = batch_reference(self.model, tokens) if ltd is None else self._ltd_reference(ltd, tokens)
+            self._ref = (batch_reference(self.model, tokens, self.eos) if ltd is None
+                         else self._ltd_reference(ltd, tokens))
         return self._ref
 
     def _ltd_reference(self, ltd, tokens: torch.Tensor):

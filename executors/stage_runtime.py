@@ -31,6 +31,16 @@ windowed prefix to recompute from. Gradients sent into a windowed cache collect 
 at most w - 1 tokens: by the time slice i runs backward every later slice has, and only the
 w - 1 tokens before slice i can still receive gradients. So a windowed layer's cache and its
 gradients take O(w) memory however long the sequence.
+
+Packed documents (`forward(..., documents=starts)`): a slice reads only the tokens of the
+documents its rows' first tokens are in (`StageModule.forward` narrows each row's prefix), and
+none when every row starts a document at it. After each slice the runtime drops the tokens of
+documents no later slice reads (`_drop_finished`: those before the document each row's next token
+is in, the earliest over the rows): the live tokens move to a buffer of their own, which grows by
+doubling from there, and a slice's prefix leaves are copies of the live tokens rather than views,
+so that a finished document's buffer goes once nothing reads it. The gradients sent into the cache
+collect as a window's do, per region read. A checkpointed forward keeps everything after it (its
+recompute reads its prefix again). So the cache holds about one document per row, not the row.
 """
 
 from __future__ import annotations
@@ -75,6 +85,8 @@ class _Slice:
     y_meta: tuple | None = None
     held_bytes: int = 0  # of `held`, what backward_input computed (not the forward's saved values)
     sent_kv_grads: bool = False  # backward (or backward_input) ran: earlier slices' K/V grads are final
+    # over packed documents: each row's document starts (`StageModule.forward`); None otherwise
+    documents: tuple | None = None
 
 
 @dataclass
@@ -95,6 +107,9 @@ class _Cache:
     base: list = field(default_factory=list)  # per cached tensor: the token at buffer index 0
     # per cached tensor: its tokens so far (`length`, but a dropped unit's holds its kept ones)
     filled: list = field(default_factory=list)
+    # over packed documents: a checkpointed slice will read its prefix again when recomputed, so
+    # no finished document is dropped from this micro-batch's cache after it
+    keep_all: bool = False
 
 
 def storage_key(t: torch.Tensor) -> tuple:
@@ -134,10 +149,13 @@ class StageRuntime:
     # ------------------------------------------------------------------ forward
 
     def forward(self, mb: int, sl: int, x: torch.Tensor, offset: int, targets=None, checkpoint: bool = False,
-                capacity: int | None = None, keep: list | None = None):
+                capacity: int | None = None, keep: list | None = None, documents=None):
         """Forward one slice; returns the detached activation to send (or the scaled loss).
         `capacity`: the micro-batch's token count, if known (sizes its KV buffers once); `keep`:
-        per dropped unit of the stage, the slice's kept positions (random-LTD)."""
+        per dropped unit of the stage, the slice's kept positions (random-LTD). `documents`:
+        over packed documents, each row's document starts (the micro-batch's load); the slice
+        reads only the cached tokens of its own documents, and sends gradients into no other
+        (`StageModule.forward`)."""
         if (mb, sl) in self._slices:
             raise RuntimeError(f"forward of micro-batch {mb} slice {sl} already ran on stage "
                                f"{self.module.lo}:{self.module.hi}")
@@ -155,25 +173,33 @@ class StageRuntime:
         start = cache.length if cache is not None else 0
         # the slice's tokens (a sequence-parallel stage's input activation holds 1/T of them)
         rec = _Slice(mb, x, int(offset), targets, start, x.size(1) * getattr(self.module, "token_parts", 1),
-                     keep=keep)
+                     keep=keep, documents=documents)
         if keep is not None and self.programs is not None:
             raise RuntimeError(f"stage {self.module.lo}:{self.module.hi} runs its programs (a split backward "
                                "or --compile): random-LTD runs under eager autograd only")
         rec.starts = list(cache.filled) if cache is not None else [0] * self.module.num_kv
         if self.programs is not None:
+            if documents is not None:
+                raise RuntimeError("packed documents run eagerly: a stage's traced programs (--compile, a "
+                                   "split backward) do not take document boundaries")
             y, kv = self._run_programs(rec, keep=not checkpoint, checkpoint=checkpoint)
         else:
             with torch.set_grad_enabled(not checkpoint):
                 y, kv = self._run(rec, checkpoint)
-        self._append(mb, kv, capacity, rec.length)
         rec.lengths = [k.size(d) for k, d in zip(kv, self.module.kv_dims)]
+        if documents is not None:  # the cache grows from its live documents (`_drop_finished`)
+            self._append(mb, kv, None, rec.length)
+            self._caches[mb].keep_all |= checkpoint
+            self._drop_finished(mb, documents)
+        else:
+            self._append(mb, kv, capacity, rec.length)
         if not checkpoint and self.programs is None:
             rec.y, rec.kv_out = self._output(y), kv
         self._slices[(mb, sl)] = rec
         return self._scaled(y).detach()
 
     def evaluate(self, mb: int, sl: int, x: torch.Tensor, offset: int, targets=None,
-                 capacity: int | None = None) -> torch.Tensor:
+                 capacity: int | None = None, documents=None) -> torch.Tensor:
         """Forward one slice with no autograd graph and nothing kept but the KV cache the next
         slice reads (the evaluation program); returns the activation (or the scaled loss)."""
         done = self._evaluated.get(mb, 0)
@@ -189,11 +215,16 @@ class StageRuntime:
                 prefix = self._empty_kv(x.size(0), x.device)
             else:
                 prefix = [self._prefix_view(cache, t, cache.filled[t]) for t in range(len(cache.kv))]
-            if self.programs is not None:
+            if self.programs is not None and documents is None:
                 y, kv = self._forward_program(x, int(offset), prefix, targets)
+            elif documents is not None:
+                y, kv = self.module(x, int(offset), prefix, targets, documents=documents)
             else:
                 y, kv = self.module(x, int(offset), prefix, targets)
-            self._append(mb, kv, capacity, x.size(1) * getattr(self.module, "token_parts", 1))
+            self._append(mb, kv, None if documents is not None else capacity,
+                         x.size(1) * getattr(self.module, "token_parts", 1))
+            if documents is not None:
+                self._drop_finished(mb, documents)
         self._evaluated[mb] = sl + 1
         return self._scaled(y)
 
@@ -234,14 +265,27 @@ class StageRuntime:
         return prefix
 
     def _run(self, rec: _Slice, checkpoint: bool = False):
-        """The module on one slice under autograd, its prefix read as leaves viewing the cache."""
+        """The module on one slice under autograd, its prefix read as leaves viewing the cache.
+        Over packed documents a slice at whose first token every row starts a document reads no
+        cached token: it gets the empty prefix of a first slice, holds no view of the cache and
+        sends the earlier slices no gradient."""
+        if rec.documents is not None and rec.start > 0 and all(rec.start in row for row in rec.documents):
+            rec.prefix = []
+            return self.module(rec.x, rec.offset, self._empty_kv(rec.x.size(0), rec.x.device), rec.targets,
+                               documents=rec.documents)
         prefix = self._prefix(rec, checkpoint)
         if rec.start == 0:
             rec.prefix = []
+        elif rec.documents is not None:
+            # copies of the live documents' tokens, not views: a view would keep the whole buffer,
+            # finished documents included, alive until this slice's backward
+            rec.prefix = prefix = [_leaf(p.clone()) for p in prefix]
         else:
             rec.prefix = prefix = [_leaf(p) for p in prefix]
         if rec.keep is not None:
             return self.module(rec.x, rec.offset, prefix, rec.targets, keep=rec.keep)
+        if rec.documents is not None:
+            return self.module(rec.x, rec.offset, prefix, rec.targets, documents=rec.documents)
         return self.module(rec.x, rec.offset, prefix, rec.targets)
 
     def _forward_program(self, x, offset: int, prefix: list, targets):
@@ -272,8 +316,27 @@ class StageRuntime:
     def _prefix_view(self, cache: _Cache, t: int, start: int) -> torch.Tensor:
         """Tokens [start - p, start) of cached tensor t: p = start, or at most w - 1 for a window."""
         w, d = self.module.kv_windows[t], self.module.kv_dims[t]
-        p = start if w is None else min(start, w - 1)
+        # (a full cache over packed documents holds the tokens from its first live document on)
+        p = start - cache.base[t] if w is None else min(start, w - 1)
         return cache.kv[t].narrow(d, start - p - cache.base[t], p)
+
+    def _drop_finished(self, mb: int, documents) -> None:
+        """Over packed documents: drop from micro-batch `mb`'s full caches the tokens of documents
+        no later slice reads, those before the document every row's next token is in. The live
+        tokens move to a new buffer of their own (never in place: a slice's saved keys may be
+        the old buffer); the old one goes with its last reader. Not after a checkpointed slice,
+        whose recompute reads its prefix again."""
+        cache = self._caches[mb]
+        if cache.keep_all:
+            return
+        nxt = cache.length
+        live = min(max(s for s in row if s <= nxt) for row in documents)
+        for t, (d, w) in enumerate(zip(self.module.kv_dims, self.module.kv_windows)):
+            if w is not None or live <= cache.base[t]:
+                continue
+            buf = cache.kv[t]
+            cache.kv[t] = buf.narrow(d, live - cache.base[t], nxt - live).clone()
+            cache.base[t] = live
 
     def _append(self, mb: int, kv: list, capacity: int | None, tokens: int) -> None:
         """Write a slice's keys/values after the cached ones: into buffers of the micro-batch's
@@ -407,11 +470,14 @@ class StageRuntime:
         """Add the gradients this slice's backward sent into its prefix (`grads`, per cached
         tensor, with programs; else what autograd left in its prefix leaves) to the cache's
         gradients, where the earlier slices find theirs."""
-        if rec.start > 0:
+        if rec.start > 0 and (grads is not None or rec.prefix):  # (a slice that read no prefix sends nothing)
             cache = self._caches[rec.mb]
             if cache.grad is None:
                 cache.grad = [None] * len(cache.kv)
             for t, (d, w) in enumerate(zip(self.module.kv_dims, self.module.kv_windows)):
+                # a full cache's gradients cover [0, start) from the first backward on; over packed
+                # documents only the regions slices read (their live documents), as a window's
+                full = w is None and rec.documents is None
                 if grads is not None:
                     if not cache.kv[t].is_floating_point():  # a cache of token ids
                         continue
@@ -426,7 +492,7 @@ class StageRuntime:
                     # added in: the graph a split backward keeps for its weight half holds the
                     # leaf, whose gradient is a view of all of the attention's key gradient
                     leaf.grad = None
-                cache.grad[t] = self._accumulate(cache.grad[t], g, shape, dtype, d, rec.starts[t], w is None)
+                cache.grad[t] = self._accumulate(cache.grad[t], g, shape, dtype, d, rec.starts[t], full)
         rec.prefix = []
         rec.sent_kv_grads = True
 

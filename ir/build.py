@@ -17,6 +17,7 @@ from tpc.ir.nodes import (
     BundleLine,
     BundleMember,
     FORMAT_VERSIONS,
+    DocumentsLine,
     Header,
     Instr,
     Line,
@@ -170,6 +171,12 @@ class PlanBuilder(Transformer):
         first, _, batch, _, seq, _, vocab, _, dtype = children
         return self._make(ShapeLine, "shape", self._trivia(first), batch=int(batch),
                           seq=int(seq), vocab=int(vocab), dtype=str(dtype))
+
+    @_line
+    def documents_line(self, children):
+        first, _, eos, _, mean = children
+        return self._make(DocumentsLine, "documents", self._trivia(first), eos=self._nat(eos, "eos"),
+                          mean=self._nat(mean, "mean"))
 
     @_line
     def mesh_line(self, children):
@@ -383,6 +390,7 @@ class PlanBuilder(Transformer):
             stages=tuple(by_kind["stage"]),
             microbatches=tuple(by_kind["microbatch"]),
             ties=tuple(by_kind["tie"]),
+            documents=by_kind["documents"][0] if by_kind["documents"] else None,
             version=version.number,
             version_comments=version.trivia.get("comments", ()),
             version_note=version.trivia.get("note"),
@@ -428,7 +436,7 @@ class _Version:
 
 
 _KIND: dict[type, str] = {
-    ModelLine: "model", ShapeLine: "shape", MeshLine: "mesh", ScheduleLine: "schedule",
+    ModelLine: "model", ShapeLine: "shape", DocumentsLine: "documents", MeshLine: "mesh", ScheduleLine: "schedule",
     UnitsLine: "units", Stage: "stage", Tie: "tie", Microbatch: "microbatch",
     BundleLine: "bundle", BundleMember: "plan",
 }

@@ -59,7 +59,7 @@ from tpc.ir.mesh import Mesh, tie_pipe_ranks
 # The format version `tpc compile` writes. A plan keeps the version it was written in (printing a
 # version-1 plan writes `tpir 1` again), every version in FORMAT_VERSIONS is read, and the
 # verifier (rule H1) refuses a line or instruction that is newer than its plan's version line.
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 # each version this tpc reads, with what it added over the one before (docs/ir.md, "Versions")
 FORMAT_VERSIONS: dict[int, str] = {
     1: "the first format",
@@ -67,6 +67,7 @@ FORMAT_VERSIONS: dict[int, str] = {
     3: "weight replicas: `stage S ranks R0 R1`, `microbatch ... replica K`, `reduce-replicas`",
     4: "a tensor axis: `mesh pipe P data D tensor T`",
     5: "sequence parallelism: `mesh pipe P data D tensor T sequence-parallel`",
+    6: "packed documents: `documents eos ID mean M`",
 }
 # the format version that added weight replicas (two pipelines over the same stages)
 REPLICA_VERSION = 3
@@ -74,6 +75,8 @@ REPLICA_VERSION = 3
 TENSOR_VERSION = 4
 # the format version that added sequence parallelism over the tensor axis
 SEQUENCE_VERSION = 5
+# the format version that added packed documents (`documents eos ID mean M`)
+DOCUMENTS_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,21 @@ class ShapeLine(Line):
 
     def __post_init__(self):
         _check(self.batch >= 1 and self.seq >= 1 and self.vocab >= 1, "shape sizes must be >= 1")
+
+
+@dataclass(frozen=True)
+class DocumentsLine(Line):
+    """`documents eos ID mean M` (format version 6): the rows are packed documents, each ended
+    by the separator token ID; attention stays inside a document, positions restart at each
+    one, and the target after a separator (the next document's first token) is not predicted.
+    M is the corpus's mean document length in tokens (its profile), which the cost model prices
+    attention by."""
+
+    eos: int
+    mean: int
+
+    def __post_init__(self):
+        _check(self.eos >= 0 and self.mean >= 1, "the separator id must be >= 0 and the mean length >= 1")
 
 
 @dataclass(frozen=True)
@@ -237,6 +255,8 @@ class Header:
     microbatches: tuple[Microbatch, ...]
     ties: tuple[Tie, ...] = ()
     version: int = FORMAT_VERSION
+    # `documents eos ID mean M` (format version 6): None for rows of one text each
+    documents: DocumentsLine | None = None
     # comments above the `tpir` line, and on it
     version_comments: tuple[str, ...] = field(default=(), compare=False, repr=False)
     version_note: str | None = field(default=None, compare=False, repr=False)

@@ -12,6 +12,7 @@ from tpc.ir.nodes import (
     Bundle,
     BundleLine,
     BundleMember,
+    DocumentsLine,
     Instr,
     Line,
     MeshLine,
@@ -36,7 +37,7 @@ def print_plan(plan: Plan) -> str:
     h = plan.header
     out: list[str] = []
     _emit(out, "", h.version_comments, f"tpir {h.version}", h.version_note)
-    header_lines: list[Line] = [h.model, h.shape, h.mesh, h.schedule, h.units, *h.stages,
+    header_lines: list[Line] = [h.model, h.shape, *([h.documents] if h.documents else []), h.mesh, h.schedule, h.units, *h.stages,
                                 *h.ties, *h.microbatches]
     for line in header_lines:
         _emit(out, "", line.comments, line_text(line), line.note)
@@ -87,6 +88,8 @@ def line_text(line: Line) -> str:
                 f"factory {quote(line.factory)}")
     if isinstance(line, ShapeLine):
         return f"shape batch {line.batch} seq {line.seq} vocab {line.vocab} dtype {line.dtype}"
+    if isinstance(line, DocumentsLine):
+        return f"documents eos {line.eos} mean {line.mean}"
     if isinstance(line, MeshLine):
         return f"mesh {line.sizes}"
     if isinstance(line, ScheduleLine):

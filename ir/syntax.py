@@ -33,16 +33,17 @@ def _instr_syntax(op: Op) -> str:
 
 # The header lines in the order a plan writes them; the last three may repeat.
 HEADER_ORDER: tuple[str, ...] = (
-    "model", "shape", "mesh", "schedule", "units", "stage", "tie", "microbatch",
+    "model", "shape", "documents", "mesh", "schedule", "units", "stage", "tie", "microbatch",
 )
 REPEATED = frozenset({"stage", "tie", "microbatch"})
-OPTIONAL = frozenset({"tie"})
+OPTIONAL = frozenset({"tie", "documents"})
 
 # How each line is written, by its first word: shown in hints.
 SYNTAX: dict[str, str] = {
     "tpir": f"tpir {FORMAT_VERSION}",
     "model": 'model "PATH" sha256 "HEX" factory "NAME"',
     "shape": "shape batch B seq L vocab V dtype D",
+    "documents": "documents eos ID mean M",
     "mesh": "mesh pipe P data D [tensor T]",
     "schedule": 'schedule "NAME"',
     "units": "units N",
@@ -56,7 +57,7 @@ SYNTAX: dict[str, str] = {
     **{op.value: _instr_syntax(op) for op in Op},
 }
 
-ORDER_HINT = ("header lines come in this order: tpir, model, shape, mesh, schedule, units, "
+ORDER_HINT = ("header lines come in this order: tpir, model, shape, [documents], mesh, schedule, units, "
               "stage lines, tie lines, microbatch lines")
 
 # A plan bundle's index (format version 2): these lines, in this order; stage, tie and plan repeat.

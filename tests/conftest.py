@@ -38,6 +38,10 @@ def examples_dir() -> Path:
 # --durations=0 on the 2-core machine). tests/test_tiers.py checks that each entry still names a
 # test. (A module may also mark itself: `pytestmark = pytest.mark.slow`.)
 SLOW = (
+    "tests/executors/test_documents.py::test_torchrun_gloo_matches_each_document_alone",
+    "tests/executors/test_documents.py::test_plan_and_run_must_agree_on_documents",
+    "tests/executors/test_documents.py::test_each_document_as_if_alone[hf-llama-1]",
+    "tests/compiler/frontend/test_documents_hf.py::test_each_document_as_if_alone",
     "tests/executors/test_chimera_ties.py::test_torchrun_gloo_matches_autograd_and_the_interpreter",
     "tests/executors/test_critical_path_schedules.py::test_torchrun_gloo_matches_autograd_and_the_interpreter",
     "tests/executors/test_tensor_parallel.py::test_torchrun_gloo_matches_autograd_and_the_interpreter",

@@ -45,6 +45,7 @@ import numpy as np
 from tpc.compiler.costmodel.base import tensor_allreduces
 from tpc.compiler.costmodel.on_device import DeviceCostModel
 from tpc.compiler.costmodel.devices import DeviceSpec
+from tpc.compiler.costmodel.documents import attention_share
 from tpc.compiler.costmodel.source import CostSource
 from tpc.compiler.frontend.flops import CLASSES, UnitCostFn
 
@@ -61,6 +62,9 @@ class GraphCosts:
     name: str = ""
     # per unit, its caches as (elements per token, sliding window or None); empty: all full
     kv_caches: tuple = ()
+    # packed documents: the corpus's mean document length, which attention is priced by
+    # (`documents.attention_share`); None: each row is one text
+    document_length: int | None = None
 
     def unit_layers(self, unit: int) -> int:
         """The attention layers of a unit (its caches; 1 for a unit with KV elements but no
@@ -70,11 +74,12 @@ class GraphCosts:
         return int(self.kv_elements[unit] > 0)
 
     @classmethod
-    def from_sliced(cls, sliced, float_bytes: int = 2, name: str = "") -> "GraphCosts":
+    def from_sliced(cls, sliced, float_bytes: int = 2, name: str = "",
+                    document_length: int | None = None) -> "GraphCosts":
         return cls(tuple(sliced.unit_cost_fns(float_bytes)), int(sliced.hidden_size),
                    tuple(sliced.unit_kv_elements), sliced.stage_param_count, int(float_bytes),
                    name or type(sliced.model).__name__,
-                   tuple(tuple(caches) for caches in sliced.unit_kv))
+                   tuple(tuple(caches) for caches in sliced.unit_kv), document_length)
 
     @property
     def num_units(self) -> int:
@@ -113,6 +118,11 @@ class GraphCostModel(DeviceCostModel):
         peak = d.peak_flops * d.flops_efficiency * T  # 1/T of the work on each rank
         bw = d.mem_bandwidth * d.mem_efficiency * T
         cost = fn(l, c, b)
+        if self.costs.document_length is not None:  # packed documents: only each document's scores
+            share = attention_share(l, c, self.costs.document_length)
+            for work in (cost.fwd, cost.bwd):
+                a = work["attention"]
+                work["attention"] = type(a)(a.flops * share, a.bytes * share, a.kernels)
         one = d.group_allreduce_time(np.asarray(l, dtype=np.float64) * b * self.costs.hidden
                                      * self.costs.float_bytes, T) if T > 1 else 0.0
         out = []
@@ -214,8 +224,10 @@ class GraphCostModel(DeviceCostModel):
                 + (f", tensor {self.op}" if self.op > 1 else ""))
 
 
-def graph_cost_source(sliced, device: DeviceSpec, float_bytes: int = 2, tensor: int = 1) -> CostSource:
+def graph_cost_source(sliced, device: DeviceSpec, float_bytes: int = 2, tensor: int = 1,
+                      document_length: int | None = None) -> CostSource:
     """A CostSource pricing any partition of `sliced` (a SlicedModel) on `device`, each stage
-    split over `tensor` ranks (`CostSource.split` gives the same for another degree)."""
-    costs = GraphCosts.from_sliced(sliced, float_bytes)
+    split over `tensor` ranks (`CostSource.split` gives the same for another degree);
+    `document_length`: over packed documents of that mean length."""
+    costs = GraphCosts.from_sliced(sliced, float_bytes, document_length=document_length)
     return CostSource(costs.num_units, lambda ranges, t: GraphCostModel(device, costs, ranges, t), tensor)

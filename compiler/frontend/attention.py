@@ -378,7 +378,9 @@ def _read(term: _Term, m: _Match, ctx: PassContext, readings: dict) -> masks.Rea
     if node not in ctx.static:
         _refuse(m.at, ctx, "the attention mask depends on the token ids (a padding or document mask "
                            "computed from the data)",
-                "token slicing needs a mask that depends on positions only (causal or a sliding window)")
+                "token slicing needs a mask that depends on positions only (causal or a sliding window); for "
+                "packed documents leave the mask out of the model and compile with --documents eos:ID "
+                "(docs/training.md, 'Packed documents')")
     key = (node, how)
     if key not in readings:
         try:

@@ -246,14 +246,24 @@ class SlicedModel:
         return self._original
 
     def stage_module(self, lo: int, hi: int, params_from: nn.Module | None = None,
-                     with_loss: bool = True, evaluation: bool = False, dropped=()) -> StageModule:
+                     with_loss: bool = True, evaluation: bool = False, dropped=(), documents: bool = False) -> StageModule:
         """Units [lo, hi) as a `StageModule`; `evaluation`: as `model.eval()` runs them
         (dropout off, `inference.py`); `dropped`: units (of all the model's) that run on a
-        subset of each slice's tokens (random layerwise token dropping, `random_ltd.py`)."""
+        subset of each slice's tokens (random layerwise token dropping, `random_ltd.py`);
+        `documents`: over rows of packed documents (`documents.py`: positions restart at each
+        document, attention stays inside it)."""
         if not (0 <= lo < hi <= self.num_units):
             raise ValueError(f"unit range {lo}:{hi} is not inside 0:{self.num_units}")
         drop = tuple(sorted(u for u in set(dropped) if lo <= u < hi))
+        if documents and drop:
+            raise TpirError(Diagnostic("random layerwise token dropping over packed documents is not built",
+                                       where="--random-ltd", hint="drop --random-ltd or --documents"))
         graph, sites = build_stage_graph(self._ctx, lo, hi, with_loss, frozenset(drop))
+        if documents:
+            from tpc.compiler.frontend.documents import document_graph, refuse_unresettable
+
+            refuse_unresettable(sites, self._model_file)
+            graph = document_graph(graph)
         if evaluation:
             from tpc.compiler.frontend.inference import without_dropout
 
@@ -280,8 +290,33 @@ class SlicedModel:
                 dtypes.append(node.meta["val"].dtype)
                 windows.append(window)
         label = self.unit_labels[lo] if hi - lo == 1 else f"{self.unit_labels[lo]} .. {self.unit_labels[hi - 1]}"
+        if documents:
+            self._check_batch_first(shapes)
         return StageModule(graph, attrs, lo, hi, self.num_units, kv_dims, shapes, dtypes, label, with_loss,
-                           kv_windows=windows, dropped=drop)
+                           kv_windows=windows, dropped=drop, documents=documents)
+
+    def check_documents(self) -> None:
+        """Refuse packed documents for a model whose positions or state cannot be reset at a
+        document boundary (`documents.py`), at the model's line."""
+        from tpc.compiler.frontend.documents import refuse_unresettable
+
+        refuse_unresettable(self._ctx.cache_sites, self._model_file)
+        shapes = [self._shape_fn(node.meta["val"]) for s in self._ctx.cache_sites for node, *_ in s.cached]
+        self._check_batch_first(shapes)
+
+    def _check_batch_first(self, shapes) -> None:
+        """Over packed documents a stage runs its rows one at a time: every cached tensor must hold
+        the batch on its first axis (BLOOM's (batch * heads, tokens, head_dim) too: a row is
+        `heads` consecutive entries)."""
+        for shape in shapes:
+            one, two = shape(1), shape(2)
+            if two[0] != 2 * one[0] or one[1:] != two[1:]:
+                raise TpirError(Diagnostic(
+                    "packed documents: a cached key/value tensor does not hold the batch on its first "
+                    f"axis (shape {one} at batch 1), so a row's cache cannot be taken apart",
+                    where=type(self.model).__name__,
+                    hint="lay keys and values out as (batch, heads, tokens, head_dim), or compile without "
+                         "--documents"))
 
     # ---------------------------------------------------------------- helpers
 

@@ -163,7 +163,7 @@ class StageModule(nn.Module):
 
     def __init__(self, graph: fx.Graph, attrs: dict, lo: int, hi: int, num_units: int,
                  kv_dims: list[int], kv_shapes: list, kv_dtypes: list, label: str = "", has_loss: bool = True,
-                 kv_windows: list | None = None, dropped: tuple[int, ...] = ()):
+                 kv_windows: list | None = None, dropped: tuple[int, ...] = (), documents: bool = False):
         super().__init__()
         # the units that run on a subset of each slice's tokens (random layerwise token
         # dropping): forward takes the kept tokens of each, `keep`
@@ -178,6 +178,9 @@ class StageModule(nn.Module):
         # only the last w - 1 tokens of it)
         self.kv_windows = list(kv_windows) if kv_windows is not None else [None] * self.num_kv
         self.label = label
+        # over packed documents (`documents.py`): the graph takes each row's `DocumentSlice`,
+        # and `forward` runs the rows one at a time
+        self.documents = documents
         self.has_loss = has_loss and self.is_last
         # per cached tensor: batch -> its shape holding no tokens (the token axis 0), and its dtype
         self.kv_shapes, self.kv_dtypes = list(kv_shapes), list(kv_dtypes)
@@ -188,11 +191,18 @@ class StageModule(nn.Module):
         self._fn = glb["forward"]
         self.code = code.src
 
-    def forward(self, x, offset: int, kv_prefix: list, targets=None, keep: list | None = None):
+    def forward(self, x, offset: int, kv_prefix: list, targets=None, keep: list | None = None, documents=None):
         """`keep`: with dropped units, per dropped unit the sorted int64 positions (within the
-        slice) of the tokens it runs on; None runs every token through every unit."""
+        slice) of the tokens it runs on; None runs every token through every unit. `documents`:
+        over packed documents, each row's document starts (ascending host ints, the first 0;
+        `StageModule(documents=True)` needs them)."""
         if len(kv_prefix) != self.num_kv:
             raise ValueError(f"stage {self.lo}:{self.hi} takes {self.num_kv} cached tensors, got {len(kv_prefix)}")
+        if self.documents != (documents is not None):
+            raise ValueError(f"stage {self.lo}:{self.hi} was built {'for' if self.documents else 'without'} "
+                             f"packed documents and is run {'without' if documents is None else 'with'} them")
+        if documents is not None:
+            return self._forward_documents(x, int(offset), kv_prefix, targets, documents)
         args = [x, int(offset), *kv_prefix]
         if self.dropped:
             if keep is None:
@@ -210,6 +220,34 @@ class StageModule(nn.Module):
             args.append(targets)
         out = self._fn(self, *args)
         return out[0], list(out[1:])
+
+    def _forward_documents(self, x, offset: int, kv_prefix: list, targets, documents):
+        """One row at a time (each row's positions and documents are its own): the row's prefix
+        narrowed to the tokens of the document its first token is in (none when the slice starts
+        a document), its `DocumentSlice` given to the graph; the rows' outputs joined (the last
+        stage's summed losses added)."""
+        if len(documents) != x.size(0):
+            raise ValueError(f"the document starts of {len(documents)} rows for a slice of {x.size(0)} rows")
+        length = x.size(1) * self.token_parts
+        ys, kvs = [], []
+        for b, starts in enumerate(documents):
+            doc = runtime_ops.document_slice(starts, offset, length, x.device)
+            earlier = doc.keys - length  # the cached tokens this row's slice reads
+            prefix = []
+            for p, d, shape in zip(kv_prefix, self.kv_dims, self.kv_shapes):
+                n = shape(1)[0]  # a row's entries on the first axis (BLOOM's: its heads)
+                p = p.narrow(0, b * n, n)
+                prefix.append(p.narrow(d, p.size(d) - earlier, earlier) if p.size(d) > earlier else p)
+            args = [x.narrow(0, b, 1), offset, *prefix, doc]
+            if self.has_loss:
+                if targets is None:
+                    raise ValueError("the last stage needs targets (B, l) int64 to compute the loss")
+                args.append(targets.narrow(0, b, 1))
+            out = self._fn(self, *args)
+            ys.append(out[0])
+            kvs.append(out[1:])
+        y = sum(ys[1:], ys[0]) if self.has_loss else torch.cat(ys, dim=0)
+        return y, [torch.cat(parts, dim=0) for parts in zip(*kvs)]
 
     def empty_kv(self, batch: int) -> list:
         """Zero-length prefixes (slice 0 has no cached tokens)."""

@@ -166,8 +166,9 @@ def _splice(stream: Sequence[Instr], at: Mapping[int, list[Instr]]) -> tuple[Ins
 
 def insert_loads(header: Header, streams: Streams) -> Streams:
     """`load mb M` on the first and last stage's ranks, before the first instruction of mb M
-    that belongs to the first or last stage (once per rank when one rank holds both)."""
-    ends = {0, header.num_stages - 1}
+    that belongs to the first or last stage (once per rank when one rank holds both). Over packed
+    documents every stage reads the micro-batch's document boundaries: every rank loads it."""
+    ends = set(range(header.num_stages)) if header.documents is not None else {0, header.num_stages - 1}
     out: Streams = {}
     for rank, stream in streams.items():
         before: dict[int, list[Instr]] = defaultdict(list)

@@ -92,6 +92,16 @@ def own_recompute(name: str) -> bool:
     return bool(getattr(MODULES[name], "OWN_RECOMPUTE", False)) if name in MODULES else False
 
 
+# the schedules that split each backward into `backward-input` and `backward-weight` (run through
+# a stage's traced programs, which packed documents do not take: `splits_backward`)
+SPLIT_BACKWARD = ("zb-h1", "zb-h2", "seq-zb", "zbv", "dualpipev")
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule `name` splits each backward in two (`SPLIT_BACKWARD`)."""
+    return name in SPLIT_BACKWARD
+
+
 def stages_per_rank(name: str) -> int:
     """2 for a schedule made for the V-shaped placement (stage i and 2p-1-i on rank i), else 1:
     how many stages `tpc compile` and the plan search put on each pipeline rank for it (an

@@ -23,12 +23,17 @@ meaningless, so those stop verification after the header):
       (M >= 1), each of size >= 1, the sizes summing to batch / data; each micro-batch's
       slices tile [0, seq) in order: no gap, no overlap, no empty slice.
   H6  one `rank R` section per pipeline rank, in rank order.
+  H7  `documents eos ID mean M` (format version 6): ID is a token of the vocabulary, M at most
+      the row's length, no tensor axis, no split backward (`backward-input`: the executors run
+      packed documents eagerly); every rank that runs a stage of a micro-batch loads it
+      (O3 and C3 then ask for those loads, and a forward of a middle stage waits for its load).
 
 Operands (an instruction that fails one of these is reported once and then left out of the
 rules below, so one wrong number gives one error, not a cascade):
   O1  the stage, micro-batch, slice (of that micro-batch), peer rank and tie exist.
   O2  an instruction about stage S is in the section of the rank that holds S.
-  O3  `load mb M` only on a rank that holds the first or the last stage.
+  O3  `load mb M` only on a rank that holds the first or the last stage (any stage of M's, over
+      packed documents: H7).
   O4  `send act` of stage S goes to the rank of S+1, `recv act` of stage S comes from the rank
       of S-1, `send grad` of S goes to the rank of S-1, `recv grad` of S comes from the rank of
       S+1; that neighbour exists; and it is on another rank (two stages on one rank pass

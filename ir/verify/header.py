@@ -1,12 +1,12 @@
-"""Header rules H1-H6 (see tpc.ir.verify): the format version, the model and dtype, stages,
+"""Header rules H1-H7 (see tpc.ir.verify): the format version, the model and dtype, stages,
 units, ties, micro-batches and their slices, and the rank sections."""
 
 from __future__ import annotations
 
 import re
 
-from tpc.ir.nodes import (FORMAT_VERSION, FORMAT_VERSIONS, REPLICA_VERSION, SEQUENCE_VERSION, TENSOR_VERSION, Loc,
-                          Plan)
+from tpc.ir.nodes import (DOCUMENTS_VERSION, FORMAT_VERSION, FORMAT_VERSIONS, REPLICA_VERSION, SEQUENCE_VERSION, TENSOR_VERSION, Loc,
+                          Op, Plan)
 from tpc.ir.verify.report import Report
 
 # parameter dtypes a plan may name (`shape ... dtype D`); the executors map them to torch dtypes
@@ -15,7 +15,7 @@ _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 
 
 def check_header(plan: Plan, rep: Report) -> bool:
-    """Rules H1-H6. False when the numbering is too broken to check the instructions."""
+    """Rules H1-H7. False when the numbering is too broken to check the instructions."""
     h = plan.header
     ok = True
     if h.version not in FORMAT_VERSIONS:
@@ -23,6 +23,7 @@ def check_header(plan: Plan, rep: Report) -> bool:
                 f"this tpc reads `tpir {FORMAT_VERSION}` and the older versions "
                 + ", ".join(str(v) for v in sorted(FORMAT_VERSIONS) if v != FORMAT_VERSION))
     _check_model_and_dtype(plan, rep)
+    _check_documents(plan, rep)
     check_tensor_axis(plan, rep)
     ok &= _check_stages(plan, rep)
     _check_units(plan, rep)
@@ -80,6 +81,37 @@ def _check_model_and_dtype(plan: Plan, rep: Report) -> None:
     if h.shape.dtype not in DTYPES:
         rep.add(h.shape.loc, "header (shape)", (0, 2), f"unknown dtype {h.shape.dtype}",
                 "use one of " + ", ".join(DTYPES))
+
+
+def _check_documents(plan: Plan, rep: Report) -> None:
+    """H7: `documents eos ID mean M` needs format version 6 (H1); the separator is a token of the
+    vocabulary and the mean document length at most the row's; the plan has no tensor axis
+    (a rank of a tensor group would cut the documents of a row in parts). Every rank that runs
+    a stage of a micro-batch loads it (its document boundaries; rules O3 and C3). No backward is
+    split (`backward-input`): the executors run packed documents eagerly."""
+    h = plan.header
+    d = h.documents
+    if d is None:
+        return
+    require_version(plan, rep, DOCUMENTS_VERSION, d.loc, "header (documents)", (0, 2), "`documents`")
+    if d.eos >= h.shape.vocab:
+        rep.add(d.loc, "header (documents)", (0, 2),
+                f"the separator id {d.eos} is outside the vocabulary of {h.shape.vocab}",
+                f"name the corpus's end-of-document token, an id below {h.shape.vocab}")
+    if d.mean > h.shape.seq:
+        rep.add(d.loc, "header (documents)", (0, 2),
+                f"a mean document length of {d.mean} tokens is longer than the row of {h.shape.seq}",
+                f"packed rows hold whole documents: give the corpus's mean length, at most {h.shape.seq}")
+    if h.mesh.tensor != 1:
+        rep.add(d.loc, "header (documents)", (0, 2),
+                "packed documents on a mesh with a tensor axis: not supported",
+                "drop `tensor` from the mesh line, or the documents line")
+    split = next(((r, i) for r in plan.ranks for i in r.instrs if i.op in (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)), None)
+    if split is not None:
+        rep.add(split[1].loc or d.loc, "header (documents)", (0, 2),
+                f"`{split[1]}` in a plan over packed documents: a split backward runs a stage's traced "
+                "programs, which do not take document boundaries; packed documents run each stage eagerly",
+                "compile the plan with a schedule whose backward is whole (seq1f1b, terapipe, 1f1b, gpipe, ...)")
 
 
 def check_tensor_axis(plan, rep: Report) -> None:

@@ -67,6 +67,9 @@ def _operand_problem(ins: Instr, r: int, shape: Shape) -> tuple[str, str, bool] 
         return (f"stage {ins.stage} is held by rank {owners}, not by rank {r}",
                 f"move this line to the section of rank {owners}", comm)
     if ins.op is O.LOAD and r not in shape.load_ranks(ins.mb):
+        if shape.documents:
+            return (f"micro-batch {ins.mb} runs no stage on rank {r}: it loads nothing",
+                    "remove this line", False)
         if r not in shape.ends:
             return (f"rank {r} holds neither the first nor the last stage: it loads nothing",
                     "remove this line; only the ranks of the first stage (token ids) and of the "
@@ -291,10 +294,10 @@ def check_once_per_rank(plan: Plan, shape: Shape, idx: Index, rep: Report) -> No
         held = [s for s in range(shape.k) if r in shape.ranks_of[s]]
         if not held:
             continue
-        if r in shape.ends:
+        if r in shape.ends or shape.documents:
             for m in range(len(shape.nslices)):
                 if r in shape.load_ranks(m) and not occ.get((O.LOAD, r, m)):
-                    end_stage = 0 if shape.rank(0, m) == r else shape.k - 1
+                    end_stage = next(s for s in range(shape.k) if shape.rank(s, m) == r)
                     use = idx.first((O.FORWARD, None, end_stage, m, 0))
                     place = f" above {rep.ref(r, use)}" if use is not None else ""
                     rep.section(r, f"rank {r} never loads micro-batch {m}",
@@ -390,6 +393,9 @@ def _needs(ins: Instr, r: int, shape: Shape, idx: Index, plan: Plan):
         elif s == shape.k - 1:
             out.append((first((O.LOAD, r, m)),
                         ("the last stage reads the micro-batch's targets",)))
+        elif shape.documents:
+            out.append((first((O.LOAD, r, m)),
+                        ("every stage reads the micro-batch's document boundaries",)))
     elif op is O.RECOMPUTE:
         out.append((first((O.FORWARD, None, s, m, i)), ("it rebuilds the graph of that forward",)))
     elif op in (O.BACKWARD, O.BACKWARD_INPUT):

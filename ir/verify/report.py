@@ -189,13 +189,19 @@ class Shape:
     # the members of every collective between pipeline ranks: ties, and the replicas of each
     # replicated stage (`semantics.collective_groups`)
     groups: dict = field(default_factory=dict)
+    # a plan over packed documents (format version 6): every stage reads a micro-batch's
+    # document boundaries, so every rank that runs a stage of it loads it (rule H7)
+    documents: bool = False
 
     def rank(self, s: int, m: int) -> int:
         """The rank that runs stage s for micro-batch m."""
         return self.ranks_of[s][self.replica[m]]
 
     def load_ranks(self, m: int) -> frozenset[int]:
-        """The ranks that load micro-batch m: its first stage's (ids) and last stage's (targets)."""
+        """The ranks that load micro-batch m: its first stage's (ids) and last stage's (targets);
+        over packed documents every stage's rank (its document boundaries)."""
+        if self.documents:
+            return frozenset(self.rank(s, m) for s in range(self.k))
         return frozenset({self.rank(0, m), self.rank(self.k - 1, m)})
 
     @staticmethod
@@ -217,7 +223,7 @@ class Shape:
             forward_only=plan.forward_only,
             allreduce_covers={(r, s): allreduce_covers(ranks_of, ties.values(), s, r)
                               for s in range(len(h.stages)) for r in ranks_of[s]},
-            ranks_of=ranks_of, replica=replica, groups=groups,
+            ranks_of=ranks_of, replica=replica, groups=groups, documents=h.documents is not None,
         )
 
 

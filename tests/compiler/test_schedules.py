@@ -228,3 +228,20 @@ def test_seq1f1b_holds_fewer_live_slice_activations_than_terapipe_and_1f1b():
     assert all(a < b for a, b in zip(peaks["seq1f1b"][:-1], peaks["1f1b"][:-1]))
     assert peaks["seq1f1b"][-1] == peaks["1f1b"][-1] == n
     assert all(a < b for a, b in zip(peaks["seq1f1b"], peaks["terapipe"]))
+
+
+def test_split_backward_lists_the_schedules_that_split_it():
+    """`SPLIT_BACKWARD` (what packed documents and the plan search over them leave out) is exactly
+    the schedules whose compute orders hold `backward-input`."""
+    from tpc.cli.compile import check_options
+    from tpc.compiler.header import build_header
+    from tpc.compiler.schedules import SCHEDULES, build_schedule, splits_backward
+    from tpc.ir.nodes import Op
+
+    for name in SCHEDULES:
+        opts = check_options(stages="4", microbatches=4, seq_len=8, batch=4, slices="2", schedule=name)
+        header = build_header(model_path="m.py", sha256="0" * 64, factory="model", opts=opts, vocab=16,
+                              unit_labels=[f"u{i}" for i in range(4)], ranges=[(i, i + 1) for i in range(4)], ties=[])
+        compute = build_schedule(name, header)
+        split = any(i.op is Op.BACKWARD_INPUT for stream in compute.values() for i in stream)
+        assert split == splits_backward(name), name

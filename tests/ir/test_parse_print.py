@@ -215,13 +215,13 @@ def test_wrong_flag():
 
 def test_missing_version_line():
     d = _error(DOCS_EXAMPLE.replace("tpir 2\n", ""))
-    assert d.message == "expected the version line `tpir 5`, found 'model'"
+    assert d.message == "expected the version line `tpir 6`, found 'model'"
     assert (d.loc.line, d.loc.col) == (2, 1)
 
 
 def test_empty_file():
     d = _error("")
-    assert d.message == "expected the version line `tpir 5`, found the end of the file"
+    assert d.message == "expected the version line `tpir 6`, found the end of the file"
     assert (d.loc.line, d.loc.col) == (1, 1)
 
 
@@ -229,7 +229,7 @@ def test_unsupported_version():
     d = _error(DOCS_EXAMPLE.replace("tpir 2", "tpir 9"))
     assert d.message == "unsupported format version 9"
     assert (d.loc.line, d.loc.col) == (2, 6)
-    assert "versions 1, 2, 3, 4 and 5" in d.hint and "tpir 5" in d.hint
+    assert "versions 1, 2, 3, 4, 5 and 6" in d.hint and "tpir 6" in d.hint
 
 
 def test_header_line_out_of_order():

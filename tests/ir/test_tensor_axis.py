@@ -15,7 +15,7 @@ GOLDEN = (Path(__file__).resolve().parents[1] / "compiler" / "golden" / "seq1f1b
 
 def with_mesh(mesh: str, version: int = 4) -> str:
     head, rest = GOLDEN.split("\n", 1)
-    assert head == "tpir 5"
+    assert head == "tpir 6"
     return f"tpir {version}\n" + rest.replace("mesh pipe 2 data 1\n", mesh + "\n")
 
 

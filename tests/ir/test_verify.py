@@ -370,7 +370,7 @@ def test_format_version_and_missing_rank_section_in_memory():
     v9 = dataclasses.replace(plan, header=dataclasses.replace(plan.header, version=9))
     [d] = verify(v9)
     assert d.loc.line == 2 and d.message == "unknown format version 9"
-    assert "tpir 5" in d.hint and "1, 2, 3, 4" in d.hint
+    assert "tpir 6" in d.hint and "1, 2, 3, 4" in d.hint
     short = dataclasses.replace(plan, ranks=plan.ranks[:1])
     [d] = verify(short)
     assert d.loc.line == 5 and "(missing: 1)" in d.message

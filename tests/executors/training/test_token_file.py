@@ -57,3 +57,23 @@ def test_missing_file_says_how_to_make_one(tmp_path):
     with pytest.raises(TpirError) as e:
         TokenFileBatches(str(tmp_path / "none.bin"), seed=0, batch=2, seq=8, vocab=256)
     assert "prepare_corpus.py" in e.value.render()
+
+
+def test_corpus_of_packed_documents_fits_rows(tmp_path, repo_root):
+    """--documents: files ended by the separator 0, none longer than --max-document, rows that
+    start at documents; the meta records the separator and the mean length."""
+    out = tmp_path / "docs"
+    res = subprocess.run([sys.executable, str(repo_root / "examples" / "prepare_corpus.py"), "-o", str(out),
+                          "--max-bytes", "200000", "--documents", "--max-document", "64"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["eos"] == 0 and meta["train_documents"] > 1
+    train = np.fromfile(out / "train.bin", dtype=np.uint16)
+    ends = np.flatnonzero(train == 0) + 1
+    assert ends[-1] == len(train) and np.diff(np.concatenate(([0], ends))).max() <= 64
+    assert abs(meta["mean_document"] - len(train) / len(ends)) < 0.1
+    batches = TokenFileBatches(str(out / "train.bin"), seed=0, batch=4, seq=64, vocab=256, eos=0)
+    rows = batches.get(3)
+    starts = set(np.concatenate(([0], ends)).tolist())
+    assert set(batches._offsets(3).tolist()) <= starts and rows.shape == (4, 65)
