@@ -13,6 +13,7 @@ import pytest
 from tpc.cli.main import main
 from tpc.compiler.options import check_options
 from tpc.ir.diagnostics import TpirError
+from tpc.ir.nodes import FORMAT_VERSION
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -27,7 +28,7 @@ def test_an_example_compiles_with_a_tensor_axis_and_verifies(example, tmp_path, 
     out = tmp_path / "plan.tpir"
     assert main(["compile", str(EXAMPLES / f"{example}.py"), "-o", str(out), *SMALL, "--tensor", "2"]) == 0
     text = out.read_text()
-    assert text.startswith("tpir 5\n") and "\nmesh pipe 2 data 1 tensor 2\n" in text
+    assert text.startswith(f"tpir {FORMAT_VERSION}\n") and "\nmesh pipe 2 data 1 tensor 2\n" in text
     plan = verify_file(str(out))
     assert (plan.header.mesh.pipe, plan.header.mesh.data, plan.header.mesh.tensor) == (2, 1, 2)
     assert plan.header.mesh.value.size == 4
