@@ -391,6 +391,32 @@ class SlicedModel:
         if err.max().item() > tol:
             bad = int(err.amax(dim=(0, 2)).gt(tol).nonzero()[0])
             self._refuse_difference(ids, lens, full, bad)
+        del ref, got
+        self._check_backward(ids, lens, full)
+
+    def _check_backward(self, ids, lens, full) -> None:
+        """The whole model's backward, sliced (`backward_check.py`), against the model's own
+        autograd: every parameter's gradient. Gradients the parameters held are kept."""
+        from tpc.compiler.frontend.backward_check import compare_gradients, sliced_backward
+
+        params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        held = {n: p.grad for n, p in params.items()}
+        try:
+            for p in params.values():
+                p.grad = None
+            with torch.enable_grad():
+                out = self.model(ids)
+                weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+                (out * weight).sum().backward()
+                del out
+                ref = {n: p.grad for n, p in params.items()}
+                for p in params.values():
+                    p.grad = None
+                sliced_backward(full, ids, lens, weight, self._model_file)
+            compare_gradients({n: p.grad for n, p in params.items()}, ref, f"slices {_short(lens)}")
+        finally:
+            for n, p in params.items():
+                p.grad = held[n]
 
     def _refuse_difference(self, ids, lens, full, token: int) -> None:
         from tpc.compiler.frontend.first_difference import first_difference

@@ -71,6 +71,13 @@ MORE_CONFIGS = {
     "gemma2": dict(model_type="gemma2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
                    max_position_embeddings=64),
+    # multi-head latent attention: keys built in `new_empty` and filled by `copy_` into slices;
+    # both layers dense (first_k_dense_replace), no experts
+    "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+                        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                        first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                        n_group=1, topk_group=1),
 }
 CONFIGS.update(MORE_CONFIGS)
 IMPLS = ("sdpa", "eager")
