@@ -67,7 +67,7 @@ MORE_CONFIGS = {
     "lfm2": dict(model_type="lfm2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
                  conv_L_cache=3),
-    # attention logit soft-capping (tanh of the scores): refused
+    # attention logit soft-capping (c * tanh(scores / c)), windowed and global layers
     "gemma2": dict(model_type="gemma2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
                    max_position_embeddings=64),
@@ -78,6 +78,20 @@ MORE_CONFIGS = {
                         kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
                         first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                         n_group=1, topk_group=1),
+    # the eager scores clamped to the dtype's minimum after the mask (max(s + mask, finfo.min))
+    "xglm": dict(model_type="xglm", d_model=32, ffn_dim=64, num_layers=2, attention_heads=4, dropout=0.0,
+                 attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=64),
+    # attention sinks: a learned logit per head joined to the scores as one more key column;
+    # windowed and global layers; mixture-of-experts MLPs (refused: `dense_mlps` swaps them)
+    "gpt_oss": dict(model_type="gpt_oss", hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    # chunked local attention (chunks of 4 tokens) in layer 0, global attention in layer 1; the
+    # experts off (moe_layers=[]): dense MLPs
+    "llama4_text": dict(model_type="llama4_text", hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        attention_chunk_size=4, moe_layers=[], num_local_experts=2, no_rope_layers=[1, 0],
+                        use_qk_norm=False),
 }
 CONFIGS.update(MORE_CONFIGS)
 IMPLS = ("sdpa", "eager")
