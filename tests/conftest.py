@@ -188,6 +188,8 @@ SLOW = (
     "tests/compiler/frontend/test_chunked_attention.py::test_llama4_chunked_attention_is_exact",
     "tests/compiler/frontend/test_chunked_attention.py::test_simulated_kv_memory_of_a_chunked_model_is_bounded_by_the_chunk",
     "tests/compiler/frontend/test_new_families_torchrun.py",
+    "tests/compiler/frontend/test_refusals.py::test_mamba_is_refused_at_its_scan_loop",
+    "tests/compiler/frontend/test_weightless.py::test_every_family_checks_unit_by_unit[mamba]",
 )
 
 

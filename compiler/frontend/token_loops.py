@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from tpc.compiler.frontend.source_locations import _frame_kind
+from tpc.compiler.frontend.source_locations import is_model_code
 
 
 def _lines_run(model: nn.Module, length: int) -> collections.Counter:
@@ -33,7 +33,7 @@ def _lines_run(model: nn.Module, length: int) -> collections.Counter:
         path = frame.f_code.co_filename
         mine = kinds.get(path)
         if mine is None:
-            mine = kinds[path] = _frame_kind(path) != "skip"
+            mine = kinds[path] = is_model_code(path)
         if not mine:
             return None
         if event == "line":

@@ -92,6 +92,9 @@ MORE_CONFIGS = {
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                         attention_chunk_size=4, moe_layers=[], num_local_experts=2, no_rope_layers=[1, 0],
                         use_qk_norm=False),
+    # a selective scan written as a Python loop over the tokens (the reference path): refused at the loop
+    "mamba": dict(model_type="mamba", hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4,
+                  use_mambapy=False),
 }
 CONFIGS.update(MORE_CONFIGS)
 IMPLS = ("sdpa", "eager")
