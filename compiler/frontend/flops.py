@@ -26,8 +26,11 @@ Per op class (a "kernel" is one launch of eager PyTorch):
     causal bias, no mask is read); with a prefix, two more kernels concatenate cache and slice
     (they copy `c + l` rows), with GQA's `rep` two more repeat the heads. The full l x (c+l)
     rectangle is counted, an upper bound of what a kernel that skips masked blocks computes; a
-    sliding-window layer (`window` w) reads `min(c, w - 1) + l` keys; a position bias (ALiBi)
-    adds the bytes of the (l x keys) bias per query head, written once and read as the mask;
+    sliding-window layer (`window` w) reads `min(c, w - 1) + l` keys, a chunked one (`chunk` c)
+    as many as a window of c (an upper bound: `c mod chunk + l` are read); a position bias (ALiBi)
+    adds the bytes of the (l x keys) bias per query head, written once and read as the mask; an
+    attention written out (soft-capping, a sink) writes and reads its scores and probabilities,
+    (l x keys) per query head each, in four more kernels, and keeps both for its backward;
   * memory (elementwise, norms, reductions, softmax, gathers, copies, the loss): a few FLOPs
     per element (`_FLOPS_PER_ELEMENT`), bytes of every input and the output, one kernel.
 
@@ -185,7 +188,7 @@ def _attention(n: fx.Node) -> OpCost:
     lq, dq = size_expr(q.shape[-2]), size_expr(q.shape[-1])
     lk, dv = size_expr(k.shape[-2]), size_expr(v.shape[-1])
     rows = numel(q) / (lq * dq)  # batch x heads of the queries ((B, H) or BLOOM's B * H)
-    window = n.kwargs.get("window")
+    window = n.kwargs.get("window") or n.kwargs.get("chunk")
     # the cached prefix and the slice's own keys; a sliding window reads its last w - 1 only
     keys = (sympy.Min(CTX, int(window) - 1) if window else CTX) + lk
     has_prefix = sympy.Min(CTX, 1)  # 0 for the first slice, 1 after (c is an integer >= 0)
@@ -201,6 +204,9 @@ def _attention(n: fx.Node) -> OpCost:
     repeat = (kf + vf) * (1 + rep) if rep != 1 else _ZERO  # repeat_interleave over heads
     kernels = 1 + 2 * has_prefix + (2 if rep != 1 else 0)
     saved = tensor_bytes(out) + has_prefix * (kf + vf) + ((rep * (kf + vf)) if rep != 1 else _ZERO)
+    if n.kwargs.get("softcap") is not None or n.kwargs.get("sink") is not None:  # written out
+        scores = rows * lq * keys * WIDTH
+        nbytes, kernels, saved = nbytes + 4 * scores, kernels + 4, saved + 2 * scores
     total = nbytes + cat + repeat
     return OpCost("attention", flops, total, kernels, 2 * flops, 2 * total, 2 * kernels, saved)
 
