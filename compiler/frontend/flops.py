@@ -20,6 +20,8 @@ Per op class (a "kernel" is one launch of eager PyTorch):
     bytes of both operands and the result, one kernel;
   * `runtime_ops.causal_pad` (a causal convolution's or shift's carried tokens joined to the slice's):
     a copy, priced as a memory op;
+  * a mixture-of-experts grouped matmul (`grouped_mm`, rows grouped by expert): as `mm`, each
+    of the S = tokens x top-k rows times its expert's matrix, 2*S*k*n, all experts' weights read;
   * attention (`runtime_ops.causal_attention`): Q K^T and P V over `c + l` keys,
     2*b*h*l*(c+l)*(d_qk + d_v), as one fused kernel that reads q and the full keys and values
     and writes the output (the scores stay on chip; on CUDA the bottom-right alignment is a
@@ -101,6 +103,10 @@ _MAYBE_COPY = {"contiguous", "reshape"}
 # Casts: free when the dtype does not change (eager PyTorch returns the input itself).
 _CASTS = {"to", "type_as", "_to_copy"}
 _MATMULS = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm"}
+# a mixture-of-experts layer's grouped matmul (experts.py): rows grouped by expert, each row
+# times its own expert's matrix, so the top-k experts of a token cost k rows; every expert's
+# weights are read
+_GROUPED_MATMULS = {"grouped_mm_fallback", "_grouped_mm", "grouped_mm"}
 # Rough arithmetic per output element of memory-bound ops (they are priced by bytes; FLOPs
 # matter only in the rare op whose arithmetic outweighs its traffic). Default 1.
 _FLOPS_PER_ELEMENT = {
@@ -262,6 +268,8 @@ def op_cost(n: fx.Node, static: set) -> OpCost:
         return FREE  # p == 0 or not training: eager returns the input
     if name in _MATMULS:
         return _matmul(n, name, static)
+    if name in _GROUPED_MATMULS:  # x (S, k) rows, each times its expert's (k, n): 2*S*k*n, as mm
+        return _matmul(n, "mm", static)
     if name == "embedding":  # gather rows: read the ids and the rows, write them
         ids = _val(n.args[1])
         rows = tensor_bytes(out)

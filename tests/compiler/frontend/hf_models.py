@@ -82,7 +82,7 @@ MORE_CONFIGS = {
     "xglm": dict(model_type="xglm", d_model=32, ffn_dim=64, num_layers=2, attention_heads=4, dropout=0.0,
                  attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=64),
     # attention sinks: a learned logit per head joined to the scores as one more key column;
-    # windowed and global layers; mixture-of-experts MLPs (refused: `dense_mlps` swaps them)
+    # windowed and global layers; mixture-of-experts MLPs
     "gpt_oss": dict(model_type="gpt_oss", hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
                     num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
@@ -95,8 +95,21 @@ MORE_CONFIGS = {
     # a selective scan written as a Python loop over the tokens (the reference path): refused at the loop
     "mamba": dict(model_type="mamba", hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4,
                   use_mambapy=False),
+    # mixture-of-experts: tokens grouped by expert (sort), run through grouped matmuls, put back
+    "mixtral": dict(model_type="mixtral", hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=None),
+    # ... with a shared expert beside the routed ones, gated per token
+    "qwen2_moe": dict(model_type="qwen2_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                      mlp_only_layers=[]),
+    "olmoe": dict(model_type="olmoe", hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
 }
 CONFIGS.update(MORE_CONFIGS)
+# DeepSeek-V3 with its second layer a mixture of experts (group-limited routing, a shared expert)
+CONFIGS["deepseek_v3_moe"] = dict(CONFIGS["deepseek_v3"], first_k_dense_replace=1)
 IMPLS = ("sdpa", "eager")
 
 

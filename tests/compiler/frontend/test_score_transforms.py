@@ -1,6 +1,7 @@
 """Transforms of the attention scores before the softmax, sliced exactly over a cached prefix:
 Gemma 2's logit soft-capping (`c * tanh(s / c)`), GPT-OSS's attention sinks (a learned logit
-per head joined as one more key column, dropped after the softmax) and XGLM's clamp of the
+per head joined as one more key column, dropped after the softmax; its mixture-of-experts
+layers with it) and XGLM's clamp of the
 scores to the dtype's minimum (which changes no finite score). Each from its Hugging Face code,
 2 and 3 stages with equal, unequal and one-token slices: loss and every gradient within 1e-5 of
 plain autograd. What cannot be read so is refused at its line."""
@@ -24,25 +25,6 @@ SEQ, ROWS, MICROBATCHES = 16, 4, 2
 SLICINGS = [[4, 4, 4, 4], [5, 2, 9], [1, 1, 1, 13]]
 
 
-class _DenseMLP(nn.Module):
-    """In place of GPT-OSS's experts (refused: they sort the tokens by expert): one linear map,
-    returned as the experts' (output, router scores) pair."""
-
-    def __init__(self, d):
-        super().__init__()
-        self.proj = nn.Linear(d, d)
-
-    def forward(self, x):
-        return self.proj(x), None
-
-
-def dense_mlps(model):
-    torch.manual_seed(1)
-    for layer in model.hf.model.layers if hasattr(model, "hf") else model.model.layers:
-        layer.mlp = _DenseMLP(layer.mlp.router.hidden_dim)
-    return model
-
-
 def _exact(model, sm):
     ids, targets = batch(VOCAB, ROWS, SEQ, seed=3)
     ref_loss, ref = reference_step(model, ids, targets)
@@ -60,9 +42,7 @@ def _exact(model, sm):
 ])
 def test_score_transforms_are_exact_over_the_cached_prefix(family, kwarg, windows):
     pytest.importorskip("transformers")
-    model = hf_model(family, "eager")
-    if family == "gpt_oss":
-        model = dense_mlps(model)
+    model = hf_model(family, "eager")  # GPT-OSS with its experts (experts.py)
     sm = SlicedModel.from_model(model, seq_len=SEQ, vocab=VOCAB)
     assert [s.window for s in sm._sites] == windows
     kwargs = [s.node.kwargs for s in sm._sites]
@@ -74,14 +54,6 @@ def test_score_transforms_are_exact_over_the_cached_prefix(family, kwarg, window
     else:  # the clamp is dropped: plain SDPA
         assert all("softcap" not in k and "sink" not in k for k in kwargs)
     _exact(model, sm)
-
-
-def test_gpt_oss_with_its_experts_is_refused_at_the_expert_dispatch_not_at_the_attention():
-    pytest.importorskip("transformers")
-    with pytest.raises(TpirError) as e:
-        SlicedModel.from_model(hf_model("gpt_oss", "eager"), seq_len=SEQ, vocab=VOCAB)
-    d = e.value.diagnostics[0]
-    assert "`sort` along the sequence axis" in d.message and "GptOssExperts" in d.message
 
 
 class _Scores(nn.Module):
