@@ -54,10 +54,17 @@ def _lines_run(model: nn.Module, length: int) -> collections.Counter:
 def token_loop(model: nn.Module) -> tuple[str, int] | None:
     """(file, line) of the first loop statement of the model's code that runs once more per
     token, or None (none found, or the model does not run on fake tensors)."""
+    import logging
+
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs an op's failure on fakes
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         short, long = _lines_run(model, 3), _lines_run(model, 5)
     except Exception:  # noqa: BLE001 - a model that does not run so has no loop to point at
         return None
+    finally:
+        quiet.setLevel(level)
     for key, n in long.items():  # first run first: dicts keep insertion order
         if n > short.get(key, 0) and linecache.getline(*key).lstrip().startswith(("for ", "while ")):
             return key

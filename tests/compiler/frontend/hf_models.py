@@ -106,6 +106,14 @@ MORE_CONFIGS = {
                       mlp_only_layers=[]),
     "olmoe": dict(model_type="olmoe", hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                      num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[]),
+    "granitemoe": dict(model_type="granitemoe", hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "dots1": dict(model_type="dots1", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=4,
+                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1),
 }
 CONFIGS.update(MORE_CONFIGS)
 # DeepSeek-V3 with its second layer a mixture of experts (group-limited routing, a shared expert)

@@ -1,6 +1,6 @@
 """Mixture-of-experts layers: the tokens grouped by expert (a sort), run through the experts and
-put back into token order are token-local (`experts.py`). Mixtral, Qwen2-MoE, OLMoE, DeepSeek-V3
-and GPT-OSS from tiny configs (transformers' grouped-matmul experts) and a layer written by
+put back into token order are token-local (`experts.py`). Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+GraniteMoE, dots1, DeepSeek-V3 and GPT-OSS from tiny configs (transformers' grouped-matmul experts) and a layer written by
 hand (argsort, gathers, index_add_), 2 and 3 stages with equal, unequal and one-token slices:
 loss and every gradient within 1e-5 of plain autograd. Capacity-limited routing and grouped rows
 joined with token-ordered ones are refused at their line; the auxiliary load-balancing loss is
@@ -43,7 +43,7 @@ def _dispatches(sm) -> int:
 
 @pytest.mark.parametrize("family,impl,layers", [
     ("mixtral", "sdpa", 2), ("qwen2_moe", "sdpa", 2), ("olmoe", "eager", 2), ("deepseek_v3_moe", "eager", 1),
-    ("gpt_oss", "eager", 2),
+    ("gpt_oss", "eager", 2), ("qwen3_moe", "sdpa", 2), ("granitemoe", "sdpa", 2), ("dots1", "sdpa", 2),
 ])
 def test_mixture_of_experts_families_are_exact(family, impl, layers):
     pytest.importorskip("transformers")
