@@ -91,3 +91,20 @@ def test_deepseek_v3_latent_attention_is_exact(impl):
     for stages in (2, 3):
         for lens in SLICINGS.values():
             _exact(model, sm, VOCAB, stages, lens)
+
+
+@pytest.mark.parametrize("family,impl", [("gemma2", "eager"), ("llama4_text", "sdpa"), ("mixtral", "sdpa"),
+                                         ("gpt_oss", "eager")])
+def test_the_new_families_recompute_and_split_their_backward_exactly(family, impl):
+    """Soft-capping, chunked attention, experts and sinks under checkpointed slices (the
+    forward run again before the backward) and a split backward (input half, then weights)."""
+    pytest.importorskip("transformers")
+    model = hf_model(family, impl)
+    sm = SlicedModel.from_model(model, seq_len=SEQ, vocab=VOCAB)
+    ids, targets = batch(VOCAB, ROWS, SEQ, seed=3)
+    ref_loss, ref = reference_step(model, ids, targets)
+    for checkpoint, split in ((True, False), (False, True), (True, True)):
+        loss, per_stage = sliced_step(sm, sm.partition_by_params(2), ids, targets, MICROBATCHES, [3, 6, 7],
+                                      checkpoint=checkpoint, split_backward=split)
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+        assert_grads_match(summed(per_stage), ref)
