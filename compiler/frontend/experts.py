@@ -138,6 +138,7 @@ def _region(s: fx.Node, ctx: PassContext):
     inverses = {u for p in perms for u in p.users if _inverse_of(u, perm)}
     region: set[fx.Node] = {s, *perms, *sorted_vals}
     undo: set[fx.Node] = set()
+    leaked: list[fx.Node] = []
     stack = [*perms, *sorted_vals]
     while stack:
         m = stack.pop()
@@ -147,8 +148,17 @@ def _region(s: fx.Node, ctx: PassContext):
             if _undoes(u, perm, inverses):
                 undo.add(u)
                 continue
+            if u.op == "output":  # returned still grouped by expert: refused by `_check`
+                region.add(m)
+                undo.add(u)
+                leaked.append(m)
+                continue
             region.add(u)
             stack.append(u)
+    if leaked:
+        raise refuse(leaked[0], ctx.model_file,
+                     f"the model returns a value of the tokens grouped by expert (node {leaked[0].name}) without "
+                     "putting them back into token order", "undo the grouping after the experts")
     if not undo:
         return None
     # the static helpers of the inverse (empty_like(perm), arange(n)) belong to it
@@ -162,7 +172,7 @@ def _check(region: set, undo: set, perm: set, sorted_vals: set, ctx: PassContext
         if n.op != "call_function":
             continue
         for u in n.users:
-            if u not in region and u not in undo and u.op != "output":
+            if u not in region and u not in undo:
                 raise refuse(u, ctx.model_file,
                              f"a value of the tokens grouped by expert (node {n.name}) is used before they are put "
                              "back into token order: token slices group their own tokens, so it would differ",
