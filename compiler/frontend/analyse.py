@@ -60,8 +60,10 @@ def _elementwise(n: fx.Node) -> bool:
 
 def mixing_reason(n: fx.Node, seq_sym) -> str | None:
     """Why this node mixes tokens, or None."""
-    if n.op != "call_function" or n.meta.get("tpc_kind") in ("attention", "causal-window"):
-        return None  # a recognised attention; a causal window the state pass checked (carried_state.py)
+    if n.op != "call_function" or n.meta.get("tpc_kind") in ("attention", "causal-window", "expert-dispatch"):
+        # a recognised attention; a causal window the state pass checked (carried_state.py); a
+        # mixture-of-experts grouping that is undone (experts.py)
+        return None
     name = op_name(n)
     ins = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     if not ins:

@@ -26,6 +26,7 @@ slices.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -82,6 +83,8 @@ class _Match:
     masks: list = field(default_factory=list)  # _Term
     at: fx.Node | None = None  # the node a refusal points at (the SDPA call, or the softmax)
     lead: tuple = ()  # size expressions of the dims before (query, key) of q's own scores
+    softcap: float | None = None  # scores = softcap * tanh(scale * q.k^T) (Gemma 2), then masks
+    sink: fx.Node | None = None  # a logit per head joined as one more key column (GPT-OSS)
 
 
 def _refuse(node, ctx, message, hint):
@@ -132,6 +135,89 @@ _MATMUL = {aten.matmul.default, aten.bmm.default}
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
+_TANH = {aten.tanh.default, aten.tanh_.default}
+_CLAMPS = {aten.maximum.default, aten.max.other, aten.clamp_min.default, aten.clamp.default}
+_SUB = {aten.sub.Tensor, aten.sub_.Tensor}
+
+
+def _row_max_of(m, x: fx.Node) -> bool:
+    """Whether `m` is the maximum of `x` over its last dim, kept (`x.max(-1, keepdim=True).values`,
+    `amax(x, -1, keepdim=True)`), detached or not: subtracting it changes no softmax."""
+    while isinstance(m, fx.Node) and m.target in (aten.detach.default, aten.alias.default):
+        m = m.args[0]
+    if not isinstance(m, fx.Node) or m.op != "call_function":
+        return False
+    rank = x.meta["val"].dim()
+    if m.target is operator.getitem and m.args[1] == 0:
+        mx = m.args[0]
+        return (isinstance(mx, fx.Node) and mx.target is aten.max.dim and mx.args[0] is x
+                and mx.args[1] % rank == rank - 1 and bool(call_args(mx).get("keepdim")))
+    if m.target is aten.amax.default and m.args[0] is x:
+        dims = call_args(m).get("dim")
+        return list(dims or []) in ([-1], [rank - 1]) and bool(call_args(m).get("keepdim"))
+    return False
+
+
+def _floor_clamp(x: fx.Node, ctx):
+    """The clamped scores when `x` clamps them from below at the dtype's minimum or lower
+    (XGLM: `max(scores + mask, finfo.min)`): it changes no finite score and leaves a hidden key
+    hidden (its exponential is still zero), so the clamp is dropped. None otherwise."""
+    if x.target in (aten.maximum.default, aten.max.other):
+        for a, b in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
+            if isinstance(b, fx.Node) and _hides(b, ctx):
+                return a
+        return None
+    a = call_args(x)
+    low = a.get("min")
+    if x.target is aten.clamp.default and a.get("max") is not None:
+        return None
+    return a.get("self") if low is not None and _hides(low, ctx) else None
+
+
+def _sink_column(x: fx.Node, rank: int):
+    """(scores, sink) when x joins one column to the scores along the keys
+    (`cat([scores, sinks.expand(B, H, q, 1)], -1)`, GPT-OSS's attention sinks), else None."""
+    a = call_args(x)
+    parts, dim = a.get("tensors"), a.get("dim", 0)
+    if x.target is not aten.cat.default or len(parts or ()) != 2 or dim % rank != rank - 1:
+        return None
+    scores, sink = parts
+    v = sink.meta.get("val") if isinstance(sink, fx.Node) else None
+    if not isinstance(v, torch.Tensor) or v.dim() != rank or v.shape[-1] != 1:
+        return None
+    return scores, sink
+
+
+def _reads_any(n: fx.Node, targets: set) -> bool:
+    """Whether n's value is computed from one of `targets` (their sizes do not count)."""
+    seen, stack = set(), [n]
+    while stack:
+        a = stack.pop()
+        if a in targets:
+            return True
+        if a in seen or (a.op == "call_function" and a.target is aten.sym_size.int):
+            continue
+        seen.add(a)
+        stack.extend(a.all_input_nodes)
+    return False
+
+
+def _drops_last_column(p: fx.Node, src: fx.Node) -> bool:
+    """Whether p is `src[..., :-1]`: the probabilities without the sink column."""
+    if p is None or p.target is not aten.slice.Tensor or p.args[0] is not src:
+        return False
+    a = call_args(p)
+    rank = src.meta["val"].dim()
+    end = a.get("end")
+    if a.get("dim", 0) % rank != rank - 1 or (a.get("start") or 0) != 0 or a.get("step", 1) != 1:
+        return False
+    if end == -1:
+        return True
+    if end is None or isinstance(end, int):
+        return False
+    return size_expr(p.meta["val"].shape[-1]) == size_expr(src.meta["val"].shape[-1]) - 1
+
+
 def _unknown(x: fx.Node, sm: fx.Node, ctx, scores: bool):
     """A softmax over (tokens x tokens) scores that pass through an op the pass cannot read:
     refused here, saying which op (the token-mixing rules would only see a matmul)."""
@@ -142,7 +228,8 @@ def _unknown(x: fx.Node, sm: fx.Node, ctx, scores: bool):
                     "slices support softmax(q.k^T * scale + mask) . v with causal or sliding-window masks",
             "write the attention as scaled_dot_product_attention, or as q @ k^T, a scale, a causal or "
             "sliding-window mask (masked_fill / where with -inf, or an additive mask or position bias such "
-            "as ALiBi), softmax, @ v (logit soft-capping cannot be sliced)")
+            "as ALiBi), softmax, @ v; logit soft-capping `c * tanh(s / c)` and a sink logit per head "
+            "joined with `cat` are read too")
 
 
 def _is_cast(n: fx.Node) -> bool:
@@ -219,10 +306,38 @@ def _match_written_out(sm: fx.Node, ctx) -> _Match | None:
     if sm.args[1] % rank != rank - 1:
         return None
     scale, found_masks, x = 1.0, [], sm.args[0]
+    softcap, sink, masks_outside = None, None, 0
     scores = len(node_token_axes(x, ctx.seq_sym)) == 2 if isinstance(x, fx.Node) else False
     while isinstance(x, fx.Node) and x.op == "call_function":
         if x.target in _MATMUL:
             break
+        if softcap is not None and len(found_masks) > masks_outside:  # tanh(s + mask): not a mask
+            _refuse(prev, ctx, "a mask or position bias added to the attention scores inside their soft-capping "
+                            "`tanh`: the capped mask no longer hides a key",
+                    "add the mask after the soft-capping, as Gemma 2 does")
+        prev = x
+        if x.target in _SUB and len(x.args) == 2 and x.kwargs.get("alpha", 1) == 1 and _row_max_of(x.args[1], x.args[0]):
+            x = x.args[0]  # minus the row's maximum: the same softmax
+            continue
+        if x.target in _CLAMPS and _floor_clamp(x, ctx) is not None:
+            x = _floor_clamp(x, ctx)
+            continue
+        if x.target is aten.cat.default:
+            found = _sink_column(x, rank)
+            if found is None or sink is not None or found_masks or scale != 1.0 or softcap is not None:
+                _refuse(x, ctx, f"a column joined onto the attention scores (`cat`, node {x.name}) that is not "
+                                "a logit per head (an attention sink) joined before any scale or mask",
+                        "join the sink logits (a parameter per head, expanded to (batch, heads, queries, 1)) "
+                        "as the scores' last column, drop that column after the softmax (probs[..., :-1])")
+            x, sink = found
+            joined = prev
+            continue
+        if x.target in _TANH:
+            if softcap is not None:
+                return _unknown(x, sm, ctx, scores)
+            softcap, scale, masks_outside = scale, 1.0, len(found_masks)  # c * tanh(...): c so far
+            x = x.args[0]
+            continue
         if x.target is aten.baddbmm.default:  # beta * bias + alpha * (q @ k^T)
             a = call_args(x)
             alpha, beta = _scalar(a.get("alpha", 1), ctx), _scalar(a.get("beta", 1), ctx)
@@ -273,7 +388,17 @@ def _match_written_out(sm: fx.Node, ctx) -> _Match | None:
     k = _transposed_last_two(kt) if isinstance(kt, fx.Node) else None
     if k is None:
         return None
+    if sink is not None and _reads_any(sink, {x, kt, k}):
+        _refuse(joined, ctx, f"a column joined onto the attention scores (`cat`, node {joined.name}) computed "
+                             "from the keys or the scores: a token slice does not have the keys it reads",
+                "join a logit per head (a parameter) as the sink column, as GPT-OSS does")
     p, dropout_p, p_src = _only_user(sm), 0.0, sm
+    if sink is not None:
+        if not _drops_last_column(p, sm):
+            _refuse(sm, ctx, "attention probabilities over the scores and a sink column, used without dropping "
+                             "the sink column (probs[..., :-1])",
+                    "drop the sink's column after the softmax, as GPT-OSS does")
+        p_src, p = p, _only_user(p)
     while p is not None and (_is_cast(p) or p.target is aten.dropout.default or _lead_reshape(p) is not None):
         if p.target is aten.dropout.default:
             if dropout_p or p.args[0] is not p_src:
@@ -286,7 +411,7 @@ def _match_written_out(sm: fx.Node, ctx) -> _Match | None:
     want = [size_expr(d) for d in q.meta["val"].shape[:-1]] + [size_expr(v.meta["val"].shape[-1])]
     if [size_expr(d) for d in p.meta["val"].shape] != want:
         return None  # the probabilities were regrouped into another layout than q's
-    return _Match(p, q, k, v, scale, dropout_p, masks=found_masks, at=sm, lead=_lead(x))
+    return _Match(p, q, k, v, scale, dropout_p, masks=found_masks, at=sm, lead=_lead(x), softcap=softcap, sink=sink)
 
 
 def _added_term(a, b, ctx) -> fx.Node | None:
@@ -360,11 +485,15 @@ def _pattern(m: _Match, ctx: PassContext, readings: dict) -> tuple[masks.Pattern
                 "pass is_causal=True (or a causal mask) for a causal language model; a bidirectional "
                 "encoder cannot be pipelined over token slices")
     found = masks.classify(keep)
+    if found is not None and found.kind == "chunked" and biases:
+        _refuse(m.at, ctx, "chunked local attention with a position bias",
+                "token slicing supports chunked attention with masks only, position biases with causal or "
+                "sliding-window masks")
     if found is None:
         what = masks.describe(keep)
         bidir = what.startswith("bidirectional")
         _refuse(m.at, ctx, f"attention whose mask at the plan's length {n} is {what}"
-                           + ("" if bidir else "; token slices support causal and sliding-window masks only"),
+                           + ("" if bidir else "; token slices support causal, sliding-window and chunked masks only"),
                 "a causal language model's attention (is_causal=True, a lower-triangular mask, or a "
                 "sliding window) can be sliced by tokens; this mask cannot be"
                 + (" (a bidirectional encoder cannot be pipelined over token slices)" if bidir else ""))
@@ -464,10 +593,17 @@ def rewrite_attention(ctx: PassContext) -> tuple[list[AttentionSite], dict[str, 
             vp = graph.placeholder(f"v_prefix_{i}")
         anchor = vp
         kp.meta["val"], vp.meta["val"] = k.meta["val"], v.meta["val"]
-        window = pattern.window if pattern.kind == "banded" else None
+        # the tokens a later slice may read back: a window's last w - 1, a chunk's up to c - 1
+        window = pattern.window if pattern.kind in ("banded", "chunked") else None
         kwargs = {"scale": m.scale, "dropout_p": m.dropout_p, "rep": rep, "enable_gqa": m.enable_gqa}
-        if window is not None:
+        if pattern.kind == "banded":
             kwargs["window"] = window
+        elif pattern.kind == "chunked":
+            kwargs.update(chunk=window, offset=ctx.offset)
+        if m.softcap is not None:
+            kwargs["softcap"] = m.softcap
+        if m.sink is not None:
+            kwargs["sink"] = m.sink
         if biases:
             table, kind = _bias_table(m, biases, ctx)
             name = f"tpc_position_bias_{len(ctx.constants) + len(tables)}"

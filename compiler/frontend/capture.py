@@ -16,6 +16,7 @@ tied weight has one name however the model reaches it.
 from __future__ import annotations
 
 import inspect
+import linecache
 from contextlib import contextmanager
 import operator
 from dataclasses import dataclass, replace
@@ -152,12 +153,16 @@ def _capture(model: nn.Module, seq_len: int, batch: int) -> Captured:
     model_file = model_file_of(model)
     try:
         ep, full_range = _export(model, seq_len, batch, top=max(seq_len, 2)), True
+    except _SpecialisedLength:
+        raise _length_refusal(model, model_file, seq_len) from None
     except _ConstraintViolation:
         # Slicing a buffer of exactly L rows by T makes export guard `T != L`, a guard the graph
         # does not need (buf[:L] is the whole buffer). Capture on [1, L-1]; the graph runs at L
         # unchanged and SlicedModel's self-check then runs the full length to confirm it.
         try:
             ep, full_range = _export(model, seq_len, batch, top=seq_len - 1), False
+        except _SpecialisedLength:
+            raise _length_refusal(model, model_file, seq_len) from None
         except _ConstraintViolation as e:
             ep, full_range = _export_size_oblivious(model, seq_len, batch, e)
         except Exception as e:
@@ -209,6 +214,34 @@ class _ConstraintViolation(Exception):
     """export specialised the sequence length: the model constrains it."""
 
 
+class _SpecialisedLength(Exception):
+    """export made the sequence length a constant: the model's code runs once per token (a
+    Python loop over them) or branches on the length."""
+
+
+def _length_refusal(model: nn.Module, model_file: str | None, seq_len: int) -> TpirError:
+    """The refusal of a model whose code fixes the sequence length, at its loop over the tokens
+    when one is found (`token_loops.py`), quoting the plan's length."""
+    from tpc.compiler.frontend.source_locations import loc_at
+    from tpc.compiler.frontend.token_loops import token_loop
+
+    found = token_loop(model)
+    if found is not None:
+        text = linecache.getline(*found).strip()
+        return TpirError(Diagnostic(
+            f"a Python loop over the tokens (`{text}`) runs once per token, so the model cannot be captured "
+            f"for every length 1..{seq_len} (--seq-len {seq_len}): a scan written as a loop fixes the "
+            "sequence length", loc=loc_at(*found),
+            hint="write the scan with tensor operations over the whole sequence (a cumulative or chunked "
+                 "scan), or use the model's vectorised path; token slices can then carry its state"))
+    return TpirError(Diagnostic(
+        f"the model's code fixes the sequence length while it is captured, so it cannot run for every "
+        f"length 1..{seq_len} (--seq-len {seq_len}): a loop over the tokens, a branch on the length or a "
+        "reshape to a fixed size", where=model_file or type(model).__name__,
+        hint="forward must work for every length 1..L with the same code: no Python loop over the tokens, "
+             "no `if T ...`, no reshape to a fixed size"))
+
+
 def _export(model: nn.Module, seq_len: int, batch: int, top: int):
     # The example length stays below the maximum where it can (at T == L a buffer sliced [:T] is
     # taken whole and export would specialise T), and differs from the example batch, since
@@ -221,6 +254,10 @@ def _export(model: nn.Module, seq_len: int, batch: int, top: int):
         with _full_stack_traces():
             return export(model, (ids,), dynamic_shapes=dyn, strict=False)
     except Exception as e:
+        if "specialized it to be a constant" in str(e) or "Cannot create Dim with inconsistent" in str(e):
+            # (the second: torch failing to word the constraints of a length derived from the
+            # sequence's by arithmetic it cannot solve, such as padding to a multiple of a chunk)
+            raise _SpecialisedLength() from e  # another length cannot help: the code fixes it
         if "Constraints violated" in str(e) and top > 2:
             raise _ConstraintViolation() from e
         raise

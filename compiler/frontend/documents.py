@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from tpc.compiler.frontend import runtime_ops
+from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.compiler.frontend.source_locations import refuse
 
 aten = torch.ops.aten
@@ -69,6 +70,12 @@ def document_graph(graph: fx.Graph) -> fx.Graph:
             continue
         new = g.node_copy(n, lambda a: env[a])
         if new.op == "call_function" and new.target is runtime_ops.causal_attention:
+            unsupported = [k for k in ("softcap", "sink", "chunk") if new.kwargs.get(k) is not None]
+            if unsupported:
+                raise TpirError(Diagnostic(
+                    f"packed documents with an attention of {' and '.join(unsupported)} (soft-capped scores, "
+                    "sinks or chunked attention) are not built", where="--documents",
+                    hint="compile without --documents for this model"))
             new.kwargs = {**new.kwargs, "documents": docs}
         env[n] = new
     g.lint()

@@ -20,14 +20,19 @@ Per op class (a "kernel" is one launch of eager PyTorch):
     bytes of both operands and the result, one kernel;
   * `runtime_ops.causal_pad` (a causal convolution's or shift's carried tokens joined to the slice's):
     a copy, priced as a memory op;
+  * a mixture-of-experts grouped matmul (`grouped_mm`, rows grouped by expert): as `mm`, each
+    of the S = tokens x top-k rows times its expert's matrix, 2*S*k*n, all experts' weights read;
   * attention (`runtime_ops.causal_attention`): Q K^T and P V over `c + l` keys,
     2*b*h*l*(c+l)*(d_qk + d_v), as one fused kernel that reads q and the full keys and values
     and writes the output (the scores stay on chip; on CUDA the bottom-right alignment is a
     causal bias, no mask is read); with a prefix, two more kernels concatenate cache and slice
     (they copy `c + l` rows), with GQA's `rep` two more repeat the heads. The full l x (c+l)
     rectangle is counted, an upper bound of what a kernel that skips masked blocks computes; a
-    sliding-window layer (`window` w) reads `min(c, w - 1) + l` keys; a position bias (ALiBi)
-    adds the bytes of the (l x keys) bias per query head, written once and read as the mask;
+    sliding-window layer (`window` w) reads `min(c, w - 1) + l` keys, a chunked one (`chunk` c)
+    as many as a window of c (an upper bound: `c mod chunk + l` are read); a position bias (ALiBi)
+    adds the bytes of the (l x keys) bias per query head, written once and read as the mask; an
+    attention written out (soft-capping, a sink) writes and reads its scores and probabilities,
+    (l x keys) per query head each, in four more kernels, and keeps both for its backward;
   * memory (elementwise, norms, reductions, softmax, gathers, copies, the loss): a few FLOPs
     per element (`_FLOPS_PER_ELEMENT`), bytes of every input and the output, one kernel.
 
@@ -98,6 +103,10 @@ _MAYBE_COPY = {"contiguous", "reshape"}
 # Casts: free when the dtype does not change (eager PyTorch returns the input itself).
 _CASTS = {"to", "type_as", "_to_copy"}
 _MATMULS = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm"}
+# a mixture-of-experts layer's grouped matmul (experts.py): rows grouped by expert, each row
+# times its own expert's matrix, so the top-k experts of a token cost k rows; every expert's
+# weights are read
+_GROUPED_MATMULS = {"grouped_mm_fallback", "_grouped_mm", "grouped_mm"}
 # Rough arithmetic per output element of memory-bound ops (they are priced by bytes; FLOPs
 # matter only in the rare op whose arithmetic outweighs its traffic). Default 1.
 _FLOPS_PER_ELEMENT = {
@@ -185,7 +194,7 @@ def _attention(n: fx.Node) -> OpCost:
     lq, dq = size_expr(q.shape[-2]), size_expr(q.shape[-1])
     lk, dv = size_expr(k.shape[-2]), size_expr(v.shape[-1])
     rows = numel(q) / (lq * dq)  # batch x heads of the queries ((B, H) or BLOOM's B * H)
-    window = n.kwargs.get("window")
+    window = n.kwargs.get("window") or n.kwargs.get("chunk")
     # the cached prefix and the slice's own keys; a sliding window reads its last w - 1 only
     keys = (sympy.Min(CTX, int(window) - 1) if window else CTX) + lk
     has_prefix = sympy.Min(CTX, 1)  # 0 for the first slice, 1 after (c is an integer >= 0)
@@ -201,6 +210,9 @@ def _attention(n: fx.Node) -> OpCost:
     repeat = (kf + vf) * (1 + rep) if rep != 1 else _ZERO  # repeat_interleave over heads
     kernels = 1 + 2 * has_prefix + (2 if rep != 1 else 0)
     saved = tensor_bytes(out) + has_prefix * (kf + vf) + ((rep * (kf + vf)) if rep != 1 else _ZERO)
+    if n.kwargs.get("softcap") is not None or n.kwargs.get("sink") is not None:  # written out
+        scores = rows * lq * keys * WIDTH
+        nbytes, kernels, saved = nbytes + 4 * scores, kernels + 4, saved + 2 * scores
     total = nbytes + cat + repeat
     return OpCost("attention", flops, total, kernels, 2 * flops, 2 * total, 2 * kernels, saved)
 
@@ -256,6 +268,8 @@ def op_cost(n: fx.Node, static: set) -> OpCost:
         return FREE  # p == 0 or not training: eager returns the input
     if name in _MATMULS:
         return _matmul(n, name, static)
+    if name in _GROUPED_MATMULS:  # x (S, k) rows, each times its expert's (k, n): 2*S*k*n, as mm
+        return _matmul(n, "mm", static)
     if name == "embedding":  # gather rows: read the ids and the rows, write them
         ids = _val(n.args[1])
         rows = tensor_bytes(out)

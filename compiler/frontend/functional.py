@@ -141,9 +141,12 @@ def _rewrite(graph: fx.Graph, n: fx.Node, pure, chain: list[fx.Node], sub: dict)
         cursor = new
         return new
 
-    value = add(pure, (chain[-1], *n.args[1:]), chain[-1])  # what the view holds after the write
-    if n.kwargs:
-        value.kwargs = dict(n.kwargs)
+    if pure is aten.copy.default:  # `copy` has no derivative: the source, as the view holds it
+        value = _copied(graph, n, chain[-1], n.args[1], add)
+    else:
+        value = add(pure, (chain[-1], *n.args[1:]), chain[-1])  # what the view holds after the write
+        if n.kwargs:
+            value.kwargs = dict(n.kwargs)
     for parent, view in zip(reversed(chain[:-1]), reversed(chain[1:])):
         target, args = _SCATTER[view.target](parent, value, view.args)
         value = add(target, args, parent)
@@ -158,6 +161,43 @@ def _rewrite(graph: fx.Graph, n: fx.Node, pure, chain: list[fx.Node], sub: dict)
         copy.meta = dict(v.meta)
         cursor = fresh[v] = sub[v] = copy
     sub[n] = fresh.get(chain[-1], value)
+
+
+def _copied(graph: fx.Graph, n: fx.Node, dst: fx.Node, src, add) -> fx.Node:
+    """What `dst.copy_(src)` leaves in `dst`, made of ops autograd can differentiate (functional
+    `copy` has no derivative: a plan holding it would stop at its first backward): `src` cast
+    to `dst`'s dtype (`_to_copy`), broadcast to its shape (`expand`, sizes read from `dst`),
+    and a copy of its own (`clone`), so a later write into `dst` does not reach `src`."""
+    want = dst.meta.get("val")
+    have = src.meta.get("val") if isinstance(src, fx.Node) else None
+    if not isinstance(src, fx.Node) or want is None or have is None:
+        return add(aten.copy.default, (dst, src), dst)  # not seen in a capture: values are nodes
+    value = src
+    if have.dtype != want.dtype:
+        value = add(aten._to_copy.default, (value,), src)
+        value.kwargs = {"dtype": want.dtype}
+        value.meta["val"] = _like(have, want.dtype, have.shape)
+    if tuple(have.shape) != tuple(want.shape):
+        sizes = []
+        for d, size in enumerate(want.shape):
+            if isinstance(size, int):
+                sizes.append(size)
+            else:  # a symbolic size: read from `dst` when the graph runs
+                sizes.append(add(aten.sym_size.int, (dst, d), dst))
+                sizes[-1].meta["val"] = size
+        value = add(aten.expand.default, (value, sizes), dst)
+    return add(aten.clone.default, (value,), dst)
+
+
+def _like(v: torch.Tensor, dtype, shape) -> torch.Tensor:
+    """A fake value like `v` (same fake mode) of another dtype and shape."""
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode([v])
+    if mode is None:
+        return torch.empty(tuple(shape), dtype=dtype, device="meta")
+    with mode, mode.shape_env.suppress_guards():
+        return v.new_empty(tuple(shape), dtype=dtype)
 
 
 def _views_of(base: fx.Node, order: dict) -> list[fx.Node]:

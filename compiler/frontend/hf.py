@@ -49,6 +49,14 @@ def causal_lm_from_config(path: str) -> nn.Module:
         raise TpirError(Diagnostic("a Hugging Face config.json needs the `transformers` package, which is not installed",
                                    loc=Loc(path, 1, 1),
                                    hint="pip install transformers (it does not change the installed torch)")) from None
+    if raw.get("output_router_logits") is True:
+        raise TpirError(Diagnostic(
+            "the configuration asks for the mixture-of-experts auxiliary load-balancing loss "
+            "(\"output_router_logits\": true), which a plan does not train: the plan's loss is the "
+            "next-token cross-entropy of the logits, and the auxiliary loss is a statistic over all the "
+            "batch's tokens that token slices do not see together",
+            loc=_key_loc(path, "output_router_logits"),
+            hint="set \"output_router_logits\": false to train the language-model loss alone"))
     settings = dict(raw)
     model_type = settings.pop("model_type")
     attn = settings.pop("attn_implementation", None) or settings.pop("_attn_implementation", None)
@@ -72,6 +80,16 @@ def causal_lm_from_config(path: str) -> nn.Module:
                                    hint="tpc trains causal language models (AutoModelForCausalLM); check "
                                         "\"model_type\" and \"attn_implementation\" (sdpa or eager)")) from None
     return returning_logits(model)
+
+
+def _key_loc(path: str, key: str) -> Loc:
+    """Where `"key"` first appears in the JSON file (its first line when not found)."""
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            col = line.find(f'"{key}"')
+            if col >= 0:
+                return Loc(path, i, col + 1)
+    return Loc(path, 1, 1)
 
 
 _NO_MEMORY = ("out of memory", "can't allocate memory", "cannot allocate memory")

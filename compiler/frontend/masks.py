@@ -8,9 +8,11 @@ sliced attention implements:
 
 * causal: query q sees keys k <= q;
 * banded (sliding window w): query q sees keys q - w < k <= q, the last w tokens including its
-  own (Hugging Face's `sliding_window`, Mistral's convention).
+  own (Hugging Face's `sliding_window`, Mistral's convention);
+* chunked (chunks of c tokens, Llama 4's `attention_chunk_size`): query q sees the keys of its
+  own chunk up to itself, q - q % c <= k <= q.
 
-A mask that is neither is described ("chunked local attention: chunks of 8 tokens",
+A mask that is none of these is described ("causal within documents",
 "bidirectional: every query sees every key", ...) and refused by the caller: it is never replaced
 by something else. Equality at L is what exactness needs: every slice of the plan is a window of
 the length-L sequence, and the sliced attention reproduces the length-L mask on it.
@@ -37,10 +39,12 @@ HIDDEN = -1e30
 
 @dataclass(frozen=True)
 class Pattern:
-    kind: str  # "causal" or "banded"
-    window: int | None = None  # banded: keys q - window < k <= q
+    kind: str  # "causal", "banded" or "chunked"
+    window: int | None = None  # banded: keys q - window < k <= q; chunked: the chunk's length c
 
     def describe(self) -> str:
+        if self.kind == "chunked":
+            return f"chunked: chunks of {self.window}"
         return "causal" if self.kind == "causal" else f"banded: window {self.window}"
 
 
@@ -108,8 +112,25 @@ def classify(keep: torch.Tensor, rows: int = 1024) -> Pattern | None:
         q = torch.arange(lo, min(lo + rows, n))[:, None]
         want = (k[None, :] <= q) & (k[None, :] > q - w)
         if not bool((keep[lo:lo + rows] == want).all()):
-            return None
+            return _chunked(keep, rows)
     return Pattern("causal") if w == n else Pattern("banded", w)
+
+
+def _chunked(keep: torch.Tensor, rows: int) -> Pattern | None:
+    """Chunked local attention (Llama 4): query q sees the keys of its own chunk of c tokens up
+    to itself, q - q % c <= k <= q; None when `keep` is not that for any c."""
+    n = keep.size(-1)
+    starts = [q for q in range(1, n) if not bool(keep[q, q - 1])]  # a query not seeing the one before
+    if not starts:
+        return None
+    c = starts[0]
+    k = torch.arange(n)
+    for lo in range(0, n, rows):
+        q = torch.arange(lo, min(lo + rows, n))[:, None]
+        want = (k[None, :] <= q) & (k[None, :] >= q - q % c)
+        if not bool((keep[lo:lo + rows] == want).all()):
+            return None
+    return Pattern("chunked", c)
 
 
 def describe(keep: torch.Tensor) -> str:

@@ -86,8 +86,8 @@ def _classify(graph: fx.Graph, ctx) -> tuple[list[fx.Node], list[fx.Node]]:
     """(arange / slice nodes shifted in place, nodes computed at full length and cut)."""
     shift, full_length = [], []
     for n in graph.nodes:
-        if n.op != "call_function" or n not in ctx.static:
-            continue
+        if n.op != "call_function" or n not in ctx.static or n.meta.get("tpc_kind") == "expert-dispatch":
+            continue  # (the row numbers of an expert dispatch's inverse permutation: the slice's own)
         axes = node_token_axes(n, ctx.seq_sym)
         ins = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         ins_axes = any(node_token_axes(a, ctx.seq_sym) for a in ins)

@@ -144,13 +144,24 @@ def _document_bias(table, kind: str, documents: DocumentSlice, lk: int, lead) ->
 
 
 def causal_attention(q, k, v, k_prefix, v_prefix, scale=None, dropout_p=0.0, rep=1, enable_gqa=False,
-                     window=None, bias=None, bias_kind=None, offset=0, documents=None):
+                     window=None, bias=None, bias_kind=None, offset=0, softcap=None, sink=None, chunk=None,
+                     documents=None):
     """Attention of a slice. k/v are this slice's keys/values, (B, Hkv, l, D) (or (B * H, l, D));
     the prefix is the same layout with the earlier tokens. `rep` > 1 repeats key/value heads after
     the cache (GQA written with repeat_interleave), so the cache holds the un-repeated heads.
     `window`: each query sees only the last `window` tokens, its own included (None: every
     earlier token). `bias`: a position bias table of kind `bias_kind` (`bias.py`), read for the
-    queries at [offset, offset + l)."""
+    queries at [offset, offset + l). `softcap` c: the scores are c * tanh(scale * q.k^T) before
+    the mask (Gemma 2); `sink`: a logit per query joined to the scores as one more key, whose
+    probability is dropped (GPT-OSS); either is computed written out (`_written_out`). `chunk` c:
+    chunked local attention (Llama 4): the query at position p sees the keys p - p % c .. p, so
+    the prefix is cut to the tokens of the chunk the slice starts in (`offset % c`) and the
+    mask is built for the slice's place in its chunks. `documents`: over packed documents, the
+    row's `DocumentSlice` (attention stays inside each document); not with the three above, which
+    the stage build refuses (`documents.document_graph`)."""
+    if chunk is not None:
+        return _chunked(q, k, v, k_prefix, v_prefix, scale, dropout_p, rep, enable_gqa, chunk, int(offset),
+                        softcap, sink)
     if window is not None and k_prefix.size(-2) > window - 1:
         keep = window - 1  # (B, Hkv, w-1, D): the only cached tokens a query of this slice sees
         k_prefix = k_prefix.narrow(-2, k_prefix.size(-2) - keep, keep)
@@ -175,6 +186,15 @@ def causal_attention(q, k, v, k_prefix, v_prefix, scale=None, dropout_p=0.0, rep
         if bias is not None:
             mask = mask + _document_bias(bias, bias_kind, documents, lk, q.shape[:-2]).to(q.dtype)
         return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
+    if softcap is not None or sink is not None:
+        plain = type(q) is torch.Tensor
+        if window is not None and lk > window:
+            mask = (_band_mask if plain else _band_mask.__wrapped__)(lq, lk, window, q.dtype, q.device)
+        else:
+            mask = (_bottom_right_mask if plain else _bottom_right_mask.__wrapped__)(lq, lk, q.dtype, q.device)
+        if bias is not None:
+            mask = mask + position_bias(bias, bias_kind, int(offset), lq, lk, q.shape[:-2]).to(q.dtype)
+        return _written_out(q, kf, vf, mask, scale, softcap, sink, dropout_p, enable_gqa)
     if bias is not None:
         plain = type(q) is torch.Tensor
         if window is not None and lk > window:
@@ -201,6 +221,54 @@ def causal_attention(q, k, v, k_prefix, v_prefix, scale=None, dropout_p=0.0, rep
         build = _bottom_right_mask if type(q) is torch.Tensor else _bottom_right_mask.__wrapped__
         mask = build(lq, lk, q.dtype, q.device)  # (l, off+l)
     return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
+
+
+def _chunked(q, k, v, k_prefix, v_prefix, scale, dropout_p, rep, enable_gqa, chunk, offset, softcap, sink):
+    keep = min(offset % chunk, k_prefix.size(-2))  # the slice's first query sees its chunk's start
+    if keep < k_prefix.size(-2):
+        k_prefix = k_prefix.narrow(-2, k_prefix.size(-2) - keep, keep)
+        v_prefix = v_prefix.narrow(-2, v_prefix.size(-2) - keep, keep)
+    kf = torch.cat([k_prefix, k], dim=-2) if keep else k
+    vf = torch.cat([v_prefix, v], dim=-2) if keep else v
+    if rep != 1:
+        kf, vf = kf.repeat_interleave(rep, dim=1), vf.repeat_interleave(rep, dim=1)
+    build = _chunk_mask if type(q) is torch.Tensor else _chunk_mask.__wrapped__
+    mask = build(q.size(-2), keep, offset % chunk, chunk, q.dtype, q.device)
+    if softcap is not None or sink is not None:
+        return _written_out(q, kf, vf, mask, scale, softcap, sink, dropout_p, enable_gqa)
+    extra = {"enable_gqa": True} if enable_gqa else {}
+    return F.scaled_dot_product_attention(q, kf, vf, attn_mask=mask, dropout_p=dropout_p, scale=scale, **extra)
+
+
+@functools.lru_cache(maxsize=64)
+def _chunk_mask(lq: int, keep: int, start: int, chunk: int, dtype, device) -> torch.Tensor:
+    """The additive mask of a slice of `lq` queries whose first sits `start` tokens into its chunk,
+    over the `keep` cached keys before it and its own: query i (position start + i in chunk
+    terms) sees key j (position start - keep + j) when both are in one chunk and j is not later."""
+    qpos = torch.arange(start, start + lq, device=device)[:, None]
+    kpos = torch.arange(start - keep, start + lq, device=device)[None, :]
+    sees = (kpos <= qpos) & (kpos // chunk == qpos // chunk)
+    return torch.zeros(lq, keep + lq, dtype=dtype, device=device).masked_fill_(~sees, float("-inf"))
+
+
+def _written_out(q, k, v, mask, scale, softcap, sink, dropout_p, enable_gqa):
+    """softmax(softcap * tanh(scale * q.k^T) + mask [, sink]) . v, the sink's column dropped after
+    the softmax: what SDPA cannot express. The softmax runs in float32, as the models upcast it."""
+    if enable_gqa and k.size(-3) != q.size(-3):
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)
+    s = torch.matmul(q, k.transpose(-2, -1)) * (q.size(-1) ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        s = torch.tanh(s) * softcap
+    s = s + mask
+    if sink is not None:
+        s = torch.cat([s, sink.to(s.dtype).expand(*s.shape[:-1], 1)], dim=-1)
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sink is not None:
+        p = p[..., :-1]
+    if dropout_p:
+        p = F.dropout(p, dropout_p)
+    return torch.matmul(p, v)
 
 
 def position_bias(table, kind: str, offset: int, lq: int, lk: int, lead) -> torch.Tensor:

@@ -9,6 +9,7 @@ with what it made; after each, the graph is linted and its static values are rec
   logits              the model returns (batch, seq, vocab) logits                capture.py
   attention           causal attention sliced over a KV cache, masks read         attention.py
   causal-state        the last tokens of short causal mixers carried              carried_state.py
+  expert-dispatch     mixture-of-experts grouping undone: token-local             experts.py
   token-independence  any other mixing of tokens refused                          analyse.py
   positions           positions put on the slice's window [offset, offset + l)   positions.py
   units               cut where only the residual stream is live                  partition.py (`CutUnits` here)
@@ -34,6 +35,7 @@ from tpc.compiler.frontend.axes import is_residual_stream, size_expr
 from tpc.compiler.frontend.capture import Captured, CheckLogits, capture
 from tpc.compiler.frontend.carried_state import CarryCausalState
 from tpc.compiler.frontend.context import Pass, PassContext
+from tpc.compiler.frontend.experts import RecogniseExpertDispatch
 from tpc.compiler.frontend.flops import AnnotateCosts, UnitCost, UnitCostFn, loss_cost, numel as numel_of, sum_costs
 from tpc.compiler.frontend.partition import make_units, partition_balanced
 from tpc.compiler.frontend.positions import WindowPositions
@@ -59,7 +61,8 @@ class CutUnits:
 
 
 # the front end's passes, in the order they run (the module docstring)
-PASSES: tuple[Pass, ...] = (CheckLogits(), SliceAttention(), CarryCausalState(), CheckTokenIndependence(),
+PASSES: tuple[Pass, ...] = (CheckLogits(), SliceAttention(), CarryCausalState(), RecogniseExpertDispatch(),
+                            CheckTokenIndependence(),
                             WindowPositions(), CutUnits(), AnnotateCosts())
 
 
@@ -428,6 +431,32 @@ class SlicedModel:
         if err.max().item() > tol:
             bad = int(err.amax(dim=(0, 2)).gt(tol).nonzero()[0])
             self._refuse_difference(ids, lens, full, bad)
+        del ref, got
+        self._check_backward(ids, lens, full)
+
+    def _check_backward(self, ids, lens, full) -> None:
+        """The whole model's backward, sliced (`backward_check.py`), against the model's own
+        autograd: every parameter's gradient. Gradients the parameters held are kept."""
+        from tpc.compiler.frontend.backward_check import compare_gradients, sliced_backward
+
+        params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        held = {n: p.grad for n, p in params.items()}
+        try:
+            for p in params.values():
+                p.grad = None
+            with torch.enable_grad():
+                out = self.model(ids)
+                weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+                (out * weight).sum().backward()
+                del out
+                ref = {n: p.grad for n, p in params.items()}
+                for p in params.values():
+                    p.grad = None
+                sliced_backward(full, ids, lens, weight, self._model_file)
+            compare_gradients({n: p.grad for n, p in params.items()}, ref, f"slices {_short(lens)}")
+        finally:
+            for n, p in params.items():
+                p.grad = held[n]
 
     def _refuse_difference(self, ids, lens, full, token: int) -> None:
         from tpc.compiler.frontend.first_difference import first_difference

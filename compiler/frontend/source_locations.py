@@ -72,6 +72,12 @@ def _frame_kind(path: str) -> str:
     return "skip" if p.startswith(_STDLIB_DIRS) else "user"
 
 
+def is_model_code(path: str) -> bool:
+    """Code of the user's model or of a library it uses (transformers): not torch, not the
+    standard library, not tpc itself."""
+    return _frame_kind(path) != "skip"
+
+
 def _is_user_file(path: str) -> bool:
     """Not torch, not the standard library, not an installed package, not tpc itself."""
     return _frame_kind(path) == "user"

@@ -287,6 +287,57 @@ def check_length(sliced, units, slicings, budget: float | None = None) -> int:
     return max(longest, floor)
 
 
+BACKWARD_LENGTH = 64  # the backward's tokens (more when a slicing has over 32 slices)
+
+
+def _check_unit_backward(sliced, unit, stage, values, names, x, ids, lens) -> None:
+    """The backward of one unit (`backward_check.py`): its stage graph run with `lens` scaled to
+    `BACKWARD_LENGTH` tokens (the plan's length when shorter) and back-propagated, against the
+    captured graph's gradients at that length: of the input and every parameter the unit uses."""
+    seq = x.size(1)
+    length = min(seq, max(BACKWARD_LENGTH, 2 * len(lens)))
+    lens = scaled_slicing(lens, length) if length != seq else list(lens)
+    x, ids = x[:, :length], ids[:, :length]
+    params = {n: values.get(n) for n in names if n in values._meta}
+    trainable = {n: p for n, p in params.items() if p.is_floating_point()}
+    for p in trainable.values():
+        p.requires_grad_(True)
+        p.grad = None
+    try:
+        with torch.enable_grad():
+            _unit_gradients(sliced, unit, stage, values, trainable, x, ids, lens)
+    finally:
+        for p in trainable.values():
+            p.grad = None
+            p.requires_grad_(False)
+
+
+def _unit_gradients(sliced, unit, stage, values, trainable, x, ids, lens) -> None:
+    from tpc.compiler.frontend.backward_check import compare_gradients, no_derivative, sliced_backward
+
+    x_ref = x.detach().requires_grad_(True) if x.is_floating_point() else x
+    out = _reference(sliced.original_graph, unit, x_ref, ids, values.get)
+    if out is None or not out.requires_grad:  # nothing to compare with: the backward must run
+        like = unit.output.meta["val"]
+        weight = torch.randn(x.size(0), x.size(1), *like.shape[2:], generator=torch.Generator().manual_seed(1))
+        sliced_backward(stage, x, lens, weight.to(like.dtype), sliced.context.model_file)
+        return
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    try:
+        (out * weight).sum().backward()
+    except RuntimeError as e:  # the captured code itself, as rewritten (functional.py)
+        raise no_derivative(sliced.original_graph, e, sliced.context.model_file) from None
+    ref = {n: p.grad for n, p in trainable.items()}
+    ref["the unit's input"] = x_ref.grad if x.is_floating_point() else None
+    del out
+    for p in trainable.values():
+        p.grad = None
+    got = {n: p.grad for n, p in trainable.items()}
+    got["the unit's input"] = sliced_backward(stage, x, lens, weight, sliced.context.model_file)
+    got.update({n: p.grad for n, p in trainable.items()})
+    compare_gradients(got, ref, f"unit {unit.label!r}, slices {lens}")
+
+
 def check_units(sliced, slicings, run_sliced, refuse_difference, length: int | None = None) -> UnitCheck:
     """The self-check of the module docstring for `sliced` (a SlicedModel whose model may hold
     no weights) with each slicing of `slicings`, at `length` tokens (None: `check_length`'s);
@@ -324,7 +375,9 @@ def check_units(sliced, slicings, run_sliced, refuse_difference, length: int | N
                     _, kept = _reference(sliced.original_graph, unit, x, ids, values.get, keep=True) or (None, {})
                     node = first_difference_of(sliced.original_graph, kept, ctx.seq_sym, x, lens, stage)
                     refuse_difference(token, lens, node)
+            del ref
+            _check_unit_backward(sliced, unit, stage, values, names, x, ids, slicings[0])
         values = _Values(sliced.model, ctx.fetch)  # the unit's weights freed
-        del stage, ref
+        del stage
         release_freed_memory()
     return UnitCheck(units, seq)

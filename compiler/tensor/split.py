@@ -355,6 +355,10 @@ class _Finder:
             self.refuse(n, f"cannot split for tensor degree {self.T}: attention dropout with p = "
                            f"{n.kwargs['dropout_p']} (node {n.name}) under tensor parallelism is not built",
                         hint="train with dropout 0 under tensor parallelism, or keep this model at tensor degree 1")
+        if self.T > 1 and n.kwargs.get("sink") is not None:
+            self.refuse(n, f"cannot split for tensor degree {self.T}: attention sinks (a logit per head, "
+                           f"node {n.name}) under tensor parallelism are not built",
+                        hint="keep a model with attention sinks at tensor degree 1")
         if n.name in self.plan.replicated_kv and qs is not None and qs.dim == 1 and ks is None and vs is None:
             if n.kwargs.get("bias") is not None:
                 self.mixes(n, qs, "adds a position bias table that is not split along")

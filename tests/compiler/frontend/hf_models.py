@@ -67,12 +67,57 @@ MORE_CONFIGS = {
     "lfm2": dict(model_type="lfm2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
                  conv_L_cache=3),
-    # attention logit soft-capping (tanh of the scores): refused
+    # attention logit soft-capping (c * tanh(scores / c)), windowed and global layers
     "gemma2": dict(model_type="gemma2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
                    max_position_embeddings=64),
+    # multi-head latent attention: keys built in `new_empty` and filled by `copy_` into slices;
+    # both layers dense (first_k_dense_replace), no experts
+    "deepseek_v3": dict(model_type="deepseek_v3", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+                        kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                        first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                        n_group=1, topk_group=1),
+    # the eager scores clamped to the dtype's minimum after the mask (max(s + mask, finfo.min))
+    "xglm": dict(model_type="xglm", d_model=32, ffn_dim=64, num_layers=2, attention_heads=4, dropout=0.0,
+                 attention_dropout=0.0, activation_dropout=0.0, max_position_embeddings=64),
+    # attention sinks: a learned logit per head joined to the scores as one more key column;
+    # windowed and global layers; mixture-of-experts MLPs
+    "gpt_oss": dict(model_type="gpt_oss", hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+    # chunked local attention (chunks of 4 tokens) in layer 0, global attention in layer 1; the
+    # experts off (moe_layers=[]): dense MLPs
+    "llama4_text": dict(model_type="llama4_text", hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        attention_chunk_size=4, moe_layers=[], num_local_experts=2, no_rope_layers=[1, 0],
+                        use_qk_norm=False),
+    # a selective scan written as a Python loop over the tokens (the reference path): refused at the loop
+    "mamba": dict(model_type="mamba", hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4,
+                  use_mambapy=False),
+    # mixture-of-experts: tokens grouped by expert (sort), run through grouped matmuls, put back
+    "mixtral": dict(model_type="mixtral", hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=None),
+    # ... with a shared expert beside the routed ones, gated per token
+    "qwen2_moe": dict(model_type="qwen2_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                      mlp_only_layers=[]),
+    "olmoe": dict(model_type="olmoe", hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(model_type="qwen3_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                      num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[]),
+    "granitemoe": dict(model_type="granitemoe", hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "dots1": dict(model_type="dots1", hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=4,
+                  num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1),
 }
 CONFIGS.update(MORE_CONFIGS)
+# DeepSeek-V3 with its second layer a mixture of experts (group-limited routing, a shared expert)
+CONFIGS["deepseek_v3_moe"] = dict(CONFIGS["deepseek_v3"], first_k_dense_replace=1)
 IMPLS = ("sdpa", "eager")
 
 

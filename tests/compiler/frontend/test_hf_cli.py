@@ -34,6 +34,8 @@ CASES = [
     ("opt", "sdpa", {}, "seq1f1b", 2, 2, "3"),
     # ALiBi; no attn_implementation, as BLOOM's config.json on the hub: transformers' eager
     ("bloom", None, {}, "1f1b", 2, 2, "1,7,8"),
+    # keys filled into new_empty by copy_ (DeepSeek-V3's latent attention): a plan that trains
+    ("deepseek_v3", "eager", {}, "1f1b", 2, 2, "1,7,8"),
 ]
 
 

@@ -81,11 +81,3 @@ def test_more_families_and_attention_forms_are_exact(family, impl, windows):
     ref_loss, ref = reference_step(model, ids, targets)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
     assert_grads_match(summed(per_stage), ref)
-
-
-def test_soft_capped_attention_is_refused_at_the_library_line():
-    with pytest.raises(TpirError) as info:
-        SlicedModel.from_model(hf_model("gemma2", "eager"), seq_len=SEQ, vocab=VOCAB)
-    d = info.value.diagnostics[0]
-    assert "attention scores pass through `tanh" in d.message and "`model.layers.0.self_attn`" in d.message
-    assert d.loc.file.endswith("modeling_gemma2.py") and "soft-capping" in d.hint

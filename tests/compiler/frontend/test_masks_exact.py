@@ -62,11 +62,21 @@ def test_a_window_built_from_positions_for_sdpa_is_sliced_exactly(width):
     exact(model, sm, [5, 1, 10])
 
 
+@pytest.mark.parametrize("kind,width", [("chunk", 4), ("document", 12)])
+def test_a_chunked_mask_is_sliced_exactly(kind, width):
+    """Chunks of `width` tokens (a document mask whose documents start every 12 tokens is the
+    same mask, causal for the first 12 tokens: a check at a few tokens would not see the chunks):
+    chunked local attention, each slice over its chunk's prefix, slices across chunk boundaries."""
+    torch.manual_seed(0)
+    model = MASKED.Masked(kind, width)
+    sm = SlicedModel.from_model(model, seq_len=SEQ, vocab=64)
+    assert [s.node.kwargs.get("chunk") for s in sm._sites] == [width, width]
+    exact(model, sm, [1, 2, 6, 7])
+    exact(model, sm, [5, 3, 8], stages=3)
+
+
 @pytest.mark.parametrize("kind,width,words", [
-    ("chunk", 4, "chunked local attention: chunks of 4 tokens"),
     ("document", 5, "causal within documents (a document mask), which start at tokens 0, 5"),
-    # causal for the first 12 tokens: a check at a few tokens would have passed it
-    ("document", 12, "chunked local attention: chunks of 12 tokens"),
     ("sink", 4, "causal with gaps: query 5 does not see the earlier key 1"),
     ("strided", 3, "causal with gaps"),
     ("future", 1, "not causal: query 0 sees the later key 1"),

@@ -105,3 +105,25 @@ def test_unbind_of_a_fused_projection_is_not_a_refusal():
     so the unbound size-3 axis is not mistaken for the sequence."""
     sliced = slice_model("fused_qkv_unbind.py")
     assert sliced.num_units >= 1
+
+
+def test_a_python_loop_over_the_tokens_is_refused_at_the_loop_quoting_the_seq_len():
+    """torch.export's own text ("Constraints violated (seq)! ... specialized it to be a constant
+    (14)") quotes a length the front end chose; the refusal names the loop, at its line, and
+    the --seq-len given."""
+    err = refusal(lambda: slice_model("scan_loop.py"))
+    d = err.diagnostics[0]
+    assert Path(d.loc.file).name == "scan_loop.py"
+    assert d.loc.line == line_of(MODELS / "scan_loop.py", "for t in range(x.size(1))")
+    assert "a Python loop over the tokens (`for t in range(x.size(1)):" in d.message
+    assert "1..16 (--seq-len 16)" in d.message and "Constraints violated" not in d.message
+
+
+def test_mamba_is_refused_at_its_scan_loop():
+    pytest.importorskip("transformers")
+    from .hf_models import hf_model
+
+    err = refusal(lambda: SlicedModel.from_model(hf_model("mamba", "eager"), seq_len=24, vocab=128))
+    d = err.diagnostics[0]
+    assert d.loc.file.endswith("modeling_mamba.py") and "a Python loop over the tokens" in d.message
+    assert "(--seq-len 24)" in d.message
