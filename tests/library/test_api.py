@@ -284,3 +284,17 @@ def test_a_plan_file_runs_under_torchrun_with_each_rank_building_only_its_parame
     state = {**parts[0]["state"], **parts[1]["state"]}
     for n, p in ref.named_parameters():
         assert torch.allclose(state[n], p.detach(), rtol=0, atol=1e-5), n
+
+
+def test_a_plan_over_packed_documents_steps_from_the_library():
+    """`documents="eos:0"` is `tpc compile --documents eos:0`: the pipeline's step reads each
+    row's documents from the batch and equals plain PyTorch running each document alone."""
+    from tpc.executors.oracle import batch_reference
+
+    model = _gpt()
+    plan = tpc.compile(model, seq_len=16, batch=2, stages=2, slices=2, documents="eos:0")
+    pipe = tpc.pipeline(plan, model, interpret=True)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(1, plan.header.shape.vocab, (2, 17), generator=g)
+    tokens[0, 6] = tokens[1, 9] = 0  # a second document in each row
+    assert abs(float(pipe.step(tokens)) - batch_reference(model, tokens, 0).loss) <= 1e-5
