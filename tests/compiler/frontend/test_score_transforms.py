@@ -15,24 +15,17 @@ import torch
 import torch.nn as nn
 
 from tpc.compiler.frontend import SlicedModel
-from tpc.executors.oracle import reference_step
 from tpc.ir.diagnostics import TpirError
 
-from .harness import batch, sliced_step, summed
-from .hf_models import VOCAB, assert_grads_match, hf_model
+from .harness import assert_sliced_exact
+from .hf_models import VOCAB, hf_model
 
 SEQ, ROWS, MICROBATCHES = 16, 4, 2
 SLICINGS = [[4, 4, 4, 4], [5, 2, 9], [1, 1, 1, 13]]
 
 
 def _exact(model, sm):
-    ids, targets = batch(VOCAB, ROWS, SEQ, seed=3)
-    ref_loss, ref = reference_step(model, ids, targets)
-    for stages in (2, 3):
-        for lens in SLICINGS:
-            loss, per_stage = sliced_step(sm, sm.partition_by_params(stages), ids, targets, MICROBATCHES, lens)
-            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (stages, lens)
-            assert_grads_match(summed(per_stage), ref)
+    assert_sliced_exact(model, sm, VOCAB, ROWS, SEQ, MICROBATCHES, SLICINGS)
 
 
 @pytest.mark.parametrize("family,kwarg,windows", [
