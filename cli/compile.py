@@ -70,6 +70,11 @@ def options_from_args(args, seq_len: int | None = None) -> CompileOptions:
         given["document_length"] = document_length(given["document_length"], given.get("documents"))
     if "print_after" in given:
         given["print_after"] = print_after_names(given["print_after"])
+    from tpc.compiler.random_ltd import from_pair
+
+    ltd = from_pair(getattr(args, "random_ltd", None), getattr(args, "random_ltd_schedule", None))
+    if ltd is not None:
+        given["random_ltd"] = ltd
     return check_options(seq_len=parse_lengths(args.seq_len)[-1] if seq_len is None else seq_len,
                          batch=args.batch, **given)
 

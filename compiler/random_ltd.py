@@ -107,6 +107,45 @@ class RandomLTD:
                 for u, per in self.micro_batch(step, replica, mb, lengths).items()}
 
 
+def from_pair(units: str | None, schedule: str | None, seed: int = 1234) -> RandomLTD | None:
+    """`--random-ltd UNITS` with its `--random-ltd-schedule S` (of `tpc compile` or `tpc run`),
+    or None when neither is given; one without the other is refused."""
+    if units is None and schedule is None:
+        return None
+    if units is None or schedule is None:
+        given, missing = ("--random-ltd", "--random-ltd-schedule") if schedule is None else \
+            ("--random-ltd-schedule", "--random-ltd")
+        raise TpirError(Diagnostic(f"{given} needs {missing}", where=given,
+                                   hint="e.g. --random-ltd 1:7 --random-ltd-schedule 128,2048,20000,16"))
+    return from_flags(units, schedule, seed=seed)
+
+
+def from_line(line, seed: int = 1234) -> RandomLTD:
+    """The `RandomLTD` a plan's `random-ltd` line records (tpc.ir.nodes.RandomLTDLine), drawing
+    from `seed` (the run's)."""
+    return RandomLTD(units=tuple(line.units), min_value=line.min_value, max_value=line.max_value,
+                     require_steps=line.require_steps, seq_per_step=line.seq_per_step, seed=seed)
+
+
+def to_line(ltd: RandomLTD):
+    """The plan's `random-ltd` line of `ltd` (its seed is the run's, not the plan's)."""
+    from tpc.ir.nodes import RandomLTDLine
+
+    return RandomLTDLine(units=tuple(ltd.units), min_value=ltd.min_value, max_value=ltd.max_value,
+                         require_steps=ltd.require_steps, seq_per_step=ltd.seq_per_step)
+
+
+def same_dropping(a: RandomLTD, b: RandomLTD) -> bool:
+    """Whether `a` and `b` drop in the same units on the same schedule (seeds aside)."""
+    return to_line(a) == to_line(b)
+
+
+def describe(ltd: RandomLTD) -> str:
+    """`--random-ltd U --random-ltd-schedule MIN,MAX,STEPS,Q`, as the flags spell `ltd`."""
+    return (f"--random-ltd {','.join(map(str, ltd.units))} --random-ltd-schedule "
+            f"{ltd.min_value},{ltd.max_value},{ltd.require_steps},{ltd.seq_per_step}")
+
+
 def from_flags(units: str, schedule: str, seed: int = 1234) -> RandomLTD:
     """`--random-ltd UNITS --random-ltd-schedule S`: S is MIN,MAX,REQUIRE_STEPS[,SEQ_PER_STEP],
     or DeepSpeed's `random_ltd_schedule` as JSON text or a .json file holding it (its
