@@ -284,6 +284,9 @@ class Costs(Pass):
     device_model: str | None = None
     # packed documents: their mean length, which the traced-graph model prices attention by
     document_length: int | None = None
+    # random-LTD: (unit, kept fraction) of the dropped units, which the traced-graph model prices
+    # at that many tokens (costmodel/dropped.py)
+    kept: tuple = ()
 
     def run(self, state, note):
         from tpc.compiler.costmodel.resolve import load_cost_source
@@ -292,10 +295,12 @@ class Costs(Pass):
         source = load_cost_source(cost=self.cost, device_model=self.device_model,
                                   sliced=sliced if self.device_model else None, num_units=sliced.num_units,
                                   model_sha256=state.sha256 if self.cost else None,
-                                  document_length=self.document_length)
+                                  document_length=self.document_length, kept=dict(self.kept))
         note((f"--cost {self.cost}" if self.cost else f"--device-model {self.device_model}")
              + (f", attention over documents of mean length {self.document_length}"
-                if self.document_length is not None and self.device_model else ""))
+                if self.document_length is not None and self.device_model else "")
+             + (f", random-LTD units {', '.join(str(u) for u, _ in self.kept)} priced at "
+                f"{self.kept[0][1]:.0%} of their tokens" if self.kept and self.device_model else ""))
         return state.but(source=source)
 
 
@@ -611,7 +616,9 @@ def compile_passes(options: CompileOptions, split=None) -> list[Pass]:
                                          "--virtual-stages" if o.virtual_stages > 1 else "--stages",
                                          documents=o.documents, random_ltd=o.random_ltd),
                   Costs(o.cost, o.device_model,
-                        (o.document_length or o.seq_len) if o.documents is not None else None), Search(o, split)]
+                        (o.document_length or o.seq_len) if o.documents is not None else None,
+                        tuple(sorted(o.random_ltd.fractions(o.seq_len).items())) if o.random_ltd else ()),
+                  Search(o, split)]
         passes += [TensorSplit()] if o.tensor != 1 else []
         passes += [EvalSlicing(o.microbatch_count)]
     else:

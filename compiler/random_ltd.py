@@ -68,6 +68,24 @@ class RandomLTD:
         k -= k % self.seq_per_step
         return max(1, min(k, self.max_value))
 
+    def priced_fraction(self, seq: int) -> float:
+        """The fraction of a sequence of `seq` tokens a dropped unit keeps on the average step
+        of the schedule's ramp: the mean of min(kept(s), seq) / seq over steps 0..require_steps-1
+        (at least one step). The cost model prices dropped units by it (costmodel/dropped.py):
+        one partition and one slicing serve every step of the ramp."""
+        import numpy as np
+
+        s = np.arange(max(1, self.require_steps), dtype=np.float64)
+        k = np.floor(s / self.require_steps * (self.max_value - self.min_value) + self.min_value)
+        k -= np.mod(k, self.seq_per_step)
+        k = np.clip(k, 1, min(self.max_value, seq))
+        return float(k.mean() / seq)
+
+    def fractions(self, seq: int) -> dict[int, float]:
+        """{dropped unit: `priced_fraction(seq)`}: what the cost model prices."""
+        f = self.priced_fraction(seq)
+        return {u: f for u in self.units}
+
     def slice_counts(self, kept: int, lengths) -> list[int]:
         """How many tokens each slice of `lengths` keeps out of `kept` for the sequence."""
         total = sum(lengths)
