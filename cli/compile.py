@@ -97,6 +97,10 @@ def compile_schedule_from_args(args):
         if value is not None:
             raise _error(option, f"{option} with --schedule-file: the schedule file fixes the schedule, "
                          "the stages and their placement", f"leave out {option}")
+    if getattr(args, "random_ltd", None) is not None:
+        raise _error("--random-ltd", "--random-ltd with --schedule-file: a schedule file's plan does not record "
+                     "random-LTD (not built)", "compile a built-in schedule (--schedule NAME) with --random-ltd, or "
+                     "run the schedule file's plan with `tpc run --random-ltd ...`")
     if args.exchanges is not None and args.exchanges != DEFAULTS["exchanges"]:
         raise _error("--exchanges", f"--exchanges {args.exchanges} with --schedule-file: the plan of a "
                      "schedule file is lowered with batched exchanges only",

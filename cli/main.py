@@ -312,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--random-ltd", metavar="UNITS", help="random layerwise token dropping (DeepSpeed's "
                    "random-LTD): units A:B (or a comma list, middle units only) run each slice on a random "
                    "sorted subset of its tokens, drawn per step, data replica, micro-batch, unit and slice from a "
-                   "seeded generator; the others skip them (docs/training.md)")
+                   "seeded generator; the others skip them (docs/training.md). A plan compiled with --random-ltd "
+                   "says it already: a flag that disagrees with its plan is refused")
     r.add_argument("--random-ltd-schedule", metavar="S", help="the kept tokens per sequence: "
                    "MIN,MAX,REQUIRE_STEPS[,SEQ_PER_STEP] (DeepSpeed's fixed_linear: from min_value to max_value "
                    "over require_steps, a multiple of seq_per_step), or DeepSpeed's random_ltd_schedule JSON")
