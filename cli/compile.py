@@ -37,7 +37,7 @@ def parse_lengths(spec) -> tuple[int, ...]:
 # the options `tpc compile` has a flag for, by field name (seq_len and batch are read apart)
 FLAGS = ("stages", "microbatches", "slices", "schedule", "dp", "tensor", "sequence_parallel", "ranks", "factory", "cost", "device_model",
          "memory_per_rank", "shard_optimizer", "explain", "quiet", "virtual_stages", "recompute", "comm", "exchanges",
-         "print_after", "documents", "document_length")
+         "print_after", "documents", "document_length", "random_ltd")
 
 
 def print_after_names(values) -> tuple[str, ...]:
@@ -72,6 +72,7 @@ def options_from_args(args, seq_len: int | None = None) -> CompileOptions:
         given["print_after"] = print_after_names(given["print_after"])
     from tpc.compiler.random_ltd import from_pair
 
+    # --random-ltd UNITS with --random-ltd-schedule S, read together (refused apart)
     ltd = from_pair(getattr(args, "random_ltd", None), getattr(args, "random_ltd_schedule", None))
     if ltd is not None:
         given["random_ltd"] = ltd

@@ -496,10 +496,11 @@ class Plan:
     def evaluation(self) -> "Plan | None":
         """The evaluation program as a plan of its own (the header with the evaluation's
         micro-batches, its rank sections, `forward_only`), which the verifier, the simulator
-        and the executors read like any plan; None when there is none."""
+        and the executors read like any plan; None when there is none. The evaluation runs
+        every token through every unit: its header has no `random-ltd` line."""
         if self.eval is None:
             return None
-        header = dataclasses.replace(self.header, microbatches=self.eval.microbatches)
+        header = dataclasses.replace(self.header, microbatches=self.eval.microbatches, random_ltd=None)
         return Plan(header=header, ranks=self.eval.ranks, source=self.source, forward_only=True)
 
 
