@@ -94,3 +94,22 @@ def test_torchrun_gloo_verify_grads_of_a_compiled_plan(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "verify-grads: loss" in done.stdout and ": ok" in done.stdout, done.stdout[-2000:]
+
+
+def test_plans_of_one_bundle_must_record_the_same_dropping():
+    import dataclasses
+    from pathlib import Path
+
+    from tpc.compiler.random_ltd import to_line
+    from tpc.executors.pipeline import PlanSet
+    from tpc.executors.random_ltd_plan import run_options
+
+    golden = Path(__file__).resolve().parents[1] / "compiler" / "golden" / "1f1b_k3_unequal_m3_dp2.tpir"
+    plan = parse(golden.read_text(), file="g.tpir")
+    line = to_line(RandomLTD(units=(1,), min_value=4, max_value=24, require_steps=10))
+    dropping = dataclasses.replace(plan, header=dataclasses.replace(plan.header, random_ltd=line))
+    got = run_options(PlanSet.single(dropping), RunOptions(seed=3))
+    assert got.random_ltd.units == (1,) and got.random_ltd.seed == 1237  # the run's seed, as the flags draw
+    assert run_options(PlanSet.single(plan), RunOptions()).random_ltd is None
+    with pytest.raises(TpirError, match="the bundle's plan of length 12 drops no tokens"):
+        run_options(PlanSet({12: plan, 24: dropping}, lambda step: 24), RunOptions())
