@@ -37,7 +37,7 @@ def parse_lengths(spec) -> tuple[int, ...]:
 # the options `tpc compile` has a flag for, by field name (seq_len and batch are read apart)
 FLAGS = ("stages", "microbatches", "slices", "schedule", "dp", "tensor", "sequence_parallel", "ranks", "factory", "cost", "device_model",
          "memory_per_rank", "shard_optimizer", "explain", "quiet", "virtual_stages", "recompute", "comm", "exchanges",
-         "print_after", "documents", "document_length")
+         "print_after", "documents", "document_length", "random_ltd")
 
 
 def print_after_names(values) -> tuple[str, ...]:
@@ -70,6 +70,12 @@ def options_from_args(args, seq_len: int | None = None) -> CompileOptions:
         given["document_length"] = document_length(given["document_length"], given.get("documents"))
     if "print_after" in given:
         given["print_after"] = print_after_names(given["print_after"])
+    from tpc.compiler.random_ltd import from_pair
+
+    # --random-ltd UNITS with --random-ltd-schedule S, read together (refused apart)
+    ltd = from_pair(getattr(args, "random_ltd", None), getattr(args, "random_ltd_schedule", None))
+    if ltd is not None:
+        given["random_ltd"] = ltd
     return check_options(seq_len=parse_lengths(args.seq_len)[-1] if seq_len is None else seq_len,
                          batch=args.batch, **given)
 
@@ -92,6 +98,10 @@ def compile_schedule_from_args(args):
         if value is not None:
             raise _error(option, f"{option} with --schedule-file: the schedule file fixes the schedule, "
                          "the stages and their placement", f"leave out {option}")
+    if getattr(args, "random_ltd", None) is not None:
+        raise _error("--random-ltd", "--random-ltd with --schedule-file: a schedule file's plan does not record "
+                     "random-LTD (not built)", "compile a built-in schedule (--schedule NAME) with --random-ltd, or "
+                     "run the schedule file's plan with `tpc run --random-ltd ...`")
     if args.exchanges is not None and args.exchanges != DEFAULTS["exchanges"]:
         raise _error("--exchanges", f"--exchanges {args.exchanges} with --schedule-file: the plan of a "
                      "schedule file is lowered with batched exchanges only",

@@ -190,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--document-length", default=None, metavar="N|FILE",
                    help="with --documents: the corpus's mean document length in tokens, or a token file to measure "
                         "it in; the cost model prices attention by it (default: the row's length)")
+    c.add_argument("--random-ltd", metavar="UNITS", help="random layerwise token dropping (DeepSpeed's "
+                   "random-LTD): units A:B (or a comma list, middle units only) drop tokens; the plan records them "
+                   "and the kept-token schedule (its `random-ltd` line), the cost model prices the thinner units "
+                   "and `tpc run` drops as the plan says (docs/training.md)")
+    c.add_argument("--random-ltd-schedule", metavar="S", help="with --random-ltd: the kept tokens per sequence, "
+                   "MIN,MAX,REQUIRE_STEPS[,SEQ_PER_STEP] (DeepSpeed's fixed_linear), or DeepSpeed's "
+                   "random_ltd_schedule JSON (text, or a .json file holding it at any depth)")
     c.add_argument("--explain", action="store_true", help="print the candidates the optimiser considered and why it chose")
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     c.add_argument("--comm", type=CommRules, choices=tuple(CommRules), default=D["comm"], help=f"the backend the plan is for, whose communication rules it is lowered, searched and verified under (default: {D['comm']}): nccl (CUDA: a send completes only when its receive is posted, so sends and receives that two ranks must post together become one `exchange`) or gloo (CPU: buffered sends, no exchanges needed). A plan for nccl also runs on gloo (docs/training.md, 'Communication')")
@@ -305,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--random-ltd", metavar="UNITS", help="random layerwise token dropping (DeepSpeed's "
                    "random-LTD): units A:B (or a comma list, middle units only) run each slice on a random "
                    "sorted subset of its tokens, drawn per step, data replica, micro-batch, unit and slice from a "
-                   "seeded generator; the others skip them (docs/training.md)")
+                   "seeded generator; the others skip them (docs/training.md). A plan compiled with --random-ltd "
+                   "says it already: a flag that disagrees with its plan is refused")
     r.add_argument("--random-ltd-schedule", metavar="S", help="the kept tokens per sequence: "
                    "MIN,MAX,REQUIRE_STEPS[,SEQ_PER_STEP] (DeepSpeed's fixed_linear: from min_value to max_value "
                    "over require_steps, a multiple of seq_per_step), or DeepSpeed's random_ltd_schedule JSON")

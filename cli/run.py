@@ -28,20 +28,12 @@ def options_from_args(args) -> RunOptions:
 
 
 def _random_ltd(args):
-    """`--random-ltd UNITS` with its `--random-ltd-schedule`, or None."""
-    from tpc.ir.diagnostics import Diagnostic, TpirError
+    """`--random-ltd UNITS` with its `--random-ltd-schedule`, or None (a plan that records
+    random-LTD needs neither: `tpc run` takes the plan's, executors/run.py)."""
+    from tpc.compiler.random_ltd import from_pair
 
-    units, schedule = getattr(args, "random_ltd", None), getattr(args, "random_ltd_schedule", None)
-    if units is None and schedule is None:
-        return None
-    if units is None or schedule is None:
-        given, missing = ("--random-ltd", "--random-ltd-schedule") if schedule is None else \
-            ("--random-ltd-schedule", "--random-ltd")
-        raise TpirError(Diagnostic(f"{given} needs {missing}", where=given,
-                                   hint="e.g. --random-ltd 1:7 --random-ltd-schedule 128,2048,20000,16"))
-    from tpc.compiler.random_ltd import from_flags
-
-    return from_flags(units, schedule, seed=1234 + (args.seed or 0))
+    return from_pair(getattr(args, "random_ltd", None), getattr(args, "random_ltd_schedule", None),
+                     seed=1234 + (args.seed or 0))
 
 
 def _documents(args):

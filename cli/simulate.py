@@ -44,8 +44,12 @@ def cmd_simulate(args) -> int:
     result = simulate(plan, costs, args.comm, shard_optimizer=args.shard_optimizer)
     print(format_report(result, args.plan, costs.describe()))
     if plan.eval is not None:
+        evaluation = plan.evaluation()
+        if plan.header.random_ltd is not None and args.device_model:  # the evaluation drops no token
+            costs = plan_cost_model(evaluation.header, cost=args.cost, device_model=args.device_model,
+                                    source=args.plan)
         print()
-        print(format_eval_report(simulate(plan.evaluation(), costs, args.comm)))
+        print(format_eval_report(simulate(evaluation, costs, args.comm)))
     if args.trace:
         _writing("--trace", args.trace, lambda: timeline.write_trace(result, args.trace, args.plan))
         print(f"trace: {args.trace} (open it in https://ui.perfetto.dev)")

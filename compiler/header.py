@@ -78,7 +78,15 @@ def build_header(
         ties=tie_lines,
         microbatches=tuple(Microbatch(index=m, size=n, slices=opts.cuts) for m, n in enumerate(sizes)),
         documents=documents_line(opts),
+        random_ltd=random_ltd_line(opts),
     ))
+
+
+def random_ltd_line(opts: CompileOptions):
+    """The `random-ltd` line of `--random-ltd` (None without it)."""
+    from tpc.compiler.random_ltd import to_line
+
+    return None if opts.random_ltd is None else to_line(opts.random_ltd)
 
 
 def documents_line(opts: CompileOptions) -> DocumentsLine | None:

@@ -93,6 +93,10 @@ class CompileOptions:
     # the corpus's mean document length in tokens (`--document-length`), which the cost model
     # prices attention by; None: the row's length (no document ends inside a row)
     document_length: int | None = None
+    # random layerwise token dropping (`--random-ltd UNITS --random-ltd-schedule S`,
+    # tpc.compiler.random_ltd.RandomLTD): the plan's `random-ltd` line, which the cost model
+    # prices the dropped units by; None: every unit runs every token
+    random_ltd: object = None
 
     def __post_init__(self):
         _check(self)
@@ -204,6 +208,7 @@ def _check(o: CompileOptions) -> None:
                      "buffered sends has no exchange to order",
                      "leave out --exchanges, or compile for --comm nccl")
     _check_documents(o)
+    _check_random_ltd(o)
     # pass names (compiler/pipeline.py); which are valid, the pipeline of these options says
     after = (o.print_after,) if isinstance(o.print_after, str) else tuple(o.print_after or ())
     object.__setattr__(o, "print_after", after)
@@ -327,6 +332,25 @@ def _check(o: CompileOptions) -> None:
         raise _error("--microbatches", "--microbatches auto lets the optimiser's batch knapsack "
                      "choose micro-batch sizes together with their token slices",
                      f"add --slices auto and {_NEEDS_COSTS}, or give the number of micro-batches")
+
+
+def _check_random_ltd(o: CompileOptions) -> None:
+    """`--random-ltd` with what the executors run it with (rule H8 of the plan it makes): no
+    tensor axis, no packed documents, a schedule whose backward is whole."""
+    from tpc.compiler.schedules import splits_backward
+
+    if o.random_ltd is None:
+        return
+    if o.tensor != 1:
+        raise _error("--random-ltd", f"--random-ltd with --tensor {o.tensor}: random-LTD does not run on a "
+                     "mesh with a tensor axis", "leave out --tensor, or --random-ltd")
+    if o.documents is not None:
+        raise _error("--random-ltd", "--random-ltd with --documents: a dropped unit's kept tokens would need "
+                     "their documents' boundaries gathered too (not built)", "leave out one of them")
+    if o.schedule != AUTO and splits_backward(o.schedule):
+        raise _error("--schedule", f"--random-ltd with schedule {o.schedule!r}, which splits each backward in "
+                     "two: a split backward runs a stage's traced programs, and dropped units run eagerly",
+                     "choose a schedule whose backward is whole (seq1f1b, terapipe, 1f1b, gpipe, ...)")
 
 
 # the default of every field that has one: what a flag left out means

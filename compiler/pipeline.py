@@ -87,6 +87,7 @@ class Trace(Pass):
     stages_option: str = "--stages"
     schedule_file: str | None = None  # the stages are the schedule file's (`--schedule-file`)
     documents: int | None = None  # `--documents eos:ID`: the model must reset at a document boundary
+    random_ltd: object = None  # `--random-ltd`: its units must be middle units that can drop tokens
 
     def run(self, state, note):
         from tpc.compiler.frontend import SlicedModel
@@ -99,6 +100,12 @@ class Trace(Pass):
                              f"model's vocabulary of {sliced.vocab}",
                              f"give the corpus's end-of-document token, an id below {sliced.vocab}")
             sliced.check_documents()
+        if self.random_ltd is not None:
+            from tpc.compiler.frontend.random_ltd import check_droppable
+            from tpc.compiler.random_ltd import parse_units
+
+            parse_units(",".join(map(str, self.random_ltd.units)), sliced.num_units)
+            check_droppable(sliced.context, self.random_ltd.units)
         if self.stages is not None and self.stages > sliced.num_units:
             if self.schedule_file is not None:
                 raise _error("--schedule-file", f"{self.schedule_file} runs {self.stages} stages but the model "
@@ -259,7 +266,7 @@ def front_passes(options: CompileOptions, *, split=None, schedule_file: str | No
         raise _error("--schedule", f"--documents with schedule {o.schedule!r}, which splits each backward in "
                      "two: packed documents run each stage eagerly, and a split backward runs its traced programs",
                      "choose a schedule whose backward is whole (seq1f1b, terapipe, 1f1b, gpipe, ...)")
-    return [Load(o.factory), Trace(o.seq_len, o.num_stages, option, schedule_file, o.documents),
+    return [Load(o.factory), Trace(o.seq_len, o.num_stages, option, schedule_file, o.documents, o.random_ltd),
             Partition(o.num_stages, ranges), BuildHeader(o)] + ([TensorSplit()] if o.tensor != 1 else [])
 
 
@@ -277,6 +284,9 @@ class Costs(Pass):
     device_model: str | None = None
     # packed documents: their mean length, which the traced-graph model prices attention by
     document_length: int | None = None
+    # random-LTD: (unit, kept fraction) of the dropped units, which the traced-graph model prices
+    # at that many tokens (costmodel/dropped.py)
+    kept: tuple = ()
 
     def run(self, state, note):
         from tpc.compiler.costmodel.resolve import load_cost_source
@@ -285,10 +295,12 @@ class Costs(Pass):
         source = load_cost_source(cost=self.cost, device_model=self.device_model,
                                   sliced=sliced if self.device_model else None, num_units=sliced.num_units,
                                   model_sha256=state.sha256 if self.cost else None,
-                                  document_length=self.document_length)
+                                  document_length=self.document_length, kept=dict(self.kept))
         note((f"--cost {self.cost}" if self.cost else f"--device-model {self.device_model}")
              + (f", attention over documents of mean length {self.document_length}"
-                if self.document_length is not None and self.device_model else ""))
+                if self.document_length is not None and self.device_model else "")
+             + (f", random-LTD units {', '.join(str(u) for u, _ in self.kept)} priced at "
+                f"{self.kept[0][1]:.0%} of their tokens" if self.kept and self.device_model else ""))
         return state.but(source=source)
 
 
@@ -323,7 +335,8 @@ def search_space(opts: CompileOptions, num_units: int, split=None, tensors=None,
         meshes=tuple(meshes), schedules=tuple(
             s for s in (AUTO_SCHEDULES + (RECOMPUTE_SCHEDULES if opts.recompute == "full" else ())
                         if opts.schedule_auto else (opts.schedule,))
-            if opts.documents is None or not splits_backward(s)),  # documents: whole backwards only
+            # documents and random-LTD: whole backwards only
+            if (opts.documents is None and opts.random_ltd is None) or not splits_backward(s)),
         # with --recompute auto the budget is met by recomputation after the search
         slices=None if opts.slices_auto else opts.cuts,
         budget=None if opts.recompute == "auto" else opts.memory_per_rank,
@@ -601,9 +614,11 @@ def compile_passes(options: CompileOptions, split=None) -> list[Pass]:
         # is chosen by simulated step time
         passes = [Load(o.factory), Trace(o.seq_len, None if o.stages_auto else o.num_stages,
                                          "--virtual-stages" if o.virtual_stages > 1 else "--stages",
-                                         documents=o.documents),
+                                         documents=o.documents, random_ltd=o.random_ltd),
                   Costs(o.cost, o.device_model,
-                        (o.document_length or o.seq_len) if o.documents is not None else None), Search(o, split)]
+                        (o.document_length or o.seq_len) if o.documents is not None else None,
+                        tuple(sorted(o.random_ltd.fractions(o.seq_len).items())) if o.random_ltd else ()),
+                  Search(o, split)]
         passes += [TensorSplit()] if o.tensor != 1 else []
         passes += [EvalSlicing(o.microbatch_count)]
     else:

@@ -68,6 +68,24 @@ class RandomLTD:
         k -= k % self.seq_per_step
         return max(1, min(k, self.max_value))
 
+    def priced_fraction(self, seq: int) -> float:
+        """The fraction of a sequence of `seq` tokens a dropped unit keeps on the average step
+        of the schedule's ramp: the mean of min(kept(s), seq) / seq over steps 0..require_steps-1
+        (at least one step). The cost model prices dropped units by it (costmodel/dropped.py):
+        one partition and one slicing serve every step of the ramp."""
+        import numpy as np
+
+        s = np.arange(max(1, self.require_steps), dtype=np.float64)
+        k = np.floor(s / self.require_steps * (self.max_value - self.min_value) + self.min_value)
+        k -= np.mod(k, self.seq_per_step)
+        k = np.clip(k, 1, min(self.max_value, seq))
+        return float(k.mean() / seq)
+
+    def fractions(self, seq: int) -> dict[int, float]:
+        """{dropped unit: `priced_fraction(seq)`}: what the cost model prices."""
+        f = self.priced_fraction(seq)
+        return {u: f for u in self.units}
+
     def slice_counts(self, kept: int, lengths) -> list[int]:
         """How many tokens each slice of `lengths` keeps out of `kept` for the sequence."""
         total = sum(lengths)
@@ -105,6 +123,45 @@ class RandomLTD:
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         return {u: torch.cat([k + s for k, s in zip(per, starts)])
                 for u, per in self.micro_batch(step, replica, mb, lengths).items()}
+
+
+def from_pair(units: str | None, schedule: str | None, seed: int = 1234) -> RandomLTD | None:
+    """`--random-ltd UNITS` with its `--random-ltd-schedule S` (of `tpc compile` or `tpc run`),
+    or None when neither is given; one without the other is refused."""
+    if units is None and schedule is None:
+        return None
+    if units is None or schedule is None:
+        given, missing = ("--random-ltd", "--random-ltd-schedule") if schedule is None else \
+            ("--random-ltd-schedule", "--random-ltd")
+        raise TpirError(Diagnostic(f"{given} needs {missing}", where=given,
+                                   hint="e.g. --random-ltd 1:7 --random-ltd-schedule 128,2048,20000,16"))
+    return from_flags(units, schedule, seed=seed)
+
+
+def from_line(line, seed: int = 1234) -> RandomLTD:
+    """The `RandomLTD` a plan's `random-ltd` line records (tpc.ir.nodes.RandomLTDLine), drawing
+    from `seed` (the run's)."""
+    return RandomLTD(units=tuple(line.units), min_value=line.min_value, max_value=line.max_value,
+                     require_steps=line.require_steps, seq_per_step=line.seq_per_step, seed=seed)
+
+
+def to_line(ltd: RandomLTD):
+    """The plan's `random-ltd` line of `ltd` (its seed is the run's, not the plan's)."""
+    from tpc.ir.nodes import RandomLTDLine
+
+    return RandomLTDLine(units=tuple(ltd.units), min_value=ltd.min_value, max_value=ltd.max_value,
+                         require_steps=ltd.require_steps, seq_per_step=ltd.seq_per_step)
+
+
+def same_dropping(a: RandomLTD, b: RandomLTD) -> bool:
+    """Whether `a` and `b` drop in the same units on the same schedule (seeds aside)."""
+    return to_line(a) == to_line(b)
+
+
+def describe(ltd: RandomLTD) -> str:
+    """`--random-ltd U --random-ltd-schedule MIN,MAX,STEPS,Q`, as the flags spell `ltd`."""
+    return (f"--random-ltd {','.join(map(str, ltd.units))} --random-ltd-schedule "
+            f"{ltd.min_value},{ltd.max_value},{ltd.require_steps},{ltd.seq_per_step}")
 
 
 def from_flags(units: str, schedule: str, seed: int = 1234) -> RandomLTD:

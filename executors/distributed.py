@@ -33,6 +33,7 @@ from tpc.executors.engine import DTYPES, Clock, RankEngine, RankError, loss_vect
 from tpc.executors.options import RunOptions
 from tpc.compiler.frontend.weightless import move_real
 from tpc.executors.plan_model import StageSource, load_rank_model, rank_parameter_names, slice_model
+from tpc.executors.random_ltd_plan import run_options
 from tpc.executors.run import CurriculumFlags, RunSetup, write_trace
 from tpc.executors.tensor_ranks import TensorRank
 from tpc.compiler.tensor import DistGroup
@@ -257,6 +258,7 @@ def run_plan(plan: "Plan | PlanSet", world: World, options: RunOptions, *, model
     sliced model (or a mapping length -> sliced model; traced here when not given);
     `stage_factory` with `hidden_size` replaces the front end (tests)."""
     plans = plan if isinstance(plan, PlanSet) else PlanSet.single(plan)
+    options = run_options(plans, options)  # the plan's random-LTD, if it records one
     stages = StageSource.of(plans, model, sliced=sliced, hidden_size=hidden_size,
                             factory_for=None if stage_factory is None else (lambda _copy: stage_factory))
     executor = Distributed(world, options, device, plans, stages=stages, model=model, before_instr=before_instr)
@@ -279,6 +281,7 @@ def main(path: str, options: RunOptions, world: World, curriculum: CurriculumFla
     # under the rules of the backend it will run on
     device = options.torch_device(world.local_rank)
     setup = RunSetup.load(path, options, device, curriculum=curriculum, interpreted=False)
+    options = setup.options  # with the plan's random-LTD
     check_world(setup.plans.full, world)
     sliced = {seq: slice_model(setup.model, p) for seq, p in setup.plans.plans.items()}  # traced on the CPU
     # this rank builds only the parameters its stages hold (the seed's values: weightless.py)

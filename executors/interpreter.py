@@ -34,6 +34,7 @@ from tpc.executors.training.batches import BatchSource, RandomTokens
 from tpc.executors.engine import Blocked, Clock, RankEngine, RankError, TraceEvent, read_step
 from tpc.executors.options import RunOptions
 from tpc.executors.plan_model import StageSource, load_plan_model
+from tpc.executors.random_ltd_plan import run_options
 from tpc.executors.tensor_ranks import TensorRank, check_tensor_run, held_bytes
 from tpc.compiler.tensor import thread_groups
 from tpc.ir.diagnostics import Diagnostic, TpirError
@@ -514,6 +515,7 @@ def interpret(plan: "Plan | PlanSet", options: RunOptions | None = None, *,
     """
     options = options or RunOptions()
     plans = plan if isinstance(plan, PlanSet) else PlanSet.single(plan)
+    options = run_options(plans, options)  # the plan's random-LTD, if it records one
     device = options.torch_device()
     rules = options.comm_rules(device, interpreted=True)
     if verify:

@@ -122,6 +122,9 @@ class RunSetup:
             batches = batch_source(plan, options)
         for each in plans.plans.values():  # each plan of a curriculum's bundle alike
             check_documents_run(each, options)
+        from tpc.executors.random_ltd_plan import run_options
+
+        options = run_options(plans, options)  # the plan's random-LTD, if it records one
         check_tensor_run(plans.full, options, "the interpreter" if interpreted else "the distributed executor")
         check_bf16(options, device)
         # a rank of a distributed run builds only its stages' weights, later (distributed.py);
@@ -153,6 +156,7 @@ def interpret_main(path: str, options: RunOptions, curriculum: CurriculumFlags |
     from tpc.executors.interpreter import interpret
 
     setup = RunSetup.load(path, options, options.torch_device(), curriculum=curriculum, interpreted=True)
+    options = setup.options  # with the plan's random-LTD
     reporter = setup.reporter(rank=0)
     result = interpret(setup.plans, options, model=setup.model, batches=setup.batches, on_step=reporter,
                        checkpoints=setup.checkpoints(reporter.message), verify=False,

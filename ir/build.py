@@ -28,6 +28,7 @@ from tpc.ir.nodes import (
     Op,
     Payload,
     Plan,
+    RandomLTDLine,
     RankProgram,
     ScheduleLine,
     ShapeLine,
@@ -201,6 +202,13 @@ class PlanBuilder(Transformer):
     def range(self, children):
         lo, hi = children
         return (self._nat(lo, "a range bound"), self._nat(hi, "a range bound"))
+
+    @_line
+    def random_ltd_line(self, children):
+        first, _, *units, _, lo, _, hi, _, steps, _, per = children
+        return self._make(RandomLTDLine, "random-ltd", self._trivia(first),
+                          units=tuple(self._nat(u, "a random-ltd unit") for u in units), min_value=int(lo),
+                          max_value=int(hi), require_steps=int(steps), seq_per_step=int(per))
 
     @_line
     def stage_line(self, children):
@@ -391,6 +399,7 @@ class PlanBuilder(Transformer):
             microbatches=tuple(by_kind["microbatch"]),
             ties=tuple(by_kind["tie"]),
             documents=by_kind["documents"][0] if by_kind["documents"] else None,
+            random_ltd=by_kind["random-ltd"][0] if by_kind["random-ltd"] else None,
             version=version.number,
             version_comments=version.trivia.get("comments", ()),
             version_note=version.trivia.get("note"),
@@ -437,7 +446,7 @@ class _Version:
 
 _KIND: dict[type, str] = {
     ModelLine: "model", ShapeLine: "shape", DocumentsLine: "documents", MeshLine: "mesh", ScheduleLine: "schedule",
-    UnitsLine: "units", Stage: "stage", Tie: "tie", Microbatch: "microbatch",
+    UnitsLine: "units", RandomLTDLine: "random-ltd", Stage: "stage", Tie: "tie", Microbatch: "microbatch",
     BundleLine: "bundle", BundleMember: "plan",
 }
 

@@ -67,7 +67,8 @@ FORMAT_VERSIONS: dict[int, str] = {
     3: "weight replicas: `stage S ranks R0 R1`, `microbatch ... replica K`, `reduce-replicas`",
     4: "a tensor axis: `mesh pipe P data D tensor T`",
     5: "sequence parallelism: `mesh pipe P data D tensor T sequence-parallel`",
-    6: "packed documents: `documents eos ID mean M`",
+    6: "packed documents: `documents eos ID mean M`; random layerwise token dropping: "
+       "`random-ltd units U ... min-value K0 max-value K1 require-steps N seq-per-step Q`",
 }
 # the format version that added weight replicas (two pipelines over the same stages)
 REPLICA_VERSION = 3
@@ -77,6 +78,8 @@ TENSOR_VERSION = 4
 SEQUENCE_VERSION = 5
 # the format version that added packed documents (`documents eos ID mean M`)
 DOCUMENTS_VERSION = 6
+# the format version that added random layerwise token dropping (`random-ltd units ...`)
+RANDOM_LTD_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,27 @@ class DocumentsLine(Line):
 
     def __post_init__(self):
         _check(self.eos >= 0 and self.mean >= 1, "the separator id must be >= 0 and the mean length >= 1")
+
+
+@dataclass(frozen=True)
+class RandomLTDLine(Line):
+    """`random-ltd units U1 U2 ... min-value K0 max-value K1 require-steps N seq-per-step Q`
+    (format version 6): random layerwise token dropping (DeepSpeed Data Efficiency's random-LTD).
+    Units U1 < U2 < ... run on a random subset of each slice's tokens; the kept count per sequence
+    follows DeepSpeed's `fixed_linear` schedule, with its names: K0 at step 0, growing linearly to
+    K1 over N steps, rounded down to a multiple of Q (tpc.compiler.random_ltd), and capped at the
+    plan's sequence length."""
+
+    units: tuple[int, ...]
+    min_value: int
+    max_value: int
+    require_steps: int
+    seq_per_step: int = 1
+
+    def __post_init__(self):
+        _check(bool(self.units), "random-ltd names no unit")
+        _check(min(self.min_value, self.max_value, self.require_steps, self.seq_per_step) >= 1,
+               "min-value, max-value, require-steps and seq-per-step must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -257,6 +281,8 @@ class Header:
     version: int = FORMAT_VERSION
     # `documents eos ID mean M` (format version 6): None for rows of one text each
     documents: DocumentsLine | None = None
+    # `random-ltd units ...` (format version 6): None when every unit runs every token
+    random_ltd: RandomLTDLine | None = None
     # comments above the `tpir` line, and on it
     version_comments: tuple[str, ...] = field(default=(), compare=False, repr=False)
     version_note: str | None = field(default=None, compare=False, repr=False)
@@ -470,10 +496,11 @@ class Plan:
     def evaluation(self) -> "Plan | None":
         """The evaluation program as a plan of its own (the header with the evaluation's
         micro-batches, its rank sections, `forward_only`), which the verifier, the simulator
-        and the executors read like any plan; None when there is none."""
+        and the executors read like any plan; None when there is none. The evaluation runs
+        every token through every unit: its header has no `random-ltd` line."""
         if self.eval is None:
             return None
-        header = dataclasses.replace(self.header, microbatches=self.eval.microbatches)
+        header = dataclasses.replace(self.header, microbatches=self.eval.microbatches, random_ltd=None)
         return Plan(header=header, ranks=self.eval.ranks, source=self.source, forward_only=True)
 
 

@@ -16,6 +16,7 @@ from tpc.ir.nodes import (
     Instr,
     Line,
     MeshLine,
+    RandomLTDLine,
     Microbatch,
     ModelLine,
     Plan,
@@ -37,7 +38,8 @@ def print_plan(plan: Plan) -> str:
     h = plan.header
     out: list[str] = []
     _emit(out, "", h.version_comments, f"tpir {h.version}", h.version_note)
-    header_lines: list[Line] = [h.model, h.shape, *([h.documents] if h.documents else []), h.mesh, h.schedule, h.units, *h.stages,
+    header_lines: list[Line] = [h.model, h.shape, *([h.documents] if h.documents else []), h.mesh, h.schedule, h.units,
+                                *([h.random_ltd] if h.random_ltd else []), *h.stages,
                                 *h.ties, *h.microbatches]
     for line in header_lines:
         _emit(out, "", line.comments, line_text(line), line.note)
@@ -90,6 +92,9 @@ def line_text(line: Line) -> str:
         return f"shape batch {line.batch} seq {line.seq} vocab {line.vocab} dtype {line.dtype}"
     if isinstance(line, DocumentsLine):
         return f"documents eos {line.eos} mean {line.mean}"
+    if isinstance(line, RandomLTDLine):
+        return (f"random-ltd units {' '.join(str(u) for u in line.units)} min-value {line.min_value} "
+                f"max-value {line.max_value} require-steps {line.require_steps} seq-per-step {line.seq_per_step}")
     if isinstance(line, MeshLine):
         return f"mesh {line.sizes}"
     if isinstance(line, ScheduleLine):

@@ -33,10 +33,10 @@ def _instr_syntax(op: Op) -> str:
 
 # The header lines in the order a plan writes them; the last three may repeat.
 HEADER_ORDER: tuple[str, ...] = (
-    "model", "shape", "documents", "mesh", "schedule", "units", "stage", "tie", "microbatch",
+    "model", "shape", "documents", "mesh", "schedule", "units", "random-ltd", "stage", "tie", "microbatch",
 )
 REPEATED = frozenset({"stage", "tie", "microbatch"})
-OPTIONAL = frozenset({"tie", "documents"})
+OPTIONAL = frozenset({"tie", "documents", "random-ltd"})
 
 # How each line is written, by its first word: shown in hints.
 SYNTAX: dict[str, str] = {
@@ -47,6 +47,7 @@ SYNTAX: dict[str, str] = {
     "mesh": "mesh pipe P data D [tensor T]",
     "schedule": 'schedule "NAME"',
     "units": "units N",
+    "random-ltd": "random-ltd units U1 U2 ... min-value K0 max-value K1 require-steps N seq-per-step Q",
     "stage": 'stage S rank R units LO:HI "LABEL"  (or `ranks R0 R1`: weight replicas)',
     "tie": 'tie "NAME" stages S T ...',
     "microbatch": "microbatch M size N slices A:B ... [replica K]",
@@ -58,7 +59,7 @@ SYNTAX: dict[str, str] = {
 }
 
 ORDER_HINT = ("header lines come in this order: tpir, model, shape, [documents], mesh, schedule, units, "
-              "stage lines, tie lines, microbatch lines")
+              "[random-ltd], stage lines, tie lines, microbatch lines")
 
 # A plan bundle's index (format version 2): these lines, in this order; stage, tie and plan repeat.
 BUNDLE_ORDER: tuple[str, ...] = ("bundle", "model", "mesh", "units", "stage", "tie", "plan")

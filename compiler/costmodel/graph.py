@@ -46,6 +46,7 @@ from tpc.compiler.costmodel.base import tensor_allreduces
 from tpc.compiler.costmodel.on_device import DeviceCostModel
 from tpc.compiler.costmodel.devices import DeviceSpec
 from tpc.compiler.costmodel.documents import attention_share
+from tpc.compiler.costmodel.dropped import DroppedUnitCostFn
 from tpc.compiler.costmodel.source import CostSource
 from tpc.compiler.frontend.flops import CLASSES, UnitCostFn
 
@@ -65,6 +66,9 @@ class GraphCosts:
     # packed documents: the corpus's mean document length, which attention is priced by
     # (`documents.attention_share`); None: each row is one text
     document_length: int | None = None
+    # random-LTD: per dropped unit, the fraction of tokens it keeps (`dropped.py`: its work,
+    # KV cache and stash priced at that many tokens); empty: every unit runs every token
+    kept: tuple = ()
 
     def unit_layers(self, unit: int) -> int:
         """The attention layers of a unit (its caches; 1 for a unit with KV elements but no
@@ -75,11 +79,20 @@ class GraphCosts:
 
     @classmethod
     def from_sliced(cls, sliced, float_bytes: int = 2, name: str = "",
-                    document_length: int | None = None) -> "GraphCosts":
-        return cls(tuple(sliced.unit_cost_fns(float_bytes)), int(sliced.hidden_size),
-                   tuple(sliced.unit_kv_elements), sliced.stage_param_count, int(float_bytes),
-                   name or type(sliced.model).__name__,
-                   tuple(tuple(caches) for caches in sliced.unit_kv), document_length)
+                    document_length: int | None = None, kept=None) -> "GraphCosts":
+        """`kept`: {unit: fraction of its tokens} of the units that drop tokens (random-LTD)."""
+        fns = list(sliced.unit_cost_fns(float_bytes))
+        kv = list(sliced.unit_kv_elements)
+        caches = [tuple(c) for c in sliced.unit_kv]
+        kept = dict(kept or {})
+        for u, f in kept.items():
+            fns[u] = DroppedUnitCostFn(fns[u], f, int(sliced.hidden_size), int(float_bytes))
+            kv[u] = kv[u] * f  # a dropped unit caches its kept tokens only
+            if u < len(caches):
+                caches[u] = tuple((e * f, w) for e, w in caches[u])
+        return cls(tuple(fns), int(sliced.hidden_size), tuple(kv), sliced.stage_param_count, int(float_bytes),
+                   name or type(sliced.model).__name__, tuple(caches), document_length,
+                   tuple(sorted(kept.items())))
 
     @property
     def num_units(self) -> int:
@@ -221,13 +234,15 @@ class GraphCostModel(DeviceCostModel):
         c = self.costs
         return (f"analytic {self.device.name} from the traced graph of {c.name}: {c.num_units} units, "
                 f"stages {self.num_stages}, {8 * c.float_bytes}-bit floats"
-                + (f", tensor {self.op}" if self.op > 1 else ""))
+                + (f", tensor {self.op}" if self.op > 1 else "")
+                + (", random-LTD keeping " + ", ".join(f"{f:.0%} in unit {u}" for u, f in c.kept) if c.kept else ""))
 
 
 def graph_cost_source(sliced, device: DeviceSpec, float_bytes: int = 2, tensor: int = 1,
-                      document_length: int | None = None) -> CostSource:
+                      document_length: int | None = None, kept=None) -> CostSource:
     """A CostSource pricing any partition of `sliced` (a SlicedModel) on `device`, each stage
     split over `tensor` ranks (`CostSource.split` gives the same for another degree);
-    `document_length`: over packed documents of that mean length."""
-    costs = GraphCosts.from_sliced(sliced, float_bytes, document_length=document_length)
+    `document_length`: over packed documents of that mean length; `kept`: {unit: fraction} of
+    the units that drop tokens (random-LTD, `dropped.py`)."""
+    costs = GraphCosts.from_sliced(sliced, float_bytes, document_length=document_length, kept=kept)
     return CostSource(costs.num_units, lambda ranges, t: GraphCostModel(device, costs, ranges, t), tensor)

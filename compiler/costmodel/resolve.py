@@ -46,7 +46,7 @@ def load_cost_model(cost: str | None = None, device_model: str | None = None,
                     model_shapes: ModelShapes | None = None, stage_units=None,
                     num_units: int | None = None, tensor: int = 1,
                     model_sha256: str | None = None, device: str | None = None, sliced=None,
-                    document_length: int | None = None):
+                    document_length: int | None = None, kept=None):
     """A cost model for the stages `stage_units` ([lo, hi) unit ranges, one per stage), each
     split over `tensor` ranks; `document_length`: rows of packed documents of that mean length,
     whose attention the traced-graph model prices by it (`costmodel/documents.py`).
@@ -71,7 +71,8 @@ def load_cost_model(cost: str | None = None, device_model: str | None = None,
     if sliced is not None:
         units = stage_units if stage_units is not None else [(0, sliced.num_units)]
         try:
-            return GraphCostModel(spec, GraphCosts.from_sliced(sliced, document_length=document_length), units, tensor)
+            return GraphCostModel(spec, GraphCosts.from_sliced(sliced, document_length=document_length, kept=kept),
+                                  units, tensor)
         except ValueError as e:
             raise TpirError(Diagnostic(str(e), where="--device-model",
                                        hint=f"stages must cover units 0:{sliced.num_units} in order"))
@@ -101,7 +102,8 @@ def _stage_layers(ranges, num_units: int, model_shapes: ModelShapes) -> tuple[in
 def load_cost_source(cost: str | None = None, device_model: str | None = None,
                      model_shapes: ModelShapes | None = None, num_units: int | None = None,
                      tensor: int = 1, model_sha256: str | None = None,
-                     device: str | None = None, sliced=None, document_length: int | None = None) -> CostSource:
+                     device: str | None = None, sliced=None, document_length: int | None = None,
+                     kept=None) -> CostSource:
     """A CostSource for the options of `load_cost_model`: the profile is read (and checked)
     once, the device spec parsed (and the traced model's costs lambdified) once, and each
     partition's model built from them (at degree `tensor`; `CostSource.split` for another)."""
@@ -115,7 +117,7 @@ def load_cost_source(cost: str | None = None, device_model: str | None = None,
         return CostSource(profile.num_units, lambda ranges, t: ProfiledCostModel(profile, ranges, t), tensor)
     if sliced is not None:
         return graph_cost_source(sliced, load_device_spec(device_model), tensor=tensor,
-                                 document_length=document_length)
+                                 document_length=document_length, kept=kept)
     n = num_units if num_units is not None else model_shapes.layers + 2
     whole = load_cost_model(device_model=device_model, model_shapes=model_shapes,
                             stage_units=[(0, n)], num_units=n, tensor=tensor)  # checks spec and shapes
@@ -155,4 +157,16 @@ def _plan_cost_model(header, *, cost, device_model, source) -> CostModel:
     model, _ = build_weightless(header.model.path, header.model.factory)  # its graph prices it, not its weights
     sliced = sliced_for_header(model, header, source)
     return load_cost_model(device_model=device_model, sliced=sliced, stage_units=ranges, tensor=tensor,
-                           document_length=header.documents.mean if header.documents is not None else None)
+                           document_length=header.documents.mean if header.documents is not None else None,
+                           kept=kept_fractions(header))
+
+
+def kept_fractions(header) -> dict[int, float] | None:
+    """{unit: fraction of its tokens} a plan's `random-ltd` line prices (the schedule's mean
+    kept count over the sequence: `RandomLTD.priced_fraction`), or None."""
+    from tpc.compiler.random_ltd import from_line
+
+    if header.random_ltd is None:
+        return None
+    ltd = from_line(header.random_ltd)
+    return ltd.fractions(header.shape.seq)

@@ -27,6 +27,9 @@ meaningless, so those stop verification after the header):
       the row's length, no tensor axis, no split backward (`backward-input`: the executors run
       packed documents eagerly); every rank that runs a stage of a micro-batch loads it
       (O3 and C3 then ask for those loads, and a forward of a middle stage waits for its load).
+  H8  `random-ltd units U ... min-value K0 max-value K1 require-steps N seq-per-step Q` (format
+      version 6): the units are distinct middle units (1..units-2), ascending; K0 <= K1; no
+      tensor axis, no packed documents, no split backward (dropped units run eagerly).
 
 Operands (an instruction that fails one of these is reported once and then left out of the
 rules below, so one wrong number gives one error, not a cascade):

@@ -1,11 +1,11 @@
-"""Header rules H1-H7 (see tpc.ir.verify): the format version, the model and dtype, stages,
+"""Header rules H1-H8 (see tpc.ir.verify): the format version, the model and dtype, stages,
 units, ties, micro-batches and their slices, and the rank sections."""
 
 from __future__ import annotations
 
 import re
 
-from tpc.ir.nodes import (DOCUMENTS_VERSION, FORMAT_VERSION, FORMAT_VERSIONS, REPLICA_VERSION, SEQUENCE_VERSION, TENSOR_VERSION, Loc,
+from tpc.ir.nodes import (DOCUMENTS_VERSION, FORMAT_VERSION, FORMAT_VERSIONS, RANDOM_LTD_VERSION, REPLICA_VERSION, SEQUENCE_VERSION, TENSOR_VERSION, Loc,
                           Op, Plan)
 from tpc.ir.verify.report import Report
 
@@ -15,7 +15,7 @@ _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 
 
 def check_header(plan: Plan, rep: Report) -> bool:
-    """Rules H1-H7. False when the numbering is too broken to check the instructions."""
+    """Rules H1-H8. False when the numbering is too broken to check the instructions."""
     h = plan.header
     ok = True
     if h.version not in FORMAT_VERSIONS:
@@ -24,6 +24,7 @@ def check_header(plan: Plan, rep: Report) -> bool:
                 + ", ".join(str(v) for v in sorted(FORMAT_VERSIONS) if v != FORMAT_VERSION))
     _check_model_and_dtype(plan, rep)
     _check_documents(plan, rep)
+    _check_random_ltd(plan, rep)
     check_tensor_axis(plan, rep)
     ok &= _check_stages(plan, rep)
     _check_units(plan, rep)
@@ -111,6 +112,50 @@ def _check_documents(plan: Plan, rep: Report) -> None:
         rep.add(split[1].loc or d.loc, "header (documents)", (0, 2),
                 f"`{split[1]}` in a plan over packed documents: a split backward runs a stage's traced "
                 "programs, which do not take document boundaries; packed documents run each stage eagerly",
+                "compile the plan with a schedule whose backward is whole (seq1f1b, terapipe, 1f1b, gpipe, ...)")
+
+
+def _check_random_ltd(plan: Plan, rep: Report) -> None:
+    """H8: `random-ltd units ... min-value K0 max-value K1 require-steps N seq-per-step Q` needs
+    format version 6 (H1); its units are distinct middle units of the model, ascending (the
+    first and the last unit, the embedding and the head, run every token); K0 <= K1 (the kept
+    count grows). Refused with a tensor axis, with packed documents, and with a split backward
+    (`backward-input`): a dropped unit runs under eager autograd on kept tokens the executor
+    draws, and those run the stages' traced programs or cut a row's documents by position."""
+    h = plan.header
+    d = h.random_ltd
+    if d is None:
+        return
+    where, order = "header (random-ltd)", (0, 2)
+    require_version(plan, rep, RANDOM_LTD_VERSION, d.loc, where, order, "`random-ltd`")
+    last = h.units.count - 1
+    bad = [u for u in d.units if not 0 < u < last]
+    if bad:
+        rep.add(d.loc, where, order,
+                f"random-ltd drops tokens in unit{'s' * (len(bad) > 1)} {', '.join(map(str, bad))}: "
+                f"only the middle units 1..{last - 1} of the {h.units.count} may drop tokens (the first "
+                "and the last run every token)",
+                f"name units between 1 and {last - 1}" if last > 1 else
+                "a model of fewer than three units has no middle unit: drop the random-ltd line")
+    if list(d.units) != sorted(set(d.units)):
+        rep.add(d.loc, where, order, f"random-ltd's units {' '.join(map(str, d.units))} are not distinct and ascending",
+                f"write them once each, in order: {' '.join(map(str, sorted(set(d.units))))}")
+    if d.min_value > d.max_value:
+        rep.add(d.loc, where, order,
+                f"min-value {d.min_value} is above max-value {d.max_value}: the kept count grows from "
+                "min-value to max-value", f"swap them, or give min-value at most {d.max_value}")
+    if h.mesh.tensor != 1:
+        rep.add(d.loc, where, order, "random-ltd on a mesh with a tensor axis: not supported",
+                "drop `tensor` from the mesh line, or the random-ltd line")
+    if h.documents is not None:
+        rep.add(d.loc, where, order,
+                "random-ltd over packed documents: not supported (a dropped unit's kept tokens would "
+                "need their documents' boundaries gathered too)", "drop the documents line or the random-ltd line")
+    split = next((i for r in plan.ranks for i in r.instrs if i.op in (Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT)), None)
+    if split is not None:
+        rep.add(split.loc or d.loc, where, order,
+                f"`{split}` in a plan with random-ltd: a split backward runs a stage's traced programs, "
+                "and a dropped unit runs under eager autograd on the tokens the executor draws each step",
                 "compile the plan with a schedule whose backward is whole (seq1f1b, terapipe, 1f1b, gpipe, ...)")
 
 
