@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -51,7 +52,7 @@ def run(work: Path, script: str, args: list[str], ranks: int = 0) -> str:
     env.pop("RANK", None)
     if ranks:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-               "--master-port", str(free_port()), script, *args]
+               "--master-port", str(free_port()), "--local-ranks-filter", "0", script, *args]
     else:
         cmd = [sys.executable, script, *args]
     done = subprocess.run(cmd, cwd=work, capture_output=True, text=True, env=env, timeout=600)
@@ -60,8 +61,10 @@ def run(work: Path, script: str, args: list[str], ranks: int = 0) -> str:
 
 
 def losses(stdout: str) -> list[float]:
-    """The `iter N: loss X` lines nanoGPT prints, in order."""
-    return [float(line.split("loss ")[1].split(",")[0]) for line in stdout.splitlines() if line.startswith("iter ")]
+    """The losses of nanoGPT's `iter N: loss X` lines, by N (torchrun's ranks share one stdout,
+    so a line need not start where a line of another rank's ended)."""
+    found = {int(n): float(x) for n, x in re.findall(r"iter (\d+): loss ([0-9.]+)", stdout)}
+    return [found[n] for n in sorted(found)]
 
 
 def checkpoint(work: Path, ranks: int = 0) -> tuple[dict[str, torch.Tensor], float]:
