@@ -16,11 +16,10 @@ import torch
 
 from tpc.compiler.frontend import SlicedModel, load_model
 from tpc.compiler.frontend.experts import KIND
-from tpc.executors.oracle import reference_step
 from tpc.ir.diagnostics import TpirError
 
-from .harness import batch, sliced_step, summed
-from .hf_models import VOCAB, assert_grads_match, config_dict, hf_model
+from .harness import assert_sliced_exact
+from .hf_models import VOCAB, config_dict, hf_model
 
 MOE = Path(__file__).resolve().parent / "models" / "moe_routing.py"
 SEQ, ROWS, MICROBATCHES = 16, 4, 2
@@ -28,13 +27,7 @@ SLICINGS = [[4, 4, 4, 4], [5, 2, 9], [1, 1, 1, 13]]
 
 
 def _exact(model, sm, vocab, stage_counts=(2, 3)):
-    ids, targets = batch(vocab, ROWS, SEQ, seed=3)
-    ref_loss, ref = reference_step(model, ids, targets)
-    for stages in stage_counts:
-        for lens in SLICINGS:
-            loss, per_stage = sliced_step(sm, sm.partition_by_params(stages), ids, targets, MICROBATCHES, lens)
-            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (stages, lens)
-            assert_grads_match(summed(per_stage), ref)
+    assert_sliced_exact(model, sm, vocab, ROWS, SEQ, MICROBATCHES, SLICINGS, stages=stage_counts)
 
 
 def _dispatches(sm) -> int:
