@@ -49,6 +49,7 @@ from tpc.compiler.costmodel.documents import attention_share
 from tpc.compiler.costmodel.dropped import DroppedUnitCostFn
 from tpc.compiler.costmodel.source import CostSource
 from tpc.compiler.frontend.flops import CLASSES, UnitCostFn
+from tpc.compiler.frontend.ssm_state import STATE
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,8 @@ class GraphCostModel(DeviceCostModel):
         """KV-cache bytes charged to each slice of a micro-batch of slices `lengths`: a full
         cache grows with every token; a sliding-window layer's (window w) holds at most its last
         w - 1 tokens plus the slice being appended, min(T, w - 1 + longest slice) tokens in all,
-        charged to the first slices."""
+        charged to the first slices. A state-space scan's carried state (`STATE`) is held
+        twice at most, the last slice's and the one being written, whatever the tokens."""
         lo, hi = self.stage_units[stage]
         caches = self.costs.kv_caches[lo:hi] if self.costs.kv_caches else ()
         if not caches:
@@ -205,6 +207,10 @@ class GraphCostModel(DeviceCostModel):
         out = [0.0] * len(lengths)
         for unit in caches:
             for elements, window in unit:
+                if window == STATE:  # a scan's state: the last slice's, and the one being written
+                    for j in range(min(len(lengths), 2)):
+                        out[j] += elements
+                    continue
                 held = total if window is None else min(total, window - 1 + longest)
                 left = held
                 for j, n in enumerate(lengths):

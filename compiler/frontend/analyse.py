@@ -60,9 +60,11 @@ def _elementwise(n: fx.Node) -> bool:
 
 def mixing_reason(n: fx.Node, seq_sym) -> str | None:
     """Why this node mixes tokens, or None."""
-    if n.op != "call_function" or n.meta.get("tpc_kind") in ("attention", "causal-window", "expert-dispatch"):
+    if n.op != "call_function" or n.meta.get("tpc_kind") in ("attention", "causal-window", "expert-dispatch",
+                                                              "ssm-scan", "carried-out"):
         # a recognised attention; a causal window the state pass checked (carried_state.py); a
-        # mixture-of-experts grouping that is undone (experts.py)
+        # mixture-of-experts grouping that is undone (experts.py); a state-space scan carried
+        # across slices (ssm_state.py)
         return None
     name = op_name(n)
     ins = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]

@@ -122,7 +122,9 @@ def _without_generation_cache(model: nn.Module):
 
 
 def capture(model: nn.Module, seq_len: int, batch: int = 2) -> Captured:
-    with _without_generation_cache(model), _meta_parameters_on_cpu(model):
+    from tpc.compiler.frontend.ssm_state import known_scans
+
+    with _without_generation_cache(model), _meta_parameters_on_cpu(model), known_scans(model):
         return _capture(model, seq_len, batch)
 
 

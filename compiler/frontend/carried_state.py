@@ -97,7 +97,7 @@ def _extra(n: fx.Node, ctx) -> int | None:
     return int(a) if a.is_Integer else None
 
 
-def _fake(like: torch.Tensor, shape) -> torch.Tensor:
+def fake_like(like: torch.Tensor, shape) -> torch.Tensor:
     """A fake value of `shape` (SymInt arithmetic on the capture's sizes) like `like`. Made
     without running the op on the fake inputs: evaluating its shape checks would specialise the
     capture's symbolic sizes to the example's."""
@@ -111,7 +111,7 @@ def _padded(x: fx.Node, pad: list) -> torch.Tensor:
     shape = list(v.shape)
     for i in range(len(pad) // 2):
         shape[v.dim() - 1 - i] = shape[v.dim() - 1 - i] + pad[2 * i] + pad[2 * i + 1]
-    return _fake(v, shape)
+    return fake_like(v, shape)
 
 
 def _new(graph, before: fx.Node, target, args, val: torch.Tensor, like: fx.Node) -> fx.Node:
@@ -199,7 +199,7 @@ def _conv_padding_to_pad(graph, n, conv, ctx) -> None:
     padded = _new(graph, n, aten.constant_pad_nd.default, (x, pad, 0.0), _padded(x, pad), n) if left or right else x
     a = call_args(n)
     v = padded.meta["val"]
-    val = _fake(n.meta["val"], (*n.meta["val"].shape[:-1], v.shape[-1] - dilation * (kernel - 1)))
+    val = fake_like(n.meta["val"], (*n.meta["val"].shape[:-1], v.shape[-1] - dilation * (kernel - 1)))
     if n.target is aten.convolution.default:
         args = (padded, a["weight"], a["bias"], a["stride"], [0], a["dilation"], False, a["output_padding"], a["groups"])
         new = _new(graph, n, aten.convolution.default, args, val, n)

@@ -62,5 +62,6 @@ def prune_dead(graph: fx.Graph) -> None:
     """Remove every call whose value is unused. Unlike `eliminate_dead_code`, this also drops an
     unused dropout (marked random, hence impure): the captured graphs have no side effects."""
     for n in reversed(list(graph.nodes)):
-        if n.op in ("call_function", "get_attr") and not n.users:
+        # (a scan's final state is read by the next slice, not by this slice's graph: `ssm_state.py`)
+        if n.op in ("call_function", "get_attr") and not n.users and n.meta.get("tpc_kind") != "carried-out":
             graph.erase_node(n)

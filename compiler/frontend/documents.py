@@ -39,6 +39,12 @@ def refuse_unresettable(sites, model_file: str | None) -> None:
     """Refuse packed documents for a model with a causal state carried across slices (one of
     `sites` that is not an attention): its first tokens would read the previous document."""
     for site in sites:
+        if getattr(site, "per_slice", False):
+            raise refuse(site.node, model_file,
+                         "packed documents: this state-space scan carries its state from token to token, and at a "
+                         "document's start the state is the previous document's; resetting it at document "
+                         "boundaries is not built",
+                         "train this model on rows of one text each (compile without --documents)")
         if site.node.target is not runtime_ops.causal_attention:
             raise refuse(site.node, model_file,
                          "packed documents: this causal mixer (a convolution or token shift over the "

@@ -33,6 +33,13 @@ Per op class (a "kernel" is one launch of eager PyTorch):
     adds the bytes of the (l x keys) bias per query head, written once and read as the mask; an
     attention written out (soft-capping, a sink) writes and reads its scores and probabilities,
     (l x keys) per query head each, in four more kernels, and keeps both for its backward;
+  * a state-space scan (`ssm_ops.selective_scan_carried`, `ssd_scan_carried`), with W = tokens x
+    the state's elements per token (batch x l x channels x state): Mamba's recurrence, a
+    memory op of 6W FLOPs that writes and reads its discretised (W-sized) operands, a few
+    kernels per token (the reference loop), and keeps 3W floats for its backward; Mamba-2's
+    chunked form (chunk q), 2*b*l*q*heads*(state + head_dim) FLOPs within the chunks plus 4W for
+    the states, about 30 kernels, keeping the chunks' (l x q) scores per head. Estimates of the
+    reference code's work, not of a fused kernel's;
   * memory (elementwise, norms, reductions, softmax, gathers, copies, the loss): a few FLOPs
     per element (`_FLOPS_PER_ELEMENT`), bytes of every input and the output, one kernel.
 
@@ -58,7 +65,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from tpc.compiler.frontend import runtime_ops
+from tpc.compiler.frontend import runtime_ops, ssm_ops
 from tpc.compiler.frontend.axes import size_expr
 from tpc.compiler.frontend.calls import op_name
 from tpc.compiler.frontend.context import PassContext
@@ -240,6 +247,26 @@ def _generic(n: fx.Node, name: str) -> OpCost:
     return _memory(flops, read + written, written)
 
 
+def _scan(n: fx.Node) -> OpCost:
+    """A carried state-space scan (the module docstring)."""
+    y, state = n.meta["val"]
+    x = _val(n.args[0])
+    work = numel(x) * size_expr(state.shape[-1])  # tokens x the state's elements per token
+    io = sum((tensor_bytes(v) for v in _tensor_inputs(n)), _ZERO) + tensor_bytes(y) + tensor_bytes(state)
+    if n.target is ssm_ops.selective_scan_carried:
+        tokens = size_expr(x.shape[-1])
+        flops, nbytes = 6 * work, io + 4 * work * WIDTH
+        kernels, saved = 3 * tokens + 8, 3 * work * WIDTH
+    else:
+        b, tokens, heads, head_dim = (size_expr(d) for d in x.shape)
+        chunk = int(n.args[10])
+        scores = b * tokens * chunk * heads
+        flops = 2 * scores * (size_expr(state.shape[-1]) + head_dim) + 4 * work
+        nbytes, kernels, saved = io + 4 * scores * WIDTH, sympy.Integer(30), 2 * scores * WIDTH + tensor_bytes(state)
+    return OpCost("memory", flops, nbytes, sympy.sympify(kernels), 2 * flops, 2 * nbytes, 2 * sympy.sympify(kernels),
+                  saved)
+
+
 def op_cost(n: fx.Node, static: set) -> OpCost:
     """The cost record of one node (see the module docstring)."""
     if n.op != "call_function":
@@ -251,6 +278,8 @@ def op_cost(n: fx.Node, static: set) -> OpCost:
     if n.target is runtime_ops.causal_pad:  # the carried tokens, the slice's and the padding, joined
         written = tensor_bytes(_val(n))
         return _memory(_ZERO, 2 * written, written)
+    if n.meta.get("tpc_kind") == "ssm-scan" and n.target is not operator.getitem:
+        return _scan(n)
     if n.target is operator.getitem or not hasattr(n.target, "_schema"):
         return FREE  # tuple access, SymInt arithmetic
     out = n.meta.get("val")
@@ -312,8 +341,8 @@ def _held(n: fx.Node, cost: OpCost, static: set, weighted: set) -> OpCost:
         return cost
     if cost.kind == "matmul" or n.target not in _FUSED_NORMS:
         out = _val(n)
-        if isinstance(out, (tuple, list)):
-            out = out[0]
+        if out is None:  # a tuple result (a carried scan's (y, state)): its main result's gradient
+            out = n.meta["val"][0]
         return dataclasses.replace(cost, held=tensor_bytes(out))
     return dataclasses.replace(cost, held=sum(tensor_bytes(_val(a)) for a in dict.fromkeys(operands) if a in weighted))
 

@@ -53,7 +53,16 @@ def check_droppable(ctx: PassContext, units) -> None:
         for site, su in zip(ctx.cache_sites, ctx.site_units):
             if su != u:
                 continue
-            kwargs = site.node.kwargs if site.node.target is runtime_ops.causal_attention else {}
+            if getattr(site, "per_slice", False):
+                raise TpirError(Diagnostic(
+                    f"unit {u} ({labels[u]}) runs a state-space scan, whose state passes through every token: "
+                    "its tokens cannot be dropped", where="--random-ltd", hint="leave this unit out of --random-ltd"))
+            if site.node.target is not runtime_ops.causal_attention:
+                raise TpirError(Diagnostic(
+                    f"unit {u} ({labels[u]}) runs a causal convolution or token shift, which reads the tokens "
+                    "just before each token: its tokens cannot be dropped", where="--random-ltd",
+                    hint="leave this unit out of --random-ltd"))
+            kwargs = site.node.kwargs
             if site.window is not None or kwargs.get("bias") is not None:
                 what = "a sliding window" if site.window is not None else "a position bias"
                 raise TpirError(Diagnostic(

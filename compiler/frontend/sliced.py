@@ -9,6 +9,7 @@ with what it made; after each, the graph is linted and its static values are rec
   logits              the model returns (batch, seq, vocab) logits                capture.py
   attention           causal attention sliced over a KV cache, masks read         attention.py
   causal-state        the last tokens of short causal mixers carried              carried_state.py
+  scan-state          a state-space scan's final state carried                    ssm_state.py
   expert-dispatch     mixture-of-experts grouping undone: token-local             experts.py
   token-independence  any other mixing of tokens refused                          analyse.py
   positions           positions put on the slice's window [offset, offset + l)   positions.py
@@ -40,6 +41,7 @@ from tpc.compiler.frontend.flops import AnnotateCosts, UnitCost, UnitCostFn, los
 from tpc.compiler.frontend.partition import make_units, partition_balanced
 from tpc.compiler.frontend.positions import WindowPositions
 from tpc.compiler.frontend.source_locations import refuse
+from tpc.compiler.frontend.ssm_state import STATE, CarryScanState
 from tpc.compiler.frontend.stage import StageModule, build_stage_graph
 from tpc.ir.diagnostics import Diagnostic, TpirError
 from tpc.ir.nodes import Loc
@@ -61,7 +63,8 @@ class CutUnits:
 
 
 # the front end's passes, in the order they run (the module docstring)
-PASSES: tuple[Pass, ...] = (CheckLogits(), SliceAttention(), CarryCausalState(), RecogniseExpertDispatch(),
+PASSES: tuple[Pass, ...] = (CheckLogits(), SliceAttention(), CarryCausalState(), CarryScanState(),
+                            RecogniseExpertDispatch(),
                             CheckTokenIndependence(),
                             WindowPositions(), CutUnits(), AnnotateCosts())
 
@@ -175,19 +178,20 @@ class SlicedModel:
     @property
     def unit_kv_elements(self) -> list[int]:
         """Cached elements one token of one sequence leaves in each unit (keys + values, and
-        the inputs of short causal mixers)."""
-        return [sum(n for n, _ in caches) for caches in self.unit_kv]
+        the inputs of short causal mixers; a scan's state is per sequence, not per token)."""
+        return [sum(n for n, w in caches if w != STATE) for caches in self.unit_kv]
 
     @property
     def unit_kv(self) -> list[list[tuple[int, int | None]]]:
         """Per unit, its caches: (elements one token of one sequence leaves, window). A window
         w (a sliding-window layer; a causal convolution or shift reading w - 1 earlier tokens)
         means later slices read only the last w - 1 tokens, so the cache a runtime must keep is
-        bounded by w - 1 tokens plus the slice being appended."""
+        bounded by w - 1 tokens plus the slice being appended. A state-space scan's carried state
+        is (elements of one sequence's state, `STATE`): the same size whatever the tokens."""
         out: list[list] = [[] for _ in range(self.num_units)]
         for s, u in zip(self._ctx.cache_sites, self._ctx.site_units):
             n = sum(self._per_token(value) for value, *_ in s.cached)
-            out[u].append((n, s.window))
+            out[u].append((n, STATE if getattr(s, "per_slice", False) else s.window))
         return out
 
     def _per_token(self, node: fx.Node) -> int:
@@ -289,7 +293,7 @@ class SlicedModel:
         for s in sites:
             for node, _, d, window in s.cached:
                 kv_dims.append(d)
-                shapes.append(self._shape_fn(node.meta["val"]))
+                shapes.append(self._shape_fn(node.meta["val"], d if getattr(s, "per_slice", False) else None))
                 dtypes.append(node.meta["val"].dtype)
                 windows.append(window)
         label = self.unit_labels[lo] if hi - lo == 1 else f"{self.unit_labels[lo]} .. {self.unit_labels[hi - 1]}"
@@ -323,8 +327,12 @@ class SlicedModel:
 
     # ---------------------------------------------------------------- helpers
 
-    def _shape_fn(self, val):
+    def _shape_fn(self, val, entries_axis: int | None = None):
+        """batch -> the shape of a cached tensor holding no tokens: its token axis 0 (a state
+        carried per slice, `ssm_state.ScanSite`: its axis of entries, `entries_axis`, 0)."""
         exprs = [size_expr(d) for d in val.shape]
+        if entries_axis is not None:
+            exprs[entries_axis] = sympy.Integer(0)
         b, t = self._batch_sym, self._seq_sym
         return lambda batch: tuple(int(e.subs({b: batch, t: 0})) for e in exprs)
 

@@ -234,6 +234,11 @@ class _Finder:
             return parts[n.args[1]] if isinstance(parts, list) else self.mixes(n, parts, "indexes along")
         if not ins:
             return None
+        if n.meta.get("tpc_kind") == "ssm-scan":
+            self.refuse(n, f"cannot split for tensor degree {self.T}: a state-space scan (node {n.name}) reads "
+                           f"values split across the tensor group (from `{self.spec(ins[0]).origin}`); splitting "
+                           "a scan and its carried state by channels or heads is not built",
+                        hint="keep a state-space model at tensor degree 1 (--tensor 1)")
         if n.target is runtime_ops.causal_attention:
             return self.attention(n)
         if name in _SAME_LAYOUT:

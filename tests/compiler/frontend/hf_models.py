@@ -92,9 +92,47 @@ MORE_CONFIGS = {
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                         attention_chunk_size=4, moe_layers=[], num_local_experts=2, no_rope_layers=[1, 0],
                         use_qk_norm=False),
-    # a selective scan written as a Python loop over the tokens (the reference path): refused at the loop
+    # state-space models: Mamba's selective scan (Hugging Face's reference path is a loop over the
+    # tokens; the front end puts its own op in its place) and the hybrids built on it
     "mamba": dict(model_type="mamba", hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4,
                   use_mambapy=False),
+    "falcon_mamba": dict(model_type="falcon_mamba", hidden_size=32, state_size=4, num_hidden_layers=2, expand=2,
+                         conv_kernel=4, use_mambapy=False),
+    # Mamba's layers and attention, experts in layer 1
+    "jamba": dict(model_type="jamba", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                  expert_layer_offset=1, num_experts=2, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
+                  mamba_dt_rank=4),
+    # two Mamba heads per layer, a shared attention block in the hybrid layers (at least two of them)
+    "zamba": dict(model_type="zamba", hidden_size=32, num_hidden_layers=4, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=4, attention_hidden_size=64, attention_head_dim=16, mamba_d_state=4,
+                  mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, n_mamba_heads=2,
+                  layer_types=["linear_attention", "hybrid", "linear_attention", "hybrid"]),
+    # Mamba-2's chunked scan (state-space duality), chunks of 4 tokens, and the hybrids built on it
+    "mamba2": dict(model_type="mamba2", hidden_size=32, state_size=8, expand=2, num_heads=8, head_dim=8, n_groups=2,
+                   chunk_size=4, conv_kernel=4),
+    "bamba": dict(model_type="bamba", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
+                  mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4),
+    "zamba2": dict(model_type="zamba2", hidden_size=32, num_attention_heads=4, num_key_value_heads=4, mamba_d_state=8,
+                   mamba_d_conv=4, mamba_expand=2, mamba_headdim=8, mamba_ngroups=2, chunk_size=4,
+                   layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1], attention_head_dim=8),
+    "granitemoehybrid": dict(model_type="granitemoehybrid", hidden_size=32, intermediate_size=32,
+                             shared_intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             num_local_experts=2, num_experts_per_tok=1, layer_types=["mamba", "attention"],
+                             mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+                             mamba_expand=2, mamba_chunk_size=4),
+    # Mamba-2, attention and MLP layers
+    "nemotron_h": dict(model_type="nemotron_h", hidden_size=32, num_hidden_layers=3, intermediate_size=64, hybrid_override_pattern="M*-",
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_num_heads=8,
+                       mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, expand=2, chunk_size=4),
+    # attention and Mamba-2 side by side in every layer
+    "falcon_h1": dict(model_type="falcon_h1", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
+                      mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4, mamba_d_ssm=64),
+    # RWKV's WKV recurrence, a Python loop over the tokens on the CPU: refused at the loop
+    "rwkv": dict(model_type="rwkv", hidden_size=32, attention_hidden_size=32, intermediate_size=64,
+                 context_length=64),
     # mixture-of-experts: tokens grouped by expert (sort), run through grouped matmuls, put back
     "mixtral": dict(model_type="mixtral", hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
@@ -125,7 +163,7 @@ def config_dict(family: str, **overrides) -> dict:
     """The settings of a tiny `family` model, as a config.json would hold them."""
     out = dict(CONFIGS[family], vocab_size=VOCAB, **_IDS)
     if family not in ("gpt2", "gpt_neo", "bloom", "mpt"):
-        out.update(_LAYERS)
+        out = {**_LAYERS, **out}  # (a family's own layer count wins: Zamba's, NemotronH's)
     out.update(overrides)
     return out
 

@@ -18,7 +18,7 @@ SEQ, VOCAB = 16, 256  # the examples' byte vocabulary
 
 
 def test_the_passes_run_in_the_documented_order():
-    assert [p.name for p in PASSES] == ["logits", "attention", "causal-state", "expert-dispatch",
+    assert [p.name for p in PASSES] == ["logits", "attention", "causal-state", "scan-state", "expert-dispatch",
                                         "token-independence",
                                         "positions", "units", "costs"]
 

@@ -119,11 +119,14 @@ def test_a_python_loop_over_the_tokens_is_refused_at_the_loop_quoting_the_seq_le
     assert "1..16 (--seq-len 16)" in d.message and "Constraints violated" not in d.message
 
 
-def test_mamba_is_refused_at_its_scan_loop():
+def test_rwkv_is_refused_at_its_wkv_loop():
+    """RWKV's WKV recurrence is a Python loop over the tokens in Hugging Face's CPU path, a scan
+    the front end has no op for (Mamba's and Mamba-2's it has: test_ssm.py)."""
     pytest.importorskip("transformers")
     from .hf_models import hf_model
 
-    err = refusal(lambda: SlicedModel.from_model(hf_model("mamba", "eager"), seq_len=24, vocab=128))
+    err = refusal(lambda: SlicedModel.from_model(hf_model("rwkv", "eager"), seq_len=24, vocab=128))
     d = err.diagnostics[0]
-    assert d.loc.file.endswith("modeling_mamba.py") and "a Python loop over the tokens" in d.message
+    assert d.loc.file.endswith("modeling_rwkv.py") and "a Python loop over the tokens" in d.message
+    assert "for current_index in range(seq_length)" in d.message
     assert "(--seq-len 24)" in d.message
