@@ -1,0 +1,62 @@
+"""bench/score_transforms.py's agreement check, at a tiny size on the CPU (FlexAttention's eager
+forward, the one variant PyTorch runs here without compiling): FlexAttention with a soft-capping
+`score_mod`, and with a sink folded in through the log-sum-exp, gives the written-out attention
+tpc runs; a FlexAttention that computes something else is caught."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """The script as a module; sys.path and the helper module it imports are put back afterwards."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    had_common = "common" in sys.modules
+    spec = importlib.util.spec_from_file_location("bench_score_transforms", ROOT / "bench" / "score_transforms.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    yield module
+    if not had_common:
+        sys.modules.pop("common", None)
+
+
+def check(bench, case, flex):
+    times = {("flex eager", "fwd"): 1.0}  # the variant that ran: eager, forward only
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return bench.exactness(case, {"flex eager": flex}, times, 1e-5)
+
+
+@pytest.mark.parametrize("transform", ["softcap", "sink"])
+def test_flex_agrees_with_the_written_out_attention_over_a_prefix(bench, transform):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    case = bench.Case(transform, 8, 24, 2, 16, torch.float32, "cpu", 4.0)
+    res = check(bench, case, lambda x: case.flex(flex_attention, x))
+    assert res["variant"] == "flex eager, fwd" and res["exact"], res
+    assert res["fwd a-b"] < 1e-5 and res["fwd b-f64"] < 1e-5, res
+    # the transform matters at these scores: plain attention is far from it
+    plain = case.sdpa(case.leaves(False))
+    assert (plain - case.written_out(case.leaves(False))).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("transform", ["softcap", "sink"])
+def test_a_flex_that_computes_something_else_disagrees(bench, transform):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    case = bench.Case(transform, 8, 24, 2, 16, torch.float32, "cpu", 4.0)
+    other = bench.Case(transform, 8, 24, 2, 16, torch.float32, "cpu", 4.0)
+    if transform == "softcap":
+        other.softcap = 3.9  # a slightly different cap
+    else:
+        other.o = 23  # the causal mask one key off
+    res = check(bench, case, lambda x: other.flex(flex_attention, x))
+    assert not res["exact"] and res["fwd a-b"] > 1e-5, res
