@@ -30,9 +30,12 @@ Numerical agreement of (a) and (b) (the most exact flex variant that runs, forwa
 gradients of q, the prefix and own keys/values and the sink): max abs difference, and each
 against the written-out form in float64. The script fails (exit 1) where they disagree: in
 fp32 by more than --tolerance (1e-5), in bf16 where (b) is more than twice as far from float64 as
-(a). The first-call (compile) time of (b) is printed per shape, measured with a fresh dynamo and
-inductor's FX graph cache off (what a stage's first slice of a new shape pays on a machine
-without a warm cache).
+(a). Beside them, "(a) compiled": the written-out attention under torch.compile, which is how a
+`--compile` stage program runs it (inductor fuses the transform, mask and softmax), so that the
+two compiled forms are weighed against each other too. The first-call time of each compiled
+path is printed per shape: a fresh dynamo per shape and mode, inductor's FX graph cache off and
+its kernel cache in a new folder, so the first case compiles cold and later ones may reuse a
+kernel an earlier case compiled (as a stage's later slice shapes would).
 
     OMP_NUM_THREADS=1 python bench/score_transforms.py [--device cpu|cuda] [--dtype fp32|bf16] [--quick]
 
@@ -42,8 +45,10 @@ without a warm cache).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -160,19 +165,18 @@ def run_once(fn, case: Case, backward: bool):
     return dt, out.detach(), ({n: t.grad for n, t in x.items()} if backward else None)
 
 
-def compiled_flex():
-    """A fresh compiled flex_attention (dynamo reset: its first call compiles)."""
+def compiled(fn):
+    """fn under torch.compile, static shapes, one graph (a graph break would run part of it
+    eagerly under the compiled name: an error instead)."""
     import torch
-    from torch.nn.attention.flex_attention import flex_attention
 
-    torch._dynamo.reset()
-    # fullgraph: a graph break would run flex eagerly under the compiled name; make it an error
-    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
 def measure(case: Case, repeats: int, compile_flex: bool, tolerance: float):
     """Times (median seconds, or a refusal string) per (path, mode), the compile time, the
     exactness figures."""
+    import torch
     from torch.nn.attention.flex_attention import flex_attention
 
     def through(attend):
@@ -184,12 +188,14 @@ def measure(case: Case, repeats: int, compile_flex: bool, tolerance: float):
     for mode in ("fwd+bwd", "fwd"):
         backward = mode == "fwd+bwd"
         if compile_flex:  # compiled afresh for each mode: a refusal in one leaves the other intact
-            paths = {**paths, "flex compiled": through(compiled_flex())}
+            torch._dynamo.reset()
+            paths = {**paths, "written-out compiled": compiled(case.written_out),
+                     "flex compiled": through(compiled(flex_attention))}
         live = {}
         for name, fn in paths.items():
             try:
                 dt, _, _ = run_once(fn, case, backward)  # compiles on first call; warms up otherwise
-                if name == "flex compiled" and name not in first_call:
+                if name.endswith("compiled") and name not in first_call:
                     first_call[name] = (dt, mode)
                 run_once(fn, case, backward)
                 live[name] = fn
@@ -200,7 +206,7 @@ def measure(case: Case, repeats: int, compile_flex: bool, tolerance: float):
             for name, fn in live.items():
                 samples[name].append(run_once(fn, case, backward)[0])
         times.update({(name, mode): statistics.median(s) for name, s in samples.items()})
-    return times, first_call.get("flex compiled"), exactness(case, paths, times, tolerance)
+    return times, first_call, exactness(case, paths, times, tolerance)
 
 
 def exactness(case: Case, paths: dict, times: dict, tolerance: float) -> dict:
@@ -272,6 +278,9 @@ def main(argv=None) -> int:
     if args.quick:
         args.lengths, args.offsets, args.repeats = "64", "0,768", 5
     at_root()
+    # inductor's kernels compiled afresh: the first case's first calls are a cold compile (later
+    # cases may reuse a kernel an earlier one compiled, as a stage's later shapes would)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="tpc-score-transforms-")
     import torch
     import torch._inductor.config as inductor_config
 
@@ -288,39 +297,39 @@ def main(argv=None) -> int:
         for l in (int(v) for v in args.lengths.split(",")):
             for o in (int(v) for v in args.offsets.split(",")):
                 case = Case(transform, l, o, args.heads, args.head_dim, dtype, args.device, args.softcap)
-                times, compile_s, exact = measure(case, args.repeats, not args.no_compile, args.tolerance)
+                times, first, exact = measure(case, args.repeats, not args.no_compile, args.tolerance)
                 for key, v in times.items():
                     if isinstance(v, str):
                         refusals.setdefault((transform, *key), v)
-                results.append((transform, l, o, times, compile_s, exact))
+                results.append((transform, l, o, times, first, exact))
                 print(f"{transform} l={l} o={o}: done", flush=True)
     for mode in ("fwd+bwd", "fwd"):
         rows = []
         for transform, l, o, t, _, _ in results:
-            wo = t[("written-out", mode)]
-            rows.append([transform, l, o, o + l, cell(wo), *(cell(t.get((n, mode))) for n in VARIANTS),
-                         cell(t[("SDPA", mode)]), ratio(wo, t.get(("flex compiled", mode))),
-                         ratio(wo, t.get(("flex eager", mode))), ratio(wo, t[("SDPA", mode)])])
+            wo, woc, fc = (t.get((n, mode)) for n in ("written-out", "written-out compiled", "flex compiled"))
+            rows.append([transform, l, o, o + l, cell(wo), cell(woc), *(cell(t.get((n, mode))) for n in VARIANTS),
+                         cell(t[("SDPA", mode)]), ratio(wo, fc), ratio(woc, fc), ratio(wo, t[("SDPA", mode)])])
         print(f"\n## {mode} ({'forward and backward' if mode == 'fwd+bwd' else 'forward only, no autograd'})\n")
-        print(table(["transform", "l", "o", "keys", "(a) written-out", "(b) flex compiled", "(b) flex eager",
-                     "(c) SDPA, no transform", "(a)/(b) compiled", "(a)/(b) eager", "(a)/(c)"], rows))
-    print("\n(a)/(b) > 1: FlexAttention is faster; (a)/(c): what the transform costs over plain SDPA.")
+        print(table(["transform", "l", "o", "keys", "(a) written-out", "(a) compiled", "(b) flex compiled",
+                     "(b) flex eager", "(c) SDPA, no transform", "(a)/(b) compiled", "(a) compiled/(b) compiled",
+                     "(a)/(c)"], rows))
+    print("\n(a)/(b) > 1: FlexAttention is faster; (a) compiled/(b) compiled: the same, both under torch.compile "
+          "(what `--compile` stage programs would weigh); (a)/(c): the transform's cost over plain SDPA.")
     rows = []
-    for transform, l, o, _, compile_s, e in results:
+    for transform, l, o, _, first, e in results:
         fmt = lambda k: f"{e[k]:.1e}" if k in e else "-"  # noqa: E731
+        firsts = [f"{first[n][0]:.1f} s ({first[n][1]})" if n in first else "-"
+                  for n in ("written-out compiled", "flex compiled")]
         rows.append([transform, l, o, e["variant"], fmt("fwd a-b"), fmt("grad a-b"), fmt("fwd a-f64"),
-                     fmt("fwd b-f64"), fmt("grad a-f64"), fmt("grad b-f64"), "yes" if e["exact"] else "NO",
-                     f"{compile_s[0]:.1f} s ({compile_s[1]})" if compile_s is not None else "-"])
-    print("\n## exactness (max abs difference) and the compiled flex's first call\n")
+                     fmt("fwd b-f64"), fmt("grad a-f64"), fmt("grad b-f64"), "yes" if e["exact"] else "NO", *firsts])
+    print("\n## exactness (max abs difference; (a) eager) and the compiled paths' first calls\n")
     print(table(["transform", "l", "o", "(b) compared", "fwd (a)-(b)", "grads (a)-(b)", "fwd (a)-f64",
-                 "fwd (b)-f64", "grads (a)-f64", "grads (b)-f64", "agree", "(b) compiled first call"], rows))
+                 "fwd (b)-f64", "grads (a)-f64", "grads (b)-f64", "agree", "(a) compiled first call",
+                 "(b) compiled first call"], rows))
     if refusals:
         print("\nrefused by PyTorch here:")
-        seen = set()
         for (transform, name, mode), msg in refusals.items():
-            if (transform, name, mode) not in seen:
-                seen.add((transform, name, mode))
-                print(f"- {transform}, {name}, {mode}: {msg}")
+            print(f"- {transform}, {name}, {mode}: {msg}")
     bad = [f"{t} l={l} o={o}" for t, l, o, _, _, e in results if not e["exact"]]
     if bad:
         print(f"\nFlexAttention and the written-out attention DISAGREE: {', '.join(bad)}")
