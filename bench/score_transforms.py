@@ -287,6 +287,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(1) if args.device == "cpu" else None
     inductor_config.fx_graph_cache = False  # every first call compiles: the cold compile time
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+    # causal_attention's masks are lru-cached per shape; traced, the cache is bypassed (the mask
+    # becomes part of the graph), which is what the warning is about
+    warnings.filterwarnings("ignore", message=".*Dynamo detected a call to a `functools.lru_cache`.*")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     where = (f"{torch.cuda.get_device_name(0)}" if args.device.startswith("cuda") else MACHINE)
     print(f"# bench/score_transforms.py on {where}: torch {torch.__version__}, {args.dtype}, batch 1, "
