@@ -60,3 +60,21 @@ def test_a_flex_that_computes_something_else_disagrees(bench, transform):
         other.o = 23  # the causal mask one key off
     res = check(bench, case, lambda x: other.flex(flex_attention, x))
     assert not res["exact"] and res["fwd a-b"] > 1e-5, res
+
+
+def test_the_gradient_comparison_covers_every_leaf(bench):
+    """FlexAttention has no backward on the CPU, so the fwd+bwd comparison (what a GPU runs) is
+    driven here with differentiable stand-ins for (b): the written-out form itself agrees to the
+    bit, and one whose sink gradient is off by 1e-3 (the output unchanged) is caught."""
+    case = bench.Case("sink", 8, 24, 2, 16, torch.float32, "cpu", 4.0)
+    times = {("flex compiled", "fwd+bwd"): 1.0}
+    same = bench.exactness(case, {"flex compiled": case.written_out}, times, 1e-5)
+    assert same["variant"] == "flex compiled, fwd+bwd" and same["exact"], same
+    assert same["fwd a-b"] == 0.0 and same["grad a-b"] == 0.0 and same["grad b-f64"] < 1e-5, same
+
+    def sink_grad_off(x):
+        s = x["sink"]
+        return case.written_out({**x, "sink": s + 1e-3 * (s - s.detach())})
+
+    off = bench.exactness(case, {"flex compiled": sink_grad_off}, times, 1e-5)
+    assert off["fwd a-b"] == 0.0 and off["grad a-b"] > 1e-5 and not off["exact"], off
