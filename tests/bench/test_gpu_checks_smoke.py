@@ -22,11 +22,17 @@ def run_checks(tmp_path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def rows(text: str) -> dict[tuple[str, str], list[str]]:
-    out = {}
+    """The rows of the plans' table (the one under the `| plan` header; later tables are the
+    score-transform bench's)."""
+    out, inside = {}, False
     for line in text.splitlines():
-        if line.startswith("| ") and not line.startswith("| plan"):
+        if line.startswith("| plan"):
+            inside = True
+        elif inside and line.startswith("| "):
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             out[(cells[0], cells[1])] = cells
+        elif inside and not line.startswith("|"):
+            break
     return out
 
 
