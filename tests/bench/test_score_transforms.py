@@ -78,3 +78,31 @@ def test_the_gradient_comparison_covers_every_leaf(bench):
 
     off = bench.exactness(case, {"flex compiled": sink_grad_off}, times, 1e-5)
     assert off["fwd a-b"] == 0.0 and off["grad a-b"] > 1e-5 and not off["exact"], off
+
+
+def reference_flex(q, k, v, score_mod=None, block_mask=None, scale=None, return_aux=None):
+    """flex_attention's definition in plain differentiable torch (what its kernels compute):
+    score_mod on the scaled scores, the block mask's mask_mod, softmax; lse on request."""
+    lq, lk = q.size(-2), k.size(-2)
+    s = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5 if scale is None else scale)
+    b, h, i, j = (torch.arange(n).view(*([1] * a), n, *([1] * (3 - a))) for a, n in
+                  enumerate((q.size(0), q.size(1), lq, lk)))
+    if score_mod is not None:
+        s = score_mod(s, b, h, i, j)
+    s = s.masked_fill(~block_mask.mask_mod(b, h, i, j), float("-inf"))
+    out = torch.softmax(s, -1) @ v
+    if return_aux is None:
+        return out
+    return out, type("Aux", (), {"lse": torch.logsumexp(s, -1)})()
+
+
+@pytest.mark.parametrize("transform", ["softcap", "sink"])
+def test_the_flex_construction_has_the_written_out_gradients(bench, transform):
+    """The bench's (b) -- the score_mod, the mask_mod offset by the prefix, the sink through the
+    log-sum-exp -- over flex_attention's definition in plain torch: its gradients (q, the prefix
+    and own keys and values, the sink) are the written-out attention's, so on a GPU a
+    disagreement is FlexAttention's kernels', not the construction's."""
+    case = bench.Case(transform, 8, 24, 2, 16, torch.float32, "cpu", 4.0)
+    times = {("flex compiled", "fwd+bwd"): 1.0}
+    res = bench.exactness(case, {"flex compiled": lambda x: case.flex(reference_flex, x)}, times, 1e-5)
+    assert res["exact"] and res["grad a-b"] < 1e-5 and res["grad b-f64"] < 1e-5, res
