@@ -1,6 +1,8 @@
 """The first-GPU checklist of docs/training.md in one run: plans through NCCL with the gradient
-check (fp32 and bf16), the reference interpreter on CUDA, and (unless --no-slicing)
-bench/gpu_slicing.py. Prints one line per check and a Markdown table for docs/benchmarks.md.
+check (fp32 and bf16), the reference interpreter on CUDA, (unless --no-slicing)
+bench/gpu_slicing.py, and (unless --no-score-transforms) bench/score_transforms.py in fp32 and
+bf16: the written-out soft-capping and sink attention against FlexAttention, forward and
+backward, compiled (on the CPU: fp32, --quick). Prints one line per check and a Markdown table for docs/benchmarks.md.
 First, bench/nccl_probe.py runs the plans' communication patterns in plain torch.distributed on
 2 ranks, so that a plan that hangs can be told from a backend or set-up that cannot run the
 pattern at all.
@@ -12,11 +14,11 @@ one device) and carries their messages over its socket transport instead of NVLi
 send/receive rendezvous, same collectives, slower links. With enough GPUs the ranks are the
 processes of one node, one GPU each (`--nproc-per-node`).
 
-    python bench/gpu_checks.py [--out DIR] [--no-slicing]
+    python bench/gpu_checks.py [--out DIR] [--no-slicing] [--no-score-transforms]
 
 A smoke run on a CPU (gloo, the same launches; the bf16 checks are skipped there):
 
-    OMP_NUM_THREADS=1 python bench/gpu_checks.py --device cpu --no-slicing --only 1f1b
+    OMP_NUM_THREADS=1 python bench/gpu_checks.py --device cpu --no-slicing --no-score-transforms --only 1f1b
 """
 
 from __future__ import annotations
@@ -152,6 +154,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", type=int, default=4, help="runs at a time (default: 4)")
     ap.add_argument("--no-slicing", action="store_true", help="skip bench/gpu_slicing.py")
     ap.add_argument("--slicing-args", default="--repeats 3", help="arguments of bench/gpu_slicing.py")
+    ap.add_argument("--no-score-transforms", action="store_true", help="skip bench/score_transforms.py")
+    ap.add_argument("--score-args", default="",
+                    help="further arguments of bench/score_transforms.py (default: none; on the CPU --quick)")
     ap.add_argument("--no-library", action="store_true",
                     help="skip the library's own training loop (examples/library_loop.py on 2 ranks)")
     args = ap.parse_args(argv)
@@ -225,6 +230,13 @@ def main(argv=None) -> int:
             print("\n# bench/gpu_slicing.py " + " ".join([args.slicing_args, *extra]), flush=True)
             p = subprocess.run([sys.executable, "bench/gpu_slicing.py", *args.slicing_args.split(), *extra], text=True)
             failed += [["gpu_slicing" + (" --compile" if extra else "")]] if p.returncode else []
+    if not args.no_score_transforms:  # soft-capping and sinks: written out vs FlexAttention
+        for dtype in ("fp32", "bf16") if args.device == "cuda" else ("fp32",):
+            extra = ["--device", args.device, "--dtype", dtype, *args.score_args.split()]
+            extra += ["--quick"] if args.device == "cpu" and not args.score_args else []
+            print("\n# bench/score_transforms.py " + " ".join(extra), flush=True)
+            p = subprocess.run([sys.executable, "bench/score_transforms.py", *extra], text=True)
+            failed += [["score_transforms " + dtype]] if p.returncode else []
     return 1 if failed else 0
 
 

@@ -253,7 +253,10 @@ def _chunk_mask(lq: int, keep: int, start: int, chunk: int, dtype, device) -> to
 
 def _written_out(q, k, v, mask, scale, softcap, sink, dropout_p, enable_gqa):
     """softmax(softcap * tanh(scale * q.k^T) + mask [, sink]) . v, the sink's column dropped after
-    the softmax: what SDPA cannot express. The softmax runs in float32, as the models upcast it."""
+    the softmax: what SDPA cannot express. The softmax runs in float32, as the models upcast it.
+    FlexAttention would express both exactly (a `score_mod`; the sink through its log-sum-exp) but
+    runs no backward on the CPU, and compiled its forward was no faster than this form compiled
+    (bench/score_transforms.py, docs/benchmarks.md)."""
     if enable_gqa and k.size(-3) != q.size(-3):
         k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
         v = v.repeat_interleave(q.size(-3) // v.size(-3), dim=-3)

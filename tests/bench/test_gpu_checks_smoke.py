@@ -1,7 +1,7 @@
 """bench/gpu_checks.py on the CPU (gloo): the launches it makes on a GPU machine, both ways (one
 node of several processes, and one node per rank as on a machine with fewer GPUs than ranks),
 run plain torch's communication probes (bench/nccl_probe.py), train the plan and pass the
-gradient check, and its table says so."""
+gradient check, and its table says so; once, the score-transform bench runs at a small size."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import subprocess
 import sys
 
 from tests.conftest import ROOT
+
+
+TINY_SCORES = "--lengths 16 --offsets 0,16 --heads 2 --head-dim 16 --repeats 1"
 
 
 def run_checks(tmp_path, *extra: str) -> subprocess.CompletedProcess:
@@ -19,16 +22,22 @@ def run_checks(tmp_path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def rows(text: str) -> dict[tuple[str, str], list[str]]:
-    out = {}
+    """The rows of the plans' table (the one under the `| plan` header; later tables are the
+    score-transform bench's)."""
+    out, inside = {}, False
     for line in text.splitlines():
-        if line.startswith("| ") and not line.startswith("| plan"):
+        if line.startswith("| plan"):
+            inside = True
+        elif inside and line.startswith("| "):
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             out[(cells[0], cells[1])] = cells
+        elif inside and not line.startswith("|"):
+            break
     return out
 
 
 def test_one_node_and_a_node_per_rank_both_pass_the_gradient_check(tmp_path):
-    for mode, extra in (("node", []), ("nodes", ["--nodes"])):
+    for mode, extra in (("node", ["--score-args", TINY_SCORES]), ("nodes", ["--nodes", "--no-score-transforms"])):
         p = run_checks(tmp_path / mode, "--only", "1f1b", *extra)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         # plain torch ran the plans' communication patterns first (bench/nccl_probe.py)
@@ -40,10 +49,14 @@ def test_one_node_and_a_node_per_rank_both_pass_the_gradient_check(tmp_path):
         assert (tmp_path / mode / "1f1b-fp32.log").read_text().count("verify-grads:") == 1
         # a user's own loop through the library, on 2 ranks
         assert "# examples/library_loop.py (import tpc, 2 ranks): ok; step " in p.stdout, p.stdout[-2000:]
+        if mode == "node":  # the written-out attention against FlexAttention, its three tables
+            assert f"# bench/score_transforms.py --device cpu --dtype fp32 {TINY_SCORES}" in p.stdout, p.stdout
+            for title in ("## fwd+bwd", "## fwd (", "## exactness"):
+                assert title in p.stdout, p.stdout[-3000:]
 
 
 def test_a_failing_run_fails_the_script(tmp_path):
     """A tolerance no run can meet: every check fails and the script's status says so."""
-    p = run_checks(tmp_path, "--only", "1f1b", "--tolerance", "1e-12")
+    p = run_checks(tmp_path, "--only", "1f1b", "--tolerance", "1e-12", "--no-score-transforms")
     assert p.returncode == 1
     assert all(cells[3] == "exit 1" for cells in rows(p.stdout).values()), p.stdout
