@@ -23,7 +23,7 @@ Counted: the attention score entries each plan's kernels compute (per layer and 
 FLOPs are 4 x head size x entries forward), from the rows' document starts
 (`runtime_ops.document_slice`), and the share of (a)'s that doc-sliced skips. A second table
 times the CPU kernels the document attention could use (`runtime_ops`' choice): one SDPA call
-under a dense block-diagonal mask, SDPA per document, and FlexAttention (no eager CPU kernel).
+under a dense block-diagonal mask, SDPA per document, and FlexAttention (no CPU backward in torch 2.13: refused).
 
     OMP_NUM_THREADS=1 python bench/documents.py [--seq-len 4096] [--means 512,2048] [--steps 4] [--repeats 2]
 """
@@ -183,7 +183,7 @@ def kernel_table(keys: int, mean: int) -> str:
             flex_attention(qq, kk, vv, block_mask=bm).sum().backward()
             flex = "ran"
         except Exception as e:  # noqa: BLE001 - what FlexAttention says on this machine
-            flex = f"{type(e).__name__} (no eager CPU kernel)"
+            flex = f"{type(e).__name__} (no CPU backward)"
         rows.append([q, doc.keys, f"{times['dense mask'] * 1e3:.0f} ms", f"{times['per document'] * 1e3:.0f} ms",
                      f"{times['dense mask'] / times['per document']:.1f}x", flex])
     return table(["queries", "keys", "SDPA, dense mask", "SDPA per document", "per document faster", "FlexAttention"],

@@ -26,7 +26,7 @@ document's queries over its own keys, one SDPA call each (causal, or aligned bot
 the one document that began in an earlier slice). A slice whose first token starts a document
 reads no cached keys at all. Measured on CPU (bench/documents.py's kernel table) this beats one
 SDPA call under a dense block-diagonal mask by 7-10x at 4K keys with 512-token documents,
-since no cross-document score is computed; PyTorch's FlexAttention has no eager CPU kernel. On
+since no cross-document score is computed; PyTorch's FlexAttention has no CPU backward (torch 2.13). On
 CUDA the same loop serves each document with the flash kernel; a varlen kernel (cu_seqlens)
 would do it in one launch. With a sliding window or a position bias the slice falls back to one
 call under the dense mask of its documents.
