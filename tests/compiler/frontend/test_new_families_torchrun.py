@@ -1,7 +1,8 @@
 """One gloo torchrun run per family group of the 2025-26 families, from a config.json through
 `tpc compile` and `tpc run` (2 ranks, 3 clipped steps, --verify-grads on the first): keys
 written into `new_empty` (DeepSeek-V3), soft-capped scores (Gemma 2), chunked local attention
-(Llama 4), a mixture of experts (Mixtral)."""
+(Llama 4), a mixture of experts (Mixtral), state-space scans carried across slices (Mamba's
+selective scan; Bamba's Mamba-2 layers beside attention)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .hf_models import config_dict  # noqa: E402
 
 
 @pytest.mark.parametrize("family,slices", [("deepseek_v3", "1,7,8"), ("gemma2", "5,3,8"), ("llama4_text", "3,6,7"),
-                                           ("mixtral", "4")])
+                                           ("mixtral", "4"), ("mamba", "5,1,10"), ("bamba", "3,6,7")])
 def test_torchrun_gloo_matches_autograd(tmp_path, monkeypatch, family, slices):
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
