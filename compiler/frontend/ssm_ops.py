@@ -25,7 +25,8 @@ Two forms of each:
 
 The arithmetic follows the models' own reference code (Hugging Face's `mamba_selective_scan`
 loop and `mamba2_chunk_scan`): float32 states, the same discretisation, the same clamp of dt.
-Mamba-2's chunks start at each slice's first token, so a sliced run groups the sums differently
+Mamba-2's chunks start at each slice's first token (and a slice shorter than a chunk is one
+chunk of its length, not padded to the model's), so a sliced run groups the sums differently
 from an unsliced one: the same function, rounded differently (the tests hold it to 1e-5).
 """
 
@@ -118,6 +119,7 @@ def _ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor 
     skip = D[..., None] * x if D is not None else None
     xd = x * dt[..., None].float()
     a = A.to(x.dtype) * dt.float()  # (batch, tokens, heads)
+    chunk = max(1, min(chunk, length))  # a slice shorter than a chunk is one chunk: no padding to compute
     pad = (chunk - length % chunk) % chunk
     n = (length + pad) // chunk
 
