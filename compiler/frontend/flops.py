@@ -33,12 +33,12 @@ Per op class (a "kernel" is one launch of eager PyTorch):
     adds the bytes of the (l x keys) bias per query head, written once and read as the mask; an
     attention written out (soft-capping, a sink) writes and reads its scores and probabilities,
     (l x keys) per query head each, in four more kernels, and keeps both for its backward;
-  * a state-space scan (`ssm_ops.selective_scan_carried`, `ssd_scan_carried`), with W = tokens x
-    the state's elements per token (batch x l x channels x state): Mamba's recurrence, a
-    memory op of 6W FLOPs that writes and reads its discretised (W-sized) operands, a few
-    kernels per token (the reference loop), and keeps 3W floats for its backward; Mamba-2's
-    chunked form (chunk q), 2*b*l*q*heads*(state + head_dim) FLOPs within the chunks plus 4W for
-    the states, about 30 kernels, keeping the chunks' (l x q) scores per head. Estimates of the
+  * a state-space scan (`ssm_ops`' carried forms), with W = tokens x the state's elements
+    (batch x l x channels x state for Mamba): a recurrence run token by token (Mamba's, RWKV's,
+    RecurrentGemma's) is a memory op of 6W FLOPs that writes and reads W-sized operands, a few
+    kernels per token, keeping 3W floats for its backward; Mamba-2's chunked form (chunk q,
+    at most l), 2*b*l*q*heads*(state + head_dim) FLOPs within the chunks plus 4W for the
+    states, about 30 kernels, keeping the chunks' (l x q) scores per head. Estimates of the
     reference code's work, not of a fused kernel's;
   * memory (elementwise, norms, reductions, softmax, gathers, copies, the loss): a few FLOPs
     per element (`_FLOPS_PER_ELEMENT`), bytes of every input and the output, one kernel.
@@ -250,16 +250,15 @@ def _generic(n: fx.Node, name: str) -> OpCost:
 def _scan(n: fx.Node) -> OpCost:
     """A carried state-space scan (the module docstring)."""
     y, state = n.meta["val"]
-    x = _val(n.args[0])
-    work = numel(x) * size_expr(state.shape[-1])  # tokens x the state's elements per token
+    tokens = size_expr(y.shape[-1] if n.target is ssm_ops.selective_scan_carried else y.shape[1])
+    work = tokens * numel(state)  # tokens x the state's elements (state: (batch, 1, ...))
     io = sum((tensor_bytes(v) for v in _tensor_inputs(n)), _ZERO) + tensor_bytes(y) + tensor_bytes(state)
-    if n.target is ssm_ops.selective_scan_carried:
-        tokens = size_expr(x.shape[-1])
+    if n.target is not ssm_ops.ssd_scan_carried:  # the reference loop over the slice's tokens
         flops, nbytes = 6 * work, io + 4 * work * WIDTH
         kernels, saved = 3 * tokens + 8, 3 * work * WIDTH
     else:
-        b, tokens, heads, head_dim = (size_expr(d) for d in x.shape)
-        chunk = int(n.args[10])
+        b, _, heads, head_dim = (size_expr(d) for d in y.shape)
+        chunk = sympy.Min(int(n.args[10]), tokens)
         scores = b * tokens * chunk * heads
         flops = 2 * scores * (size_expr(state.shape[-1]) + head_dim) + 4 * work
         nbytes, kernels, saved = io + 4 * scores * WIDTH, sympy.Integer(30), 2 * scores * WIDTH + tensor_bytes(state)

@@ -22,6 +22,7 @@ demand (`stage_module`, `stage.py`).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Sequence
 
@@ -452,7 +453,7 @@ class SlicedModel:
         try:
             for p in params.values():
                 p.grad = None
-            with torch.enable_grad():
+            with torch.enable_grad(), _state_kept(self.model):
                 out = self.model(ids)
                 weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
                 (out * weight).sum().backward()
@@ -525,6 +526,21 @@ def _iter_sliced(stage: StageModule, ids, lens):
 
 
 
+@contextmanager
+def _state_kept(model: nn.Module):
+    """Run the user's model for a check and leave it as it was: the tensors (or None) its
+    modules hold outside their parameters and buffers are put back afterwards (RecurrentGemma
+    keeps its last recurrent state on the module, a tensor of the check's autograd graph that a
+    later `copy.deepcopy(model)` would refuse)."""
+    held = [(m, k, v) for m in model.modules() for k, v in vars(m).items()
+            if not k.startswith("_") and (v is None or isinstance(v, torch.Tensor))]
+    try:
+        yield
+    finally:
+        for m, k, v in held:
+            setattr(m, k, v)
+
+
 def _run_model_at_length(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """The unsliced model on `ids` at the plan's length. A model that cannot run at that length
     (a position table shorter than --seq-len, say) is refused at the model's own line that
@@ -532,7 +548,8 @@ def _run_model_at_length(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     import traceback
 
     try:
-        return model(ids)
+        with _state_kept(model):
+            return model(ids)
     except (IndexError, RuntimeError, ValueError) as e:
         frames = [f for f in traceback.extract_tb(e.__traceback__)
                   if "site-packages" not in f.filename and "/torch/" not in f.filename]

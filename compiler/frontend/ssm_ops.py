@@ -1,5 +1,6 @@
-"""Selective scans, the state-space recurrences of Mamba and Mamba-2, as ops a token slice runs
-from the state the slice before it ended with.
+"""Selective scans, the state-space recurrences of Mamba and Mamba-2 (and the recurrences of
+RWKV and RecurrentGemma), as ops a token slice runs from the state the slice before it ended
+with.
 
 Mamba's scan (`selective_scan`): per channel d and state entry n,
     h_t = exp(dt_t * A) * h_{t-1} + dt_t * B_t * x_t,    y_t = C_t . h_t (+ D x_t) (* silu(z_t))
@@ -8,7 +9,9 @@ Mamba-2's (`ssd_scan`) has one decay per head (A (heads,)) and computes the same
 chunks of `chunk` tokens (the state-space duality): a masked quadratic form inside each chunk,
 the recurrence between chunks. Both are causal, and a slice needs nothing of the tokens before
 it but the state h they left: (batch, channels, state) for Mamba, (batch, heads, head_dim,
-state) for Mamba-2, whatever the sequence's length.
+state) for Mamba-2, whatever the sequence's length. RWKV's WKV (`wkv`) carries a numerator,
+a denominator and their running maximum per channel; RecurrentGemma's RG-LRU (`linear_scan`,
+h_t = a_t h_{t-1} + x_t) one value per channel.
 
 Two forms of each:
 
@@ -170,6 +173,82 @@ def ssd_scan_carried(x, dt, A, B, C, D, dt_bias, softplus, dt_min, dt_max, chunk
     return y, h.unsqueeze(1)
 
 
+# ------------------------------------------------------------------ RWKV
+
+def _wkv(time_decay: Tensor, time_first: Tensor, key: Tensor, value: Tensor,
+         h0: Tensor | None) -> tuple[Tensor, Tensor]:
+    """RWKV's WKV over key, value (batch, tokens, channels): (y in key's dtype, the final state
+    (batch, 3, channels) float32: numerator, denominator and the running maximum that keeps
+    their exponentials finite)."""
+    if h0 is None:
+        num = torch.zeros_like(key[:, 0], dtype=torch.float32)
+        den = torch.zeros_like(key[:, 0], dtype=torch.float32)
+        top = torch.zeros_like(key[:, 0], dtype=torch.float32) - 1e38
+    else:
+        num, den, top = h0.unbind(1)
+    decay = -torch.exp(time_decay)
+    ys = []
+    for t in range(key.size(1)):
+        k, v = key[:, t].float(), value[:, t]
+        out_top = torch.maximum(top, k + time_first)
+        e1, e2 = torch.exp(top - out_top), torch.exp(k + time_first - out_top)
+        ys.append(((e1 * num + e2 * v) / (e1 * den + e2)).to(key.dtype))
+        new_top = torch.maximum(top + decay, k)
+        e1, e2 = torch.exp(top + decay - new_top), torch.exp(k - new_top)
+        num, den, top = e1 * num + e2 * v, e1 * den + e2, new_top
+    y = torch.stack(ys, dim=1) if ys else torch.zeros_like(key)
+    return y, torch.stack([num, den, top], dim=1)
+
+
+@torch.library.custom_op("tpc::wkv", mutates_args=())
+def wkv(time_decay: Tensor, time_first: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    """RWKV's WKV over a whole sequence from the empty state."""
+    return _wkv(time_decay, time_first, key, value, None)[0].clone()
+
+
+@wkv.register_fake
+def _(time_decay, time_first, key, value):
+    return key.new_empty(key.shape)
+
+
+def wkv_carried(time_decay, time_first, key, value, state):
+    """One slice of RWKV's WKV from `state` (batch, 0 or 1, 3, channels): (y, the final state
+    (batch, 1, 3, channels))."""
+    y, h = _wkv(time_decay, time_first, key, value, _last(state))
+    return y, h.unsqueeze(1)
+
+
+# ------------------------------------------------------------------ a diagonal linear recurrence
+
+def _linear_scan(x: Tensor, a: Tensor, h0: Tensor | None) -> tuple[Tensor, Tensor]:
+    """h_t = a_t * h_{t-1} + x_t over x, a (batch, tokens, channels), accumulated in float32
+    (RecurrentGemma's RG-LRU): (the h_t in x's dtype, the final h (batch, channels) float32)."""
+    h = h0 if h0 is not None else torch.zeros(x[:, 0].shape, dtype=torch.float32, device=x.device)
+    ys = []
+    for t in range(x.size(1)):
+        h = a[:, t].float() * h + x[:, t].float()
+        ys.append(h.to(x.dtype))
+    return (torch.stack(ys, dim=1) if ys else torch.zeros_like(x)), h
+
+
+@torch.library.custom_op("tpc::linear_scan", mutates_args=())
+def linear_scan(x: Tensor, a: Tensor) -> Tensor:
+    """A diagonal linear recurrence over a whole sequence from the zero state."""
+    return _linear_scan(x, a, None)[0].clone()
+
+
+@linear_scan.register_fake
+def _(x, a):
+    return x.new_empty(x.shape)
+
+
+def linear_scan_carried(x, a, state):
+    """One slice of the recurrence from `state` (batch, 0 or 1, channels): (y, the final state
+    (batch, 1, channels))."""
+    y, h = _linear_scan(x, a, _last(state))
+    return y, h.unsqueeze(1)
+
+
 # ------------------------------------------------------------------ the captured ops' gradients
 
 def _grads(fn, names):
@@ -192,6 +271,8 @@ def _grads(fn, names):
 
 
 for _op, _fn in ((selective_scan, lambda *a: _selective_scan(*a, None)[0]),
-                 (ssd_scan, lambda *a: _ssd_scan(*a, None)[0])):
+                 (ssd_scan, lambda *a: _ssd_scan(*a, None)[0]),
+                 (wkv, lambda *a: _wkv(*a, None)[0]),
+                 (linear_scan, lambda *a: _linear_scan(*a, None)[0])):
     _setup, _backward = _grads(_fn, None)
     _op.register_autograd(_backward, setup_context=_setup)

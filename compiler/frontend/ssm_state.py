@@ -9,9 +9,11 @@ the state they left, of constant size (`ssm_ops.py`). Two steps make a model's s
   (`use_kernel_func_from_hub_with_fallback("selective_scan_fn", ...)`, Mamba's, in
   `modeling_mamba.py`, FalconMamba, Jamba and Zamba; `"mamba_chunk_scan_combined"`, Mamba-2's, in
   `modeling_mamba2.py`, Bamba, FalconH1, GraniteMoeHybrid, NemotronH and Zamba2), and tpc puts
-  its own in their place for the capture, as that kernel hub does for a GPU. Without this, the
-  capture unrolls Mamba's loop over the tokens (one iteration per token: the length is fixed)
-  and guards Mamba-2's padding to a multiple of its chunk. The model runs its own code
+  its own in their place for the capture, as that kernel hub does for a GPU. RWKV's WKV
+  (`rwkv_linear_attention`) is known by its name, RecurrentGemma's RG-LRU by its method
+  (`RecurrentGemmaRglru._rnn_scan`). Without this, the capture unrolls Mamba's, RWKV's and the
+  RG-LRU's loops over the tokens (one iteration per token: the length is fixed) and guards
+  Mamba-2's padding to a multiple of its chunk. The model runs its own code
   otherwise, and `tpc run --verify-grads` checks the plan against the model as written.
 * The pass `CarryScanState` rewrites each captured scan into its carried form, which takes the
   state the slice before ended with (a new placeholder `scan_state_i`: 0 entries on axis 1 for
@@ -69,10 +71,25 @@ def _mamba2(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initia
                                   float(lo), float(hi), int(chunk_size))
 
 
+def _rwkv(time_decay, time_first, key, value, state=None, return_state=False):
+    if state is not None or return_state:
+        raise ValueError("a plan's model runs without a generation cache: no initial or final state")
+    return torch.ops.tpc.wkv(time_decay, time_first, key, value), None
+
+
+def _rg_lru(self, hidden_states, recurrent_gate, reset, recurrent_states=None, acc_dtype=torch.float32):
+    if recurrent_states is not None or acc_dtype != torch.float32:
+        raise ValueError("a plan's model runs without a generation cache: no initial state")
+    return torch.ops.tpc.linear_scan(hidden_states, recurrent_gate * ~reset), None
+
+
 # the kernel a model's scan function names -> what stands in for it at capture
-KERNELS = {"selective_scan_fn": _mamba, "mamba_chunk_scan_combined": _mamba2}
+KERNELS = {"selective_scan_fn": _mamba, "mamba_chunk_scan_combined": _mamba2, "wkv": _rwkv}
 # Hugging Face's names of the functions, where the kernel's name cannot be read off the function
-_NAMES = {"mamba_selective_scan": "selective_scan_fn", "mamba2_chunk_scan": "mamba_chunk_scan_combined"}
+_NAMES = {"mamba_selective_scan": "selective_scan_fn", "mamba2_chunk_scan": "mamba_chunk_scan_combined",
+          "rwkv_linear_attention": "wkv"}
+# scans written as methods: (class, method) -> what stands in for the method at capture
+METHODS = {("RecurrentGemmaRglru", "_rnn_scan"): _rg_lru}
 
 
 def kernel_of(fn) -> str | None:
@@ -101,11 +118,17 @@ def known_scans(model: nn.Module):
             if kernel is not None:
                 swapped.append((mod, attr, fn))
                 setattr(mod, attr, KERNELS[kernel])
+    for cls in {type(m) for m in model.modules()}:
+        for klass in cls.__mro__:
+            for (owner, method), stand_in in METHODS.items():
+                if klass.__name__ == owner and klass.__module__.startswith("transformers.") and method in vars(klass):
+                    swapped.append((klass, method, vars(klass)[method]))
+                    setattr(klass, method, stand_in)
     try:
         yield
     finally:
-        for mod, attr, fn in swapped:
-            setattr(mod, attr, fn)
+        for owner, attr, fn in reversed(swapped):
+            setattr(owner, attr, fn)
 
 
 # ------------------------------------------------------------------ the rewrite
@@ -126,18 +149,25 @@ class ScanSite:
         return [(self.final, self.prefix, 1, self.window)]
 
 
-_CARRIED = {torch.ops.tpc.selective_scan.default: (ssm_ops.selective_scan_carried, "A"),
-            torch.ops.tpc.ssd_scan.default: (ssm_ops.ssd_scan_carried, "B")}
+def _val(n: fx.Node, name: str):
+    return call_args(n)[name].meta["val"]
 
 
-def _state_shape(n: fx.Node) -> tuple:
-    """The scan's state of one entry: Mamba's (batch, 1, channels, state); Mamba-2's (batch, 1,
-    heads, head_dim, state)."""
-    a = call_args(n)
-    x = a["x"].meta["val"]
-    if n.target is torch.ops.tpc.selective_scan.default:
-        return (x.shape[0], 1, x.shape[1], a["A"].meta["val"].shape[-1])
-    return (x.shape[0], 1, x.shape[2], x.shape[3], a["B"].meta["val"].shape[-1])
+# each captured op -> (its carried form, the shape of one entry of its state)
+_CARRIED = {
+    # Mamba: (batch, 1, channels, state) from x (batch, channels, tokens), A (channels, state)
+    torch.ops.tpc.selective_scan.default: (ssm_ops.selective_scan_carried, lambda n: (
+        _val(n, "x").shape[0], 1, _val(n, "x").shape[1], _val(n, "A").shape[-1])),
+    # Mamba-2: (batch, 1, heads, head_dim, state) from x (batch, tokens, heads, head_dim), B (..., state)
+    torch.ops.tpc.ssd_scan.default: (ssm_ops.ssd_scan_carried, lambda n: (
+        _val(n, "x").shape[0], 1, _val(n, "x").shape[2], _val(n, "x").shape[3], _val(n, "B").shape[-1])),
+    # RWKV: (batch, 1, 3, channels) from key (batch, tokens, channels)
+    torch.ops.tpc.wkv.default: (ssm_ops.wkv_carried, lambda n: (
+        _val(n, "key").shape[0], 1, 3, _val(n, "key").shape[2])),
+    # RecurrentGemma: (batch, 1, channels) from x (batch, tokens, channels)
+    torch.ops.tpc.linear_scan.default: (ssm_ops.linear_scan_carried, lambda n: (
+        _val(n, "x").shape[0], 1, _val(n, "x").shape[2])),
+}
 
 
 class CarryScanState:
@@ -161,9 +191,8 @@ def carry_scan_state(ctx: PassContext) -> list[ScanSite]:
         if n in ctx.static:
             raise refuse(n, ctx.model_file, f"a state-space scan (node {n.name}) that reads no token data",
                          "a scan runs over the model's token stream")
-        carried, _ = _CARRIED[n.target]
-        like = call_args(n)["x"].meta["val"]
-        state = fake_like(like, _state_shape(n)).float()
+        carried, shape = _CARRIED[n.target]
+        state = fake_like(n.meta["val"], shape(n)).float()
         with graph.inserting_after(anchor):
             prefix = graph.placeholder(f"scan_state_{i}")
         prefix.meta["val"] = state

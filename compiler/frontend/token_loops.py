@@ -1,7 +1,8 @@
 """Where a model's code fixes the sequence length: a Python loop over the tokens.
 
-A selective scan written as `for i in range(seq_len): state = a[:, :, i] * state + b[:, :, i]`
-(Hugging Face Mamba's reference path, RWKV's WKV) runs as many times as there are tokens, so
+A scan written as `for i in range(seq_len): state = a[:, :, i] * state + b[:, :, i]` (in a
+model's own code; the scans of Hugging Face's Mamba, RWKV and RecurrentGemma are replaced at
+capture by ops, `ssm_state.py`) runs as many times as there are tokens, so
 torch.export records one iteration per token and specialises the sequence length to the
 example's: "Constraints violated (seq)! ... You marked seq as dynamic but your code specialized
 it to be a constant (14)". That tells a user nothing (14 is an example length the front end

@@ -130,9 +130,15 @@ MORE_CONFIGS = {
     "falcon_h1": dict(model_type="falcon_h1", hidden_size=32, intermediate_size=64, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
                       mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=4, mamba_d_ssm=64),
-    # RWKV's WKV recurrence, a Python loop over the tokens on the CPU: refused at the loop
+    # RWKV's WKV recurrence (a loop over the tokens on the CPU; the front end's op in its place)
     "rwkv": dict(model_type="rwkv", hidden_size=32, attention_hidden_size=32, intermediate_size=64,
                  context_length=64),
+    # Griffin: two RG-LRU recurrent blocks (a method looping over the tokens, replaced likewise)
+    # and a local attention block, logits soft-capped
+    "recurrent_gemma": dict(model_type="recurrent_gemma", hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=1, head_dim=8, lru_width=32,
+                            attention_window_size=8, conv1d_width=4, block_types=["recurrent", "recurrent", "attention"],
+                            logits_soft_cap=30.0),
     # mixture-of-experts: tokens grouped by expert (sort), run through grouped matmuls, put back
     "mixtral": dict(model_type="mixtral", hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,

@@ -117,16 +117,3 @@ def test_a_python_loop_over_the_tokens_is_refused_at_the_loop_quoting_the_seq_le
     assert d.loc.line == line_of(MODELS / "scan_loop.py", "for t in range(x.size(1))")
     assert "a Python loop over the tokens (`for t in range(x.size(1)):" in d.message
     assert "1..16 (--seq-len 16)" in d.message and "Constraints violated" not in d.message
-
-
-def test_rwkv_is_refused_at_its_wkv_loop():
-    """RWKV's WKV recurrence is a Python loop over the tokens in Hugging Face's CPU path, a scan
-    the front end has no op for (Mamba's and Mamba-2's it has: test_ssm.py)."""
-    pytest.importorskip("transformers")
-    from .hf_models import hf_model
-
-    err = refusal(lambda: SlicedModel.from_model(hf_model("rwkv", "eager"), seq_len=24, vocab=128))
-    d = err.diagnostics[0]
-    assert d.loc.file.endswith("modeling_rwkv.py") and "a Python loop over the tokens" in d.message
-    assert "for current_index in range(seq_length)" in d.message
-    assert "(--seq-len 24)" in d.message

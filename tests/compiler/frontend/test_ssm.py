@@ -1,7 +1,7 @@
-"""State-space layers: Mamba's and Mamba-2's scans carry their state from token slice to token
-slice (`ssm_state.py`, `ssm_ops.py`). Tiny Hugging Face models from configs (random weights),
-Mamba, FalconMamba, Mamba-2 and the hybrids built on them (Jamba, Zamba, Bamba, Zamba2,
-GraniteMoeHybrid, NemotronH, FalconH1), 2 and 3 stages with equal, unequal and one-token slices:
+"""State-space layers: Mamba's and Mamba-2's scans, RWKV's WKV and RecurrentGemma's RG-LRU carry
+their state from token slice to token slice (`ssm_state.py`, `ssm_ops.py`). Tiny Hugging Face
+models from configs (random weights), Mamba, FalconMamba, Mamba-2 and the hybrids built on them
+(Jamba, Zamba, Bamba, Zamba2, GraniteMoeHybrid, NemotronH, FalconH1), RWKV and RecurrentGemma, 2 and 3 stages with equal, unequal and one-token slices:
 loss and every gradient within 1e-5 of plain autograd on the model as written (Hugging Face's
 own reference scans). The scans themselves against Hugging Face's functions; the memory model's
 count of a carried state; the refusals of what is not built with them."""
@@ -77,6 +77,33 @@ def test_mamba2s_chunked_scan_slice_by_slice_is_hugging_faces_over_the_whole():
     torch.testing.assert_close(torch.cat(parts, dim=1), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_rwkvs_wkv_and_the_rg_lru_slice_by_slice_are_hugging_faces_over_the_whole():
+    from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
+    from transformers.models.rwkv.modeling_rwkv import rwkv_linear_attention_cpu
+
+    torch.manual_seed(0)
+    b, length, c = 2, 13, 6
+    decay, first = torch.randn(c), torch.randn(c)
+    key, value = 3 * torch.randn(b, length, c), torch.randn(b, length, c)
+    ref, _ = rwkv_linear_attention_cpu(decay, first, key, value)
+    assert torch.equal(torch.ops.tpc.wkv(decay, first, key, value), ref)
+    state, parts = torch.zeros(b, 0, 3, c), []
+    for lo, hi in CUTS:
+        y, state = ssm_ops.wkv_carried(decay, first, key[:, lo:hi], value[:, lo:hi], state)
+        parts.append(y)
+    torch.testing.assert_close(torch.cat(parts, dim=1), ref, rtol=1e-6, atol=1e-6)
+
+    x, a = torch.randn(b, length, c), torch.rand(b, length, c)
+    reset = torch.zeros(b, length, 1, dtype=torch.bool)
+    ref, _ = RecurrentGemmaRglru._rnn_scan(None, x, a, reset, None)
+    assert torch.equal(torch.ops.tpc.linear_scan(x, a), ref)
+    state, parts = torch.zeros(b, 0, c), []
+    for lo, hi in CUTS:
+        y, state = ssm_ops.linear_scan_carried(x[:, lo:hi], a[:, lo:hi], state)
+        parts.append(y)
+    torch.testing.assert_close(torch.cat(parts, dim=1), ref, rtol=1e-6, atol=1e-6)
+
+
 def test_the_captured_ops_gradients_are_hugging_faces():
     from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
 
@@ -96,16 +123,29 @@ def test_the_captured_ops_gradients_are_hugging_faces():
 @pytest.mark.parametrize("family,scans,attention", [
     ("mamba", 2, 0), ("falcon_mamba", 2, 0), ("jamba", 1, 1), ("zamba", 8, 2),
     ("mamba2", 2, 0), ("bamba", 1, 1), ("zamba2", 2, 1), ("granitemoehybrid", 1, 1), ("nemotron_h", 1, 1),
-    ("falcon_h1", 2, 2),
+    ("falcon_h1", 2, 2), ("rwkv", 2, 0), ("recurrent_gemma", 2, 1),
 ])
 def test_state_space_families_are_exact(family, scans, attention):
     """Each scan becomes a carried site (none left to the capture's loop or the token-mixing
-    rules), beside the attention layers of the hybrids; Zamba runs two Mamba heads per layer."""
-    model = hf_model(family, "eager")
-    sm = SlicedModel.from_model(model, seq_len=SEQ, vocab=VOCAB)
+    rules), beside the attention layers of the hybrids; Zamba runs two Mamba heads per layer.
+    The reference is a second instance with the same weights: RecurrentGemma keeps its last
+    recurrent state on the module, which the harness's copy of the sliced model would refuse."""
+    sm = SlicedModel.from_model(hf_model(family, "eager"), seq_len=SEQ, vocab=VOCAB)
     assert len(_scans(sm)) == scans and len(sm.context.attention) == attention
     stages = (2, 3) if sm.num_units >= 3 else (2,)
-    assert_sliced_exact(model, sm, VOCAB, ROWS, SEQ, MICROBATCHES, SLICINGS, stages=stages)
+    assert_sliced_exact(hf_model(family, "eager"), sm, VOCAB, ROWS, SEQ, MICROBATCHES, SLICINGS, stages=stages)
+
+
+def test_the_self_check_leaves_the_models_own_state_as_it_was():
+    """RecurrentGemma stores its last recurrent state on its module when it runs; the
+    compile's self-check runs the model and puts back what it held (None), so the model can be
+    copied afterwards."""
+    import copy
+
+    model = hf_model("recurrent_gemma", "eager")
+    SlicedModel.from_model(model, seq_len=SEQ, vocab=VOCAB)
+    assert all(m.recurrent_states is None for m in model.modules() if hasattr(m, "recurrent_states"))
+    copy.deepcopy(model)
 
 
 def test_the_capture_holds_one_op_per_scan_and_no_loop_over_the_tokens():
