@@ -55,7 +55,9 @@ def unit_signature(graph: fx.Graph, fetch) -> str:
                 part = f"param {tuple(v.shape)} {v.dtype}"
             elif isinstance(v, torch.Tensor):
                 part = f"const {tuple(v.shape)} {v.dtype} " + (
-                    hashlib.sha256(v.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+                    # (its bytes: numpy has no bfloat16, RecurrentGemma's normaliser is one)
+                    hashlib.sha256(v.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+                    .hexdigest()
                     if v.numel() <= 1 << 22 else "")
             else:
                 part = f"const {v!r}"
