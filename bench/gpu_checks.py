@@ -1,6 +1,7 @@
 """The first-GPU checklist of docs/training.md in one run: plans through NCCL with the gradient
 check (fp32 and bf16), the reference interpreter on CUDA, (unless --no-slicing)
-bench/gpu_slicing.py, and (unless --no-score-transforms) bench/score_transforms.py in fp32 and
+bench/gpu_slicing.py, (unless --no-ssm) bench/ssm_slicing.py, and (unless --no-score-transforms)
+bench/score_transforms.py in fp32 and
 bf16: the written-out soft-capping and sink attention against FlexAttention, forward and
 backward, compiled (on the CPU: fp32, --quick). Prints one line per check and a Markdown table for docs/benchmarks.md.
 First, bench/nccl_probe.py runs the plans' communication patterns in plain torch.distributed on
@@ -155,6 +156,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-slicing", action="store_true", help="skip bench/gpu_slicing.py")
     ap.add_argument("--slicing-args", default="--repeats 3", help="arguments of bench/gpu_slicing.py")
     ap.add_argument("--no-score-transforms", action="store_true", help="skip bench/score_transforms.py")
+    ap.add_argument("--no-ssm", action="store_true", help="skip bench/ssm_slicing.py")
     ap.add_argument("--score-args", default="",
                     help="further arguments of bench/score_transforms.py (default: none; on the CPU --quick)")
     ap.add_argument("--no-library", action="store_true",
@@ -230,6 +232,11 @@ def main(argv=None) -> int:
             print("\n# bench/gpu_slicing.py " + " ".join([args.slicing_args, *extra]), flush=True)
             p = subprocess.run([sys.executable, "bench/gpu_slicing.py", *args.slicing_args.split(), *extra], text=True)
             failed += [["gpu_slicing" + (" --compile" if extra else "")]] if p.returncode else []
+    if not args.no_ssm:  # state-space models sliced (their scans carried) against the model as written
+        extra = ["--device", args.device] + (["--quick"] if args.device == "cpu" else [])
+        print("\n# bench/ssm_slicing.py " + " ".join(extra), flush=True)
+        p = subprocess.run([sys.executable, "bench/ssm_slicing.py", *extra], text=True)
+        failed += [["ssm_slicing"]] if p.returncode else []
     if not args.no_score_transforms:  # soft-capping and sinks: written out vs FlexAttention
         for dtype in ("fp32", "bf16") if args.device == "cuda" else ("fp32",):
             extra = ["--device", args.device, "--dtype", dtype, *args.score_args.split()]

@@ -10,6 +10,7 @@ layers' carried state (counted once per sequence whatever L) and their convoluti
 against the keys and values of a Llama of the same width and depth at L.
 
     OMP_NUM_THREADS=1 python bench/ssm_slicing.py [--seq-len 1024] [--repeats 5] [--quick]
+    python bench/ssm_slicing.py --device cuda          # on a GPU (bench/gpu_checks.py runs it)
 """
 
 from __future__ import annotations
@@ -48,17 +49,19 @@ def _model(family: str, seq_len: int):
     return returning_logits(AutoModelForCausalLM.from_config(config, attn_implementation="eager"))
 
 
-def _timed(fn, repeats: int) -> tuple[float, float]:
+def _timed(fn, repeats: int, sync) -> tuple[float, float]:
     fn()  # warm-up
     times, value = [], None
     for _ in range(repeats):
+        sync()
         t = time.perf_counter()
         value = fn()
+        sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times), value
 
 
-def step_times(family: str, seq_len: int, repeats: int, counts) -> list[list]:
+def step_times(family: str, seq_len: int, repeats: int, counts, device: str = "cpu") -> list[list]:
     import torch
     import torch.nn.functional as F
 
@@ -67,10 +70,12 @@ def step_times(family: str, seq_len: int, repeats: int, counts) -> list[list]:
 
     model = _model(family, seq_len)
     sm = SlicedModel.from_model(model, seq_len=seq_len, vocab=VOCAB, check_slices=None)
-    stage = sm.stage_module(0, sm.num_units)
+    stage = sm.stage_module(0, sm.num_units).to(device)
+    model.to(device)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, VOCAB, (1, seq_len), generator=g)
-    targets = torch.randint(3, VOCAB, (1, seq_len), generator=g)
+    ids = torch.randint(3, VOCAB, (1, seq_len), generator=g).to(device)
+    targets = torch.randint(3, VOCAB, (1, seq_len), generator=g).to(device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def plain():
         model.zero_grad(set_to_none=True)
@@ -92,10 +97,10 @@ def step_times(family: str, seq_len: int, repeats: int, counts) -> list[list]:
             return total
         return run
 
-    base, ref = _timed(plain, repeats)
+    base, ref = _timed(plain, repeats, sync)
     rows = [[family, "model as written", f"{base * 1e3:.0f} ms", "1.00x", "-"]]
     for n in counts:
-        t, loss = _timed(sliced(n), repeats)
+        t, loss = _timed(sliced(n), repeats, sync)
         rows.append([family, f"{n} slice{'s' if n > 1 else ''} of {seq_len // n}", f"{t * 1e3:.0f} ms",
                      f"{t / base:.2f}x", f"{abs(loss - ref) / abs(ref):.1e}"])
     return rows
@@ -121,17 +126,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="L=128, 2 repeats, Mamba-2 only")
+    ap.add_argument("--quick", action="store_true", help="L=64, 1 repeat, Mamba-2 only")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (default: cpu, one thread)")
     args = ap.parse_args()
     at_root()
     import torch
 
-    torch.set_num_threads(1)
-    seq, repeats = (128, 2) if args.quick else (args.seq_len, args.repeats)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    seq, repeats = (64, 1) if args.quick else (args.seq_len, args.repeats)
     families = ("mamba2",) if args.quick else ("mamba2", "mamba")
-    print(f"{MACHINE}; torch {torch.__version__}; width {WIDTH}, {LAYERS} layers, one sequence of {seq} tokens, "
+    where = MACHINE if args.device == "cpu" else torch.cuda.get_device_name()
+    print(f"{where}; torch {torch.__version__}; width {WIDTH}, {LAYERS} layers, one sequence of {seq} tokens, "
           f"forward + backward, median of {repeats}")
-    rows = [r for f in families for r in step_times(f, seq, repeats, (1, 2, 4, 8))]
+    rows = [r for f in families for r in step_times(f, seq, repeats, (1, 2, 4, 8), args.device)]
     print(table(["model", "run", "step", "vs the model", "loss rel. diff"], rows))
     print(f"\ncache per sequence at L={seq} (float32): carried scan state, convolution windows, full KV")
     print(table(["model", "scan state", "conv windows", "keys/values", "total"], cache_bytes(seq)))

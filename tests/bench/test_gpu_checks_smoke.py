@@ -37,7 +37,7 @@ def rows(text: str) -> dict[tuple[str, str], list[str]]:
 
 
 def test_one_node_and_a_node_per_rank_both_pass_the_gradient_check(tmp_path):
-    for mode, extra in (("node", ["--score-args", TINY_SCORES]), ("nodes", ["--nodes", "--no-score-transforms"])):
+    for mode, extra in (("node", ["--score-args", TINY_SCORES]), ("nodes", ["--nodes", "--no-score-transforms", "--no-ssm"])):
         p = run_checks(tmp_path / mode, "--only", "1f1b", *extra)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         # plain torch ran the plans' communication patterns first (bench/nccl_probe.py)
@@ -53,10 +53,13 @@ def test_one_node_and_a_node_per_rank_both_pass_the_gradient_check(tmp_path):
             assert f"# bench/score_transforms.py --device cpu --dtype fp32 {TINY_SCORES}" in p.stdout, p.stdout
             for title in ("## fwd+bwd", "## fwd (", "## exactness"):
                 assert title in p.stdout, p.stdout[-3000:]
+            # a state-space model sliced against the model as written (bench/ssm_slicing.py --quick)
+            assert "# bench/ssm_slicing.py --device cpu --quick" in p.stdout, p.stdout[-3000:]
+            assert "| mamba2 | 8 slices of 8" in p.stdout, p.stdout[-3000:]
 
 
 def test_a_failing_run_fails_the_script(tmp_path):
     """A tolerance no run can meet: every check fails and the script's status says so."""
-    p = run_checks(tmp_path, "--only", "1f1b", "--tolerance", "1e-12", "--no-score-transforms")
+    p = run_checks(tmp_path, "--only", "1f1b", "--tolerance", "1e-12", "--no-score-transforms", "--no-ssm")
     assert p.returncode == 1
     assert all(cells[3] == "exit 1" for cells in rows(p.stdout).values()), p.stdout

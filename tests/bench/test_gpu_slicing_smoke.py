@@ -3,13 +3,12 @@ interpreter, the profiler) and the tables it prints hold what they claim."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 
 import pytest
 import torch
 
+from tests.bench.scripts import loaded
 from tests.conftest import ROOT
 
 SMOKE = ["--device", "cpu", "--model", "tiny", "--seq-len", "128", "--repeats", "1"]
@@ -17,17 +16,9 @@ SMOKE = ["--device", "cpu", "--model", "tiny", "--seq-len", "128", "--repeats", 
 
 @pytest.fixture
 def gpu_slicing(monkeypatch):
-    """The script as a module; the working directory, sys.path and the helper module it
-    imports are put back afterwards."""
+    """The script as a module (`scripts.loaded`); run from the repository root."""
     monkeypatch.chdir(ROOT)
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    had_common = "common" in sys.modules
-    spec = importlib.util.spec_from_file_location("bench_gpu_slicing", ROOT / "bench" / "gpu_slicing.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    if not had_common:
-        sys.modules.pop("common", None)
+    yield from loaded(monkeypatch, "gpu_slicing.py")
 
 
 def tables(text: str) -> list[tuple[list[str], list[list[str]]]]:

@@ -5,27 +5,18 @@ tpc runs; a FlexAttention that computes something else is caught."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import warnings
 
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.bench.scripts import loaded
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    """The script as a module; sys.path and the helper module it imports are put back afterwards."""
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    had_common = "common" in sys.modules
-    spec = importlib.util.spec_from_file_location("bench_score_transforms", ROOT / "bench" / "score_transforms.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    if not had_common:
-        sys.modules.pop("common", None)
+    """The script as a module (`scripts.loaded`)."""
+    yield from loaded(monkeypatch, "score_transforms.py")
 
 
 def check(bench, case, flex):
