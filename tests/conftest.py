@@ -243,3 +243,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)
+    # The files that hold slow tests run first, each file's tests together and in their order
+    # (its module fixtures are made once): pytest-xdist hands the tests out in this order, so
+    # the long multi-process tests start early and the workers end together on short tests
+    # rather than one worker running the last torchrun tests alone.
+    heavy = {_file(item) for item in items if item.get_closest_marker("slow")}
+    items[:] = sorted(items, key=lambda item: _file(item) not in heavy)
+
+
+def _file(item) -> str:
+    return item.nodeid.split("::")[0]
