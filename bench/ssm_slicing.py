@@ -99,10 +99,12 @@ def step_times(family: str, seq_len: int, repeats: int, counts, device: str = "c
 
     base, ref = _timed(plain, repeats, sync)
     rows = [[family, "model as written", f"{base * 1e3:.0f} ms", "1.00x", "-"]]
+    print(f"  {family}: the model as written, {base * 1e3:.0f} ms", flush=True)
     for n in counts:
         t, loss = _timed(sliced(n), repeats, sync)
         rows.append([family, f"{n} slice{'s' if n > 1 else ''} of {seq_len // n}", f"{t * 1e3:.0f} ms",
                      f"{t / base:.2f}x", f"{abs(loss - ref) / abs(ref):.1e}"])
+        print(f"  {family}: {n} slices, {t * 1e3:.0f} ms", flush=True)
     return rows
 
 

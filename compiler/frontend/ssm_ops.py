@@ -61,9 +61,11 @@ def _selective_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: T
     dBx = dt[:, :, :, None] * Bt[:, None, :, :].float() * x[:, :, :, None].float()
     h = h0 if h0 is not None else torch.zeros(x.size(0), x.size(1), A.size(-1), dtype=x.dtype, device=x.device)
     ys = []
-    for t in range(x.size(2)):
-        h = dA[:, :, t] * h + dBx[:, :, t]
-        ys.append(torch.matmul(h.to(x.dtype), Ct[:, t, :].unsqueeze(-1))[:, :, 0])
+    # the tokens taken apart once (`unbind`): indexing token t of the whole tensor in the loop
+    # would have each step's backward write a gradient the size of the whole tensor (O(l^2))
+    for a_t, b_t, c_t in zip(dA.unbind(2), dBx.unbind(2), Ct.unbind(1)):
+        h = a_t * h + b_t
+        ys.append(torch.matmul(h.to(x.dtype), c_t.unsqueeze(-1))[:, :, 0])
     y = torch.stack(ys, dim=-1) if ys else x.new_zeros(x.shape)
     if D is not None:
         y = y + x * D[None, :, None]
@@ -188,8 +190,8 @@ def _wkv(time_decay: Tensor, time_first: Tensor, key: Tensor, value: Tensor,
         num, den, top = h0.unbind(1)
     decay = -torch.exp(time_decay)
     ys = []
-    for t in range(key.size(1)):
-        k, v = key[:, t].float(), value[:, t]
+    for k, v in zip(key.unbind(1), value.unbind(1)):  # (taken apart once: see _selective_scan)
+        k = k.float()
         out_top = torch.maximum(top, k + time_first)
         e1, e2 = torch.exp(top - out_top), torch.exp(k + time_first - out_top)
         ys.append(((e1 * num + e2 * v) / (e1 * den + e2)).to(key.dtype))
@@ -225,8 +227,8 @@ def _linear_scan(x: Tensor, a: Tensor, h0: Tensor | None) -> tuple[Tensor, Tenso
     (RecurrentGemma's RG-LRU): (the h_t in x's dtype, the final h (batch, channels) float32)."""
     h = h0 if h0 is not None else torch.zeros(x[:, 0].shape, dtype=torch.float32, device=x.device)
     ys = []
-    for t in range(x.size(1)):
-        h = a[:, t].float() * h + x[:, t].float()
+    for a_t, x_t in zip(a.unbind(1), x.unbind(1)):  # (taken apart once: see _selective_scan)
+        h = a_t.float() * h + x_t.float()
         ys.append(h.to(x.dtype))
     return (torch.stack(ys, dim=1) if ys else torch.zeros_like(x)), h
 
