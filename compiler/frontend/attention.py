@@ -52,6 +52,7 @@ class AttentionSite:
     v_prefix: fx.Node
     kv_dims: tuple[int, int]  # token axis of k and v
     window: int | None = None  # sliding window: each query sees its last `window` tokens
+    per_slice = False  # (CacheSite) its cached tensors hold tokens
 
     @property
     def cached(self) -> list[tuple]:

@@ -65,6 +65,7 @@ class StateSite:
     prefix: fx.Node  # placeholder: the carried tokens
     dim: int
     window: int
+    per_slice = False  # (CacheSite) its cached tensor holds tokens
 
     @property
     def cached(self) -> list[tuple]:

@@ -33,6 +33,7 @@ class CacheSite(Protocol):
 
     node: fx.Node  # the op that reads the cache (its unit holds the cache)
     window: int | None  # a later slice reads only the last window - 1 tokens; None: all of them
+    per_slice: bool  # its cached tensor holds an entry per slice (a scan's state), not per token
 
     @property
     def cached(self) -> list[tuple[fx.Node, fx.Node, int, int | None]]:

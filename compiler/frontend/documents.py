@@ -39,7 +39,7 @@ def refuse_unresettable(sites, model_file: str | None) -> None:
     """Refuse packed documents for a model with a causal state carried across slices (one of
     `sites` that is not an attention): its first tokens would read the previous document."""
     for site in sites:
-        if getattr(site, "per_slice", False):
+        if site.per_slice:
             raise refuse(site.node, model_file,
                          "packed documents: this state-space scan carries its state from token to token, and at a "
                          "document's start the state is the previous document's; resetting it at document "

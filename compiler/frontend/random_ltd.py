@@ -53,7 +53,7 @@ def check_droppable(ctx: PassContext, units) -> None:
         for site, su in zip(ctx.cache_sites, ctx.site_units):
             if su != u:
                 continue
-            if getattr(site, "per_slice", False):
+            if site.per_slice:
                 raise TpirError(Diagnostic(
                     f"unit {u} ({labels[u]}) runs a state-space scan, whose state passes through every token: "
                     "its tokens cannot be dropped", where="--random-ltd", hint="leave this unit out of --random-ltd"))

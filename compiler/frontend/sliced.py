@@ -192,7 +192,7 @@ class SlicedModel:
         out: list[list] = [[] for _ in range(self.num_units)]
         for s, u in zip(self._ctx.cache_sites, self._ctx.site_units):
             n = sum(self._per_token(value) for value, *_ in s.cached)
-            out[u].append((n, STATE if getattr(s, "per_slice", False) else s.window))
+            out[u].append((n, STATE if s.per_slice else s.window))
         return out
 
     def _per_token(self, node: fx.Node) -> int:
@@ -294,7 +294,7 @@ class SlicedModel:
         for s in sites:
             for node, _, d, window in s.cached:
                 kv_dims.append(d)
-                shapes.append(self._shape_fn(node.meta["val"], d if getattr(s, "per_slice", False) else None))
+                shapes.append(self._shape_fn(node.meta["val"], d if s.per_slice else None))
                 dtypes.append(node.meta["val"].dtype)
                 windows.append(window)
         label = self.unit_labels[lo] if hi - lo == 1 else f"{self.unit_labels[lo]} .. {self.unit_labels[hi - 1]}"

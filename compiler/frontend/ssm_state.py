@@ -142,7 +142,7 @@ class ScanSite:
     final: fx.Node  # the slice's final state (batch, 1, ...)
     prefix: fx.Node  # placeholder: the state the slice before ended with (batch, 0 or 1, ...)
     window: int = 2
-    per_slice: bool = True  # the cached tensor holds an entry per slice, not per token
+    per_slice = True  # (CacheSite) the cached tensor holds an entry per slice, not per token
 
     @property
     def cached(self) -> list[tuple]:

@@ -97,3 +97,20 @@ def assert_sliced_exact(model, sm: SlicedModel, vocab: int, rows: int, seq: int,
             loss, per_stage = sliced_step(sm, sm.partition_by_params(n), ids, targets, microbatches, lens)
             assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (n, lens)
             assert_grads_match(summed(per_stage), ref)
+
+
+def simulated_kv_peaks(config: Path, seq: int, slices: int, vocab: int):
+    """`config` (a Hugging Face config.json) compiled for 2 stages x 1 micro-batch of `slices`
+    equal slices at length `seq` (gpipe), and tpc simulate's peak KV-cache bytes on each rank
+    under the traced-graph cost model: (the SlicedModel, [peak per rank])."""
+    from tpc.cli.compile import check_options
+    from tpc.compiler.compile import compile_plan
+    from tpc.compiler.costmodel import load_cost_model
+    from tpc.compiler.frontend import load_model
+    from tpc.compiler.predict.memory import rank_memory
+
+    plan = compile_plan(str(config), check_options(stages=2, microbatches=1, seq_len=seq, batch=2, slices=str(slices),
+                                                   schedule="gpipe", quiet=True))
+    sm = SlicedModel.from_model(load_model(str(config)), seq_len=seq, vocab=vocab, check_slices=None)
+    costs = load_cost_model(device_model="h100", sliced=sm, stage_units=[s.units for s in plan.header.stages])
+    return sm, [max(m.kv for m in rank_memory(plan.header, p.rank, p.instrs, costs).during) for p in plan.ranks]

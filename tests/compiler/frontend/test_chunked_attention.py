@@ -12,10 +12,10 @@ import json
 import pytest
 import torch
 
-from tpc.compiler.frontend import SlicedModel, load_model, masks
+from tpc.compiler.frontend import SlicedModel, masks
 from tpc.compiler.frontend import runtime_ops as ops
 
-from .harness import assert_sliced_exact, batch
+from .harness import assert_sliced_exact, batch, simulated_kv_peaks
 from .hf_models import VOCAB, config_dict, hf_model
 
 SEQ, ROWS, MICROBATCHES = 16, 4, 2
@@ -64,23 +64,13 @@ def test_simulated_kv_memory_of_a_chunked_model_is_bounded_by_the_chunk(tmp_path
     """tpc simulate's memory charges a chunked layer's cache min(T, c - 1 + longest slice)
     tokens, where a causal layer holds T (a chunk as long as the sequence is causal)."""
     pytest.importorskip("transformers")
-    from tpc.cli.compile import check_options
-    from tpc.compiler.compile import compile_plan
-    from tpc.compiler.costmodel import load_cost_model
-    from tpc.compiler.predict.memory import rank_memory
-
     seq, slices, chunk = 64, 8, 8
     peaks = {}
     for name, c in (("chunked", chunk), ("full", seq)):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(config_dict("llama4_text", attention_chunk_size=c, no_rope_layers=[1, 1])))
-        plan = compile_plan(str(path), check_options(stages=2, microbatches=1, seq_len=seq, batch=2, slices=str(slices),
-                            schedule="gpipe", quiet=True))
-        sm = SlicedModel.from_model(load_model(str(path)), seq_len=seq, vocab=VOCAB, check_slices=None)
+        sm, peaks[name] = simulated_kv_peaks(path, seq, slices, VOCAB)
         assert [s.window for s in sm._sites] == ([chunk, chunk] if name == "chunked" else [None, None])
-        costs = load_cost_model(device_model="h100", sliced=sm, stage_units=[s.units for s in plan.header.stages])
-        peaks[name] = [max(m.kv for m in rank_memory(plan.header, p.rank, p.instrs, costs).during)
-                       for p in plan.ranks]
     held = min(seq, chunk - 1 + seq // slices)
     for chunked, full in zip(peaks["chunked"], peaks["full"]):
         assert chunked == pytest.approx(full * held / seq)

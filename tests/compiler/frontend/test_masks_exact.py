@@ -16,7 +16,7 @@ from tpc.executors.oracle import reference_step
 from tpc.executors.stage_runtime import StageRuntime
 from tpc.ir.diagnostics import TpirError
 
-from .harness import batch, sliced_step, summed
+from .harness import batch, simulated_kv_peaks, sliced_step, summed
 from .hf_models import VOCAB, assert_grads_match, config_dict, hf_model
 
 MODELS = Path(__file__).resolve().parent / "models"
@@ -190,22 +190,12 @@ def test_simulated_kv_memory_of_a_windowed_model_is_bounded_by_the_window(tmp_pa
     pytest.importorskip("transformers")
     import json
 
-    from tpc.cli.compile import check_options
-    from tpc.compiler.compile import compile_plan
-    from tpc.compiler.costmodel import load_cost_model
-    from tpc.compiler.predict.memory import rank_memory
-
     seq, slices, window = 64, 8, 8
     peaks = {}
     for name, w in (("windowed", window), ("full", None)):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(config_dict("mistral", sliding_window=w)))
-        plan = compile_plan(str(path), check_options(stages=2, microbatches=1, seq_len=seq, batch=2, slices=str(slices),
-                            schedule="gpipe", quiet=True))
-        sm = SlicedModel.from_model(load_model(str(path)), seq_len=seq, vocab=VOCAB, check_slices=None)
-        costs = load_cost_model(device_model="h100", sliced=sm, stage_units=[s.units for s in plan.header.stages])
-        peaks[name] = [max(m.kv for m in rank_memory(plan.header, p.rank, p.instrs, costs).during)
-                       for p in plan.ranks]
+        _, peaks[name] = simulated_kv_peaks(path, seq, slices, VOCAB)
     held = min(seq, window - 1 + seq // slices)
     for windowed, full in zip(peaks["windowed"], peaks["full"]):
         assert windowed == pytest.approx(full * held / seq)
