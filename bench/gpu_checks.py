@@ -244,6 +244,9 @@ def main(argv=None) -> int:
             print("\n# bench/score_transforms.py " + " ".join(extra), flush=True)
             p = subprocess.run([sys.executable, "bench/score_transforms.py", *extra], text=True)
             failed += [["score_transforms " + dtype]] if p.returncode else []
+    # the last line says which checks failed (the tables above are long)
+    print("\nfailed: " + ", ".join(" ".join(map(str, r[:2])) for r in failed) if failed else "\nall checks passed",
+          flush=True)
     return 1 if failed else 0
 
 

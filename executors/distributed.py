@@ -193,6 +193,9 @@ class Distributed:
         self.clock = Clock()
         self.current: DistRanks | None = None  # what the watchdog watches
         self.watchdog: Watchdog | None = None
+        # the library joined the process group for this executor: `close` leaves it (`tpc run`
+        # leaves it itself, after the run's last barrier)
+        self.leave_group = False
         mesh = plans.full.header.mesh
         # this rank's TensorRank on a mesh with a tensor axis
         self.tensor = TensorRank.of(mesh, mesh.value.tensor_rank(world.rank),
@@ -243,6 +246,12 @@ class Distributed:
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.stop.set()
+        if self.leave_group and dist.is_initialized():
+            # every rank done before any leaves: a rank exiting with the group alive while a
+            # peer still talks to it aborted at exit ("terminate called without an active exception")
+            dist.barrier()
+            dist.destroy_process_group()
+            self.leave_group = False
 
 
 def run_plan(plan: "Plan | PlanSet", world: World, options: RunOptions, *, model: torch.nn.Module,

@@ -239,9 +239,11 @@ def _distributed(plans: PlanSet, model, options: RunOptions) -> Pipeline:
         model = move_real(load_rank_model(full, options.seed, names), device)
     elif any(p.device != device for p in model.parameters()):
         model.to(device)
+    joined = not dist.is_initialized()
     init(world, device, options.timeout)
     stages = StageSource.of(plans, model, sliced=sliced)
     executor = Distributed(world, options, device, plans, stages=stages, model=model)
+    executor.leave_group = joined
     pipe = Pipeline(plans, executor, evaluation=full.eval is not None)
     executor.start()
     return pipe, stages.sliced[full.header.shape.seq]

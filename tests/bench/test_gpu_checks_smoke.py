@@ -39,7 +39,9 @@ def rows(text: str) -> dict[tuple[str, str], list[str]]:
 def test_one_node_and_a_node_per_rank_both_pass_the_gradient_check(tmp_path):
     for mode, extra in (("node", ["--score-args", TINY_SCORES]), ("nodes", ["--nodes", "--no-score-transforms", "--no-ssm"])):
         p = run_checks(tmp_path / mode, "--only", "1f1b", *extra)
-        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        # (the checks' own lines first, then the script's last line naming what failed)
+        assert p.returncode == 0, p.stdout[:3000] + "\n...\n" + p.stdout[-300:] + p.stderr[-2000:]
+        assert p.stdout.rstrip().endswith("all checks passed"), p.stdout[-300:]
         # plain torch ran the plans' communication patterns first (bench/nccl_probe.py)
         assert "plain torch: one-way ok; exchange ok; exchange-after-one-way ok" in p.stdout, p.stdout
         table = rows(p.stdout)
