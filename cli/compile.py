@@ -35,7 +35,7 @@ def parse_lengths(spec) -> tuple[int, ...]:
 
 
 # the options `tpc compile` has a flag for, by field name (seq_len and batch are read apart)
-FLAGS = ("stages", "microbatches", "slices", "schedule", "dp", "tensor", "sequence_parallel", "ranks", "factory", "cost", "device_model",
+FLAGS = ("stages", "microbatches", "slices", "schedule", "dp", "tensor", "sequence_parallel", "tensor_overlap", "ranks", "factory", "cost", "device_model",
          "memory_per_rank", "shard_optimizer", "explain", "quiet", "virtual_stages", "recompute", "comm", "exchanges",
          "print_after", "documents", "document_length", "random_ltd")
 

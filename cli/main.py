@@ -176,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "output) each tensor rank holds 1/T of a slice's tokens, and the messages between stages carry "
                    "1/T of them; every slice's length must divide by T. The mesh line gets `sequence-parallel` "
                    "(format version 5; docs/parallelism.md)")
+    c.add_argument("--tensor-overlap", action="store_true", default=None, help="with --tensor T: bring the "
+                   "forwards of token slices i and i+1 of each stage together in every rank's stream (i+1's "
+                   "receive before i's forward, i's send after i+1's), so that the two run as one program in "
+                   "which each slice's tensor-parallel collectives run while the other slice computes "
+                   "(Merak's sub-pipelined tensor parallelism, with the slices as the sub-pipelines). The "
+                   "same numbers, bit for bit; the schedule line says so in a comment (docs/parallelism.md)")
     c.add_argument("--ranks", type=int, default=D["ranks"], help="total ranks: with --stages auto, the search splits them into pipeline x data (x tensor, with --tensor); else stages x dp x tensor, or fewer for several stages per rank (R / (dp x tensor) dividing --stages, placed as the schedule needs)")
     c.add_argument("--cost", default=D["cost"], help="measured cost profile (.msgpack from `tpc profile`) for --slices/--schedule auto")
     c.add_argument("--device-model", default=D["device_model"], help="analytic cost model instead of a profile: v100 | a100 | h100 | h200 | a spec file")

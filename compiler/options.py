@@ -66,6 +66,10 @@ class CompileOptions:
     # Megatron's sequence parallelism over the tensor ranks: the activations between the
     # tensor-parallel regions (and the messages between stages) split along the tokens
     sequence_parallel: bool = False
+    # the forwards of consecutive slices of a stage brought together in each rank's stream
+    # (compiler/lowering/lower.py, `pair_forwards`), so that each pair runs as one program in
+    # which one slice's tensor collectives run while the other computes (compiler/tensor/overlap.py)
+    tensor_overlap: bool = False
     factory: str = "model"  # the callable in the model file that returns the model
     cost: str | None = None  # a profile from `tpc profile`; None: no plan search
     device_model: str | None = None  # an analytic device (h100, ...); None: no plan search
@@ -301,6 +305,10 @@ def _check(o: CompileOptions) -> None:
                 raise _error("--slices", f"slice {bad[0]}:{bad[1]} has {bad[1] - bad[0]} tokens, which the {T} "
                              "tensor ranks of --sequence-parallel cannot split evenly",
                              f"give slices whose lengths are multiples of {T}")
+    if o.tensor_overlap and not o.tensor_auto and T == 1:
+        raise _error("--tensor-overlap", "--tensor-overlap overlaps the tensor-parallel collectives of one "
+                     "slice with the other slice's compute, and there are none (--tensor 1)",
+                     "add --tensor T, e.g. --tensor 2, or leave out --tensor-overlap")
     if o.recompute == "auto" and (not costs or o.memory_per_rank is None):
         raise _error("--recompute", "--recompute auto chooses per stage what to recompute to fit "
                      "--memory-per-rank, priced by a cost model",

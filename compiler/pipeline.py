@@ -516,12 +516,14 @@ class Lower(Pass):
     changes_plan = True
     comm: CommRules = DEFAULT_COMM
     exchanges: Exchanges = DEFAULT_EXCHANGES
+    pairs: bool = False  # --tensor-overlap: the forwards of slice pairs brought together
 
     def run(self, state, note):
         from tpc.compiler.lowering.lower import lower
 
+        pairs = self.pairs and state.header.mesh.tensor > 1
         plan = lower(state.header, state.compute, verify=False, comm=self.comm,
-                     exchanges=self.exchanges)  # the driver verifies
+                     exchanges=self.exchanges, pairs=pairs)  # the driver verifies
         note(f"{sum(len(p.instrs) for p in plan.ranks)} instructions")
         return state.but(plan=plan)
 
@@ -599,9 +601,9 @@ def written(plan: Plan, output: str) -> str:
             f"schedule {h.schedule.name}, {n} instructions")
 
 
-def back_passes(comm: CommRules, exchanges: Exchanges = DEFAULT_EXCHANGES) -> list[Pass]:
+def back_passes(comm: CommRules, exchanges: Exchanges = DEFAULT_EXCHANGES, pairs: bool = False) -> list[Pass]:
     """After the header: self-check, schedule, lower, eval (recompute goes before lower)."""
-    return [SelfCheck(), Schedule(), Lower(comm, exchanges), Evaluation(comm, exchanges)]
+    return [SelfCheck(), Schedule(), Lower(comm, exchanges, pairs), Evaluation(comm, exchanges)]
 
 
 def compile_passes(options: CompileOptions, split=None) -> list[Pass]:
@@ -623,7 +625,7 @@ def compile_passes(options: CompileOptions, split=None) -> list[Pass]:
         passes += [EvalSlicing(o.microbatch_count)]
     else:
         passes = front_passes(o, split=split)
-    back = back_passes(o.comm, o.exchanges)
+    back = back_passes(o.comm, o.exchanges, o.tensor_overlap)
     if o.recompute != "none":
         back.insert(2, Recompute(o.recompute, o.memory_per_rank, o.explain, o.quiet, o.shard_optimizer))
     return passes + back

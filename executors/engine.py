@@ -285,6 +285,7 @@ class RankEngine:
         self.grad_norm: float | None = None
         self.step = -1
         self.pc = len(self.instrs)
+        self.paired = False  # the last forward ran the next instruction with it (`_forward`)
         if self.options.compile:  # every program compiled before step 1 (prepare_programs.py)
             from tpc.executors.prepare_programs import prepare, progress_line
 
@@ -370,6 +371,7 @@ class RankEngine:
         index = self.pc
         instr = self.instrs[index]
         start = time.perf_counter()
+        self.paired = False  # set by a forward that ran the next instruction with it (`_forward`)
         try:
             self.transport.before_instruction(index)
             if self.before_instr is not None:
@@ -387,12 +389,14 @@ class RankEngine:
         if self.options.traced and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         end = time.perf_counter()
+        ran = (index, index + 1) if self.paired else (index,)
         if self.options.traced:
-            self.events.append(TraceEvent(self.global_rank, self.line_of(index), str(instr),
-                                          self.step, start - self.clock.epoch, end - self.clock.epoch))
+            for j in ran:  # a pair's two forwards: one span each, the same (they run interleaved)
+                self.events.append(TraceEvent(self.global_rank, self.line_of(j), str(self.instrs[j]),
+                                              self.step, start - self.clock.epoch, end - self.clock.epoch))
         live = sum(getattr(b.runtime, "live_activations", 0) for b in self.stages.values())
         self.peak_live = max(self.peak_live, live)
-        self.pc = index + 1
+        self.pc = ran[-1] + 1
 
     # ---------------------------------------------------------------------- diagnostics
 
@@ -476,9 +480,9 @@ class RankEngine:
         if self.header.stage_rank(self.last_stage, instr.mb) == self.pipe_rank:
             self.targets[instr.mb] = targets.to(self.device)
 
-    def _forward(self, instr: Instr) -> None:
+    def _forward_inputs(self, instr: Instr, stage: BuiltStage):
+        """(x, offset, targets, extra keyword arguments) of a forward instruction."""
         s, m, i = instr.key
-        stage = self._stage(s)
         lo, hi = self._slice(m, i)
         if s == 0:
             if m not in self.ids:
@@ -493,13 +497,48 @@ class RankEngine:
                 raise TpirError(Diagnostic(f"micro-batch {m} is not loaded",
                                            hint=f"put `load mb {m}` before the first forward of it"))
             targets = self.targets[m][:, lo:hi]
-        capacity = self.header.microbatches[m].slices[-1][1]
         extra = {}
         if self.header.documents is not None:
             if m not in self.documents:
                 raise TpirError(Diagnostic(f"micro-batch {m} is not loaded: its document boundaries are unknown",
                                            hint=f"put `load mb {m}` before the first forward of it"))
             extra["documents"] = self.documents[m]
+        return x, lo, targets, extra
+
+    def _pair_of(self, instr: Instr, stage: BuiltStage) -> Instr | None:
+        """The next instruction, when it is the forward of the next slice of the same stage and
+        micro-batch and the two run as one program whose collectives overlap the other slice's
+        compute (a tensor axis, `StageRuntime.forward_pair`), else None."""
+        if self.tensor is None or self.forward_only or instr.checkpoint or self.pc + 1 >= len(self.instrs):
+            return None
+        nxt = self.instrs[self.pc + 1]
+        s, m, i = instr.key
+        if nxt.op is not Op.FORWARD or nxt.key != (s, m, i + 1) or nxt.checkpoint:
+            return None
+        pairs = getattr(stage.runtime, "pairs", None)
+        if pairs is None or not pairs() or self._kept(stage, m, i) is not None:
+            return None
+        if s > 0 and input_message(Payload.ACT, s, m, i + 1) not in self.env:
+            return None  # its input is received after this forward
+        return nxt
+
+    def _forward(self, instr: Instr) -> None:
+        s, m, i = instr.key
+        stage = self._stage(s)
+        capacity = self.header.microbatches[m].slices[-1][1]
+        nxt = self._pair_of(instr, stage)
+        if nxt is not None:
+            self.transport.before_instruction(self.pc + 1)
+            if self.before_instr is not None:
+                self.before_instr(self, self.pc + 1)
+            (xa, oa, ta, _), (xb, ob, tb, _) = self._forward_inputs(instr, stage), self._forward_inputs(nxt, stage)
+            with self.compute_context():
+                outs = stage.runtime.forward_pair(m, i, (xa, xb), (oa, ob), (ta, tb), capacity)
+            for j, out in zip((i, i + 1), outs):
+                self._forward_output(s, m, j, out)
+            self.paired = True
+            return
+        x, lo, targets, extra = self._forward_inputs(instr, stage)
         keep = self._kept(stage, m, i)
         with self.compute_context():
             if self.forward_only:
@@ -510,6 +549,9 @@ class RankEngine:
             else:
                 out = stage.runtime.forward(m, i, x, lo, targets=targets, checkpoint=instr.checkpoint,
                                             capacity=capacity, **extra)
+        self._forward_output(s, m, i, out)
+
+    def _forward_output(self, s: int, m: int, i: int, out: torch.Tensor) -> None:
         if s == self.last_stage:
             self.step_loss = self.step_loss + out.detach().double()  # on the device: no sync per slice
         else:

@@ -132,6 +132,26 @@ def _leaf(cached: torch.Tensor) -> torch.Tensor:
     return leaf.requires_grad_(True) if leaf.is_floating_point() else leaf
 
 
+class _PairCache:
+    """What the program of two slices a, a + 1 (`StageRuntime.forward_pair`) hands slice a's
+    cached tensors to (`write`: appended to the micro-batch's cache at once) and takes slice
+    a + 1's prefixes from (`prefix`: leaves viewing the cache, a's tokens included)."""
+
+    def __init__(self, runtime: "StageRuntime", mb: int, capacity: int | None):
+        self.runtime, self.cache, self.capacity = runtime, runtime._caches[mb], capacity
+        n = runtime.module.num_kv
+        self.starts: list = [None] * n
+        self.leaves: list = [None] * n
+
+    def write(self, t: int, value: torch.Tensor) -> None:
+        self.runtime._append_one(self.cache, t, value, self.capacity)
+
+    def prefix(self, t: int) -> torch.Tensor:
+        self.starts[t] = self.cache.filled[t]
+        self.leaves[t] = leaf = _leaf(self.runtime._prefix_view(self.cache, t, self.cache.filled[t]))
+        return leaf
+
+
 class StageRuntime:
     """`programs`: run the slices through the stage's programs derived from its joint graph
     (`tpc.compiler.programs`), compiled or not, instead of eager autograd: what a split backward
@@ -145,6 +165,7 @@ class StageRuntime:
         self._caches: dict[int, _Cache] = {}
         self._empty: dict[tuple[int, torch.device], list] = {}
         self._evaluated: dict[int, int] = {}  # forward-only: mb -> slices run so far
+        self._pair_fn = None  # the program of two slices (`forward_pair`), made at its first use
 
     # ------------------------------------------------------------------ forward
 
@@ -197,6 +218,68 @@ class StageRuntime:
             rec.y, rec.kv_out = self._output(y), kv
         self._slices[(mb, sl)] = rec
         return self._scaled(y).detach()
+
+    def pairs(self) -> bool:
+        """Whether two consecutive slices of this stage can run as one interleaved program
+        (`forward_pair`): a tensor-parallel stage (whose collectives the pair overlaps) run
+        eagerly, every cached tensor whole (no window: a pair's cache is appended in place),
+        no token dropping, no packed documents."""
+        m = self.module
+        return (self.programs is None and getattr(m, "shards", None) is not None and not m.dropped
+                and not m.documents and all(w is None for w in m.kv_windows))
+
+    def forward_pair(self, mb: int, sl: int, xs: tuple, offsets: tuple, targets: tuple, capacity: int):
+        """Forward slices sl and sl + 1 of micro-batch `mb` as one program in which the
+        collectives of each run while the other computes (`compiler/tensor/overlap.py`); the
+        same values, caches and autograd graphs as `forward` twice. Returns the two detached
+        activations to send (or scaled losses)."""
+        if not self.pairs():
+            raise RuntimeError(f"stage {self.module.lo}:{self.module.hi} cannot run two slices as one program")
+        for i in (sl, sl + 1):
+            if (mb, i) in self._slices:
+                raise RuntimeError(f"forward of micro-batch {mb} slice {i} already ran on stage "
+                                   f"{self.module.lo}:{self.module.hi}")
+        for i in range(sl):
+            if (mb, i) not in self._slices:
+                raise RuntimeError(f"forward of micro-batch {mb} slice {sl} needs the KV cache of slice {i}, "
+                                   f"whose forward has not run (or was freed) on stage {self.module.lo}:{self.module.hi}")
+        if self.module.is_last and any(t is None for t in targets):
+            raise RuntimeError(f"the last stage needs targets for micro-batch {mb} slices {sl}, {sl + 1}")
+        if self._pair_fn is None:
+            from tpc.compiler.tensor.overlap import compile_program, paired_program
+
+            m = self.module
+            self._pair_fn, _ = compile_program(paired_program(m.graph, m.num_kv),
+                                               f"<tpc stage {m.lo}:{m.hi}, two slices>")
+        parts = getattr(self.module, "token_parts", 1)
+        xs = tuple(x if self.module.is_first else x.detach().requires_grad_(True) for x in xs)
+        if mb not in self._caches:
+            n = self.module.num_kv
+            self._caches[mb] = _Cache([None] * n, 0, base=[0] * n, filled=[0] * n)
+        cache = self._caches[mb]
+        a = _Slice(mb, xs[0], int(offsets[0]), targets[0], cache.length, xs[0].size(1) * parts)
+        b = _Slice(mb, xs[1], int(offsets[1]), targets[1], cache.length + a.length, xs[1].size(1) * parts)
+        a.starts = list(cache.filled)
+        if a.start:
+            a.prefix = prefix = [_leaf(p) for p in self._prefix(a)]
+        else:
+            a.prefix, prefix = [], self._empty_kv(a.x.size(0), a.x.device)
+        sink = _PairCache(self, mb, capacity)
+        loss = self.module.has_loss
+        args = [a.x, a.offset, *prefix, *([a.targets] if loss else []), b.x, b.offset, *([b.targets] if loss else []),
+                sink]
+        with torch.enable_grad():
+            outs = self._pair_fn(self.module, *args)
+        n = self.module.num_kv
+        ya, kva, yb, kvb = outs[0], list(outs[1:1 + n]), outs[1 + n], list(outs[2 + n:])
+        cache.length += a.length
+        b.starts, b.prefix = list(sink.starts), sink.leaves
+        self._append(mb, kvb, capacity, b.length)
+        for rec, y, kv in ((a, ya, kva), (b, yb, kvb)):
+            rec.lengths = [k.size(d) for k, d in zip(kv, self.module.kv_dims)]
+            rec.y, rec.kv_out = self._output(y), kv
+        self._slices[(mb, sl)], self._slices[(mb, sl + 1)] = a, b
+        return self._scaled(ya).detach(), self._scaled(yb).detach()
 
     def evaluate(self, mb: int, sl: int, x: torch.Tensor, offset: int, targets=None,
                  capacity: int | None = None, documents=None) -> torch.Tensor:
@@ -360,24 +443,32 @@ class StageRuntime:
             self._caches[mb] = _Cache(bufs, tokens, base=[0] * len(bufs),
                                       filled=[k.size(d) for k, d in zip(kv, self.module.kv_dims)])
             return
-        for t, (k, d, w) in enumerate(zip(kv, self.module.kv_dims, self.module.kv_windows)):
-            n = k.size(d)
-            buf, filled = cache.kv[t], cache.filled[t] - cache.base[t]
-            if buf.size(d) < filled + n:
-                if w is None:  # full: a buffer twice as large
-                    grown = buf.new_empty(buf.shape[:d] + (max(2 * buf.size(d), filled + n),) + buf.shape[d + 1:])
-                    grown.narrow(d, 0, filled).copy_(buf.narrow(d, 0, filled))
-                    cache.kv[t] = buf = grown
-                else:  # windowed: keep the last w - 1 tokens, at the front
-                    m = min(cache.filled[t], w - 1)
-                    tail = buf.narrow(d, filled - m, m).clone()
-                    if buf.size(d) < m + n:
-                        cache.kv[t] = buf = buf.new_empty(buf.shape[:d] + (m + n,) + buf.shape[d + 1:])
-                    buf.narrow(d, 0, m).copy_(tail)
-                    cache.base[t], filled = cache.filled[t] - m, m
-            buf.narrow(d, filled, n).copy_(k.detach())
-            cache.filled[t] += n
+        for t, k in enumerate(kv):
+            self._append_one(cache, t, k, capacity)
         cache.length += tokens
+
+    def _append_one(self, cache: _Cache, t: int, k: torch.Tensor, capacity: int | None) -> None:
+        """Write cached tensor t of a slice after its cached tokens (`_append`)."""
+        d, w = self.module.kv_dims[t], self.module.kv_windows[t]
+        n = k.size(d)
+        if cache.kv[t] is None:  # the first slice of a pair (`forward_pair`): no buffer yet
+            size = capacity if capacity is not None and capacity > n else n
+            cache.kv[t] = k.new_empty(k.shape[:d] + (size,) + k.shape[d + 1:])
+        buf, filled = cache.kv[t], cache.filled[t] - cache.base[t]
+        if buf.size(d) < filled + n:
+            if w is None:  # full: a buffer twice as large
+                grown = buf.new_empty(buf.shape[:d] + (max(2 * buf.size(d), filled + n),) + buf.shape[d + 1:])
+                grown.narrow(d, 0, filled).copy_(buf.narrow(d, 0, filled))
+                cache.kv[t] = buf = grown
+            else:  # windowed: keep the last w - 1 tokens, at the front
+                m = min(cache.filled[t], w - 1)
+                tail = buf.narrow(d, filled - m, m).clone()
+                if buf.size(d) < m + n:
+                    cache.kv[t] = buf = buf.new_empty(buf.shape[:d] + (m + n,) + buf.shape[d + 1:])
+                buf.narrow(d, 0, m).copy_(tail)
+                cache.base[t], filled = cache.filled[t] - m, m
+        buf.narrow(d, filled, n).copy_(k.detach())
+        cache.filled[t] += n
 
     def _empty_kv(self, batch: int, device: torch.device) -> list:
         """The zero-length caches of a first slice, made once per batch size: building them

@@ -12,6 +12,11 @@ else an executor needs, one small named pass at a time, each a pure function
                        the same channel is not sent yet, in which case the send waits for it, so
                        messages between two ranks are sent in the order they are received
                        (FIFO per direction; executors need no tags);
+   `pair_forwards`     (`pairs=True`, `tpc compile --tensor-overlap` only) the forwards of slices
+                       i and i + 1 of one stage and micro-batch brought together: i + 1's
+                       receive goes before i's forward, i's send after i + 1's forward, so a
+                       tensor-parallel executor runs the two as one program whose collectives
+                       overlap the other slice's compute (compiler/tensor/overlap.py);
 3. `insert_free_kv`    `free-kv stage S mb M` after the last compute of (S, M) and its sends;
 4. `insert_allreduce`  `allreduce stage S` after the last backward of S, when data > 1;
 5. `insert_exchanges`  (for NCCL's rules, tpc.ir.semantics) the sends and receives that ranks
@@ -27,7 +32,7 @@ else an executor needs, one small named pass at a time, each a pure function
                        in one order, with no message left to wait for;
 8. `append_step`       `step` at the end.
 
-`lower(header, compute, comm=..., exchanges=...)` runs them in that order and checks the result
+`lower(header, compute, comm=..., exchanges=..., pairs=...)` runs them in that order and checks the result
 with the verifier under the rules of `comm` (NCCL, `DEFAULT_COMM`, unless told GLOO: then
 `insert_exchanges` is left out, since buffered sends need no exchange).
 
@@ -73,7 +78,7 @@ from typing import Callable, Mapping, Sequence
 import networkx as nx
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
-from tpc.ir.nodes import BACKWARD_OPS, COMPUTE_OPS, Header, Instr, Op, Plan, RankProgram
+from tpc.ir.nodes import BACKWARD_OPS, COMPUTE_OPS, Header, Instr, Op, Payload, Plan, RankProgram
 from tpc.ir.semantics import (
     DEFAULT_COMM,
     GLOO,
@@ -122,6 +127,7 @@ EXCHANGES: dict[Exchanges, str] = {
 }
 # what an ordered plan says on its `schedule` line (a comment: no new syntax)
 ORDERED_NOTE = "--exchanges ordered: single sends and receives, no batch_isend_irecv of several"
+PAIRED_NOTE = "--tensor-overlap: the forwards of slice pairs brought together, run as one program"
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -226,6 +232,39 @@ def insert_comm(header: Header, streams: Streams) -> Streams:
             after[pos].append(Instr(Op.SEND, payload=msg.payload, stage=msg.sender_stage, mb=msg.mb,
                                     slice=msg.slice, peer=produced[msg][2]))
         out[rank] = _insert(stream, before[rank], after)
+    return out
+
+
+def pair_forwards(header: Header, streams: Streams) -> Streams:
+    """Bring the forwards of slices i and i + 1 of a stage and micro-batch together, where only
+    the send of i's output and the receive of i + 1's input come between them (`insert_comm`
+    puts them there): the receive moves before i's forward, the send after i + 1's. The pairs
+    are taken in stream order and do not overlap (0 with 1, 2 with 3, ..., unless something else
+    stands between two forwards). A checkpointed forward is not paired (its recompute runs
+    alone)."""
+    out: Streams = {}
+    for rank, stream in streams.items():
+        s = list(stream)
+        i = 0
+        while i < len(s):
+            a = s[i]
+            k = i + 1
+            while k < len(s) and s[k].op in (Op.SEND, Op.RECV):
+                k += 1
+            b = s[k] if k < len(s) else None
+            if (a.op is not Op.FORWARD or a.checkpoint or b is None or b.op is not Op.FORWARD or b.checkpoint
+                    or b.key != (a.stage, a.mb, a.slice + 1)):
+                i += 1
+                continue
+            between = s[i + 1:k]
+            sends = [x for x in between if x.op is Op.SEND and x.payload is Payload.ACT and x.key == a.key]
+            recvs = [x for x in between if x.op is Op.RECV and x.payload is Payload.ACT and x.key == b.key]
+            if len(sends) + len(recvs) != len(between):
+                i += 1
+                continue
+            s[i:k + 1] = recvs + [a, b] + sends
+            i += len(recvs) + 2 + len(sends)
+        out[rank] = tuple(s)
     return out
 
 
@@ -480,6 +519,7 @@ def append_step(header: Header, streams: Streams) -> Streams:
 PASSES: tuple[tuple[str, Pass], ...] = (
     ("insert_loads", insert_loads),
     ("insert_comm", insert_comm),
+    ("pair_forwards", pair_forwards),
     ("insert_free_kv", insert_free_kv),
     ("insert_allreduce", insert_allreduce),
     ("insert_exchanges", insert_exchanges),
@@ -496,36 +536,45 @@ def to_plan(header: Header, streams: Streams) -> Plan:
     return Plan(header=header, ranks=ranks)
 
 
-def ordered_header(header: Header) -> Header:
-    """`header` with `ORDERED_NOTE` at the end of its `schedule` line: a reader of the plan sees
+def noted_header(header: Header, note: str) -> Header:
+    """`header` with `note` at the end of its `schedule` line (once): a reader of the plan sees
     how it was lowered (a comment: the plan's meaning is its instructions)."""
     line = header.schedule
-    note = ORDERED_NOTE if not line.note else (line.note if ORDERED_NOTE in line.note
-                                                 else f"{line.note}; {ORDERED_NOTE}")
-    return dataclasses.replace(header, schedule=line.with_trivia(note=note))
+    text = note if not line.note else (line.note if note in line.note else f"{line.note}; {note}")
+    return dataclasses.replace(header, schedule=line.with_trivia(note=text))
 
 
-def passes_for(comm: CommRules = DEFAULT_COMM, exchanges: Exchanges = DEFAULT_EXCHANGES) -> tuple:
+def ordered_header(header: Header) -> Header:
+    """`header` with `ORDERED_NOTE` on its `schedule` line."""
+    return noted_header(header, ORDERED_NOTE)
+
+
+def passes_for(comm: CommRules = DEFAULT_COMM, exchanges: Exchanges = DEFAULT_EXCHANGES, pairs: bool = False) -> tuple:
     """The passes `lower` runs for backend `comm` and the exchange lowering `exchanges`: without
-    `insert_exchanges` for GLOO, with `order_exchanges` only for NCCL with ORDERED."""
+    `insert_exchanges` for GLOO, with `order_exchanges` only for NCCL with ORDERED, with
+    `pair_forwards` only when `pairs`."""
     exchanges = Exchanges.of(exchanges)
     skip = ({"insert_exchanges", "order_exchanges"} if comm == GLOO
             else set() if exchanges is Exchanges.ORDERED else {"order_exchanges"})
+    skip |= set() if pairs else {"pair_forwards"}
     return tuple((name, run) for name, run in PASSES if name not in skip)
 
 
 def lower(header: Header, compute: Mapping[int, Sequence[Instr]], *, verify: bool = True,
-          comm: CommRules = DEFAULT_COMM, exchanges: Exchanges = DEFAULT_EXCHANGES) -> Plan:
+          comm: CommRules = DEFAULT_COMM, exchanges: Exchanges = DEFAULT_EXCHANGES, pairs: bool = False) -> Plan:
     """Run every pass over the schedule's compute order and return the plan for backend `comm`
     (NCCL: with exchanges, batched or `exchanges=ORDERED`; GLOO: without), verified under its
     rules unless `verify=False` (for a caller that checks it itself, as `tpc compile` does in a
     step of its own, or a test that studies an unverifiable intermediate). An ordered plan says
-    so on its `schedule` line (`ordered_header`)."""
+    so on its `schedule` line (`ordered_header`), and so does one with paired forwards (`pairs`:
+    `pair_forwards`)."""
     streams: Streams = {r: tuple(compute.get(r, ())) for r in range(header.mesh.pipe)}
-    for _, run in passes_for(comm, exchanges):
+    for _, run in passes_for(comm, exchanges, pairs):
         streams = run(header, streams)
     if comm == NCCL and Exchanges.of(exchanges) is Exchanges.ORDERED:
         header = ordered_header(header)
+    if pairs:
+        header = noted_header(header, PAIRED_NOTE)
     plan = to_plan(header, streams)
     if verify:
         from tpc.ir.verify import check

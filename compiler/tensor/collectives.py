@@ -41,18 +41,53 @@ import torch.distributed as dist
 BARRIER_TIMEOUT_S = 120.0
 
 
+class Pending:
+    """A collective started and not yet waited on: `result` is its output tensor (allocated at
+    the start, of the result's shape), whose values are there once `wait()` has returned."""
+
+    def __init__(self, result: torch.Tensor, finish=None):
+        self.result = result
+        self._finish = finish
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            with torch.no_grad():  # the values written into `result` are no op of autograd's
+                finish()
+        return self.result
+
+
 class TensorGroup(Protocol):
     rank: int
     size: int
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor: ...
+    def start_all_reduce(self, t: torch.Tensor) -> Pending: ...
 
-    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor: ...
+    def start_all_gather(self, t: torch.Tensor, dim: int) -> Pending: ...
 
-    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor: ...
+    def start_reduce_scatter(self, t: torch.Tensor, dim: int) -> Pending: ...
 
 
-class DistGroup:
+class _Blocking:
+    """The blocking collectives, each its `start_*` form waited on at once."""
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        return self.start_all_reduce(t).wait()
+
+    def all_gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.start_all_gather(t, dim).wait()
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.start_reduce_scatter(t, dim).wait()
+
+
+def _gathered_shape(t: torch.Tensor, dim: int, size: int) -> list[int]:
+    shape = list(t.shape)
+    shape[dim] *= size
+    return shape
+
+
+class DistGroup(_Blocking):
     """A `TensorGroup` over a torch.distributed process group (None: the default group)."""
 
     def __init__(self, group=None):
@@ -60,66 +95,117 @@ class DistGroup:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
 
-    def all_reduce(self, t):
+    def start_all_reduce(self, t):
         out = t.detach().clone().contiguous()
-        dist.all_reduce(out, group=self.group)
-        return out
+        work = dist.all_reduce(out, group=self.group, async_op=True)
+        return Pending(out, work.wait)
 
-    def all_gather(self, t, dim):
+    def start_all_gather(self, t, dim):
         parts = [torch.empty_like(t).contiguous() for _ in range(self.size)]
-        dist.all_gather(parts, t.detach().contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        work = dist.all_gather(parts, t.detach().contiguous(), group=self.group, async_op=True)
+        out = t.new_empty(_gathered_shape(t, dim, self.size))
 
-    def reduce_scatter(self, t, dim):
+        def finish():
+            work.wait()
+            torch.cat(parts, dim=dim, out=out)
+        return Pending(out, finish)
+
+    def start_reduce_scatter(self, t, dim):
         if dist.get_backend(self.group) == "gloo":  # gloo has no reduce_scatter
-            return _part(self.all_reduce(t), dim, self.rank, self.size).contiguous()
+            total = self.start_all_reduce(t)
+            out = _part(total.result, dim, self.rank, self.size).contiguous()
+
+            def finish():
+                out.copy_(_part(total.wait(), dim, self.rank, self.size))
+            return Pending(out, finish)
         parts = [p.contiguous() for p in t.detach().chunk(self.size, dim=dim)]
         out = torch.empty_like(parts[self.rank])
-        dist.reduce_scatter(out, parts, group=self.group)
-        return out
+        work = dist.reduce_scatter(out, parts, group=self.group, async_op=True)
+        return Pending(out, work.wait)
 
 
 class _Slots:
-    """What the T thread ranks of one group share."""
+    """What the T thread ranks of one group share: the rounds of their collectives, each
+    numbered in the order a rank starts them (every rank starts the same collectives in the
+    same order), holding each rank's tensor until all T have read the round."""
 
     def __init__(self, size: int):
         self.size = size
-        self.slots: list = [None] * size
-        self.barrier = threading.Barrier(size, timeout=BARRIER_TIMEOUT_S)
+        self.cv = threading.Condition()
+        self.rounds: dict[int, list] = {}  # round -> [tensors by rank, how many posted, how many read]
+        self.broken = False
 
-    def exchange(self, rank: int, t: torch.Tensor, combine):
-        self.slots[rank] = t.detach()
-        self.barrier.wait()
-        try:
-            return combine(list(self.slots))
-        finally:
-            self.barrier.wait()  # nobody writes the slots again before everyone has read them
+    def post(self, round_: int, rank: int, t: torch.Tensor) -> None:
+        with self.cv:
+            self._check()
+            r = self.rounds.setdefault(round_, [[None] * self.size, 0, 0])
+            r[0][rank] = t.detach()
+            r[1] += 1
+            self.cv.notify_all()
+
+    def collect(self, round_: int) -> list:
+        """The T ranks' tensors of round `round_` (this rank has posted its own), once all are there."""
+        with self.cv:
+            if not self.cv.wait_for(lambda: self.broken or self.rounds[round_][1] == self.size,
+                                    timeout=BARRIER_TIMEOUT_S):
+                self.broken = True
+                self.cv.notify_all()
+            self._check()
+            r = self.rounds[round_]
+            r[2] += 1
+            if r[2] == self.size:
+                del self.rounds[round_]
+            return list(r[0])
+
+    def abort(self) -> None:
+        with self.cv:
+            self.broken = True
+            self.cv.notify_all()
+
+    def _check(self) -> None:
+        if self.broken:
+            raise threading.BrokenBarrierError
 
 
-class ThreadGroup:
-    """A `TensorGroup` whose T ranks are T threads of this process (`thread_groups`)."""
+class ThreadGroup(_Blocking):
+    """A `TensorGroup` whose T ranks are T threads of this process (`thread_groups`). Every rank
+    computes a result from the T tensors in rank order, so all ranks get bit-identical sums."""
 
     def __init__(self, shared: _Slots, rank: int):
         self._shared, self.rank, self.size = shared, rank, shared.size
+        self._rounds = 0
 
-    def all_reduce(self, t):
-        def total(parts):
-            out = parts[0].clone()
+    def _start(self, t: torch.Tensor, out: torch.Tensor, combine) -> Pending:
+        round_ = self._rounds
+        self._rounds += 1
+        self._shared.post(round_, self.rank, t)
+        return Pending(out, lambda: combine(self._shared.collect(round_), out))
+
+    def start_all_reduce(self, t):
+        def total(parts, out):
+            out.copy_(parts[0])
             for p in parts[1:]:
-                out = out + p
-            return out
-        return self._shared.exchange(self.rank, t, total)
+                out.add_(p)
+        return self._start(t, torch.empty_like(t, memory_format=torch.contiguous_format), total)
 
-    def all_gather(self, t, dim):
-        return self._shared.exchange(self.rank, t, lambda parts: torch.cat(parts, dim=dim))
+    def start_all_gather(self, t, dim):
+        return self._start(t, t.new_empty(_gathered_shape(t, dim, self.size)),
+                           lambda parts, out: torch.cat(parts, dim=dim, out=out))
 
-    def reduce_scatter(self, t, dim):
-        return _part(self.all_reduce(t), dim, self.rank, self.size).contiguous()
+    def start_reduce_scatter(self, t, dim):
+        def own(parts, out):
+            total = parts[0].clone()
+            for p in parts[1:]:
+                total = total + p
+            out.copy_(_part(total, dim, self.rank, self.size))
+        shape = list(t.shape)
+        shape[dim] //= self.size
+        return self._start(t, t.new_empty(shape), own)
 
     def abort(self) -> None:
         """Break the group at once: a rank that failed never arrives, so the others' waits end
-        now (threading.BrokenBarrierError) instead of after the barrier's timeout."""
-        self._shared.barrier.abort()
+        now (threading.BrokenBarrierError) instead of after the timeout."""
+        self._shared.abort()
 
 
 def thread_groups(size: int) -> list[ThreadGroup]:
@@ -173,6 +259,62 @@ def _dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
+class _Started(torch.autograd.Function):
+    """A collective whose forward is started, not waited on: returns the output tensor at once
+    and leaves its `Pending` in `holder`; nothing may read the output before `wait()`. Its
+    backward is `bwd`, blocking, as `_Collective`'s."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, start, bwd, holder):
+        ctx.group, ctx.dim, ctx.bwd = group, dim, bwd
+        pending = start(x, group, dim)
+        holder.append(pending)
+        return pending.result
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.bwd(grad, ctx.group, ctx.dim), None, None, None, None, None
+
+
+def _start_sum(x, group, dim):
+    return group.start_all_reduce(x)
+
+
+def _start_gather(x, group, dim):
+    return group.start_all_gather(x, dim)
+
+
+def _start_scatter(x, group, dim):
+    return group.start_reduce_scatter(x, dim)
+
+
+def _started(x, group, dim, fwd, bwd):
+    holder: list = []
+    out = _Started.apply(x, group, dim, fwd, bwd, holder)
+    return out, holder[0]
+
+
+def start_reduce_from_region(x, group: TensorGroup):
+    """g started (`reduce_from_region`): (its output, its `Pending`); the output's values are
+    there once the pending collective is waited on (`wait`)."""
+    return _started(x, group, None, _start_sum, _same)
+
+
+def start_all_gather(x, dim: int, group: TensorGroup):
+    """`all_gather` started: (its output, its `Pending`)."""
+    return _started(x, group, _dim(x, dim), _start_gather, _scatter)
+
+
+def start_reduce_scatter(x, dim: int, group: TensorGroup):
+    """`reduce_scatter` started: (its output, its `Pending`)."""
+    return _started(x, group, _dim(x, dim), _start_scatter, _gather)
+
+
+def wait(pending: Pending) -> None:
+    """Wait for a started collective (`STARTED`): its output's values are there after it."""
+    pending.wait()
+
+
 def copy_to_region(x, group: TensorGroup):
     """Megatron's f: the identity forward, an all-reduce of the gradient backward."""
     return _Collective.apply(x, group, None, _same, _sum)
@@ -205,6 +347,12 @@ def split_to_tokens(x, dim: int, group: TensorGroup):
     (sequence parallelism); backward, the parts' gradients all-gathered, so the whole value's
     gradient is again the same on every rank."""
     return _Collective.apply(x, group, _dim(x, dim), _own_part, _gather)
+
+
+# the collectives whose forward communicates on its own, and their started forms: a started
+# collective returns at once, and its output is read only after `wait`
+STARTED = {reduce_from_region: start_reduce_from_region, all_gather: start_all_gather,
+           reduce_scatter: start_reduce_scatter}
 
 
 def token_operand(v, like, dim: int, group: TensorGroup):

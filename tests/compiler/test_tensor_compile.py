@@ -250,3 +250,34 @@ def test_the_simulator_prices_a_sequence_parallel_plans_messages_at_1_over_t(tmp
     assert split.message_bytes(8, 2) == pytest.approx(plain.message_bytes(8, 2) / 2)
     assert split.slice_time(0, 8, 0, 2) == plain.slice_time(0, 8, 0, 2)
     assert split.describe().endswith("sequence-parallel")
+
+
+@pytest.mark.parametrize("schedule,comm", [("terapipe", "nccl"), ("gpipe", "gloo"), ("seq1f1b", "nccl"),
+                                           ("1f1b", "nccl")])
+def test_tensor_overlap_brings_the_forwards_of_slice_pairs_together(schedule, comm, tmp_path, capsys):
+    """`--tensor-overlap`: where only the send of slice i's output and the receive of slice i + 1's
+    input stand between their forwards, the receive moves up and the send down (`pair_forwards`);
+    the plan verifies under the rules it was lowered for, and its schedule line says so."""
+    from tpc.compiler.lowering.lower import PAIRED_NOTE
+    from tpc.ir.nodes import Op
+    from tpc.ir.verify import verify_file
+
+    out, plain = tmp_path / "paired.tpir", tmp_path / "plain.tpir"
+    args = ["compile", str(EXAMPLES / "nanogpt.py"), *SMALL, "--tensor", "2", "--slices", "4", "--microbatches",
+            "2", "--schedule", schedule, "--comm", comm, "-q"]
+    assert main([*args, "-o", str(plain)]) == 0 and main([*args, "--tensor-overlap", "-o", str(out)]) == 0
+    assert PAIRED_NOTE in out.read_text() and PAIRED_NOTE not in plain.read_text()
+    assert main(["verify", str(out), "--comm", comm]) == 0
+    paired, before = verify_file(str(out)), verify_file(str(plain))
+    for prog, old in zip(paired.ranks, before.ranks):
+        assert sorted(map(str, prog.instrs)) == sorted(map(str, old.instrs))  # the same instructions, moved
+        pairs, p = [], 0
+        while p + 1 < len(prog.instrs):  # as the executors take them: in stream order, none in two pairs
+            a, b = prog.instrs[p], prog.instrs[p + 1]
+            paired_here = a.op is Op.FORWARD and b.op is Op.FORWARD and b.key == (a.stage, a.mb, a.slice + 1)
+            pairs += [(a, b)] if paired_here else []
+            p += 2 if paired_here else 1
+        if schedule in ("terapipe", "gpipe"):  # every forward is paired: nothing else comes between them
+            assert len(pairs) == 2 * 2 and all(a.slice % 2 == 0 for a, _ in pairs)  # 2 micro-batches x 2 pairs
+    with pytest.raises(TpirError, match=r"--tensor-overlap overlaps the tensor-parallel collectives"):
+        check_options(seq_len=16, batch=2, tensor_overlap=True)

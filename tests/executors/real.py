@@ -45,16 +45,18 @@ def traced(path: str, seq_len: int):
 
 def real_plan(name: str, *, stages: int, microbatches: int, slices: str, schedule: str, seq_len: int = 16,
               batch: int = 4, dp: int = 1, path: str | None = None, ranks: int | None = None,
-              recompute: str | dict = "none", tensor: int = 1, sequence: bool = False) -> Plan:
+              recompute: str | dict = "none", tensor: int = 1, sequence: bool = False,
+              overlap: bool = False) -> Plan:
     """A verified plan for tiny_NAME.py (or the model file `path`). `ranks`: put the stages on
     that many pipeline ranks in the schedule's placement (several chunks per rank); `recompute`:
     'none', 'full', or a choice per stage; `tensor`: each stage split over that many tensor
-    ranks (the mesh's tensor axis, format version 4); `sequence`: with sequence parallelism."""
+    ranks (the mesh's tensor axis, format version 4); `sequence`: with sequence parallelism;
+    `overlap`: the forwards of slice pairs brought together (`--tensor-overlap`)."""
     path = path or model_file(name)
     model, sliced, vocab = traced(path, seq_len)
     opts = check_options(stages=str(stages), microbatches=microbatches, seq_len=seq_len, batch=batch,
                          slices=slices, schedule=schedule, dp=dp, ranks=None, tensor=tensor,
-                         sequence_parallel=sequence)
+                         sequence_parallel=sequence, tensor_overlap=overlap)
     ranges = [tuple(r) for r in sliced.partition_by_params(stages)]
     header = build_header(model_path=path, sha256=file_sha256(path), factory="model", opts=opts, vocab=vocab,
                           unit_labels=sliced.unit_labels, ranges=ranges, ties=sliced.ties(ranges))
@@ -62,7 +64,7 @@ def real_plan(name: str, *, stages: int, microbatches: int, slices: str, schedul
         header = place(header, PLACEMENTS[placement_of(schedule)](stages, ranks))
     compute = build_schedule(schedule, header)
     choice = uniform(header, recompute) if isinstance(recompute, str) else recompute
-    return lower(header, apply_recompute(compute, choice))
+    return lower(header, apply_recompute(compute, choice), pairs=overlap)
 
 
 def fresh_model(name: str, seq_len: int = 16):

@@ -23,6 +23,7 @@ from tpc.executors.training.export import export_state_dict
 from tpc.executors.training.run_checkpoints import RunCheckpoints
 from tpc.executors.training.optimizer import OptimSpec
 from tpc.ir.diagnostics import TpirError
+from tpc.ir.nodes import Op
 
 TOL = 1e-5
 SEQ = 16
@@ -90,6 +91,43 @@ def test_interpreter_matches_autograd(name, case, configs):
     worst, where = gradient_error(result.first_grads, ref_grads)
     assert worst <= TOL, (worst, where)
     assert abs(result.losses[0] - ref_loss) <= TOL * abs(ref_loss)
+
+
+def _has_pairs(plan) -> bool:
+    """Some rank's stream holds the forwards of slices i and i + 1 of a stage side by side."""
+    return any(a.op is Op.FORWARD and b.op is Op.FORWARD and b.key == (a.stage, a.mb, a.slice + 1)
+               for prog in plan.ranks for a, b in zip(prog.instrs, prog.instrs[1:]))
+
+
+@pytest.mark.parametrize("sequence", [False, True], ids=["tp", "tp-sp"])
+@pytest.mark.parametrize("name", MODELS)
+def test_slice_pairs_overlapping_their_collectives_compute_what_the_plain_plan_computes(name, sequence, configs):
+    """`--tensor-overlap`: the interpreter runs each pair of forwards as one program (counted);
+    two clipped steps' losses, gradients and weights equal the plain plan's, bit for bit."""
+    from tpc.executors.stage_runtime import StageRuntime
+
+    kw = dict(stages=2, microbatches=2, slices="4,4,4,4", schedule="terapipe", tensor=2, sequence=sequence)
+    plain, paired = plan_for(name, configs, **kw), plan_for(name, configs, overlap=True, **kw)
+    assert _has_pairs(paired) and not _has_pairs(plain)
+    runs, pairs = [], []
+    original = StageRuntime.forward_pair
+
+    def counted(self, *a, **k):
+        pairs.append(a[:2])
+        return original(self, *a, **k)
+
+    for plan in (plain, paired):
+        model, sliced = fresh(name, configs)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(StageRuntime, "forward_pair", counted)
+            runs.append(interpret(plan, RunOptions(steps=2, grad_clip=0.5), model=model, sliced=sliced))
+    # 2 stages x 2 micro-batches x 2 pairs, on each of 2 tensor ranks, in each of 2 steps
+    assert len(pairs) == 32
+    assert runs[0].losses == runs[1].losses
+    for n, g in runs[0].first_grads.items():
+        assert torch.equal(g, runs[1].first_grads[n]), n
+    for n, w in runs[0].state_dict.items():
+        assert torch.equal(w, runs[1].state_dict[n]), n
 
 
 @pytest.mark.parametrize("schedule,stages,slices", [("interleaved", 4, "3"), ("chimera", 2, "2")])
@@ -176,15 +214,15 @@ def test_what_a_tensor_axis_does_not_run_is_refused_before_any_step(how, expect)
 # ------------------------------------------------------------------------------- torchrun
 
 
-TORCHRUN = {  # case: (model, stages, slices, schedule, data replicas, sequence parallelism)
-    "nanogpt": ("nanogpt", 2, "2,9,5", "seq1f1b", 1, False),
-    "hf-llama": ("hf-llama", 2, "1", "1f1b", 1, False),
-    "hf-gpt2": ("hf-gpt2", 2, "3", "seq1f1b", 1, False),
-    "llama": ("llama", 2, "2,9,5", "seq1f1b", 2, False),  # 8 processes
-    "nanogpt-sp": ("nanogpt", 2, "4,8,4", "seq1f1b", 1, True),
-    "hf-gpt2-sp": ("hf-gpt2", 2, "4", "gpipe", 2, True),  # 8 processes; Conv1D flattens the tokens
-    "hf-llama-sp": ("hf-llama", 2, "1", "1f1b", 1, True),
-    "llama-sp": ("llama", 2, "4,8,4", "seq1f1b", 1, True),
+TORCHRUN = {  # case: (model, stages, slices, schedule, data replicas, sequence parallelism, --tensor-overlap)
+    "nanogpt": ("nanogpt", 2, "2,9,5", "seq1f1b", 1, False, False),
+    "hf-llama": ("hf-llama", 2, "1", "1f1b", 1, False, False),
+    "hf-gpt2": ("hf-gpt2", 2, "3", "seq1f1b", 1, False, False),
+    "llama-overlap": ("llama", 2, "2,9,5", "terapipe", 2, False, True),  # 8 processes
+    "nanogpt-sp": ("nanogpt", 2, "4,8,4", "seq1f1b", 1, True, False),
+    "hf-gpt2-sp": ("hf-gpt2", 2, "4", "gpipe", 2, True, False),  # 8 processes; Conv1D flattens the tokens
+    "hf-llama-sp": ("hf-llama", 2, "1", "1f1b", 1, True, False),
+    "llama-sp-overlap": ("llama", 2, "4,4,4,4", "terapipe", 1, True, True),
 }
 
 
@@ -193,9 +231,10 @@ def test_torchrun_gloo_matches_autograd_and_the_interpreter(case, configs, tmp_p
     """`tpc run` under torchrun, one process per (tensor, pipe, data) rank: --verify-grads on
     the first step, the losses of 3 steps with clipping equal to the interpreter's, and the
     checkpoint each process wrote its parts into, exported whole, the interpreter's weights."""
-    name, stages, slices, schedule, dp, sequence = TORCHRUN[case]
+    name, stages, slices, schedule, dp, sequence, overlap = TORCHRUN[case]
     plan = plan_for(name, configs, stages=stages, microbatches=2, slices=slices, schedule=schedule, dp=dp, tensor=2,
-                    sequence=sequence)
+                    sequence=sequence, overlap=overlap)
+    assert overlap == _has_pairs(plan)
     rows = torchrun_verified(plan, tmp_path)
     model, sliced = fresh(name, configs)
     res = interpret(plan, RunOptions(steps=3, grad_clip=0.5), model=model, sliced=sliced)

@@ -33,10 +33,11 @@ def on_threads(degree: int, fn) -> list:
     return results
 
 
-def rank_stages(sm: SlicedModel, ranges, degree: int):
+def rank_stages(sm: SlicedModel, ranges, degree: int, sequence: bool = False):
     """stages[rank][stage]: every rank's module of every unit range, rank r on group handle r."""
     groups = thread_groups(degree)
-    return [[shard_stage(sm, lo, hi, degree, r, groups[r]) for lo, hi in ranges] for r in range(degree)]
+    return [[shard_stage(sm, lo, hi, degree, r, groups[r], sequence=sequence) for lo, hi in ranges]
+            for r in range(degree)]
 
 
 def whole_step(sm: SlicedModel, ids, targets, degree: int):
@@ -54,20 +55,35 @@ def whole_step(sm: SlicedModel, ids, targets, degree: int):
     return losses, _joined(stages)
 
 
-def sliced_step(sm: SlicedModel, ranges, ids, targets, lens, degree: int):
+def sliced_step(sm: SlicedModel, ranges, ids, targets, lens, degree: int, pairs: bool = False,
+                sequence: bool = False, capacity: int | None = None):
     """Loss (per rank), full gradients, and the stages, of one step run stage after stage, slice
-    by slice through `StageRuntime` (each rank's KV caches hold its own heads)."""
-    stages = rank_stages(sm, ranges, degree)
+    by slice through `StageRuntime` (each rank's KV caches hold its own heads). `pairs`: slices
+    0 and 1, 2 and 3, ... run as one program each (`StageRuntime.forward_pair`). `sequence`:
+    with sequence parallelism (a stage after the first takes the rank's part of the tokens)."""
+    stages = rank_stages(sm, ranges, degree, sequence)
     offsets = [sum(lens[:i]) for i in range(len(lens))]
 
     def run(r):
         runtimes = [StageRuntime(m, 1.0 / targets.numel()) for m in stages[r]]
         acts = {}
+
+        def inputs(s, i, rt):
+            off, ln = offsets[i], lens[i]
+            x = ids[:, off:off + ln] if s == 0 else acts[(s - 1, i)]
+            return x, off, targets[:, off:off + ln] if rt.module.is_last else None
+
         for s, rt in enumerate(runtimes):
-            for i, (off, ln) in enumerate(zip(offsets, lens)):
-                x = ids[:, off:off + ln] if s == 0 else acts[(s - 1, i)]
-                tg = targets[:, off:off + ln] if rt.module.is_last else None
-                acts[(s, i)] = rt.forward(0, i, x, off, tg)
+            i = 0
+            while i < len(lens):
+                if pairs and i + 1 < len(lens):
+                    (xa, oa, ta), (xb, ob, tb) = inputs(s, i, rt), inputs(s, i + 1, rt)
+                    acts[(s, i)], acts[(s, i + 1)] = rt.forward_pair(0, i, (xa, xb), (oa, ob), (ta, tb), capacity)
+                    i += 2
+                    continue
+                x, off, tg = inputs(s, i, rt)
+                acts[(s, i)] = rt.forward(0, i, x, off, tg, capacity=capacity)
+                i += 1
         loss = sum(float(acts[(len(runtimes) - 1, i)]) for i in range(len(lens)))
         grads = {}
         for s in reversed(range(len(runtimes))):
