@@ -1,6 +1,7 @@
 """The first-GPU checklist of docs/training.md in one run: plans through NCCL with the gradient
 check (fp32 and bf16), the reference interpreter on CUDA, (unless --no-slicing)
-bench/gpu_slicing.py, (unless --no-ssm) bench/ssm_slicing.py, and (unless --no-score-transforms)
+bench/gpu_slicing.py, (unless --no-ssm) bench/ssm_slicing.py, (unless --no-overlap)
+bench/tensor_overlap.py on 2 ranks, and (unless --no-score-transforms)
 bench/score_transforms.py in fp32 and
 bf16: the written-out soft-capping and sink attention against FlexAttention, forward and
 backward, compiled (on the CPU: fp32, --quick). Prints one line per check and a Markdown table for docs/benchmarks.md.
@@ -56,8 +57,10 @@ PLANS = {
     "1f1b-tp2": dict(stages=2, tensor=2, schedule="1f1b"),
     # and with sequence parallelism: the messages a rank's half of each slice's tokens
     "seq1f1b-tp2-sp": dict(stages=2, tensor=2, sequence_parallel=True),
+    # slice pairs whose forward collectives overlap the other slice's compute (--tensor-overlap)
+    "terapipe-tp2-overlap": dict(stages=2, tensor=2, schedule="terapipe", slices=4, tensor_overlap=True),
 }
-BF16 = ("seq1f1b", "interleaved", "1f1b-tp2")
+BF16 = ("seq1f1b", "interleaved", "1f1b-tp2", "terapipe-tp2-overlap")
 BF16_TOLERANCE = "5e-2"
 
 
@@ -159,6 +162,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-ssm", action="store_true", help="skip bench/ssm_slicing.py")
     ap.add_argument("--score-args", default="",
                     help="further arguments of bench/score_transforms.py (default: none; on the CPU --quick)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="skip bench/tensor_overlap.py (a tensor group of 2, slice pairs against plain)")
+    ap.add_argument("--overlap-args", default="--steps 4 --repeats 3", help="arguments of bench/tensor_overlap.py")
     ap.add_argument("--no-library", action="store_true",
                     help="skip the library's own training loop (examples/library_loop.py on 2 ranks)")
     args = ap.parse_args(argv)
@@ -227,6 +233,14 @@ def main(argv=None) -> int:
         print(f"\n# examples/library_loop.py (import tpc, 2 ranks): {'ok' if code == 0 else f'exit {code}'}; "
               + " | ".join(last), flush=True)
         failed += [["library_loop"]] if code != 0 else []
+    if not args.no_overlap:  # one slice's tensor collectives under the next slice's compute
+        code, text = launch_ranks(2, ["bench/tensor_overlap.py", "--device", args.device,
+                                      *args.overlap_args.split()], args.device, gpus, out / "tensor_overlap.log",
+                                  args.limit, args.nodes)
+        lines = [ln for ln in text.splitlines() if ln.startswith(("GPT ", "  plain", "  paired", "paired / plain"))]
+        print("\n# bench/tensor_overlap.py (2 ranks): " + ("ok" if code == 0 else f"exit {code}"), flush=True)
+        print("\n".join(lines), flush=True)
+        failed += [["tensor_overlap"]] if code != 0 else []
     if not args.no_slicing:
         for extra in ([], ["--compile"]):  # eager, then every stage's programs compiled
             print("\n# bench/gpu_slicing.py " + " ".join([args.slicing_args, *extra]), flush=True)

@@ -538,12 +538,14 @@ class Evaluation(Pass):
     changes_plan = True
     comm: CommRules = DEFAULT_COMM
     exchanges: Exchanges = DEFAULT_EXCHANGES
+    pairs: bool = False  # --tensor-overlap: the forwards of slice pairs brought together
 
     def run(self, state, note):
         from tpc.compiler.lowering.eval_program import eval_program
 
         plan = state.plan
-        ev = eval_program(plan.header, state.eval_microbatches, self.comm, self.exchanges)
+        pairs = self.pairs and plan.header.mesh.tensor > 1
+        ev = eval_program(plan.header, state.eval_microbatches, self.comm, self.exchanges, pairs)
         plan = dataclasses.replace(plan, eval=ev)
         note(f"forward only, {sum(len(p.instrs) for p in ev.ranks)} instructions")
         return state.but(plan=plan)
@@ -603,7 +605,7 @@ def written(plan: Plan, output: str) -> str:
 
 def back_passes(comm: CommRules, exchanges: Exchanges = DEFAULT_EXCHANGES, pairs: bool = False) -> list[Pass]:
     """After the header: self-check, schedule, lower, eval (recompute goes before lower)."""
-    return [SelfCheck(), Schedule(), Lower(comm, exchanges, pairs), Evaluation(comm, exchanges)]
+    return [SelfCheck(), Schedule(), Lower(comm, exchanges, pairs), Evaluation(comm, exchanges, pairs)]
 
 
 def compile_passes(options: CompileOptions, split=None) -> list[Pass]:

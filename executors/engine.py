@@ -509,7 +509,7 @@ class RankEngine:
         """The next instruction, when it is the forward of the next slice of the same stage and
         micro-batch and the two run as one program whose collectives overlap the other slice's
         compute (a tensor axis, `StageRuntime.forward_pair`), else None."""
-        if self.tensor is None or self.forward_only or instr.checkpoint or self.pc + 1 >= len(self.instrs):
+        if self.tensor is None or instr.checkpoint or self.pc + 1 >= len(self.instrs):
             return None
         nxt = self.instrs[self.pc + 1]
         s, m, i = instr.key
@@ -532,8 +532,9 @@ class RankEngine:
             if self.before_instr is not None:
                 self.before_instr(self, self.pc + 1)
             (xa, oa, ta, _), (xb, ob, tb, _) = self._forward_inputs(instr, stage), self._forward_inputs(nxt, stage)
+            run = stage.runtime.evaluate_pair if self.forward_only else stage.runtime.forward_pair
             with self.compute_context():
-                outs = stage.runtime.forward_pair(m, i, (xa, xb), (oa, ob), (ta, tb), capacity)
+                outs = run(m, i, (xa, xb), (oa, ob), (ta, tb), capacity)
             for j, out in zip((i, i + 1), outs):
                 self._forward_output(s, m, j, out)
             self.paired = True

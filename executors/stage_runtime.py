@@ -137,8 +137,9 @@ class _PairCache:
     cached tensors to (`write`: appended to the micro-batch's cache at once) and takes slice
     a + 1's prefixes from (`prefix`: leaves viewing the cache, a's tokens included)."""
 
-    def __init__(self, runtime: "StageRuntime", mb: int, capacity: int | None):
+    def __init__(self, runtime: "StageRuntime", mb: int, capacity: int | None, leaves: bool = True):
         self.runtime, self.cache, self.capacity = runtime, runtime._caches[mb], capacity
+        self.as_leaves = leaves  # prefixes as leaves that require grad (training), else plain views
         n = runtime.module.num_kv
         self.starts: list = [None] * n
         self.leaves: list = [None] * n
@@ -148,7 +149,8 @@ class _PairCache:
 
     def prefix(self, t: int) -> torch.Tensor:
         self.starts[t] = self.cache.filled[t]
-        self.leaves[t] = leaf = _leaf(self.runtime._prefix_view(self.cache, t, self.cache.filled[t]))
+        view = self.runtime._prefix_view(self.cache, t, self.cache.filled[t])
+        self.leaves[t] = leaf = _leaf(view) if self.as_leaves else view
         return leaf
 
 
@@ -233,8 +235,6 @@ class StageRuntime:
         collectives of each run while the other computes (`compiler/tensor/overlap.py`); the
         same values, caches and autograd graphs as `forward` twice. Returns the two detached
         activations to send (or scaled losses)."""
-        if not self.pairs():
-            raise RuntimeError(f"stage {self.module.lo}:{self.module.hi} cannot run two slices as one program")
         for i in (sl, sl + 1):
             if (mb, i) in self._slices:
                 raise RuntimeError(f"forward of micro-batch {mb} slice {i} already ran on stage "
@@ -243,36 +243,10 @@ class StageRuntime:
             if (mb, i) not in self._slices:
                 raise RuntimeError(f"forward of micro-batch {mb} slice {sl} needs the KV cache of slice {i}, "
                                    f"whose forward has not run (or was freed) on stage {self.module.lo}:{self.module.hi}")
-        if self.module.is_last and any(t is None for t in targets):
-            raise RuntimeError(f"the last stage needs targets for micro-batch {mb} slices {sl}, {sl + 1}")
-        if self._pair_fn is None:
-            from tpc.compiler.tensor.overlap import compile_program, paired_program
-
-            m = self.module
-            self._pair_fn, _ = compile_program(paired_program(m.graph, m.num_kv),
-                                               f"<tpc stage {m.lo}:{m.hi}, two slices>")
-        parts = getattr(self.module, "token_parts", 1)
         xs = tuple(x if self.module.is_first else x.detach().requires_grad_(True) for x in xs)
-        if mb not in self._caches:
-            n = self.module.num_kv
-            self._caches[mb] = _Cache([None] * n, 0, base=[0] * n, filled=[0] * n)
-        cache = self._caches[mb]
-        a = _Slice(mb, xs[0], int(offsets[0]), targets[0], cache.length, xs[0].size(1) * parts)
-        b = _Slice(mb, xs[1], int(offsets[1]), targets[1], cache.length + a.length, xs[1].size(1) * parts)
-        a.starts = list(cache.filled)
-        if a.start:
-            a.prefix = prefix = [_leaf(p) for p in self._prefix(a)]
-        else:
-            a.prefix, prefix = [], self._empty_kv(a.x.size(0), a.x.device)
-        sink = _PairCache(self, mb, capacity)
-        loss = self.module.has_loss
-        args = [a.x, a.offset, *prefix, *([a.targets] if loss else []), b.x, b.offset, *([b.targets] if loss else []),
-                sink]
-        with torch.enable_grad():
-            outs = self._pair_fn(self.module, *args)
+        a, b, outs, sink = self._run_pair(mb, xs, offsets, targets, capacity, grad=True)
         n = self.module.num_kv
         ya, kva, yb, kvb = outs[0], list(outs[1:1 + n]), outs[1 + n], list(outs[2 + n:])
-        cache.length += a.length
         b.starts, b.prefix = list(sink.starts), sink.leaves
         self._append(mb, kvb, capacity, b.length)
         for rec, y, kv in ((a, ya, kva), (b, yb, kvb)):
@@ -280,6 +254,56 @@ class StageRuntime:
             rec.y, rec.kv_out = self._output(y), kv
         self._slices[(mb, sl)], self._slices[(mb, sl + 1)] = a, b
         return self._scaled(ya).detach(), self._scaled(yb).detach()
+
+    def evaluate_pair(self, mb: int, sl: int, xs: tuple, offsets: tuple, targets: tuple, capacity: int):
+        """`evaluate` of slices sl and sl + 1 as one program (`forward_pair`, no autograd)."""
+        done = self._evaluated.get(mb, 0)
+        if sl != done:
+            raise RuntimeError(f"forward of micro-batch {mb} slice {sl} needs the KV cache of slices "
+                               f"0..{sl - 1}; {done} have run on stage {self.module.lo}:{self.module.hi}")
+        with torch.no_grad():
+            a, b, outs, _ = self._run_pair(mb, xs, offsets, targets, capacity, grad=False)
+            n = self.module.num_kv
+            self._append(mb, list(outs[2 + n:]), capacity, b.length)
+        self._evaluated[mb] = sl + 2
+        return self._scaled(outs[0]), self._scaled(outs[1 + n])
+
+    def _run_pair(self, mb: int, xs: tuple, offsets: tuple, targets: tuple, capacity: int, grad: bool):
+        """The program of two slices (`forward_pair`): their records, its outputs (a's, then
+        b's: y and the cached tensors each) and the cache it wrote a's tensors to. a's tensors
+        are in the micro-batch's cache when it returns; b's are not."""
+        if not self.pairs():
+            raise RuntimeError(f"stage {self.module.lo}:{self.module.hi} cannot run two slices as one program")
+        if self.module.is_last and any(t is None for t in targets):
+            raise RuntimeError(f"the last stage needs targets for micro-batch {mb}")
+        if self._pair_fn is None:
+            from tpc.compiler.tensor.overlap import compile_program, paired_program
+
+            m = self.module
+            self._pair_fn, _ = compile_program(paired_program(m.graph, m.num_kv),
+                                               f"<tpc stage {m.lo}:{m.hi}, two slices>")
+        parts = getattr(self.module, "token_parts", 1)
+        if mb not in self._caches:
+            n = self.module.num_kv
+            self._caches[mb] = _Cache([None] * n, 0, base=[0] * n, filled=[0] * n)
+        cache = self._caches[mb]
+        a = _Slice(mb, xs[0], int(offsets[0]), targets[0], cache.length, xs[0].size(1) * parts)
+        b = _Slice(mb, xs[1], int(offsets[1]), targets[1], cache.length + a.length, xs[1].size(1) * parts)
+        a.starts = list(cache.filled)
+        if not a.start:
+            a.prefix, prefix = [], self._empty_kv(a.x.size(0), a.x.device)
+        elif grad:
+            a.prefix = prefix = [_leaf(p) for p in self._prefix(a)]
+        else:
+            prefix = self._prefix(a)
+        sink = _PairCache(self, mb, capacity, leaves=grad)
+        loss = self.module.has_loss
+        args = [a.x, a.offset, *prefix, *([a.targets] if loss else []), b.x, b.offset, *([b.targets] if loss else []),
+                sink]
+        with torch.set_grad_enabled(grad):
+            outs = self._pair_fn(self.module, *args)
+        cache.length += a.length
+        return a, b, outs, sink
 
     def evaluate(self, mb: int, sl: int, x: torch.Tensor, offset: int, targets=None,
                  capacity: int | None = None, documents=None) -> torch.Tensor:

@@ -33,12 +33,10 @@ from tpc.compiler.lowering.lower import (
     insert_free_kv,
     insert_loads,
     order_exchanges,
+    pair_forwards,
 )
 from tpc.ir.nodes import EvalProgram, Header, Instr, Microbatch, Op, RankProgram
 from tpc.ir.semantics import DEFAULT_COMM, NCCL, CommRules
-
-EVAL_PASSES = (insert_loads, insert_comm, insert_free_kv)
-
 
 def forward_order(header: Header) -> dict[int, list[Instr]]:
     """Each rank's forwards: by the pipeline step g + s at which slice g reaches stage s, then
@@ -57,20 +55,24 @@ def forward_order(header: Header) -> dict[int, list[Instr]]:
 
 
 def eval_program(header: Header, microbatches: Sequence[Microbatch] | None = None,
-                 comm: CommRules = DEFAULT_COMM, exchanges: Exchanges = DEFAULT_EXCHANGES) -> EvalProgram:
+                 comm: CommRules = DEFAULT_COMM, exchanges: Exchanges = DEFAULT_EXCHANGES,
+                 pairs: bool = False) -> EvalProgram:
     """The evaluation program of `header`'s mesh and stages, over `microbatches` (default: the
     training program's), on replica 0 of stages with weight replicas, for backend `comm`:
     under NCCL's rendezvous rules a rank holding several stages can wait on a neighbour that
     waits on it (rank 0 sends stage 0's output while rank 1 sends stage 1's back to rank 0),
     so, as in training, `insert_exchanges` pairs those sends and receives (and with
-    `exchanges=ORDERED`, `order_exchanges` writes them as single operations)."""
+    `exchanges=ORDERED`, `order_exchanges` writes them as single operations). `pairs`
+    (`--tensor-overlap`): the forwards of slice pairs brought together (`pair_forwards`), as in
+    training."""
     mbs = tuple(microbatches) if microbatches is not None else header.microbatches
     # the evaluation runs on replica 0's pipeline (rule E1), where its loss is summed
     mbs = tuple(dataclasses.replace(m, replica=0) if m.replica else m for m in mbs)
     eval_header = dataclasses.replace(header, microbatches=mbs)
     streams = {r: tuple(v) for r, v in forward_order(eval_header).items()}
     nccl = (insert_exchanges,) + ((order_exchanges,) if Exchanges.of(exchanges) is Exchanges.ORDERED else ())
-    for run in EVAL_PASSES + (nccl if comm == NCCL else ()):
+    passes = (insert_loads, insert_comm) + ((pair_forwards,) if pairs else ()) + (insert_free_kv,)
+    for run in passes + (nccl if comm == NCCL else ()):
         streams = run(eval_header, streams)
     last = header.stage_ranks(header.num_stages - 1)[0]
     if header.mesh.data > 1:

@@ -3,14 +3,17 @@
 A `TensorGroup` is the T ranks of one tensor-parallel group, seen from one of them (`rank`,
 `size`) with three out-of-place collectives on tensors: `all_reduce` (sum), `all_gather(dim)`
 (the ranks' tensors concatenated along dim, in rank order) and `reduce_scatter(dim)` (the sum,
-cut along dim into T equal parts, this rank's part). Two groups implement it:
+cut along dim into T equal parts, this rank's part). Each can also be started and waited on
+later (`start_all_reduce`, ...: a `Pending`, whose `result` tensor holds the values once
+`wait()` returned); the blocking forms are a start waited on at once. Two groups implement it:
 
 - `DistGroup`, over a torch.distributed process group (gloo has no reduce-scatter: there it is
   an all-reduce followed by this rank's part);
-- `ThreadGroup`, in one process for T ranks run on T Python threads: each collective puts the
-  rank's tensor in a shared slot, waits at a barrier for all T, and every rank computes the
-  result from the slots in rank order (so all ranks get bit-identical sums), then waits again
-  before the slots are reused. `thread_groups(T)` makes the T ranks' handles.
+- `ThreadGroup`, in one process for T ranks run on T Python threads: each collective is a round,
+  numbered in the order the rank starts it (every rank starts the same collectives in the same
+  order); a rank puts its tensor in the round, and reads the round once all T are there; every
+  rank computes the result from the tensors in rank order, so all ranks get bit-identical sums.
+  `thread_groups(T)` makes the T ranks' handles.
 
 The autograd functions (Megatron's names in brackets):
 
@@ -26,6 +29,10 @@ The autograd functions (Megatron's names in brackets):
 `all_reduce`, `all_gather` and `reduce_scatter` are each other's adjoints, for values that
 differ between ranks; f, g and `gather_from_region` are the cheaper forms Megatron uses where
 the value on one side is known to be replicated (the same on every rank).
+
+`STARTED` maps g, `all_gather` and `reduce_scatter` (the functions whose forward communicates)
+to their started forms, which return (output, `Pending`) at once; `wait(pending)` comes before
+anything reads the output (`overlap.py` places it). Their backward blocks.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from tests.conftest import ROOT
 
 
 TINY_SCORES = "--lengths 16 --offsets 0,16 --heads 2 --head-dim 16 --repeats 1"
+TINY_OVERLAP = "--steps 1 --repeats 1 --width 64 --seq-len 32 --layers 2 --slices 4"
 
 
 def run_checks(tmp_path, *extra: str) -> subprocess.CompletedProcess:
@@ -37,7 +38,8 @@ def rows(text: str) -> dict[tuple[str, str], list[str]]:
 
 
 def test_one_node_and_a_node_per_rank_both_pass_the_gradient_check(tmp_path):
-    for mode, extra in (("node", ["--score-args", TINY_SCORES]), ("nodes", ["--nodes", "--no-score-transforms", "--no-ssm"])):
+    for mode, extra in (("node", ["--score-args", TINY_SCORES, "--overlap-args", TINY_OVERLAP]),
+                        ("nodes", ["--nodes", "--no-score-transforms", "--no-ssm", "--no-overlap"])):
         p = run_checks(tmp_path / mode, "--only", "1f1b", *extra)
         # (the checks' own lines first, then the script's last line naming what failed)
         assert p.returncode == 0, p.stdout[:3000] + "\n...\n" + p.stdout[-300:] + p.stderr[-2000:]
@@ -58,10 +60,14 @@ def test_one_node_and_a_node_per_rank_both_pass_the_gradient_check(tmp_path):
             # a state-space model sliced against the model as written (bench/ssm_slicing.py --quick)
             assert "# bench/ssm_slicing.py --device cpu --quick" in p.stdout, p.stdout[-3000:]
             assert "| mamba2 | 8 slices of 8" in p.stdout, p.stdout[-3000:]
+            # a tensor group of 2 with and without slice pairs (bench/tensor_overlap.py)
+            assert "# bench/tensor_overlap.py (2 ranks): ok" in p.stdout, p.stdout[-3000:]
+            assert "paired / plain: step " in p.stdout, p.stdout[-3000:]
 
 
 def test_a_failing_run_fails_the_script(tmp_path):
     """A tolerance no run can meet: every check fails and the script's status says so."""
-    p = run_checks(tmp_path, "--only", "1f1b", "--tolerance", "1e-12", "--no-score-transforms", "--no-ssm")
+    p = run_checks(tmp_path, "--only", "1f1b", "--tolerance", "1e-12", "--no-score-transforms", "--no-ssm",
+                   "--no-overlap")
     assert p.returncode == 1
     assert all(cells[3] == "exit 1" for cells in rows(p.stdout).values()), p.stdout

@@ -39,7 +39,10 @@ def test_the_pass_lists_the_options_make():
     assert all(p.name and p.summary and "\n" not in p.summary for p in PASSES)
     # the options of a pass are its fields: lowering for the compile's rules
     lower = next(p for p in compile_passes(check_options(**BASE, comm="gloo")) if p.name == "lower")
-    assert lower.comm is GLOO and [f.name for f in dataclasses.fields(lower)] == ["comm", "exchanges"]
+    assert lower.comm is GLOO and [f.name for f in dataclasses.fields(lower)] == ["comm", "exchanges", "pairs"]
+    assert not lower.pairs
+    paired = [p for p in compile_passes(check_options(**BASE, tensor=2, tensor_overlap=True)) if p.name in ("lower", "eval")]
+    assert [p.pairs for p in paired] == [True, True]  # --tensor-overlap: both programs' forwards paired
 
 
 def _dumps(text: str) -> dict[str, str]:

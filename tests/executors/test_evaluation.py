@@ -43,17 +43,18 @@ def val_file(folder: Path, n: int = 2000, vocab: int = 256, meta: dict | None = 
 
 
 def eval_plan(name: str, *, dp: int = 1, eval_slices=None, schedule: str = "seq1f1b", tensor: int = 1,
-              sequence: bool = False):
+              sequence: bool = False, overlap: bool = False):
     """A pp=2 plan of tiny_NAME whose evaluation program has its own slicing: `eval_slices`
-    for each of its micro-batches (None: the training program's micro-batches)."""
+    for each of its micro-batches (None: the training program's micro-batches). `overlap`:
+    `--tensor-overlap`, in both programs."""
     plan = real_plan(name, stages=2, microbatches=2, slices="2", schedule=schedule, dp=dp,
-                     seq_len=SEQ, batch=BATCH, tensor=tensor, sequence=sequence)
+                     seq_len=SEQ, batch=BATCH, tensor=tensor, sequence=sequence, overlap=overlap)
     h = plan.header
     mbs = None
     if eval_slices is not None:
         size = h.replica_batch // len(eval_slices)
         mbs = tuple(Microbatch(index=m, size=size, slices=tuple(s)) for m, s in enumerate(eval_slices))
-    return dataclasses.replace(plan, eval=eval_program(h, mbs))
+    return dataclasses.replace(plan, eval=eval_program(h, mbs, pairs=overlap))
 
 
 def plain_eval_loss(model: torch.nn.Module, batches: EvalBatches) -> float:
@@ -81,6 +82,8 @@ CASES = {
     "pp2xtp2-sliced": dict(name="gpt", tensor=2, eval_slices=THREE),
     # and with sequence parallelism: slices of even lengths, each rank's half of their tokens
     "pp2xtp2-sp-sliced": dict(name="gpt", tensor=2, sequence=True, eval_slices=[[(0, 6), (6, 12), (12, 16)]]),
+    # slice pairs, each one program whose collectives overlap the other slice's compute
+    "pp2xtp2-pairs": dict(name="gpt", tensor=2, overlap=True, eval_slices=[[(0, 4), (4, 8), (8, 12), (12, 16)]]),
 }
 
 
@@ -100,6 +103,33 @@ def test_interpreter_eval_loss_is_plain_pytorch(case, tmp_path):
     trained.load_state_dict(res.state_dict)
     assert abs(res.eval_losses[-1][1] - plain_eval_loss(trained, batches)) <= TOL
     assert res.eval_losses[-1][1] != res.eval_losses[0][1]  # the weights did change
+
+
+def test_the_evaluation_runs_slice_pairs_as_one_program_each_and_computes_what_the_plain_plan_computes(tmp_path):
+    """`--tensor-overlap` in the evaluation program: each pair of forwards is one program
+    (`evaluate_pair`, counted) and the evaluation losses are the plain plan's, bit for bit."""
+    from tpc.executors.stage_runtime import StageRuntime
+
+    four = [[(0, 4), (4, 8), (8, 12), (12, 16)]]
+    batches = EvalBatches(val_file(tmp_path), batch=BATCH, seq=SEQ, vocab=256, count=K)
+    losses, pairs = [], []
+    original = StageRuntime.evaluate_pair
+
+    def counted(self, *a, **k):
+        pairs.append(a[:2])
+        return original(self, *a, **k)
+
+    for overlap in (False, True):
+        model, sliced = fresh_model("gpt")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(StageRuntime, "evaluate_pair", counted)
+            res = interpret(eval_plan("gpt", tensor=2, overlap=overlap, eval_slices=four),
+                            RunOptions(steps=1, eval_every=1, eval_data="val.bin"), model=model, sliced=sliced,
+                            eval_batches=batches)
+        losses.append(res.eval_losses)
+    # 2 evaluations x K batches x 2 stages x 2 pairs x 2 tensor ranks, all in the plan with pairs
+    assert len(pairs) == 2 * K * 2 * 2 * 2
+    assert losses[0] == losses[1]
 
 
 class _Engines(CheckpointHook):
