@@ -179,13 +179,7 @@ class StageRuntime:
         over packed documents, each row's document starts (the micro-batch's load); the slice
         reads only the cached tokens of its own documents, and sends gradients into no other
         (`StageModule.forward`)."""
-        if (mb, sl) in self._slices:
-            raise RuntimeError(f"forward of micro-batch {mb} slice {sl} already ran on stage "
-                               f"{self.module.lo}:{self.module.hi}")
-        for i in range(sl):
-            if (mb, i) not in self._slices:
-                raise RuntimeError(f"forward of micro-batch {mb} slice {sl} needs the KV cache of slice {i}, "
-                                   f"whose forward has not run (or was freed) on stage {self.module.lo}:{self.module.hi}")
+        self._check_forward(mb, sl, 1)
         if self.module.is_last and targets is None:
             raise RuntimeError(f"the last stage needs targets for micro-batch {mb} slice {sl}")
         if self.programs is not None:
@@ -221,6 +215,17 @@ class StageRuntime:
         self._slices[(mb, sl)] = rec
         return self._scaled(y).detach()
 
+    def _check_forward(self, mb: int, sl: int, count: int) -> None:
+        """Slices sl .. sl + count - 1 of micro-batch `mb` have not run, and every earlier one has."""
+        for i in range(sl, sl + count):
+            if (mb, i) in self._slices:
+                raise RuntimeError(f"forward of micro-batch {mb} slice {i} already ran on stage "
+                                   f"{self.module.lo}:{self.module.hi}")
+        for i in range(sl):
+            if (mb, i) not in self._slices:
+                raise RuntimeError(f"forward of micro-batch {mb} slice {sl} needs the KV cache of slice {i}, "
+                                   f"whose forward has not run (or was freed) on stage {self.module.lo}:{self.module.hi}")
+
     def pairs(self) -> bool:
         """Whether two consecutive slices of this stage can run as one interleaved program
         (`forward_pair`): a tensor-parallel stage (whose collectives the pair overlaps) run
@@ -235,14 +240,7 @@ class StageRuntime:
         collectives of each run while the other computes (`compiler/tensor/overlap.py`); the
         same values, caches and autograd graphs as `forward` twice. Returns the two detached
         activations to send (or scaled losses)."""
-        for i in (sl, sl + 1):
-            if (mb, i) in self._slices:
-                raise RuntimeError(f"forward of micro-batch {mb} slice {i} already ran on stage "
-                                   f"{self.module.lo}:{self.module.hi}")
-        for i in range(sl):
-            if (mb, i) not in self._slices:
-                raise RuntimeError(f"forward of micro-batch {mb} slice {sl} needs the KV cache of slice {i}, "
-                                   f"whose forward has not run (or was freed) on stage {self.module.lo}:{self.module.hi}")
+        self._check_forward(mb, sl, 2)
         xs = tuple(x if self.module.is_first else x.detach().requires_grad_(True) for x in xs)
         a, b, outs, sink = self._run_pair(mb, xs, offsets, targets, capacity, grad=True)
         n = self.module.num_kv

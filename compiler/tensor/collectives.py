@@ -387,13 +387,27 @@ def vocab_parallel_embedding(weight, ids, start: int, group: TensorGroup, paddin
     whole embedding and each row's gradient reaches only the rank that holds it. The
     embedding's `padding_idx` (a row of the whole vocabulary; -1: none) gets no gradient from
     the lookup, on the rank that holds it."""
+    return reduce_from_region(vocab_lookup(weight, ids, start, padding_idx), group)
+
+
+def vocab_lookup(weight, ids, start: int, padding_idx: int = -1):
+    """This rank's part of `vocab_parallel_embedding`, before the sum: its rows' lookups, zeros
+    for the ids outside them."""
     n = weight.size(0)
     outside = (ids < start) | (ids >= start + n)
     local = (ids - start).masked_fill(outside, 0)
     # None, not -1: F.embedding reads a negative padding_idx as counted from the last row
     pad = padding_idx - start if padding_idx is not None and start <= padding_idx < start + n else None
-    out = torch.nn.functional.embedding(local, weight, padding_idx=pad).masked_fill(outside.unsqueeze(-1), 0.0)
-    return reduce_from_region(out, group)
+    return torch.nn.functional.embedding(local, weight, padding_idx=pad).masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def column_lookup(weight, positions, start: int, width: int):
+    """A lookup in this rank's columns [start, start + c) of a table of `width` columns (c =
+    weight.size(1)), as a value of the whole width with zeros in the other columns: added to a
+    partial sum before it is summed over the ranks, each column comes from the rank that holds
+    it (a position table folded into the token embedding's sum, `split.py`)."""
+    part = torch.nn.functional.embedding(positions, weight)
+    return torch.nn.functional.pad(part, (start, width - start - weight.size(1)))
 
 
 def vocab_parallel_sum_token_loss(logits, targets, start: int, group: TensorGroup):

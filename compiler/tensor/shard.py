@@ -10,7 +10,10 @@ rewrites it by the split `split.find_split` found:
   (`collectives.reduce_from_region`: all-reduce forward, identity backward), and the bias is
   added to the sum;
 - the token embedding becomes `collectives.vocab_parallel_embedding` (the rank's vocabulary
-  rows, ids outside them looking up zeros, the lookups summed with g);
+  rows, ids outside them looking up zeros, the lookups summed with g); where a position table
+  is folded into it (`SplitPlan.folded`), the token lookup is the rank's partial one
+  (`vocab_lookup`), the position lookup the rank's columns (`column_lookup`), and g follows
+  their add;
 - where the LM head's logits go straight into the loss (the last stage), the loss becomes
   `collectives.vocab_parallel_sum_token_loss`: no rank holds all the logits; where they leave
   the stage (no loss), they are all-gathered over the vocabulary (`gather_from_region`);
@@ -124,6 +127,8 @@ def shard_graph(graph: fx.Graph, plan: SplitPlan, rank: int) -> fx.Graph:
         raise RuntimeError(f"internal: {what} has a symbolic size at the split dimension")
 
     narrowed: dict[fx.Node, fx.Node] = {}  # a replicated k or v -> the one head the rank reads
+    folded_tokens = {tok for tok, _ in plan.folded.values()}
+    folded_positions = {pos for _, pos in plan.folded.values()}
     for n in graph.nodes:
         if n.op == "output":
             env[n] = g.node_copy(n, lambda m: narrowed.get(m, env[m]))
@@ -153,8 +158,17 @@ def shard_graph(graph: fx.Graph, plan: SplitPlan, rank: int) -> fx.Graph:
             vocab = int(n.args[0].meta["val"].shape[0])
             # aten.embedding(weight, ids, padding_idx=-1, ...): the padding row gets no gradient
             pad = n.args[2] if len(n.args) > 2 else n.kwargs.get("padding_idx", -1)
-            new = g.call_function(collectives.vocab_parallel_embedding,
-                                  (w, ids, rank * (vocab // T), group_node(), pad))
+            if n.name in folded_tokens:  # summed after the position table's columns are added
+                new = g.call_function(collectives.vocab_lookup, (w, ids, rank * (vocab // T), pad))
+            else:
+                new = g.call_function(collectives.vocab_parallel_embedding,
+                                      (w, ids, rank * (vocab // T), group_node(), pad))
+        elif n.name in folded_positions:
+            width = int(n.args[0].meta["val"].shape[1])
+            new = g.call_function(collectives.column_lookup,
+                                  (env[n.args[0]], env[n.args[1]], rank * (width // T), width))
+        elif n.name in plan.folded:
+            new = g.call_function(collectives.reduce_from_region, (g.node_copy(n, get), group_node()))
         elif n.name in plan.column:
             a = call_args(n)
             x = a["input"] if name == "linear" else (a["mat1"] if name == "addmm" else n.args[0])

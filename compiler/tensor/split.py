@@ -18,8 +18,12 @@ is read once, in order:
   dimension is **row-parallel**: the weight is split by input columns, each rank's product is a
   partial sum, and the sum over ranks (g) is replicated again; a bias is added after the sum.
 - The **embedding** of the stage's token ids is vocabulary-parallel (rows by vocabulary; ids
-  outside the rank's rows look up zeros; the lookups summed). Other embeddings (learned
-  positions) stay replicated.
+  outside the rank's rows look up zeros; the lookups summed). A learned position table whose
+  lookup is only added to the token embedding (nanoGPT's and GPT-2's `wte(ids) + wpe(pos)`) is
+  split by its columns and folded into that sum (`SplitPlan.folded`): each rank adds its columns
+  of the position lookup (zeros elsewhere) to its token lookup before the one all-reduce, so the
+  table and its optimizer state cost 1/T and nothing more is communicated. Other embeddings stay
+  replicated.
 - The **LM head** (the parameter linear whose output is the logits) is column-parallel over the
   vocabulary. When its logits go straight into the loss, the loss is a vocabulary-parallel
   cross-entropy (`SplitPlan.vocab_loss`: no rank gathers the logits); otherwise (a stage that
@@ -116,6 +120,9 @@ class SplitPlan:
     # the LM head -> the loss that reads its logits directly: the loss is computed on logits
     # split over the vocabulary (absent: the logits are all-gathered)
     vocab_loss: dict[str, str] = field(default_factory=dict)
+    # a position table folded into the token embedding's sum: the add -> (the token
+    # embedding, the position lookup), the table split by columns (module docstring)
+    folded: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def kv_head(self, attention: str, rank: int) -> int:
         """The one key/value head the rank's query heads read, at a replicated-KV attention."""
@@ -208,7 +215,43 @@ class _Finder:
         for n in self.g.nodes:  # every other parameter is replicated
             if n.op == "get_attr" and n.target in self.params and n.target not in self.plan.params:
                 self.plan.params[n.target] = ParamSplit(n.target)
+        if self.T > 1:
+            self.fold_positions()
         return self.plan
+
+    def fold_positions(self) -> None:
+        """Fold each learned position table whose lookup is only added to a token embedding into
+        that embedding's sum (module docstring): the add of the two lookups, each read by the add
+        alone, the table a parameter read by that lookup alone, its width divided by T."""
+        def same_dtype(a: fx.Node) -> bool:
+            dtype, src = a.kwargs.get("dtype"), a.args[0]
+            return dtype is None or (isinstance(src, fx.Node) and src.meta.get("val") is not None
+                                     and src.meta["val"].dtype == dtype)
+
+        def source(a):  # through copies (and casts to the dtype it has) that only the add reads
+            while isinstance(a, fx.Node) and a.op == "call_function" and op_name(a) in _SAME_LAYOUT \
+                    and len(a.users) == 1 and same_dtype(a):
+                a = a.args[0]
+            return a
+
+        for n in self.g.nodes:
+            if n.op != "call_function" or op_name(n) != "add" or len(n.args) != 2 or n.kwargs.get("alpha", 1) != 1:
+                continue
+            a, b = (source(x) for x in n.args)
+            if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+                continue
+            tok, pos = (a, b) if a.name in self.plan.embeddings else (b, a)
+            if tok.name not in self.plan.embeddings or len(tok.users) != 1 or op_name(pos) != "embedding" \
+                    or len(pos.users) != 1 or pos.name in self.plan.values:
+                continue
+            table = self.param(pos.args[0])
+            if table is None or len(table.users) != 1 or self.plan.params[table.target].segments:
+                continue
+            width = int(table.meta["val"].shape[1]) if table.meta.get("val") is not None else 0
+            if not width or width % self.T:
+                continue
+            self.plan.params[table.target] = ParamSplit(table.target, 1, (width,))
+            self.plan.folded[n.name] = (tok.name, pos.name)
 
     def spec(self, a) -> Split | None:
         return self.plan.values.get(a.name) if isinstance(a, fx.Node) else None

@@ -12,6 +12,7 @@ from tests.compiler.frontend.harness import batch, tiny_model
 from tests.compiler.frontend.hf_models import VOCAB, assert_grads_match, hf_model
 from tests.compiler.tensor.tp_harness import sliced_step, whole_step
 from tpc.compiler.frontend import SlicedModel
+from tpc.compiler.tensor import collectives
 from tpc.executors.oracle import reference, relative_error
 
 L = 16
@@ -178,4 +179,36 @@ def test_the_embeddings_padding_row_and_every_rank_s_last_row_train_as_autograd_
     ref = reference(m, ids, targets)
     losses, grads = whole_step(sm, ids, targets, 2)
     assert relative_error(torch.tensor(losses[0]), torch.tensor(ref.loss)) <= 1e-5
+    assert_grads_match(grads, {n: g for n, g in ref.grads.items() if n not in ref.unused})
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "hf-gpt2", "hf-opt"])
+def test_a_learned_position_table_is_split_by_columns_into_the_embeddings_sum(name):
+    """`wte(ids) + wpe(pos)`: the position table is cut by its columns (each rank holds 1/T of
+    it and of its gradient) and its lookup added to the rank's partial token lookup before the
+    embedding's one all-reduce; the loss and every gradient still match autograd, sliced."""
+    if name == "hf-opt":
+        m, vocab = hf_model("opt", "sdpa"), VOCAB
+    else:
+        m, vocab = _model(name)
+    sm = SlicedModel.from_model(m, seq_len=L, vocab=vocab, check_slices=None)
+    ids, targets = batch(vocab, 2, L)
+    ref = reference(m, ids, targets)
+    ranges = [(0, 2), (2, sm.num_units)]
+    losses, grads, stages = sliced_step(sm, ranges, ids, targets, [5, 1, 10], 2)
+    first = stages[0][0]
+    assert len(first.plan.folded) == 1
+    table = next(n for n, s in first.shards.items() if s.dim == 1 and not s.replicated)
+    assert table.endswith(("wpe.weight", "embed_positions.weight"))
+    whole = dict(m.named_parameters())[table]
+    assert [tuple(st[0].shards[table].take(whole, r).shape) for r, st in enumerate(stages)] == \
+        [(whole.size(0), whole.size(1) // 2)] * 2
+    # the embedding's one sum, after the add: the partial token lookup and the rank's columns
+    targets_of = [n.target for n in first.graph.nodes]
+    assert collectives.vocab_parallel_embedding not in targets_of
+    assert targets_of.count(collectives.vocab_lookup) == targets_of.count(collectives.column_lookup) == 1
+    assert any(n.target is collectives.reduce_from_region and n.args[0].target is torch.ops.aten.add.Tensor
+               for n in first.graph.nodes)
+    for loss in losses:
+        assert relative_error(torch.tensor(loss), torch.tensor(ref.loss)) <= 1e-5
     assert_grads_match(grads, {n: g for n, g in ref.grads.items() if n not in ref.unused})
