@@ -284,16 +284,23 @@ def run_tensor_threads(engines: list[RankEngine], groups: list) -> None:
     by_t: dict[int, list[RankEngine]] = {}
     for e in engines:
         by_t.setdefault(e.tensor_rank, []).append(e)
+    _on_threads(sorted(by_t), lambda t: run_cooperatively(by_t[t]), groups)
+
+
+def _on_threads(coordinates, work, groups: list) -> None:
+    """`work(t)` for each tensor coordinate t on a thread of its own; the first failure is
+    raised, after `groups[t]` is broken so that the other threads stop waiting for the failed
+    one."""
     failures: dict[int, BaseException] = {}
 
     def run(t: int) -> None:
         try:
-            run_cooperatively(by_t[t])
+            work(t)
         except BaseException as e:  # noqa: BLE001 - handed to the caller below
             failures[t] = e
             groups[t].abort()
 
-    threads = [threading.Thread(target=run, args=(t,), name=f"tpc-tensor-{t}") for t in sorted(by_t)]
+    threads = [threading.Thread(target=run, args=(t,), name=f"tpc-tensor-{t}") for t in coordinates]
     for th in threads:
         th.start()
     for th in threads:
@@ -405,17 +412,31 @@ class Interpreted:
     def _engines(self, plan: Plan, hubs: list[_Hub], *, evaluation: bool, rendezvous: bool,
                  shared: "InterpretedRanks | None" = None) -> list[RankEngine]:
         mesh = plan.header.mesh.value
-        engines = []
-        for r in mesh.ranks():
+
+        def engine(r: int) -> RankEngine:
             p, d, t = mesh.pipe_rank(r), mesh.data_rank(r), mesh.tensor_rank(r)
             tensor = self._tensor_rank(r, t)
-            engines.append(RankEngine(
+            return RankEngine(
                 plan, p, d, LocalTransport(hubs[t], plan, p, d, rendezvous, tensor_rank=t),
                 self.stages.stages(plan, self._copy(r), evaluation, self.options, tensor=tensor),
                 hidden_size=self.stages.hidden_size(plan), options=self.options, device=self.device,
                 clock=self.clock, optimizer=shared.engines[r].optimizer if shared is not None else None,
-                tensor=tensor))
-        return engines
+                tensor=tensor)
+
+        if mesh.tensor == 1:
+            return [engine(r) for r in mesh.ranks()]
+        # each tensor coordinate's engines on a thread of its own: building one may run its
+        # stages' programs (--compile prepares them before step 1), whose collectives meet the
+        # other coordinates' at the same stage
+        built: dict[int, RankEngine] = {}
+
+        def coordinate(t: int) -> None:
+            for r in mesh.ranks():
+                if mesh.tensor_rank(r) == t:
+                    built[r] = engine(r)
+
+        _on_threads(range(mesh.tensor), coordinate, self.groups)
+        return [built[r] for r in mesh.ranks()]
 
     def build(self, plan: Plan, shared: "InterpretedRanks | None") -> "InterpretedRanks":
         engines = self._engines(plan, self.hubs, evaluation=False, rendezvous=self.rendezvous, shared=shared)

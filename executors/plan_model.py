@@ -126,12 +126,14 @@ class StageSource:
         if tensor is not None and ltd is not None:
             raise TpirError(Diagnostic("random-LTD does not run on a mesh with a tensor axis",
                                        where="--random-ltd", hint="compile the plan without --tensor"))
+        from tpc.executors.engine import programs_for, stage_factory_from_model
+        from tpc.executors.options import RunOptions
+
         if tensor is not None:
             from tpc.executors.tensor_ranks import tensor_stage_factory
 
-            return tensor_stage_factory(self.sliced[plan.header.shape.seq], model_copy, tensor, evaluation)
-        from tpc.executors.engine import programs_for, stage_factory_from_model
-        from tpc.executors.options import RunOptions
+            return tensor_stage_factory(self.sliced[plan.header.shape.seq], model_copy, tensor, evaluation,
+                                        programs=programs_for(plan, options or RunOptions()))
 
         return stage_factory_from_model(self.sliced[plan.header.shape.seq], model_copy, evaluation=evaluation,
                                         programs=programs_for(plan, options or RunOptions()),

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tpc.ir.diagnostics import Diagnostic, TpirError
-from tpc.ir.nodes import Op, Plan
+from tpc.ir.nodes import Plan
 
 
 @dataclass
@@ -61,10 +61,14 @@ class TensorRank:
         return {n for n in names if self.split(n) is None}
 
 
-def tensor_stage_factory(sliced, model_copy: torch.nn.Module, tensor: TensorRank, evaluation: bool = False):
+def tensor_stage_factory(sliced, model_copy: torch.nn.Module, tensor: TensorRank, evaluation: bool = False,
+                         programs=None):
     """The StageFactory of tensor rank `tensor`: each stage the rank's part of units [lo, hi)
     (`compiler.tensor.shard_stage`), its parameters cut from `model_copy`'s (the rank's copy of
-    the model) and shared through `tensor.held`; run eagerly under autograd."""
+    the model) and shared through `tensor.held`; run eagerly under autograd, or, where
+    `programs(stage)` says how (`engine.programs_for`: a split backward, --compile), through the
+    programs traced from the rank's graph, its collectives nodes of their own."""
+    from tpc.compiler.programs.stage_programs import StagePrograms
     from tpc.compiler.tensor.shard import shard_stage
     from tpc.executors.engine import BuiltStage
     from tpc.executors.stage_runtime import StageRuntime
@@ -75,7 +79,9 @@ def tensor_stage_factory(sliced, model_copy: torch.nn.Module, tensor: TensorRank
                              evaluation=evaluation, held=tensor.held, sequence=tensor.sequence)
         tensor.shards.update(module.shards)
         release_whole(model_copy, tensor.held)
-        return BuiltStage(StageRuntime(module, loss_scale, None), list(module.named_parameters()))
+        how = programs(stage) if programs is not None else None
+        return BuiltStage(StageRuntime(module, loss_scale, None if how is None else StagePrograms(module, how)),
+                          list(module.named_parameters()))
 
     return build
 
@@ -92,28 +98,12 @@ def release_whole(model_copy: torch.nn.Module | None, held: dict) -> None:
 
 
 def check_tensor_run(plan: Plan, options, by: str) -> None:
-    """Refuse, before any work, what a tensor axis does not run: the stage programs (`--compile`,
-    and the traced programs a split backward needs: `backward-input` / `backward-weight`), which
-    are not traced through the tensor collectives, and `--shard-optimizer`, whose checkpoints
-    would cut a tensor part into flat ranges."""
+    """Refuse, before any work, what a tensor axis does not run: `--shard-optimizer`, whose
+    checkpoints would cut a tensor part into flat ranges."""
     mesh = plan.header.mesh
     if mesh.tensor == 1:
         return
     where = dict(loc=mesh.loc, where=plan.source)
-    if getattr(options, "compile", False):
-        raise TpirError(Diagnostic(
-            f"{by}: --compile with a tensor axis (mesh {mesh.sizes}): the stage programs are not "
-            "traced through the tensor collectives", **where,
-            hint="drop --compile (a tensor-parallel stage runs eagerly under autograd)"))
-    split = sorted({i.stage for prog in plan.ranks for i in prog.instrs if i.op is Op.BACKWARD_INPUT})
-    if split:
-        raise TpirError(Diagnostic(
-            f"{by}: the plan splits the backward of stage{'s' * (len(split) > 1)} "
-            f"{', '.join(map(str, split))} (backward-input / backward-weight), which runs through the "
-            f"stage programs; with a tensor axis (mesh {mesh.sizes}) they are not traced through the "
-            "tensor collectives", **where,
-            hint="compile the plan with a schedule without a split backward (1f1b, seq1f1b, gpipe, "
-                 "interleaved-1f1b, terapipe, chimera)"))
     if getattr(options, "shard_optimizer", False) and mesh.data > 1:
         raise TpirError(Diagnostic(
             f"{by}: --shard-optimizer with a tensor axis (mesh {mesh.sizes}) is not built", **where,

@@ -31,6 +31,7 @@ distinct slices: one program each).
 from __future__ import annotations
 
 import operator
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,6 +39,13 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
+
+
+# make_fx keeps its tracing state in module globals: one trace at a time in a process (the
+# interpreter runs a tensor group's ranks on threads, each tracing its own part of a stage).
+# Nothing a trace runs communicates (the collectives are operators with fake kernels), so no
+# trace waits for another thread while it holds this.
+_TRACING = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,8 @@ def derive(module, shape: Shape, x: torch.Tensor, prefix: list, targets) -> Prog
 
     primals = ([t.detach().requires_grad_(i in trainable) for i, t in enumerate(state)],
                _leaf(x, 0 in takes_grad), [_leaf(p, i + 1 in takes_grad) for i, p in enumerate(prefix)], targets)
-    gm = make_fx(joint, tracing_mode="fake")(primals, tangents)
+    with _TRACING:
+        gm = make_fx(joint, tracing_mode="fake")(primals, tangents)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # make_fx names them after the arguments (an absent `targets` has a placeholder too: dropped)
     tangent_nodes = [n for n in placeholders if n.name.startswith("tangents")]
@@ -187,8 +196,9 @@ def _forward_only(module, shape, names, state, x, prefix, targets, num_kv) -> Pr
         y, kv = functional_call(module, dict(zip(names, st)), (xx, shape.offset, list(pre), tg), strict=False)
         return [y, *kv]
 
-    with torch.no_grad():
-        gm = make_fx(fwd)([t.detach() for t in state], x.detach(), [p.detach() for p in prefix], targets)
+    with torch.no_grad(), _TRACING:
+        gm = make_fx(fwd, tracing_mode="fake")([t.detach() for t in state], x.detach(),
+                                               [p.detach() for p in prefix], targets)
     # an absent `targets` has a placeholder too: dropped
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][:len(state) + 1 + len(prefix)
                                                                        + (targets is not None)]

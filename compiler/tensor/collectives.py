@@ -146,7 +146,9 @@ class _Slots:
         with self.cv:
             self._check()
             r = self.rounds.setdefault(round_, [[None] * self.size, 0, 0])
-            r[0][rank] = t.detach()
+            # a copy: the rank goes on once it has read the round, and its tensor's memory may be
+            # written again (a compiled program reuses its buffers) while another rank reads it
+            r[0][rank] = t.detach().clone()
             r[1] += 1
             self.cv.notify_all()
 
@@ -246,16 +248,65 @@ def _same(x, group, dim):
     return x.view_as(x)
 
 
+# The blocking collectives as operators of their own (`torch.ops.tpc.tensor_*`), so that a
+# trace of a rank's stage (`compiler/programs/joint.py`: make_fx over fake tensors, then
+# torch.compile) records each as one node that communicates when the program runs, instead of
+# running it while tracing. The group is passed as its number in `_GROUPS` (`group_id`).
+_GROUPS: dict[int, "TensorGroup"] = {}
+
+
+def group_id(group: "TensorGroup") -> int:
+    """The number a program's collective nodes name `group` by (given at first use)."""
+    gid = getattr(group, "_tpc_id", None)
+    if gid is None:
+        gid = len(_GROUPS)
+        group._tpc_id = gid
+        _GROUPS[gid] = group
+    return gid
+
+
+@torch.library.custom_op("tpc::tensor_all_reduce", mutates_args=())
+def tensor_all_reduce(x: torch.Tensor, group: int) -> torch.Tensor:
+    return _GROUPS[group].all_reduce(x)
+
+
+@tensor_all_reduce.register_fake
+def _(x, group):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("tpc::tensor_all_gather", mutates_args=())
+def tensor_all_gather(x: torch.Tensor, dim: int, group: int) -> torch.Tensor:
+    return _GROUPS[group].all_gather(x, dim)
+
+
+@tensor_all_gather.register_fake
+def _(x, dim, group):
+    return x.new_empty(_gathered_shape(x, dim, _GROUPS[group].size))
+
+
+@torch.library.custom_op("tpc::tensor_reduce_scatter", mutates_args=())
+def tensor_reduce_scatter(x: torch.Tensor, dim: int, group: int) -> torch.Tensor:
+    return _GROUPS[group].reduce_scatter(x, dim)
+
+
+@tensor_reduce_scatter.register_fake
+def _(x, dim, group):
+    shape = list(x.shape)
+    shape[dim] //= _GROUPS[group].size
+    return x.new_empty(shape)
+
+
 def _sum(x, group, dim):
-    return group.all_reduce(x)
+    return torch.ops.tpc.tensor_all_reduce(x, group_id(group))
 
 
 def _gather(x, group, dim):
-    return group.all_gather(x, dim)
+    return torch.ops.tpc.tensor_all_gather(x, dim, group_id(group))
 
 
 def _scatter(x, group, dim):
-    return group.reduce_scatter(x, dim)
+    return torch.ops.tpc.tensor_reduce_scatter(x, dim, group_id(group))
 
 
 def _own_part(x, group, dim):
@@ -421,7 +472,7 @@ def vocab_parallel_sum_token_loss(logits, targets, start: int, group: TensorGrou
     tg = targets.reshape(-1)
     n = local.size(-1)
     with torch.no_grad():
-        top = group.all_gather(local.amax(dim=-1, keepdim=True), 1).amax(dim=-1, keepdim=True)  # (N, 1)
+        top = _gather(local.amax(dim=-1, keepdim=True), group, 1).amax(dim=-1, keepdim=True)  # (N, 1)
     shifted = local - top
     sum_exp = reduce_from_region(shifted.exp().sum(dim=-1), group)  # (N,)
     outside = (tg < start) | (tg >= start + n)

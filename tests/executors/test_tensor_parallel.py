@@ -195,20 +195,70 @@ def test_a_rank_holds_its_part_of_the_weights_and_optimizer_state(configs):
         assert 0.5 * whole_optim < optim <= 0.51 * whole_optim, (optim / whole_optim)
 
 
-@pytest.mark.parametrize("how,expect", [
-    ("compile", "--compile with a tensor axis"),
-    ("zero-bubble", "splits the backward of stages 0, 1"),
-    ("shard-optimizer", "--shard-optimizer with a tensor axis"),
-])
-def test_what_a_tensor_axis_does_not_run_is_refused_before_any_step(how, expect):
-    schedule = "zb-h1" if how == "zero-bubble" else "1f1b"
-    dp = 2 if how == "shard-optimizer" else 1
-    plan = real_plan("nanogpt", stages=2, microbatches=2, slices="1", schedule=schedule, seq_len=SEQ, dp=dp, tensor=2)
-    opts = RunOptions(steps=1, compile=how == "compile", shard_optimizer=how == "shard-optimizer")
+def test_what_a_tensor_axis_does_not_run_is_refused_before_any_step():
+    plan = real_plan("nanogpt", stages=2, microbatches=2, slices="1", schedule="1f1b", seq_len=SEQ, dp=2, tensor=2)
     steps = []
     with pytest.raises(TpirError) as e:
-        interpret(plan, opts, on_step=lambda *a: steps.append(a))
-    assert expect in str(e.value) and "mesh pipe 2 data" in str(e.value) and not steps
+        interpret(plan, RunOptions(steps=1, shard_optimizer=True), on_step=lambda *a: steps.append(a))
+    assert "--shard-optimizer with a tensor axis" in str(e.value) and "mesh pipe 2 data" in str(e.value)
+    assert not steps
+
+
+SPLIT = {  # case: (model, schedule, slices, sequence parallelism)
+    "nanogpt-zb-h1": ("nanogpt", "zb-h1", "5,1,10", False),
+    "hf-llama-zbv": ("hf-llama", "zbv", "2", False),
+    "hf-gpt2-zb-h1-sp": ("hf-gpt2", "zb-h1", "4,8,4", True),
+    "llama-seq-zb-sp": ("llama", "seq-zb", "4,8,4", True),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT))
+def test_split_backward_schedules_trace_the_ranks_programs_through_the_collectives(case, configs):
+    """Zero-bubble schedules (backward-input, backward-weight) with a tensor axis: each rank's
+    stage runs the programs traced from its part of the graph, whose collectives are operators
+    of their own (`torch.ops.tpc.tensor_*`); loss and every gradient match autograd."""
+    name, schedule, slices, sequence = SPLIT[case]
+    stages = 4 if schedule == "zbv" else 2
+    plan = plan_for(name, configs, stages=stages, microbatches=2, slices=slices, schedule=schedule, tensor=2,
+                    sequence=sequence, **({"ranks": 2} if schedule == "zbv" else {}))
+    assert any(i.op is Op.BACKWARD_INPUT for prog in plan.ranks for i in prog.instrs)
+    from tpc.compiler.programs import stage_programs
+
+    model, sliced = fresh(name, configs)
+    derived = []
+    original = stage_programs.derive
+
+    def recorded(*a, **k):
+        derived.append(original(*a, **k))
+        return derived[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stage_programs, "derive", recorded)
+        result = interpret(plan, RunOptions(steps=1), model=model, sliced=sliced)
+    ref_loss, ref_grads, _ = reference(name, configs, plan)
+    worst, where = gradient_error(result.first_grads, ref_grads)
+    assert worst <= TOL, (worst, where)
+    assert abs(result.losses[0] - ref_loss) <= TOL * abs(ref_loss)
+    # the collectives are nodes of the traced programs: every forward's g, and f's all-reduce of
+    # an input gradient in the backward's input half
+    def collectives_in(gm):
+        return [n for n in gm.graph.nodes if str(n.target).startswith("tpc.tensor_")]
+
+    assert derived and all(collectives_in(p.forward) for p in derived)
+    assert any(collectives_in(p.backward_input) for p in derived)
+
+
+def test_compiled_programs_with_a_tensor_axis_match_autograd():
+    """`--compile` with a tensor axis: the ranks' programs compiled by inductor (each tensor rank
+    on its thread prepares its programs before step 1, their collectives meeting), zb-h1."""
+    configs = {}
+    plan = plan_for("nanogpt", configs, stages=2, microbatches=2, slices="2", schedule="zb-h1", tensor=2)
+    model, sliced = fresh("nanogpt", configs)
+    result = interpret(plan, RunOptions(steps=1, compile=True), model=model, sliced=sliced)
+    ref_loss, ref_grads, _ = reference("nanogpt", configs, plan)
+    worst, where = gradient_error(result.first_grads, ref_grads)
+    assert worst <= TOL, (worst, where)
+    assert abs(result.losses[0] - ref_loss) <= TOL * abs(ref_loss)
 
 
 # ------------------------------------------------------------------------------- torchrun
@@ -216,7 +266,7 @@ def test_what_a_tensor_axis_does_not_run_is_refused_before_any_step(how, expect)
 
 TORCHRUN = {  # case: (model, stages, slices, schedule, data replicas, sequence parallelism, --tensor-overlap)
     "nanogpt": ("nanogpt", 2, "2,9,5", "seq1f1b", 1, False, False),
-    "hf-llama": ("hf-llama", 2, "1", "1f1b", 1, False, False),
+    "hf-llama-zb-h1": ("hf-llama", 2, "1", "zb-h1", 1, False, False),  # a split backward: traced programs
     "hf-gpt2": ("hf-gpt2", 2, "3", "seq1f1b", 1, False, False),
     "llama-overlap": ("llama", 2, "2,9,5", "terapipe", 2, False, True),  # 8 processes
     "nanogpt-sp": ("nanogpt", 2, "4,8,4", "seq1f1b", 1, True, False),
