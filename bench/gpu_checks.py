@@ -57,6 +57,8 @@ PLANS = {
     "1f1b-tp2": dict(stages=2, tensor=2, schedule="1f1b"),
     # and with sequence parallelism: the messages a rank's half of each slice's tokens
     "seq1f1b-tp2-sp": dict(stages=2, tensor=2, sequence_parallel=True),
+    # a split backward with a tensor axis: each rank's programs traced through its collectives
+    "zb-h1-tp2": dict(stages=2, tensor=2, schedule="zb-h1"),
     # slice pairs whose forward collectives overlap the other slice's compute (--tensor-overlap)
     "terapipe-tp2-overlap": dict(stages=2, tensor=2, schedule="terapipe", slices=4, tensor_overlap=True),
 }
