@@ -94,3 +94,48 @@ def torchrun_verified(plan, tmp_path: Path, steps: int = 3, clip: float = 0.5) -
     assert done.returncode == 0, done.stderr[-3000:]
     assert "verify-grads: loss" in done.stdout and ": ok" in done.stdout, done.stdout[-2000:]
     return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def torchrun_verified_many(plans: dict, tmp_path: Path, steps: int = 3, clip: float = 0.5) -> dict[str, list[dict]]:
+    """`torchrun_verified` of several plans of one world size in one torchrun launch
+    (tests/executors/run_plans.py: each rank runs `tpc run` of each plan in turn, the same
+    arguments as `torchrun_verified`'s): the launch and the imports once. Returns each case's
+    metrics rows; a failure names its case (the first that failed: the later ones do not run)."""
+    import json
+    import subprocess
+
+    from tpc.ir.printer import print_plan
+
+    sizes = {name: plan.header.mesh.value.size for name, plan in plans.items()}
+    assert len(set(sizes.values())) == 1, f"one launch runs plans of one world size: {sizes}"
+    world = next(iter(sizes.values()))
+    cases = []
+    for name, plan in plans.items():
+        path = tmp_path / f"{name}.tpir"
+        path.write_text(print_plan(plan), encoding="utf-8")
+        cases.append(f"{name}={path}")
+    out = tmp_path / "cases"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+           "--master-port", str(free_port()), str(Path(__file__).with_name("run_plans.py")), str(out), *cases, "--",
+           "--steps", str(steps), "--verify-grads", "--grad-clip", str(clip), "--metrics", "{case}/m.jsonl",
+           "--timeout", "60", "--device", "cpu", "--checkpoint-dir", "{case}/ck"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          timeout=300 * len(plans))
+    rows = {}
+    for name in plans:
+        folder = out / name
+
+        def text(rank: int, kind: str) -> str:
+            f = folder / f"rank{rank}.{kind}"
+            return f.read_text() if f.exists() else ""
+
+        status = [text(r, "status") for r in range(world)]
+        assert status == ["0"] * world, (
+            f"case {name}: exit status per rank {status} ('' = did not finish)\n"
+            + "\n".join(f"--- rank {r}\n{text(r, 'out')[-1500:]}{text(r, 'err')[-3000:]}" for r in range(world))
+            + f"\n--- torchrun\n{done.stderr[-2000:]}")
+        shown = "".join(text(r, "out") for r in range(world))
+        assert "verify-grads: loss" in shown and ": ok" in shown, f"case {name}: {shown[-2000:]}"
+        rows[name] = [json.loads(line) for line in (folder / "m.jsonl").read_text().splitlines()]
+    assert done.returncode == 0, done.stderr[-3000:]
+    return rows
