@@ -96,12 +96,14 @@ def torchrun_verified(plan, tmp_path: Path, steps: int = 3, clip: float = 0.5) -
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-def torchrun_verified_many(plans: dict, tmp_path: Path, steps: int = 3, clip: float = 0.5) -> dict[str, list[dict]]:
-    """`torchrun_verified` of several plans of one world size in one torchrun launch
-    (tests/executors/run_plans.py: each rank runs `tpc run` of each plan in turn, the same
-    arguments as `torchrun_verified`'s): the launch and the imports once. Returns each case's
-    metrics rows; a failure names its case (the first that failed: the later ones do not run)."""
-    import json
+
+def torchrun_many(plans: dict, tmp_path: Path, args: list[str]) -> dict[str, str]:
+    """`tpc run PLAN *args` of several plans of one world size in one torchrun launch
+    (tests/executors/run_plans.py: each rank runs `tpc run` of each plan in turn): the launch and
+    the imports once, not once a plan. `{case}` in `args` is the case's own folder,
+    tmp_path/cases/NAME. Asserts that every rank of every case ended with status 0, naming the
+    case that did not (the first that failed: the later ones do not run); returns each case's
+    standard output, every rank's."""
     import subprocess
 
     from tpc.ir.printer import print_plan
@@ -117,11 +119,10 @@ def torchrun_verified_many(plans: dict, tmp_path: Path, steps: int = 3, clip: fl
     out = tmp_path / "cases"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
            "--master-port", str(free_port()), str(Path(__file__).with_name("run_plans.py")), str(out), *cases, "--",
-           "--steps", str(steps), "--verify-grads", "--grad-clip", str(clip), "--metrics", "{case}/m.jsonl",
-           "--timeout", "60", "--device", "cpu", "--checkpoint-dir", "{case}/ck"]
+           *args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
                           timeout=300 * len(plans))
-    rows = {}
+    shown = {}
     for name in plans:
         folder = out / name
 
@@ -134,8 +135,22 @@ def torchrun_verified_many(plans: dict, tmp_path: Path, steps: int = 3, clip: fl
             f"case {name}: exit status per rank {status} ('' = did not finish)\n"
             + "\n".join(f"--- rank {r}\n{text(r, 'out')[-1500:]}{text(r, 'err')[-3000:]}" for r in range(world))
             + f"\n--- torchrun\n{done.stderr[-2000:]}")
-        shown = "".join(text(r, "out") for r in range(world))
-        assert "verify-grads: loss" in shown and ": ok" in shown, f"case {name}: {shown[-2000:]}"
-        rows[name] = [json.loads(line) for line in (folder / "m.jsonl").read_text().splitlines()]
+        shown[name] = "".join(text(r, "out") for r in range(world))
     assert done.returncode == 0, done.stderr[-3000:]
+    return shown
+
+
+def torchrun_verified_many(plans: dict, tmp_path: Path, steps: int = 3, clip: float = 0.5) -> dict[str, list[dict]]:
+    """`torchrun_verified` of several plans of one world size in one torchrun launch
+    (`torchrun_many`, the same arguments as `torchrun_verified`'s; the metrics and the checkpoint
+    in tmp_path/cases/NAME/m.jsonl and ck). Returns each case's metrics rows."""
+    import json
+
+    shown = torchrun_many(plans, tmp_path, [
+        "--steps", str(steps), "--verify-grads", "--grad-clip", str(clip), "--metrics", "{case}/m.jsonl",
+        "--timeout", "60", "--device", "cpu", "--checkpoint-dir", "{case}/ck"])
+    rows = {}
+    for name, text in shown.items():
+        assert "verify-grads: loss" in text and ": ok" in text, f"case {name}: {text[-2000:]}"
+        rows[name] = [json.loads(line) for line in (tmp_path / "cases" / name / "m.jsonl").read_text().splitlines()]
     return rows
