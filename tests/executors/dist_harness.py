@@ -96,14 +96,14 @@ def torchrun_verified(plan, tmp_path: Path, steps: int = 3, clip: float = 0.5) -
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-
-def torchrun_many(plans: dict, tmp_path: Path, args: list[str]) -> dict[str, str]:
+def torchrun_many(plans: dict, tmp_path: Path, args: list[str], nodes: int = 1) -> dict[str, str]:
     """`tpc run PLAN *args` of several plans of one world size in one torchrun launch
     (tests/executors/run_plans.py: each rank runs `tpc run` of each plan in turn): the launch and
     the imports once, not once a plan. `{case}` in `args` is the case's own folder,
-    tmp_path/cases/NAME. Asserts that every rank of every case ended with status 0, naming the
-    case that did not (the first that failed: the later ones do not run); returns each case's
-    standard output, every rank's."""
+    tmp_path/cases/NAME. With `nodes` > 1, that many torchrun agents on this machine act as
+    nodes (c10d rendezvous on localhost), each with its share of the processes. Asserts that
+    every rank of every case ended with status 0, naming the case that did not (the first that
+    failed: the later ones do not run); returns each case's standard output, every rank's."""
     import subprocess
 
     from tpc.ir.printer import print_plan
@@ -117,11 +117,26 @@ def torchrun_many(plans: dict, tmp_path: Path, args: list[str]) -> dict[str, str
         path.write_text(print_plan(plan), encoding="utf-8")
         cases.append(f"{name}={path}")
     out = tmp_path / "cases"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-           "--master-port", str(free_port()), str(Path(__file__).with_name("run_plans.py")), str(out), *cases, "--",
-           *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          timeout=300 * len(plans))
+    port = free_port()
+    where = (["--nproc-per-node", str(world), "--master-port", str(port)] if nodes == 1 else
+             ["--nnodes", str(nodes), "--nproc-per-node", str(world // nodes), "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", f"tpc-{port}", "--max-restarts", "0"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", *where, str(Path(__file__).with_name("run_plans.py")),
+           str(out), *cases, "--", *args]
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=dict(os.environ, OMP_NUM_THREADS="1")) for _ in range(nodes)]
+    codes, errors = [], []
+    try:
+        for a in agents:
+            _, err = a.communicate(timeout=300 * len(plans))
+            codes.append(a.returncode)
+            errors.append(err)
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+                a.communicate()
+    done = subprocess.CompletedProcess(cmd, max(codes), "", "\n".join(errors))
     shown = {}
     for name in plans:
         folder = out / name
