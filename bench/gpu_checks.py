@@ -169,6 +169,9 @@ def main(argv=None) -> int:
     ap.add_argument("--overlap-args", default="--steps 4 --repeats 3", help="arguments of bench/tensor_overlap.py")
     ap.add_argument("--no-library", action="store_true",
                     help="skip the library's own training loop (examples/library_loop.py on 2 ranks)")
+    ap.add_argument("--no-probe", action="store_true", help="skip bench/nccl_probe.py (plain torch's patterns)")
+    ap.add_argument("--no-interpret", action="store_true",
+                    help="skip the reference interpreter's run (it is one process, the same with or without --nodes)")
     args = ap.parse_args(argv)
     at_root()
     import torch
@@ -181,11 +184,13 @@ def main(argv=None) -> int:
               f"{gpus} x {torch.cuda.get_device_name(0)}", flush=True)
     names = [n for n in args.only.split(",") if n] or list(PLANS)
     # plain torch first: can this backend and set-up run the patterns at all (bench/nccl_probe.py)
-    code, text = launch_ranks(2, ["bench/nccl_probe.py", "--device", args.device, "--deadline", f"{args.timeout:g}"],
-                              args.device, gpus, out / "nccl_probe.log", args.limit, args.nodes)
-    probes = [ln.split(None, 1)[1] for ln in text.splitlines() if ln.startswith("nccl_probe ")]
-    print("plain torch: " + ("; ".join(" ".join(p.split()) for p in probes) or f"no result (exit {code})"),
-          flush=True)
+    if not args.no_probe:
+        code, text = launch_ranks(2, ["bench/nccl_probe.py", "--device", args.device, "--deadline",
+                                      f"{args.timeout:g}"], args.device, gpus, out / "nccl_probe.log", args.limit,
+                                  args.nodes)
+        probes = [ln.split(None, 1)[1] for ln in text.splitlines() if ln.startswith("nccl_probe ")]
+        print("plain torch: " + ("; ".join(" ".join(p.split()) for p in probes) or f"no result (exit {code})"),
+              flush=True)
     t0 = time.monotonic()
     plans = compile_all(out, names)
     print(f"compiled {len(plans)} plans in {time.monotonic() - t0:.0f} s", flush=True)
@@ -197,8 +202,8 @@ def main(argv=None) -> int:
                  for n in names if n in BF16]
     # the reference interpreter, every rank in one process, on the one device: the first plan
     first = names[0]
-    interp = [(first, "fp32", ["--tolerance", args.tolerance])]
-    if args.device == "cuda":
+    interp = [] if args.no_interpret else [(first, "fp32", ["--tolerance", args.tolerance])]
+    if args.device == "cuda" and not args.no_interpret:
         interp.append((first, "bf16", ["--bf16", "--tolerance", BF16_TOLERANCE]))
 
     def interpret(n: str, kind: str, extra: list[str]):

@@ -56,13 +56,19 @@ FOUR = [  # pipe 2 x data 2
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory):
-    return _launch(tmp_path_factory, 2, TWO)
+def two_ranks(tmp_path_factory):
+    """TWO and GRID: one launch of two ranks runs both lists."""
+    return _launch(tmp_path_factory, 2, TWO + GRID)
 
 
 @pytest.fixture(scope="module")
-def grid(tmp_path_factory):
-    return _launch(tmp_path_factory, 2, GRID)
+def two(two_ranks):
+    return two_ranks[:len(TWO)]
+
+
+@pytest.fixture(scope="module")
+def grid(two_ranks):
+    return two_ranks[len(TWO):]
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.executors.dist_harness import free_port, tpc_command
+from tests.executors.dist_harness import torchrun_many
 from tests.executors.real import model_file, traced
 from tpc.cli.compile import check_options
 from tpc.compiler.frontend import file_sha256
@@ -29,7 +26,6 @@ from tpc.compiler.schedules import build_schedule
 from tpc.executors.interpreter import interpret
 from tpc.executors.oracle import gradient_error, gradient_floor
 from tpc.executors.options import RunOptions
-from tpc.ir.printer import print_plan
 
 EOS = 2
 SEQ = 16
@@ -223,23 +219,25 @@ def test_plan_and_run_must_agree_on_documents(tmp_path, capsys, monkeypatch):
     assert ": ok" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["nanogpt", "llama", "hf-llama"])
-def test_torchrun_gloo_matches_each_document_alone(tmp_path, tmp_path_factory, name):
+TORCHRUN = {"nanogpt": 3, "llama": 3, "hf-llama": 2}  # model: stages (= processes)
+
+
+@pytest.mark.parametrize("stages", sorted(set(TORCHRUN.values())), ids=lambda n: f"{n}-ranks")
+def test_torchrun_gloo_matches_each_document_alone(tmp_path, tmp_path_factory, stages):
     """Three stages on three processes (a Hugging Face Llama's two layers: two): the middle rank
     loads each micro-batch for its boundaries; --verify-grads compares with the per-document
-    oracle (executors/oracle.py)."""
-    path = hf_llama_file(tmp_path_factory) if name == "hf-llama" else model_file(name)
-    stages = 2 if name == "hf-llama" else 3
-    plan, *_ = document_plan(path, stages=stages, slices="3,5,8", microbatches=2)
-    path = tmp_path / "plan.tpir"
-    path.write_text(print_plan(plan))
+    oracle (executors/oracle.py). The models of one process count share one torchrun launch
+    (dist_harness.torchrun_many); each run is checked on its own, by name."""
+    plans = {}
+    for name in (n for n, s in TORCHRUN.items() if s == stages):
+        path = hf_llama_file(tmp_path_factory) if name == "hf-llama" else model_file(name)
+        plans[name], *_ = document_plan(path, stages=stages, slices="3,5,8", microbatches=2)
     data = _token_file(tmp_path, [[7] * n + [EOS] for n in (3, 9, 1, 6, 4, 11, 2, 7) * 20])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(stages), "--master-port", str(free_port()),
-           "--no-python", tpc_command(), "run", str(path), "--steps", "2", "--verify-grads", "--timeout", "60",
-           "--device", "cpu", "--data", data, "--documents", f"eos:{EOS}"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "verify-grads: loss" in done.stdout and ": ok" in done.stdout, done.stdout[-2000:]
+    shown = torchrun_many(plans, tmp_path, ["--steps", "2", "--verify-grads", "--timeout", "60", "--device", "cpu",
+                                            "--data", data, "--documents", f"eos:{EOS}"])
+    assert set(shown) == set(plans)
+    for name, text in shown.items():
+        assert "verify-grads: loss" in text and ": ok" in text, (name, text[-2000:])
 
 
 def test_finished_documents_leave_the_cache():

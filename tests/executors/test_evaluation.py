@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.executors.dist_harness import free_port, tpc_command
+from tests.executors.dist_harness import torchrun_many
 from tests.executors.real import fresh_model, real_plan
 from tpc.cli.main import main
 from tpc.compiler.lowering.eval_program import eval_program
@@ -244,37 +241,37 @@ def test_bad_validation_input_is_refused_before_training(bad, tmp_path, capsys, 
 # ------------------------------------------------------------------------------- torchrun
 
 
-def _torchrun(tmp_path: Path, plan, world: int, val: str) -> list[dict]:
-    path = _write(tmp_path, plan)
-    metrics = tmp_path / f"m{world}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-port",
-           str(free_port()), "--no-python", tpc_command(), "run", path, "--steps", "2", "--eval-data", val,
-           "--eval-every", "1", "--eval-batches", str(K), "--metrics", str(metrics), "--timeout", "60",
-           "--device", "cpu", "--lr-schedule", "constant"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+TORCHRUN = {  # case: (model, schedule, data replicas, evaluation slices); 2 x replicas processes
+    "pp2-sliced": ("gpt", "seq1f1b", 1, THREE),
+    "pp2xdp2-unsliced": ("gpt", "seq1f1b", 2, [[(0, 16)]]),
+    "pp2-chimera": ("llama", "chimera", 1, THREE),
+}
 
 
-@pytest.mark.parametrize("name,schedule,dp,eval_slices", [("gpt", "seq1f1b", 1, THREE), ("gpt", "seq1f1b", 2, [[(0, 16)]]),
-                                                          ("llama", "chimera", 1, THREE)],
-                         ids=["pp2-sliced", "pp2xdp2-unsliced", "pp2-chimera"])
-def test_torchrun_eval_loss_is_the_interpreters_and_plain_pytorch(name, schedule, dp, eval_slices, tmp_path):
-    plan = eval_plan(name, dp=dp, eval_slices=eval_slices, schedule=schedule)
+@pytest.mark.parametrize("world", sorted({2 * c[2] for c in TORCHRUN.values()}), ids=lambda n: f"{n}-ranks")
+def test_torchrun_eval_loss_is_the_interpreters_and_plain_pytorch(world, tmp_path):
+    """The cases of one world size share one torchrun launch (dist_harness.torchrun_many); each
+    is checked on its own, by name."""
+    cases = {case: c for case, c in TORCHRUN.items() if 2 * c[2] == world}
+    plans = {case: eval_plan(name, dp=dp, eval_slices=eval_slices, schedule=schedule)
+             for case, (name, schedule, dp, eval_slices) in cases.items()}
     val = val_file(tmp_path / "data")
     batches = EvalBatches(val, batch=BATCH, seq=SEQ, vocab=256, count=K)
-    rows = _torchrun(tmp_path, plan, 2 * dp, val)
-    model, sliced = fresh_model(name)
-    res = interpret(plan, RunOptions(steps=2, eval_every=1, eval_data=val, lr_schedule="constant"),
-                    model=model, sliced=sliced, eval_batches=batches)
-    got = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
-    assert [s for s, _ in got] == [s for s, _ in res.eval_losses] == [0, 1, 2]
-    assert all(abs(a - b) <= TOL for (_, a), (_, b) in zip(got, res.eval_losses))
-    assert abs(got[0][1] - plain_eval_loss(fresh_model(name)[0], batches)) <= TOL
-    trained = fresh_model(name)[0]
-    trained.load_state_dict(res.state_dict)
-    assert abs(got[-1][1] - plain_eval_loss(trained, batches)) <= TOL
+    torchrun_many(plans, tmp_path, ["--steps", "2", "--eval-data", val, "--eval-every", "1", "--eval-batches", str(K),
+                                    "--metrics", "{case}/m.jsonl", "--timeout", "60", "--device", "cpu",
+                                    "--lr-schedule", "constant"])
+    for case, (name, *_) in cases.items():
+        rows = [json.loads(line) for line in (tmp_path / "cases" / case / "m.jsonl").read_text().splitlines()]
+        model, sliced = fresh_model(name)
+        res = interpret(plans[case], RunOptions(steps=2, eval_every=1, eval_data=val, lr_schedule="constant"),
+                        model=model, sliced=sliced, eval_batches=batches)
+        got = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+        assert [s for s, _ in got] == [s for s, _ in res.eval_losses] == [0, 1, 2], case
+        assert all(abs(a - b) <= TOL for (_, a), (_, b) in zip(got, res.eval_losses)), (case, got, res.eval_losses)
+        assert abs(got[0][1] - plain_eval_loss(fresh_model(name)[0], batches)) <= TOL, case
+        trained = fresh_model(name)[0]
+        trained.load_state_dict(res.state_dict)
+        assert abs(got[-1][1] - plain_eval_loss(trained, batches)) <= TOL, case
 
 
 @pytest.mark.parametrize("family", ["starcoder2", "lfm2"])

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from tests.executors.dist_harness import torchrun_verified
+from tests.executors.dist_harness import torchrun_verified_many
 from tests.executors.real import model_file, real_plan, traced
 from tpc.executors.interpreter import interpret
 from tpc.executors.oracle import batch_reference, gradient_error
@@ -276,24 +276,40 @@ TORCHRUN = {  # case: (model, stages, slices, schedule, data replicas, sequence 
 }
 
 
-@pytest.mark.parametrize("case", list(TORCHRUN))
-def test_torchrun_gloo_matches_autograd_and_the_interpreter(case, configs, tmp_path):
+def _world(case: str) -> int:  # 2 tensor ranks x the pipe (one stage a rank) x the data replicas
+    _, stages, _, _, dp, _, _ = TORCHRUN[case]
+    return 2 * stages * dp
+
+
+WORLDS = sorted({_world(case) for case in TORCHRUN})
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=[f"{w}-ranks" for w in WORLDS])
+def test_torchrun_gloo_matches_autograd_and_the_interpreter(world, configs, tmp_path):
     """`tpc run` under torchrun, one process per (tensor, pipe, data) rank: --verify-grads on
     the first step, the losses of 3 steps with clipping equal to the interpreter's, and the
-    checkpoint each process wrote its parts into, exported whole, the interpreter's weights."""
-    name, stages, slices, schedule, dp, sequence, overlap = TORCHRUN[case]
-    plan = plan_for(name, configs, stages=stages, microbatches=2, slices=slices, schedule=schedule, dp=dp, tensor=2,
-                    sequence=sequence, overlap=overlap)
-    assert overlap == _has_pairs(plan)
-    rows = torchrun_verified(plan, tmp_path)
-    model, sliced = fresh(name, configs)
-    res = interpret(plan, RunOptions(steps=3, grad_clip=0.5), model=model, sliced=sliced)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert all(abs(r["loss"] - b) <= TOL * b for r, b in zip(rows, res.losses)), (rows, res.losses)
-    exported, meta = export_state_dict(tmp_path / "ck")
-    assert meta["mesh"]["tensor"] == 2 and set(exported) == set(res.state_dict)
-    worst = max((float((exported[k] - w).abs().max()), k) for k, w in res.state_dict.items())
-    assert worst[0] <= TOL, worst
+    checkpoint each process wrote its parts into, exported whole, the interpreter's weights.
+    The cases of one world size share one torchrun launch (each rank runs `tpc run` of each
+    plan in turn: dist_harness.torchrun_verified_many); each is checked on its own, by name."""
+    plans = {}
+    for case in (c for c in TORCHRUN if _world(c) == world):
+        name, stages, slices, schedule, dp, sequence, overlap = TORCHRUN[case]
+        plan = plan_for(name, configs, stages=stages, microbatches=2, slices=slices, schedule=schedule, dp=dp,
+                        tensor=2, sequence=sequence, overlap=overlap)
+        assert overlap == _has_pairs(plan), case
+        assert plan.header.mesh.value.size == world, case
+        plans[case] = plan
+    runs = torchrun_verified_many(plans, tmp_path)
+    for case, plan in plans.items():
+        rows = runs[case]
+        model, sliced = fresh(TORCHRUN[case][0], configs)
+        res = interpret(plan, RunOptions(steps=3, grad_clip=0.5), model=model, sliced=sliced)
+        assert [r["step"] for r in rows] == [1, 2, 3], (case, rows)
+        assert all(abs(r["loss"] - b) <= TOL * b for r, b in zip(rows, res.losses)), (case, rows, res.losses)
+        exported, meta = export_state_dict(tmp_path / "cases" / case / "ck")
+        assert meta["mesh"]["tensor"] == 2 and set(exported) == set(res.state_dict), case
+        worst = max((float((exported[k] - w).abs().max()), k) for k, w in res.state_dict.items())
+        assert worst[0] <= TOL, (case, worst)
 
 
 def test_init_from_gives_each_rank_its_part(configs, tmp_path):
