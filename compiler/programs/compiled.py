@@ -51,13 +51,13 @@ class CompiledProgram:
             from torch._subclasses.fake_tensor import FakeTensorMode
             from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-            from tpc.compiler.programs.joint import _TRACING
+            from tpc.compiler.programs.joint import TRACING
 
             # a tracing context with a shape environment (static: no symbol is made), which
             # inductor's on-disk graph cache needs to key and reuse a compilation; one
             # compilation at a time in a process (inductor traces, as make_fx does), and
             # compiling runs nothing of the program, so no collective waits meanwhile
-            with _TRACING, tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
+            with TRACING, tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
                 self.fn = inductor_compile(self.gm, list(args), options=OPTIONS)
         return self.fn(*args)
 

@@ -45,7 +45,7 @@ from torch.func import functional_call
 # interpreter runs a tensor group's ranks on threads, each tracing its own part of a stage).
 # Nothing a trace runs communicates (the collectives are operators with fake kernels), so no
 # trace waits for another thread while it holds this.
-_TRACING = threading.Lock()
+TRACING = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def derive(module, shape: Shape, x: torch.Tensor, prefix: list, targets) -> Prog
 
     primals = ([t.detach().requires_grad_(i in trainable) for i, t in enumerate(state)],
                _leaf(x, 0 in takes_grad), [_leaf(p, i + 1 in takes_grad) for i, p in enumerate(prefix)], targets)
-    with _TRACING:
+    with TRACING:
         gm = make_fx(joint, tracing_mode="fake")(primals, tangents)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # make_fx names them after the arguments (an absent `targets` has a placeholder too: dropped)
@@ -196,7 +196,7 @@ def _forward_only(module, shape, names, state, x, prefix, targets, num_kv) -> Pr
         y, kv = functional_call(module, dict(zip(names, st)), (xx, shape.offset, list(pre), tg), strict=False)
         return [y, *kv]
 
-    with torch.no_grad(), _TRACING:
+    with torch.no_grad(), TRACING:
         gm = make_fx(fwd, tracing_mode="fake")([t.detach() for t in state], x.detach(),
                                                [p.detach() for p in prefix], targets)
     # an absent `targets` has a placeholder too: dropped
