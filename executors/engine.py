@@ -516,7 +516,7 @@ class RankEngine:
         if nxt.op is not Op.FORWARD or nxt.key != (s, m, i + 1) or nxt.checkpoint:
             return None
         pairs = getattr(stage.runtime, "pairs", None)
-        if pairs is None or not pairs() or self._kept(stage, m, i) is not None:
+        if pairs is None or not pairs():  # (not a stage that drops tokens)
             return None
         if s > 0 and input_message(Payload.ACT, s, m, i + 1) not in self.env:
             return None  # its input is received after this forward

@@ -275,11 +275,12 @@ class StageRuntime:
         if self.module.is_last and any(t is None for t in targets):
             raise RuntimeError(f"the last stage needs targets for micro-batch {mb}")
         if self._pair_fn is None:
-            from tpc.compiler.tensor.overlap import compile_program, paired_program
+            from tpc.compiler.frontend.stage import graph_function
+            from tpc.compiler.tensor.overlap import paired_program
 
             m = self.module
-            self._pair_fn, _ = compile_program(paired_program(m.graph, m.num_kv),
-                                               f"<tpc stage {m.lo}:{m.hi}, two slices>")
+            self._pair_fn, _ = graph_function(paired_program(m.graph, m.num_kv),
+                                              f"<tpc stage {m.lo}:{m.hi}, two slices>")
         parts = getattr(self.module, "token_parts", 1)
         if mb not in self._caches:
             n = self.module.num_kv

@@ -125,6 +125,15 @@ def build_stage_graph(ctx: PassContext, lo: int, hi: int, with_loss: bool,
     return g, sites
 
 
+def graph_function(graph: fx.Graph, name: str):
+    """(`graph` as a Python function `f(module, *inputs)` whose get_attr nodes read off
+    `module`, its source)."""
+    code = graph.python_code(root_module="self")
+    glb = dict(code.globals)
+    exec(compile(code.src, name, "exec"), glb)  # noqa: S102 - code generated from our own graph
+    return glb["forward"], code.src
+
+
 def _names_a_device(args) -> bool:
     found = []
     fx.node.map_aggregate(args, lambda a: found.append(a) if isinstance(a, torch.device) else None)
@@ -185,11 +194,7 @@ class StageModule(nn.Module):
         # per cached tensor: batch -> its shape holding no tokens (the token axis 0), and its dtype
         self.kv_shapes, self.kv_dtypes = list(kv_shapes), list(kv_dtypes)
         self.graph = graph
-        code = graph.python_code(root_module="self")
-        glb = dict(code.globals)
-        exec(compile(code.src, f"<tpc stage {lo}:{hi}>", "exec"), glb)
-        self._fn = glb["forward"]
-        self.code = code.src
+        self._fn, self.code = graph_function(graph, f"<tpc stage {lo}:{hi}>")
 
     def forward(self, x, offset: int, kv_prefix: list, targets=None, keep: list | None = None, documents=None):
         """`keep`: with dropped units, per dropped unit the sorted int64 positions (within the

@@ -120,12 +120,3 @@ def paired_program(graph: fx.Graph, num_kv: int) -> fx.Graph:
     g.output(tuple(outs))
     g.lint()
     return g
-
-
-def compile_program(graph: fx.Graph, name: str):
-    """`graph` as a Python function `f(module, *inputs)`, its get_attr nodes read off `module`
-    (as `StageModule` runs its own graph)."""
-    code = graph.python_code(root_module="self")
-    glb = dict(code.globals)
-    exec(compile(code.src, name, "exec"), glb)  # noqa: S102 - code generated from our own graph
-    return glb["forward"], code.src
