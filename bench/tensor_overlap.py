@@ -1,19 +1,27 @@
-"""How much of the tensor group's forward communication the slice pairs hide (`--tensor-overlap`).
+"""How much of the tensor group's communication the slice pairs hide (`--tensor-overlap`).
 
 Two processes hold one stage as a tensor group of 2 (`--tensor 2`; gloo on the CPU, NCCL with
-`--device cuda`), a GPT of examples/gpt.py cut into token slices. Two plans of the same model,
+`--device cuda`), a GPT of examples/gpt.py cut into token slices. Two runs of the same model,
 batch and slices, alternated in each repeat on the same process group:
 
-- plain: each slice's forward runs alone, its collectives blocking;
-- paired: `--tensor-overlap`, slices 0 and 1, 2 and 3, ... run as one program in which each
-  slice's collectives are started and waited on where their values are read, the other slice
-  computing in between (compiler/tensor/overlap.py).
+- plain: the plan without `--tensor-overlap`, run with `slice_pairs=False` (`tpc run
+  --no-slice-pairs`): each slice's forward and backward alone, eagerly, its collectives blocking;
+- paired: `--tensor-overlap`, slices 0 and 1, 2 and 3, ... run as one program forward, and
+  slices 7 and 6, 5 and 4, ... as one program backward (through the stage's traced programs),
+  in which each slice's collectives are started and waited on where their values are read, the
+  other slice computing in between (compiler/tensor/overlap.py).
 
-Printed per plan: the median step time and, on the CPU, the forward's exposed communication per
-step: the time the rank spent waiting for the forward's collectives (their blocking call, or
-the wait of a started one), measured around `collectives.Pending.wait` while a forward runs.
-Then the ratios paired / plain. The backward's collectives block in both plans. On CUDA a wait
-blocks the stream, not the host, so only the step times are printed.
+(A single stage's stream holds its forwards, and its backwards, side by side whether or not it
+was compiled with `--tensor-overlap`: the executors pair whatever is side by side, so the plain
+run has to ask for no pairs.)
+
+Printed per run: the median step time and, on the CPU, the exposed communication per step of
+the forward and of the backward: the time the rank spent waiting for their collectives (a
+blocking call, or the wait of a started one), measured around `collectives.Pending.wait` while
+a forward or a backward runs. Then the ratios paired / plain. The paired run's stage runs its
+traced programs and the plain run's runs eagerly, so the step-time ratio holds that difference
+too (on the CPU the programs run the eager kernels, one by one). On CUDA a wait blocks the
+stream, not the host, so only the step times are printed.
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/tensor_overlap.py [--steps 6] [--repeats 3]
 """
@@ -35,37 +43,40 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 _state = threading.local()
-_waited = [0.0]
+_waited = {"forward": 0.0, "backward": 0.0}
+PHASES = {"forward": "forward", "forward_pair": "forward", "backward": "backward",
+          "backward_pair": "backward", "backward_input": "backward"}
 
 
 def _instrument() -> None:
-    """Time `Pending.wait` while a forward runs (`StageRuntime.forward` / `forward_pair`)."""
+    """Time `Pending.wait` while a forward or a backward runs (`StageRuntime`'s methods)."""
     from tpc.compiler.tensor import collectives
     from tpc.executors.stage_runtime import StageRuntime
 
     wait = collectives.Pending.wait
 
     def timed_wait(self):
-        if not getattr(_state, "forward", False):
+        phase = getattr(_state, "phase", None)
+        if phase is None:
             return wait(self)
         t = time.perf_counter()
         try:
             return wait(self)
         finally:
-            _waited[0] += time.perf_counter() - t
+            _waited[phase] += time.perf_counter() - t
 
     collectives.Pending.wait = timed_wait
-    for name in ("forward", "forward_pair"):
+    for name, phase in PHASES.items():
         run = getattr(StageRuntime, name)
 
-        def in_forward(self, *a, _run=run, **k):
-            _state.forward = True
+        def in_phase(self, *a, _run=run, _phase=phase, **k):
+            _state.phase = _phase
             try:
                 return _run(self, *a, **k)
             finally:
-                _state.forward = False
+                _state.phase = None
 
-        setattr(StageRuntime, name, in_forward)
+        setattr(StageRuntime, name, in_phase)
 
 
 def _zero(pipe) -> None:
@@ -101,11 +112,11 @@ def main(argv=None) -> int:
         torch.manual_seed(0)
         model = gpt(n_layer=args.layers, n_embd=args.width, n_head=8, block_size=L)
         plan = tpc.compile(model, tensor_overlap=k == "paired", **common)
-        pipes[k] = tpc.pipeline(plan, model, device=args.device)
+        pipes[k] = tpc.pipeline(plan, model, device=args.device, slice_pairs=k == "paired")
     data = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 256, (B, L + 1), generator=data)
     times: dict[str, list] = {k: [] for k in pipes}
-    exposed: dict[str, list] = {k: [] for k in pipes}
+    exposed: dict[str, dict] = {k: {"forward": [], "backward": []} for k in pipes}
     for k, pipe in pipes.items():  # warm-up: one step each
         pipe.step(tokens[:, :-1], tokens[:, 1:])
         _zero(pipe)
@@ -115,27 +126,30 @@ def main(argv=None) -> int:
                 dist.barrier()
                 if cuda:
                     torch.cuda.synchronize()
-                _waited[0] = 0.0
+                _waited.update(forward=0.0, backward=0.0)
                 t = time.perf_counter()
                 loss = pipe.step(tokens[:, :-1], tokens[:, 1:])
                 float(loss)
                 if cuda:
                     torch.cuda.synchronize()
                 times[k].append(time.perf_counter() - t)
-                exposed[k].append(_waited[0])
+                for phase in _waited:
+                    exposed[k][phase].append(_waited[phase])
                 _zero(pipe)
     if rank == 0:
         dev = torch.cuda.get_device_name() if cuda else f"CPU, {os.environ.get('OMP_NUM_THREADS', '?')} thread(s) a rank"
         print(f"GPT {args.layers} layers, width {args.width}, L={L}, batch {B}, {args.slices} slices; one stage, "
               f"tensor 2 ({'NCCL' if cuda else 'gloo'}, {dev}); median of {args.repeats} x {args.steps} steps")
         med = {k: statistics.median(v) for k, v in times.items()}
-        wait = {k: statistics.median(v) for k, v in exposed.items()}
+        wait = {k: {ph: statistics.median(v) for ph, v in w.items()} for k, w in exposed.items()}
         for k in pipes:
-            extra = "" if cuda else f"   forward's exposed communication {wait[k] * 1e3:8.2f} ms"
+            extra = "" if cuda else "".join(f"   {ph}'s exposed communication {wait[k][ph] * 1e3:8.2f} ms"
+                                            for ph in ("forward", "backward"))
             print(f"  {k:7s} step {med[k] * 1e3:8.2f} ms{extra}")
         line = f"paired / plain: step {med['paired'] / med['plain']:.3f}"
-        if not cuda and wait["plain"] > 0:
-            line += f", forward's exposed communication {wait['paired'] / wait['plain']:.3f}"
+        for ph in ("forward", "backward"):
+            if not cuda and wait["plain"][ph] > 0:
+                line += f", {ph}'s exposed communication {wait['paired'][ph] / wait['plain'][ph]:.3f}"
         print(line, flush=True)
     for pipe in pipes.values():
         with contextlib.suppress(Exception):

@@ -330,6 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "inductor, for every slice shape of the plan, before step 1 (progress shown). Fewer, fused "
                    "kernels and far fewer host operations per slice; the compiled code is cached on disk "
                    "(TORCHINDUCTOR_CACHE_DIR), so a second run compiles nothing it compiled before. See docs/compile.md")
+    r.add_argument("--no-slice-pairs", dest="slice_pairs", action="store_false", help="with a tensor axis: "
+                   "run every slice's forward and backward alone, its tensor collectives blocking, instead of "
+                   "running two adjacent computes of consecutive slices (what `tpc compile --tensor-overlap` "
+                   "arranges) as one program whose collectives overlap the other slice's compute. The values "
+                   "are the same either way; see docs/parallelism.md")
     r.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     r.set_defaults(func=cmd_run)
 

@@ -23,6 +23,7 @@ def options_from_args(args) -> RunOptions:
         bf16=args.bf16, data=args.data, trace_path=args.trace, metrics=args.metrics,
         checkpoint_dir=args.checkpoint_dir, resume=args.resume, init_from=args.init_from,
         verify_grads=args.verify_grads, quiet=args.quiet, compile=args.compile, comm=args.comm,
+        slice_pairs=getattr(args, "slice_pairs", True),
         eval_data=args.eval_data, save_best=args.save_best, allow_nonfinite_loss=args.allow_nonfinite_loss,
         shard_optimizer=args.shard_optimizer, random_ltd=_random_ltd(args), documents=_documents(args))
 

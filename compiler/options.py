@@ -66,8 +66,8 @@ class CompileOptions:
     # Megatron's sequence parallelism over the tensor ranks: the activations between the
     # tensor-parallel regions (and the messages between stages) split along the tokens
     sequence_parallel: bool = False
-    # the forwards of consecutive slices of a stage brought together in each rank's stream
-    # (compiler/lowering/lower.py, `pair_forwards`), so that each pair runs as one program in
+    # the forwards (and the backwards) of consecutive slices of a stage brought together in each
+    # rank's stream (compiler/lowering/lower.py, `pair_slices`), so that each pair runs as one program in
     # which one slice's tensor collectives run while the other computes (compiler/tensor/overlap.py)
     tensor_overlap: bool = False
     factory: str = "model"  # the callable in the model file that returns the model

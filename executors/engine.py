@@ -206,10 +206,13 @@ def stage_factory_from_model(sliced, model_copy: torch.nn.Module, evaluation: bo
 def programs_for(plan: Plan, options: RunOptions) -> Callable[[Stage], "ProgramOptions | None"]:
     """How each stage of `plan` runs: through its programs compiled (`options.compile`); through
     its traced programs where the plan splits the stage's backward (`backward-input`, what the
-    programs' halves are for); else eagerly under autograd (None), which costs no trace."""
+    programs' halves are for) or, with a tensor axis, runs the backwards of two slices as one
+    program (`paired_backwards`); else eagerly under autograd (None), which costs no trace."""
     from tpc.compiler.programs.stage_programs import ProgramOptions
 
     split = {i.stage for prog in plan.ranks for i in prog.instrs if i.op is Op.BACKWARD_INPUT}
+    if options.slice_pairs:
+        split |= paired_backwards(plan)
 
     def how(stage: Stage):
         if options.compile:
@@ -217,6 +220,19 @@ def programs_for(plan: Plan, options: RunOptions) -> Callable[[Stage], "ProgramO
         return ProgramOptions() if stage.index in split else None
 
     return how
+
+
+def paired_backwards(plan: Plan) -> set[int]:
+    """The stages whose backwards of two consecutive slices a rank's stream puts side by side
+    (`backward` of slice i + 1 then of slice i, `lower.paired`), on a mesh with a tensor axis:
+    an executor runs each such pair as one program (`StageRuntime.backward_pair`), which needs
+    the stage's traced programs."""
+    from tpc.compiler.lowering.lower import paired
+
+    if plan.header.mesh.tensor == 1:
+        return set()
+    return {a.stage for prog in plan.ranks for a, b in zip(prog.instrs, prog.instrs[1:])
+            if a.op is Op.BACKWARD and paired(a, b) is not None}
 
 
 @dataclass
@@ -285,7 +301,7 @@ class RankEngine:
         self.grad_norm: float | None = None
         self.step = -1
         self.pc = len(self.instrs)
-        self.paired = False  # the last forward ran the next instruction with it (`_forward`)
+        self.paired = False  # the last compute ran the next instruction with it (a pair)
         if self.options.compile:  # every program compiled before step 1 (prepare_programs.py)
             from tpc.executors.prepare_programs import prepare, progress_line
 
@@ -371,7 +387,7 @@ class RankEngine:
         index = self.pc
         instr = self.instrs[index]
         start = time.perf_counter()
-        self.paired = False  # set by a forward that ran the next instruction with it (`_forward`)
+        self.paired = False  # set by a compute that ran the next instruction with it (a pair)
         try:
             self.transport.before_instruction(index)
             if self.before_instr is not None:
@@ -391,7 +407,7 @@ class RankEngine:
         end = time.perf_counter()
         ran = (index, index + 1) if self.paired else (index,)
         if self.options.traced:
-            for j in ran:  # a pair's two forwards: one span each, the same (they run interleaved)
+            for j in ran:  # a pair's two computes: one span each, the same (they run interleaved)
                 self.events.append(TraceEvent(self.global_rank, self.line_of(j), str(self.instrs[j]),
                                               self.step, start - self.clock.epoch, end - self.clock.epoch))
         live = sum(getattr(b.runtime, "live_activations", 0) for b in self.stages.values())
@@ -509,7 +525,8 @@ class RankEngine:
         """The next instruction, when it is the forward of the next slice of the same stage and
         micro-batch and the two run as one program whose collectives overlap the other slice's
         compute (a tensor axis, `StageRuntime.forward_pair`), else None."""
-        if self.tensor is None or instr.checkpoint or self.pc + 1 >= len(self.instrs):
+        if (self.tensor is None or not self.options.slice_pairs or instr.checkpoint
+                or self.pc + 1 >= len(self.instrs)):
             return None
         nxt = self.instrs[self.pc + 1]
         s, m, i = instr.key
@@ -593,11 +610,41 @@ class RankEngine:
     def _backward_input(self, instr: Instr) -> None:
         self._input_gradient(instr, whole=False)
 
+    def _backward_pair_of(self, instr: Instr, stage: BuiltStage) -> Instr | None:
+        """The next instruction, when it is the same backward (or backward-input) of the previous
+        slice of the same stage and micro-batch, its output gradient at hand, and the two run as
+        one program whose collectives overlap the other slice's compute (a tensor axis, a stage
+        run through its programs: `StageRuntime.backward_pair`), else None."""
+        if self.tensor is None or not self.options.slice_pairs or self.pc + 1 >= len(self.instrs):
+            return None
+        nxt = self.instrs[self.pc + 1]
+        s, m, i = instr.key
+        if nxt.op is not instr.op or nxt.key != (s, m, i - 1):
+            return None
+        pairs = getattr(stage.runtime, "backward_pairs", None)
+        if pairs is None or not pairs():
+            return None
+        if s != self.last_stage and input_message(Payload.GRAD, s, m, i - 1) not in self.env:
+            return None  # its output gradient is received after this backward
+        return nxt
+
     def _input_gradient(self, instr: Instr, whole: bool) -> None:
         """`backward` (`whole`: input and weight gradients) or `backward-input`: the gradient of
         the slice's input goes on to the previous stage."""
         s, m, i = instr.key
-        runtime = self._stage(s).runtime
+        stage = self._stage(s)
+        runtime = stage.runtime
+        if self._backward_pair_of(instr, stage) is not None:
+            self.transport.before_instruction(self.pc + 1)
+            if self.before_instr is not None:
+                self.before_instr(self, self.pc + 1)
+            grads = self._grad_out(s, m, i), self._grad_out(s, m, i - 1)
+            with self.compute_context():
+                got = runtime.backward_pair(m, i, grads, whole)
+            for j, grad_in in zip((i, i - 1), got):
+                self._hand_down(s, m, j, grad_in)
+            self.paired = True
+            return
         grad_out = self._grad_out(s, m, i)
         with self.compute_context():
             run = runtime.backward if whole else runtime.backward_input

@@ -139,7 +139,7 @@ def load(path: "str | os.PathLike") -> "Plan | LoadedBundle":
 
 def pipeline(plan: "Plan | LoadedBundle | str | os.PathLike", model: torch.nn.Module | None = None, *, device: str = "auto",
              interpret: bool = False, seed: int = 0, timeout: float = 120.0, compile: bool = False,
-             bf16: bool = False, quiet: bool = True) -> Pipeline:
+             bf16: bool = False, quiet: bool = True, slice_pairs: bool = True) -> Pipeline:
     """This process's part of `plan` (a Plan, a plan bundle, or the path of either), ready to
     step; a bundle's pipeline steps each batch with the plan of its length.
 
@@ -152,7 +152,8 @@ def pipeline(plan: "Plan | LoadedBundle | str | os.PathLike", model: torch.nn.Mo
     interpreter; outside torchrun). `compile`: the stages' programs compiled with
     torch.compile before the first step (`quiet=False` shows each rank's progress through them,
     which can take minutes); `bf16`: bf16 autocast (CUDA). `timeout`: seconds a rank waits for a
-    peer."""
+    peer. `slice_pairs=False`: with a tensor axis, every slice's compute alone (`tpc run
+    --no-slice-pairs`)."""
     if not isinstance(plan, (Plan, LoadedBundle)):
         plan = load(plan)
     # a bundle: one plan per length, sharing the weights; each step runs its batch's length
@@ -161,7 +162,7 @@ def pipeline(plan: "Plan | LoadedBundle | str | os.PathLike", model: torch.nn.Mo
     plan = plans.full
     # "cuda:1" as a script may spell it: each rank computes on cuda:LOCAL_RANK
     options = RunOptions(seed=seed, device=str(device).split(":")[0], timeout=timeout, compile=compile, bf16=bf16,
-                         external_optimizer=True, lr_schedule="constant", quiet=quiet)
+                         external_optimizer=True, lr_schedule="constant", quiet=quiet, slice_pairs=slice_pairs)
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TpirError(Diagnostic(f"pipeline(plan, model): the model is a {type(model).__name__}",
                                    hint="pass the torch.nn.Module the plan was compiled from"))

@@ -78,6 +78,11 @@ class RunOptions:
     # without it a stage runs eagerly, under autograd, unless its plan splits its backward
     # (then through its traced programs, uncompiled)
     compile: bool = False
+    # on a mesh with a tensor axis, run two computes of consecutive slices that a rank's stream
+    # puts side by side (what `tpc compile --tensor-overlap` arranges) as one program whose
+    # collectives overlap the other slice's compute (compiler/tensor/overlap.py); False runs
+    # each alone (`tpc run --no-slice-pairs`: to measure what the pairs hide, or to rule them out)
+    slice_pairs: bool = True
     # shard the optimizer state (and the update) over each stage's data-parallel group
     # (ZeRO-1, training/sharded_optimizer.py); nothing to shard without data-parallel replicas
     shard_optimizer: bool = False

@@ -154,6 +154,22 @@ class _PairCache:
         return leaf
 
 
+class _GradPair:
+    """What the program of two backwards (`StageRuntime.backward_pair`) hands slice b's prefix
+    gradients to (`write`: added into the micro-batch's gradients at once) and takes slice a's
+    upstream gradients of its cached tensors from (`prefix`)."""
+
+    def __init__(self, runtime: "StageRuntime", b: _Slice, a: _Slice):
+        self.runtime, self.b, self.a = runtime, b, a
+
+    def write(self, t: int, grad) -> None:
+        self.runtime._send_prefix_grad(self.b, t, grad)
+
+    def prefix(self, t: int) -> torch.Tensor:
+        rt = self.runtime
+        return rt._kv_tangent(self.a, t, rt._kv_grad(rt._caches[self.a.mb], t, self.a))
+
+
 class StageRuntime:
     """`programs`: run the slices through the stage's programs derived from its joint graph
     (`tpc.compiler.programs`), compiled or not, instead of eager autograd: what a split backward
@@ -168,6 +184,7 @@ class StageRuntime:
         self._empty: dict[tuple[int, torch.device], list] = {}
         self._evaluated: dict[int, int] = {}  # forward-only: mb -> slices run so far
         self._pair_fn = None  # the program of two slices (`forward_pair`), made at its first use
+        self._pair_programs: dict = {}  # with programs: (shapes, program) -> the two as one (`_paired`)
 
     # ------------------------------------------------------------------ forward
 
@@ -229,11 +246,19 @@ class StageRuntime:
     def pairs(self) -> bool:
         """Whether two consecutive slices of this stage can run as one interleaved program
         (`forward_pair`): a tensor-parallel stage (whose collectives the pair overlaps) run
-        eagerly, every cached tensor whole (no window: a pair's cache is appended in place),
-        no token dropping, no packed documents."""
+        eagerly or through its traced programs uncompiled (a compiled program is one kernel
+        sequence of its own), every cached tensor whole (no window: a pair's cache is appended
+        in place), no token dropping, no packed documents."""
         m = self.module
-        return (self.programs is None and getattr(m, "shards", None) is not None and not m.dropped
+        compiled = self.programs is not None and self.programs.options.compile
+        return (not compiled and getattr(m, "shards", None) is not None and not m.dropped
                 and not m.documents and all(w is None for w in m.kv_windows))
+
+    def backward_pairs(self) -> bool:
+        """Whether the backwards of two consecutive slices can run as one program
+        (`backward_pair`): a stage that pairs (`pairs`) run through its traced programs (an
+        eager backward is one autograd call, which nothing can interleave)."""
+        return self.programs is not None and self.pairs()
 
     def forward_pair(self, mb: int, sl: int, xs: tuple, offsets: tuple, targets: tuple, capacity: int):
         """Forward slices sl and sl + 1 of micro-batch `mb` as one program in which the
@@ -241,6 +266,8 @@ class StageRuntime:
         same values, caches and autograd graphs as `forward` twice. Returns the two detached
         activations to send (or scaled losses)."""
         self._check_forward(mb, sl, 2)
+        if self.programs is not None:
+            return self._program_pair(mb, sl, xs, offsets, targets, capacity, grad=True)
         xs = tuple(x if self.module.is_first else x.detach().requires_grad_(True) for x in xs)
         a, b, outs, sink = self._run_pair(mb, xs, offsets, targets, capacity, grad=True)
         n = self.module.num_kv
@@ -259,6 +286,10 @@ class StageRuntime:
         if sl != done:
             raise RuntimeError(f"forward of micro-batch {mb} slice {sl} needs the KV cache of slices "
                                f"0..{sl - 1}; {done} have run on stage {self.module.lo}:{self.module.hi}")
+        if self.programs is not None:
+            out = self._program_pair(mb, sl, xs, offsets, targets, capacity, grad=False)
+            self._evaluated[mb] = sl + 2
+            return out
         with torch.no_grad():
             a, b, outs, _ = self._run_pair(mb, xs, offsets, targets, capacity, grad=False)
             n = self.module.num_kv
@@ -303,6 +334,71 @@ class StageRuntime:
             outs = self._pair_fn(self.module, *args)
         cache.length += a.length
         return a, b, outs, sink
+
+    def _program_pair(self, mb: int, sl: int, xs: tuple, offsets: tuple, targets: tuple, capacity: int,
+                      grad: bool):
+        """`forward_pair` (`grad`) or `evaluate_pair` through the stage's programs: the forward
+        programs of the two slices' shapes as one (`overlap.paired_programs`), a's cached
+        tensors handed to b's prefix through the cache. Returns the two outputs to send (or
+        scaled losses)."""
+        if not self.pairs():
+            raise RuntimeError(f"stage {self.module.lo}:{self.module.hi} cannot run two slices as one program")
+        if capacity is None:
+            raise RuntimeError("a pair of programs needs the micro-batch's length (its cache is sized once)")
+        m, n = self.module, self.module.num_kv
+        if m.is_last and any(t is None for t in targets):
+            raise RuntimeError(f"the last stage needs targets for micro-batch {mb}")
+        if mb not in self._caches:
+            self._caches[mb] = _Cache([None] * n, 0, base=[0] * n, filled=[0] * n)
+        cache = self._caches[mb]
+        parts = getattr(m, "token_parts", 1)
+        (xa, xb), (ta, tb) = (_dense(x.detach()) for x in xs), (_dense(t) for t in targets)
+        a = _Slice(mb, xa, int(offsets[0]), ta, cache.length, xa.size(1) * parts)
+        b = _Slice(mb, xb, int(offsets[1]), tb, cache.length + a.length, xb.size(1) * parts)
+        a.starts = list(cache.filled)
+        prefix_a = self._prefix(a)
+        pa = self.programs.get(Shape.of(xa, a.offset, prefix_a, m.kv_dims, grad=grad), xa, prefix_a, ta)
+        # room for a's cached tensors now, so that b's prefix is the view it will be after a's
+        # write (its shape and layout choose b's programs)
+        kv_a = [o.meta["val"] for o in pa.graphs["forward"].graph.output_node().args[0][1:1 + n]]
+        for t, v in enumerate(kv_a):
+            self._reserve(cache, t, v.shape, v.dtype, xa.device, capacity)
+        prefix_b = [self._prefix_view(cache, t, cache.filled[t] + v.shape[d])
+                    for t, (v, d) in enumerate(zip(kv_a, m.kv_dims))]
+        pb = self.programs.get(Shape.of(xb, b.offset, prefix_b, m.kv_dims, grad=grad), xb, prefix_b, tb)
+        fn = self._paired(pa, pb, "forward", [(t, 1 + t, len(self.programs.state()) + 1 + t) for t in range(n)])
+        state = self.programs.state()
+        ins_a = [*state, xa, *prefix_a, *([] if ta is None else [ta])]
+        sink = _PairCache(self, mb, capacity, leaves=False)
+        with torch.no_grad():
+            outs = fn(*ins_a, *state, xb, *([] if tb is None else [tb]), sink)
+        cache.length += a.length
+        na = len(pa.graphs["forward"].graph.output_node().args[0])
+        ya, kva, yb, kvb = outs[0], list(outs[1:1 + n]), outs[na], list(outs[na + 1:na + 1 + n])
+        b.starts = list(sink.starts)
+        self._append(mb, kvb, capacity, b.length)
+        if grad:
+            ins_b = [*state, xb, *sink.leaves, *([] if tb is None else [tb])]
+            for rec, progs, ins, y, kv, computed in ((a, pa, ins_a, ya, kva, outs[1 + n:na]),
+                                                      (b, pb, ins_b, yb, kvb, outs[na + 1 + n:])):
+                rec.programs = progs
+                rec.values = [ins[i] for i in progs.saved_inputs] + list(computed)
+                rec.kv_meta = [(k.shape, k.dtype) for k in kv]
+                rec.y_meta = (y.shape, y.dtype)
+                rec.lengths = [k.size(d) for k, d in zip(kv, m.kv_dims)]
+            self._slices[(mb, sl)], self._slices[(mb, sl + 1)] = a, b
+        return self._scaled(ya).detach(), self._scaled(yb).detach()
+
+    def _paired(self, first: Programs, second: Programs, name: str, handover: list, tags=("a", "b")):
+        """The program `name` of two shapes run as one (`overlap.paired_programs`), made once."""
+        key = (first.shape, second.shape, name, tuple(handover))
+        fn = self._pair_programs.get(key)
+        if fn is None:
+            from tpc.compiler.tensor.overlap import paired_programs
+
+            fn = self._pair_programs[key] = paired_programs(first.graphs[name], second.graphs[name], handover,
+                                                            tags=tags)
+        return fn
 
     def evaluate(self, mb: int, sl: int, x: torch.Tensor, offset: int, targets=None,
                  capacity: int | None = None, documents=None) -> torch.Tensor:
@@ -474,16 +570,10 @@ class StageRuntime:
         """Write cached tensor t of a slice after its cached tokens (`_append`)."""
         d, w = self.module.kv_dims[t], self.module.kv_windows[t]
         n = k.size(d)
-        if cache.kv[t] is None:  # the first slice of a pair (`forward_pair`): no buffer yet
-            size = capacity if capacity is not None and capacity > n else n
-            cache.kv[t] = k.new_empty(k.shape[:d] + (size,) + k.shape[d + 1:])
+        self._reserve(cache, t, k.shape, k.dtype, k.device, capacity)
         buf, filled = cache.kv[t], cache.filled[t] - cache.base[t]
         if buf.size(d) < filled + n:
-            if w is None:  # full: a buffer twice as large
-                grown = buf.new_empty(buf.shape[:d] + (max(2 * buf.size(d), filled + n),) + buf.shape[d + 1:])
-                grown.narrow(d, 0, filled).copy_(buf.narrow(d, 0, filled))
-                cache.kv[t] = buf = grown
-            else:  # windowed: keep the last w - 1 tokens, at the front
+            if w is not None:  # windowed: keep the last w - 1 tokens, at the front
                 m = min(cache.filled[t], w - 1)
                 tail = buf.narrow(d, filled - m, m).clone()
                 if buf.size(d) < m + n:
@@ -492,6 +582,24 @@ class StageRuntime:
                 cache.base[t], filled = cache.filled[t] - m, m
         buf.narrow(d, filled, n).copy_(k.detach())
         cache.filled[t] += n
+
+    def _reserve(self, cache: _Cache, t: int, shape, dtype, device, capacity: int | None) -> None:
+        """Make room in cached tensor t's buffer for a slice's tensor of `shape`, as writing it
+        (`_append_one`) needs: the first slice of a pair has no buffer yet (one of `capacity`
+        tokens, or of its own); a full cache's buffer too small for it grows to twice its
+        size. A pair of programs (`forward_pair`) reserves before its first slice runs, so
+        that the second slice's prefix is the view it would be after the first's write."""
+        d, w = self.module.kv_dims[t], self.module.kv_windows[t]
+        n = shape[d]
+        if cache.kv[t] is None:
+            size = capacity if capacity is not None and capacity > n else n
+            cache.kv[t] = torch.empty(tuple(shape[:d]) + (size,) + tuple(shape[d + 1:]), dtype=dtype, device=device)
+            return
+        buf, filled = cache.kv[t], cache.filled[t] - cache.base[t]
+        if w is None and buf.size(d) < filled + n:  # full: a buffer twice as large
+            grown = buf.new_empty(buf.shape[:d] + (max(2 * buf.size(d), filled + n),) + buf.shape[d + 1:])
+            grown.narrow(d, 0, filled).copy_(buf.narrow(d, 0, filled))
+            cache.kv[t] = grown
 
     def _empty_kv(self, batch: int, device: torch.device) -> list:
         """The zero-length caches of a first slice, made once per batch size: building them
@@ -533,24 +641,26 @@ class StageRuntime:
             raise RuntimeError(f"backward of micro-batch {mb} slice {sl} needs the backward of slice {sl + 1} first "
                                "(its gradients into this slice's keys and values)")
         cache = self._caches[mb]
-        got = []
-        for t, d in enumerate(self.module.kv_dims):
-            acc = cache.grad[t] if cache.grad is not None else None
-            start, length = rec.starts[t], rec.lengths[t]
-            lo = max(start, acc.base) if acc is not None else 0
-            hi = min(start + length, acc.base + acc.g.size(d)) if acc is not None else 0
-            if acc is None or lo >= hi:  # no later slice read these tokens
-                got.append(None)
-                continue
-            part = acc.g.narrow(d, lo - acc.base, hi - lo)
-            if hi - lo < length:  # a windowed cache: later slices read only its last tokens
-                shape = list(part.shape)
-                shape[d] = length
-                g = part.new_zeros(shape)
-                g.narrow(d, lo - start, hi - lo).copy_(part)
-                part = g
-            got.append(part)
-        return got
+        return [self._kv_grad(cache, t, rec) for t in range(len(self.module.kv_dims))]
+
+    def _kv_grad(self, cache: _Cache, t: int, rec: _Slice):
+        """The gradients the backwards run so far sent into this slice's tokens of cached tensor
+        t (None: none did)."""
+        d = self.module.kv_dims[t]
+        acc = cache.grad[t] if cache.grad is not None else None
+        start, length = rec.starts[t], rec.lengths[t]
+        lo = max(start, acc.base) if acc is not None else 0
+        hi = min(start + length, acc.base + acc.g.size(d)) if acc is not None else 0
+        if acc is None or lo >= hi:  # no later slice read these tokens
+            return None
+        part = acc.g.narrow(d, lo - acc.base, hi - lo)
+        if hi - lo < length:  # a windowed cache: later slices read only its last tokens
+            shape = list(part.shape)
+            shape[d] = length
+            g = part.new_zeros(shape)
+            g.narrow(d, lo - start, hi - lo).copy_(part)
+            part = g
+        return part
 
     def _tangents(self, mb: int, sl: int, rec: _Slice, grad_out) -> list:
         """The upstream gradients of every output of the slice's programs: y's (the loss scale
@@ -558,6 +668,13 @@ class StageRuntime:
         if rec.values is None:
             raise RuntimeError(f"backward of micro-batch {mb} slice {sl}: its forward was checkpointed; "
                                "recompute it first")
+        out = [self._y_tangent(mb, sl, rec, grad_out)]
+        for t, part in enumerate(self._kv_grads(mb, sl, rec)):
+            out.append(self._kv_tangent(rec, t, part))
+        return out
+
+    def _y_tangent(self, mb: int, sl: int, rec: _Slice, grad_out) -> torch.Tensor:
+        """The upstream gradient of the slice's output y (`_tangents`)."""
         shape, dtype = rec.y_meta
         if self.module.is_last:
             g = torch.ones(shape, dtype=dtype, device=rec.x.device) if grad_out is None else grad_out
@@ -566,11 +683,14 @@ class StageRuntime:
             if grad_out is None:
                 raise RuntimeError(f"backward of micro-batch {mb} slice {sl} needs the output gradient")
             g = grad_out
-        out = [g.to(dtype).contiguous()]  # the programs take them contiguous (joint.py)
-        for (kv_shape, kv_dtype), part in zip(rec.kv_meta, self._kv_grads(mb, sl, rec)):
-            out.append(torch.zeros(kv_shape, dtype=kv_dtype, device=rec.x.device) if part is None
-                       else part.to(kv_dtype).contiguous())
-        return out
+        return g.to(dtype).contiguous()  # the programs take them contiguous (joint.py)
+
+    def _kv_tangent(self, rec: _Slice, t: int, part) -> torch.Tensor:
+        """The upstream gradient of the slice's cached tensor t, from `part` (`_kv_grad`)."""
+        kv_shape, kv_dtype = rec.kv_meta[t]
+        if part is None:
+            return torch.zeros(kv_shape, dtype=kv_dtype, device=rec.x.device)
+        return part.to(kv_dtype).contiguous()
 
     def _input_grad(self, rec: _Slice):
         """The slice's input gradient, to send (None on stage 0); the record lets go of it, so
@@ -589,26 +709,34 @@ class StageRuntime:
             if cache.grad is None:
                 cache.grad = [None] * len(cache.kv)
             for t, (d, w) in enumerate(zip(self.module.kv_dims, self.module.kv_windows)):
-                # a full cache's gradients cover [0, start) from the first backward on; over packed
-                # documents only the regions slices read (their live documents), as a window's
-                full = w is None and rec.documents is None
                 if grads is not None:
-                    if not cache.kv[t].is_floating_point():  # a cache of token ids
-                        continue
-                    p = rec.programs.shape.prefix[t]
-                    shape = cache.kv[t].shape[:d] + (p,) + cache.kv[t].shape[d + 1:]
-                    g, dtype = grads[t], cache.kv[t].dtype
-                else:
-                    leaf = rec.prefix[t]
-                    if not leaf.requires_grad:  # a cache of token ids
-                        continue
-                    shape, g, dtype = leaf.shape, leaf.grad, leaf.dtype
-                    # added in: the graph a split backward keeps for its weight half holds the
-                    # leaf, whose gradient is a view of all of the attention's key gradient
-                    leaf.grad = None
-                cache.grad[t] = self._accumulate(cache.grad[t], g, shape, dtype, d, rec.starts[t], full)
+                    if cache.kv[t].is_floating_point():  # (not a cache of token ids)
+                        self._send_prefix_grad(rec, t, grads[t])
+                    continue
+                leaf = rec.prefix[t]
+                if not leaf.requires_grad:  # a cache of token ids
+                    continue
+                g, leaf.grad = leaf.grad, None
+                # added in: the graph a split backward keeps for its weight half holds the leaf,
+                # whose gradient is a view of all of the attention's key gradient. A full cache's
+                # gradients cover [0, start) from the first backward on; over packed documents
+                # only the regions slices read (their live documents), as a window's
+                full = w is None and rec.documents is None
+                cache.grad[t] = self._accumulate(cache.grad[t], g, leaf.shape, leaf.dtype, d, rec.starts[t], full)
         rec.prefix = []
         rec.sent_kv_grads = True
+
+    def _send_prefix_grad(self, rec: _Slice, t: int, grad) -> None:
+        """Add the gradient a slice's program sent into its prefix of cached tensor t (None:
+        nothing) to the cache's gradients (`_send_prefix_grads`)."""
+        cache = self._caches[rec.mb]
+        if cache.grad is None:
+            cache.grad = [None] * len(cache.kv)
+        d, w = self.module.kv_dims[t], self.module.kv_windows[t]
+        p = rec.programs.shape.prefix[t]
+        shape = cache.kv[t].shape[:d] + (p,) + cache.kv[t].shape[d + 1:]
+        full = w is None and rec.documents is None
+        cache.grad[t] = self._accumulate(cache.grad[t], grad, shape, cache.kv[t].dtype, d, rec.starts[t], full)
 
     @staticmethod
     def _accumulate(acc: _Acc | None, grad, shape, dtype, d: int, start: int, full: bool) -> _Acc | None:
@@ -668,12 +796,62 @@ class StageRuntime:
         with torch.no_grad():
             got = rec.programs.backward_input(*rec.values, *self._tangents(mb, sl, rec, grad_out))
         n = len(rec.programs.input_grads)
-        rec.held = list(got[n:])
+        self._hold(rec, got[n:])
+        rec.values = None
+        return self._take_input_grads(rec, got[:n])
+
+    def backward_pair(self, mb: int, sl: int, grads_out: tuple, whole: bool = True) -> tuple:
+        """`backward` (`whole`) or `backward_input` of slices sl and then sl - 1 as one program,
+        in which the collectives of each run while the other computes (`overlap.py`): slice
+        sl's gradient into its prefix goes into the cache as soon as a layer has computed it,
+        and slice sl - 1's backward of that layer reads its upstream gradient from there. The
+        same values as the two run one after the other. Returns their input gradients (to
+        send; None on stage 0), sl's first."""
+        what = "backward" if whole else "backward-input"
+        b, a = self._get(mb, sl, what), self._get(mb, sl - 1, what)
+        if not self.backward_pairs():
+            raise RuntimeError(f"stage {self.module.lo}:{self.module.hi} cannot run two backwards as one program")
+        for rec, i in ((b, sl), (a, sl - 1)):
+            if rec.values is None:
+                raise RuntimeError(f"{what} of micro-batch {mb} slice {i}: its forward was checkpointed; "
+                                   "recompute it first")
+        cache = self._caches[mb]
+        tangents_b = self._tangents(mb, sl, b, grads_out[0])
+        name = "backward" if whole else "backward_input"
+        # b's gradient of its prefix t (its input 1 + t) is a's upstream gradient of cached tensor t
+        # (a's input after its saved values and y's gradient)
+        handover = [(i - 1, j, len(a.values) + i) for j, i in enumerate(b.programs.input_grads)
+                    if i > 0 and cache.kv[i - 1].is_floating_point()]
+        handed = {t for t, _, _ in handover}
+        rest = [self._kv_tangent(a, t, self._kv_grad(cache, t, a)) for t in range(self.module.num_kv)
+                if t not in handed]
+        fn = self._paired(b.programs, a.programs, name, handover, tags=("b", "a"))
+        sink = _GradPair(self, b, a)
+        with torch.no_grad():
+            outs = fn(*b.values, *tangents_b, *a.values, self._y_tangent(mb, sl - 1, a, grads_out[1]), *rest, sink)
+        nb = len(b.programs.graphs[name].graph.output_node().args[0])
+        got = []
+        for rec, part in ((b, outs[:nb]), (a, outs[nb:])):
+            k = len(rec.programs.input_grads)
+            if whole:
+                self._add_param_grads(part[k:])
+            else:
+                self._hold(rec, part[k:])
+            rec.values = None
+            if rec is b:  # its prefix gradients went into the cache as the program ran
+                rec.prefix, rec.sent_kv_grads = [], True
+                x = [g for i, g in zip(rec.programs.input_grads, part[:k]) if i == 0]
+                got.append(None if self.module.is_first or not x else x[0])
+            else:
+                got.append(self._take_input_grads(rec, part[:k]))
+        return tuple(got)
+
+    def _hold(self, rec: _Slice, held) -> None:
+        """Keep what a slice's backward_input computed for its backward_weight (`held_bytes`)."""
+        rec.held = list(held)
         stash = {storage_key(t) for t in rec.values if isinstance(t, torch.Tensor)}
         made = {storage_key(t): t.untyped_storage().nbytes() for t in rec.held if isinstance(t, torch.Tensor)}
         rec.held_bytes = int(sum(b for k, b in made.items() if k not in stash))
-        rec.values = None
-        return self._take_input_grads(rec, got[:n])
 
     def _take_input_grads(self, rec: _Slice, grads) -> torch.Tensor | None:
         """Hand a program's input gradients on: the prefixes' into the cache, x's returned."""

@@ -33,7 +33,7 @@ from tpc.compiler.lowering.lower import (
     insert_free_kv,
     insert_loads,
     order_exchanges,
-    pair_forwards,
+    pair_slices,
 )
 from tpc.ir.nodes import EvalProgram, Header, Instr, Microbatch, Op, RankProgram
 from tpc.ir.semantics import DEFAULT_COMM, NCCL, CommRules
@@ -63,7 +63,7 @@ def eval_program(header: Header, microbatches: Sequence[Microbatch] | None = Non
     waits on it (rank 0 sends stage 0's output while rank 1 sends stage 1's back to rank 0),
     so, as in training, `insert_exchanges` pairs those sends and receives (and with
     `exchanges=ORDERED`, `order_exchanges` writes them as single operations). `pairs`
-    (`--tensor-overlap`): the forwards of slice pairs brought together (`pair_forwards`), as in
+    (`--tensor-overlap`): the forwards of slice pairs brought together (`pair_slices`), as in
     training."""
     mbs = tuple(microbatches) if microbatches is not None else header.microbatches
     # the evaluation runs on replica 0's pipeline (rule E1), where its loss is summed
@@ -71,7 +71,7 @@ def eval_program(header: Header, microbatches: Sequence[Microbatch] | None = Non
     eval_header = dataclasses.replace(header, microbatches=mbs)
     streams = {r: tuple(v) for r, v in forward_order(eval_header).items()}
     nccl = (insert_exchanges,) + ((order_exchanges,) if Exchanges.of(exchanges) is Exchanges.ORDERED else ())
-    passes = (insert_loads, insert_comm) + ((pair_forwards,) if pairs else ()) + (insert_free_kv,)
+    passes = (insert_loads, insert_comm) + ((pair_slices,) if pairs else ()) + (insert_free_kv,)
     for run in passes + (nccl if comm == NCCL else ()):
         streams = run(eval_header, streams)
     last = header.stage_ranks(header.num_stages - 1)[0]

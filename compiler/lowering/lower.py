@@ -12,9 +12,10 @@ else an executor needs, one small named pass at a time, each a pure function
                        the same channel is not sent yet, in which case the send waits for it, so
                        messages between two ranks are sent in the order they are received
                        (FIFO per direction; executors need no tags);
-   `pair_forwards`     (`pairs=True`, `tpc compile --tensor-overlap` only) the forwards of slices
-                       i and i + 1 of one stage and micro-batch brought together: i + 1's
-                       receive goes before i's forward, i's send after i + 1's forward, so a
+   `pair_slices`       (`pairs=True`, `tpc compile --tensor-overlap` only) the forwards of slices
+                       i and i + 1 of one stage and micro-batch brought together, and their
+                       backwards (i + 1's, then i's): the second's receive goes before the
+                       first compute, the first's send after the second compute, so a
                        tensor-parallel executor runs the two as one program whose collectives
                        overlap the other slice's compute (compiler/tensor/overlap.py);
 3. `insert_free_kv`    `free-kv stage S mb M` after the last compute of (S, M) and its sends;
@@ -127,7 +128,7 @@ EXCHANGES: dict[Exchanges, str] = {
 }
 # what an ordered plan says on its `schedule` line (a comment: no new syntax)
 ORDERED_NOTE = "--exchanges ordered: single sends and receives, no batch_isend_irecv of several"
-PAIRED_NOTE = "--tensor-overlap: the forwards of slice pairs brought together, run as one program"
+PAIRED_NOTE = "--tensor-overlap: the forwards and backwards of slice pairs brought together, each pair run as one program"
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -235,13 +236,25 @@ def insert_comm(header: Header, streams: Streams) -> Streams:
     return out
 
 
-def pair_forwards(header: Header, streams: Streams) -> Streams:
-    """Bring the forwards of slices i and i + 1 of a stage and micro-batch together, where only
-    the send of i's output and the receive of i + 1's input come between them (`insert_comm`
-    puts them there): the receive moves before i's forward, the send after i + 1's. The pairs
-    are taken in stream order and do not overlap (0 with 1, 2 with 3, ..., unless something else
-    stands between two forwards). A checkpointed forward is not paired (its recompute runs
-    alone)."""
+def paired(a: Instr, b: Instr) -> Payload | None:
+    """Whether computes `a` then `b` are two a pair runs as one program: the forwards of slices
+    i and i + 1 (neither checkpointed), or the backwards (or backward-inputs) of slices i + 1
+    and i, of one stage and micro-batch. Returns the payload of the messages between them
+    (activations, gradients), or None."""
+    if a.op is Op.FORWARD and b.op is Op.FORWARD and not (a.checkpoint or b.checkpoint):
+        return Payload.ACT if b.key == (a.stage, a.mb, a.slice + 1) else None
+    if a.op in (Op.BACKWARD, Op.BACKWARD_INPUT) and b.op is a.op:
+        return Payload.GRAD if b.key == (a.stage, a.mb, a.slice - 1) else None
+    return None
+
+
+def pair_slices(header: Header, streams: Streams) -> Streams:
+    """Bring two computes of consecutive slices of a stage and micro-batch together (`paired`:
+    forwards of i and i + 1, backwards of i + 1 and i), where only the send of the first's
+    result and the receive of the second's input come between them (`insert_comm` puts them
+    there): the receive moves before the first compute, the send after the second. The pairs
+    are taken in stream order and do not overlap (0 with 1, 2 with 3, ..., unless something
+    else stands between two computes)."""
     out: Streams = {}
     for rank, stream in streams.items():
         s = list(stream)
@@ -252,13 +265,13 @@ def pair_forwards(header: Header, streams: Streams) -> Streams:
             while k < len(s) and s[k].op in (Op.SEND, Op.RECV):
                 k += 1
             b = s[k] if k < len(s) else None
-            if (a.op is not Op.FORWARD or a.checkpoint or b is None or b.op is not Op.FORWARD or b.checkpoint
-                    or b.key != (a.stage, a.mb, a.slice + 1)):
+            payload = paired(a, b) if b is not None else None
+            if payload is None:
                 i += 1
                 continue
             between = s[i + 1:k]
-            sends = [x for x in between if x.op is Op.SEND and x.payload is Payload.ACT and x.key == a.key]
-            recvs = [x for x in between if x.op is Op.RECV and x.payload is Payload.ACT and x.key == b.key]
+            sends = [x for x in between if x.op is Op.SEND and x.payload is payload and x.key == a.key]
+            recvs = [x for x in between if x.op is Op.RECV and x.payload is payload and x.key == b.key]
             if len(sends) + len(recvs) != len(between):
                 i += 1
                 continue
@@ -519,7 +532,7 @@ def append_step(header: Header, streams: Streams) -> Streams:
 PASSES: tuple[tuple[str, Pass], ...] = (
     ("insert_loads", insert_loads),
     ("insert_comm", insert_comm),
-    ("pair_forwards", pair_forwards),
+    ("pair_slices", pair_slices),
     ("insert_free_kv", insert_free_kv),
     ("insert_allreduce", insert_allreduce),
     ("insert_exchanges", insert_exchanges),
@@ -552,11 +565,11 @@ def ordered_header(header: Header) -> Header:
 def passes_for(comm: CommRules = DEFAULT_COMM, exchanges: Exchanges = DEFAULT_EXCHANGES, pairs: bool = False) -> tuple:
     """The passes `lower` runs for backend `comm` and the exchange lowering `exchanges`: without
     `insert_exchanges` for GLOO, with `order_exchanges` only for NCCL with ORDERED, with
-    `pair_forwards` only when `pairs`."""
+    `pair_slices` only when `pairs`."""
     exchanges = Exchanges.of(exchanges)
     skip = ({"insert_exchanges", "order_exchanges"} if comm == GLOO
             else set() if exchanges is Exchanges.ORDERED else {"order_exchanges"})
-    skip |= set() if pairs else {"pair_forwards"}
+    skip |= set() if pairs else {"pair_slices"}
     return tuple((name, run) for name, run in PASSES if name not in skip)
 
 
@@ -567,7 +580,7 @@ def lower(header: Header, compute: Mapping[int, Sequence[Instr]], *, verify: boo
     rules unless `verify=False` (for a caller that checks it itself, as `tpc compile` does in a
     step of its own, or a test that studies an unverifiable intermediate). An ordered plan says
     so on its `schedule` line (`ordered_header`), and so does one with paired forwards (`pairs`:
-    `pair_forwards`)."""
+    `pair_slices`)."""
     streams: Streams = {r: tuple(compute.get(r, ())) for r in range(header.mesh.pipe)}
     for _, run in passes_for(comm, exchanges, pairs):
         streams = run(header, streams)

@@ -32,7 +32,9 @@ the value on one side is known to be replicated (the same on every rank).
 
 `STARTED` maps g, `all_gather` and `reduce_scatter` (the functions whose forward communicates)
 to their started forms, which return (output, `Pending`) at once; `wait(pending)` comes before
-anything reads the output (`overlap.py` places it). Their backward blocks.
+anything reads the output (`overlap.py` places it). Their backward blocks. `STARTED_OPS` does
+the same for the collective operators of a traced program (`torch.ops.tpc.tensor_*`), forward
+or backward.
 """
 
 from __future__ import annotations
@@ -411,6 +413,31 @@ def split_to_tokens(x, dim: int, group: TensorGroup):
 # collective returns at once, and its output is read only after `wait`
 STARTED = {reduce_from_region: start_reduce_from_region, all_gather: start_all_gather,
            reduce_scatter: start_reduce_scatter}
+
+
+def start_op_all_reduce(x, group: int):
+    """`torch.ops.tpc.tensor_all_reduce` started (in a traced program): (its output, its `Pending`)."""
+    pending = _GROUPS[group].start_all_reduce(x)
+    return pending.result, pending
+
+
+def start_op_all_gather(x, dim: int, group: int):
+    """`torch.ops.tpc.tensor_all_gather` started: (its output, its `Pending`)."""
+    pending = _GROUPS[group].start_all_gather(x, dim)
+    return pending.result, pending
+
+
+def start_op_reduce_scatter(x, dim: int, group: int):
+    """`torch.ops.tpc.tensor_reduce_scatter` started: (its output, its `Pending`)."""
+    pending = _GROUPS[group].start_reduce_scatter(x, dim)
+    return pending.result, pending
+
+
+# the collective operators of a traced program (`compiler/programs/joint.py`: no autograd there,
+# the backward's collectives are operators of the backward program) and their started forms
+STARTED_OPS = {torch.ops.tpc.tensor_all_reduce.default: start_op_all_reduce,
+               torch.ops.tpc.tensor_all_gather.default: start_op_all_gather,
+               torch.ops.tpc.tensor_reduce_scatter.default: start_op_reduce_scatter}
 
 
 def token_operand(v, like, dim: int, group: TensorGroup):

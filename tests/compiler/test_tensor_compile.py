@@ -254,11 +254,14 @@ def test_the_simulator_prices_a_sequence_parallel_plans_messages_at_1_over_t(tmp
 
 @pytest.mark.parametrize("schedule,comm", [("terapipe", "nccl"), ("gpipe", "gloo"), ("seq1f1b", "nccl"),
                                            ("1f1b", "nccl")])
-def test_tensor_overlap_brings_the_forwards_of_slice_pairs_together(schedule, comm, tmp_path, capsys):
+def test_tensor_overlap_brings_the_forwards_and_backwards_of_slice_pairs_together(schedule, comm, tmp_path,
+                                                                                   capsys):
     """`--tensor-overlap`: where only the send of slice i's output and the receive of slice i + 1's
-    input stand between their forwards, the receive moves up and the send down (`pair_forwards`);
+    input stand between their forwards (of slice i's input gradient and slice i - 1's output
+    gradient between their backwards), the receive moves up and the send down (`pair_slices`);
     the plan verifies under the rules it was lowered for, and its schedule line says so."""
-    from tpc.compiler.lowering.lower import PAIRED_NOTE
+    from tpc.compiler.lowering.lower import PAIRED_NOTE, paired as pair_of
+    from tpc.executors.engine import paired_backwards
     from tpc.ir.nodes import Op
     from tpc.ir.verify import verify_file
 
@@ -274,10 +277,19 @@ def test_tensor_overlap_brings_the_forwards_of_slice_pairs_together(schedule, co
         pairs, p = [], 0
         while p + 1 < len(prog.instrs):  # as the executors take them: in stream order, none in two pairs
             a, b = prog.instrs[p], prog.instrs[p + 1]
-            paired_here = a.op is Op.FORWARD and b.op is Op.FORWARD and b.key == (a.stage, a.mb, a.slice + 1)
+            paired_here = pair_of(a, b) is not None
             pairs += [(a, b)] if paired_here else []
             p += 2 if paired_here else 1
-        if schedule in ("terapipe", "gpipe"):  # every forward is paired: nothing else comes between them
-            assert len(pairs) == 2 * 2 and all(a.slice % 2 == 0 for a, _ in pairs)  # 2 micro-batches x 2 pairs
+        if schedule in ("terapipe", "gpipe"):  # every compute is paired: nothing else comes between them
+            forwards = [(a, b) for a, b in pairs if a.op is Op.FORWARD]
+            backwards = [(a, b) for a, b in pairs if a.op is Op.BACKWARD]
+            assert len(forwards) == len(backwards) == 2 * 2  # 2 micro-batches x 2 pairs each
+            assert all(a.slice % 2 == 0 for a, _ in forwards) and all(a.slice % 2 == 1 for a, _ in backwards)
+            assert all(b.key == (a.stage, a.mb, a.slice - 1) for a, b in backwards)
+    # the stages whose backwards are paired run their traced programs (what a pair of backwards is
+    # made of); the plain plan's run eagerly
+    if schedule in ("terapipe", "gpipe"):  # (1F1B's streams may hold adjacent backwards unasked)
+        assert paired_backwards(verify_file(str(out))) == {0, 1}
+        assert paired_backwards(verify_file(str(plain))) == set()
     with pytest.raises(TpirError, match=r"--tensor-overlap overlaps the tensor-parallel collectives"):
         check_options(seq_len=16, batch=2, tensor_overlap=True)

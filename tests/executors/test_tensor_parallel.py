@@ -99,30 +99,37 @@ def _has_pairs(plan) -> bool:
                for prog in plan.ranks for a, b in zip(prog.instrs, prog.instrs[1:]))
 
 
+def _counting(mp, counts: dict) -> None:
+    """Count the pairs the stage runtimes run, forwards and backwards."""
+    from tpc.executors.stage_runtime import StageRuntime
+
+    for what in ("forward_pair", "backward_pair"):
+        original = getattr(StageRuntime, what)
+
+        def counted(self, *a, _what=what, _original=original, **k):
+            counts[_what] = counts.get(_what, 0) + 1
+            return _original(self, *a, **k)
+        mp.setattr(StageRuntime, what, counted)
+
+
 @pytest.mark.parametrize("sequence", [False, True], ids=["tp", "tp-sp"])
 @pytest.mark.parametrize("name", MODELS)
 def test_slice_pairs_overlapping_their_collectives_compute_what_the_plain_plan_computes(name, sequence, configs):
-    """`--tensor-overlap`: the interpreter runs each pair of forwards as one program (counted);
-    two clipped steps' losses, gradients and weights equal the plain plan's, bit for bit."""
-    from tpc.executors.stage_runtime import StageRuntime
-
+    """`--tensor-overlap`: the interpreter runs each pair of forwards and each pair of backwards
+    as one program (counted; the paired stages through their traced programs); two clipped
+    steps' losses, gradients and weights equal the plain plan's (eager), bit for bit."""
     kw = dict(stages=2, microbatches=2, slices="4,4,4,4", schedule="terapipe", tensor=2, sequence=sequence)
     plain, paired = plan_for(name, configs, **kw), plan_for(name, configs, overlap=True, **kw)
     assert _has_pairs(paired) and not _has_pairs(plain)
-    runs, pairs = [], []
-    original = StageRuntime.forward_pair
-
-    def counted(self, *a, **k):
-        pairs.append(a[:2])
-        return original(self, *a, **k)
-
+    runs, counts = [], {}
     for plan in (plain, paired):
         model, sliced = fresh(name, configs)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(StageRuntime, "forward_pair", counted)
+            _counting(mp, counts)
             runs.append(interpret(plan, RunOptions(steps=2, grad_clip=0.5), model=model, sliced=sliced))
-    # 2 stages x 2 micro-batches x 2 pairs, on each of 2 tensor ranks, in each of 2 steps
-    assert len(pairs) == 32
+    # 2 stages x 2 micro-batches x 2 pairs, on each of 2 tensor ranks, in each of 2 steps; the
+    # plain plan runs none
+    assert counts == {"forward_pair": 32, "backward_pair": 32}
     assert runs[0].losses == runs[1].losses
     for n, g in runs[0].first_grads.items():
         assert torch.equal(g, runs[1].first_grads[n]), n
@@ -246,6 +253,49 @@ def test_split_backward_schedules_trace_the_ranks_programs_through_the_collectiv
 
     assert derived and all(collectives_in(p.forward) for p in derived)
     assert any(collectives_in(p.backward_input) for p in derived)
+
+
+def _stream_pairs(plan, ops) -> int:
+    """The pairs of computes of `ops` the executors run as one program each: side by side in a
+    rank's stream (`lower.paired`), taken in stream order, none in two pairs."""
+    from tpc.compiler.lowering.lower import paired
+
+    count = 0
+    for prog in plan.ranks:
+        p = 0
+        while p + 1 < len(prog.instrs):
+            a, b = prog.instrs[p], prog.instrs[p + 1]
+            both = paired(a, b) is not None
+            count += both and a.op in ops
+            p += 2 if both else 1
+    return count
+
+
+@pytest.mark.parametrize("name,sequence", [("nanogpt", False), ("hf-gpt2", True)])
+def test_split_backward_slice_pairs_compute_what_the_plain_plan_computes(name, sequence, configs):
+    """`--tensor-overlap` with zb-h1: the backward-inputs of slices i + 1 and i run as one
+    program (and the forwards, through the traced programs); two clipped steps equal the plain
+    plan's, bit for bit."""
+    kw = dict(stages=2, microbatches=2, slices="4,4,4,4", schedule="zb-h1", tensor=2, sequence=sequence)
+    plain, paired = plan_for(name, configs, **kw), plan_for(name, configs, overlap=True, **kw)
+    want = {"forward_pair": _stream_pairs(paired, {Op.FORWARD}),
+            "backward_pair": _stream_pairs(paired, {Op.BACKWARD_INPUT})}
+    assert want["backward_pair"] > 0 and _stream_pairs(plain, {Op.BACKWARD_INPUT}) < want["backward_pair"]
+    runs, counts = [], {}
+    for plan in (plain, paired):
+        model, sliced = fresh(name, configs)
+        with pytest.MonkeyPatch.context() as mp:
+            _counting(mp, counts)
+            runs.append(interpret(plan, RunOptions(steps=2, grad_clip=0.5), model=model, sliced=sliced))
+    plain_counts = {"forward_pair": _stream_pairs(plain, {Op.FORWARD}),
+                    "backward_pair": _stream_pairs(plain, {Op.BACKWARD_INPUT})}
+    # every pair of either plan, on each of 2 tensor ranks, in each of 2 steps
+    assert counts == {k: 4 * (want[k] + plain_counts[k]) for k in want}
+    assert runs[0].losses == runs[1].losses
+    for n, g in runs[0].first_grads.items():
+        assert torch.equal(g, runs[1].first_grads[n]), n
+    for n, w in runs[0].state_dict.items():
+        assert torch.equal(w, runs[1].state_dict[n]), n
 
 
 def test_compiled_programs_with_a_tensor_axis_match_autograd():

@@ -42,6 +42,24 @@ def test_a_pair_of_slices_computes_what_the_two_slices_compute(name, sequence):
         assert torch.equal(g, paired[1][n]), n
 
 
+@pytest.mark.parametrize("name,sequence", [("nanogpt", False), ("hf-llama", True)])
+def test_pairs_of_traced_programs_forward_and_backward_compute_what_the_slices_compute(name, sequence):
+    """Through the stages' traced programs: the forwards of slices i, i + 1 as one program, and
+    the backwards of i + 1, i as one (b's prefix gradients handed to a's upstream gradients layer
+    by layer); loss and gradients equal, bit for bit, the slices run one by one, eagerly."""
+    sm, vocab = _sliced(name)
+    ids, targets = batch(vocab, 2, L)
+    ranges = [(0, 2), (2, sm.num_units)]
+    lens = [4, 2, 6, 4]
+    one_by_one = sliced_step(sm, ranges, ids, targets, lens, 2, sequence=sequence, capacity=L)
+    paired = sliced_step(sm, ranges, ids, targets, lens, 2, pairs=True, sequence=sequence, capacity=L,
+                         programs=True)
+    assert one_by_one[0] == paired[0]
+    assert one_by_one[1].keys() == paired[1].keys()
+    for n, g in one_by_one[1].items():
+        assert torch.equal(g, paired[1][n]), n
+
+
 def test_a_pair_grows_its_cache_when_the_capacity_is_not_known():
     sm, vocab = _sliced("nanogpt")
     ids, targets = batch(vocab, 2, L)
@@ -87,3 +105,54 @@ def test_each_slice_s_collectives_are_started_before_the_other_slice_computes():
         first_use = min(order.index(u) for u in r.users)
         write = next(w for w in writes if w.args[1] == r.args[1])
         assert order.index(write) < order.index(r) < first_use
+
+
+def test_a_pair_of_backward_programs_starts_each_collective_before_the_other_slice_computes():
+    """The backward pair's order: slice b = i + 1 runs first; each collective of either slice
+    (f's all-reduce of an input gradient, ...) is started, nodes of the other slice run, then it
+    is waited on; b's gradient of its prefix t is written into the cache before a's upstream
+    gradient t is read from it, and that before a reads it."""
+    from tpc.compiler.tensor import overlap
+
+    sm, vocab = _sliced("nanogpt")
+    ids, targets = batch(vocab, 2, L)
+    made = []
+    original = overlap.paired_programs
+
+    def recorded(first, second, handover, tags=("a", "b")):
+        made.append((first, second, handover, tags, original(first, second, handover, tags=tags)))
+        return made[-1][-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(overlap, "paired_programs", recorded)
+        sliced_step(sm, [(0, 2), (2, sm.num_units)], ids, targets, [4, 4, 4, 4], 2, pairs=True, capacity=L,
+                    programs=True)
+    backwards = [m for m in made if m[3] == ("b", "a")]
+    assert backwards  # every stage's backward pairs, on each rank
+    started = set(collectives.STARTED_OPS.values())
+    for first, second, handover, _, gm in backwards:
+        order = list(gm.graph.nodes)
+        ops = [n for g in (first, second) for n in g.graph.nodes if n.target in collectives.STARTED_OPS]
+        starts = [n for n in order if n.target in started]
+        assert len(starts) == len(ops) > 0
+        slice_of = {}
+        for n in order:  # which slice a node computes for: by the placeholders it depends on
+            if n.op == "placeholder":
+                slice_of[n] = n.name[0] if n.name != "cache" else None
+            else:
+                tags = {slice_of.get(a) for a in n.all_input_nodes} - {None}
+                slice_of[n] = tags.pop() if len(tags) == 1 else None
+        overlapped = 0
+        for st in starts:
+            pending = next(u for u in st.users if u.args[1] == 1)
+            wait = next(u for u in pending.users if u.target is collectives.wait)
+            between = order[order.index(st) + 1:order.index(wait)]
+            overlapped += any(slice_of.get(n) not in (None, slice_of[st]) for n in between if n.op == "call_function")
+        assert overlapped >= len(starts) - 1, (overlapped, len(starts))  # (nanoGPT's: all of them)
+        writes = [n for n in order if n.op == "call_method" and n.target == "write"]
+        reads = [n for n in order if n.op == "call_method" and n.target == "prefix"]
+        assert len(writes) == len(reads) == len(handover) > 0  # one per cached tensor of the stage
+        for r in reads:
+            first_use = min(order.index(u) for u in r.users)
+            write = next(w for w in writes if w.args[1] == r.args[1])
+            assert order.index(write) < order.index(r) < first_use

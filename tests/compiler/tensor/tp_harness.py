@@ -56,16 +56,21 @@ def whole_step(sm: SlicedModel, ids, targets, degree: int):
 
 
 def sliced_step(sm: SlicedModel, ranges, ids, targets, lens, degree: int, pairs: bool = False,
-                sequence: bool = False, capacity: int | None = None):
+                sequence: bool = False, capacity: int | None = None, programs: bool = False):
     """Loss (per rank), full gradients, and the stages, of one step run stage after stage, slice
     by slice through `StageRuntime` (each rank's KV caches hold its own heads). `pairs`: slices
-    0 and 1, 2 and 3, ... run as one program each (`StageRuntime.forward_pair`). `sequence`:
-    with sequence parallelism (a stage after the first takes the rank's part of the tokens)."""
+    0 and 1, 2 and 3, ... run as one program each (`StageRuntime.forward_pair`), and with
+    `programs` (the stages run their traced programs) the backwards of the last two, the two
+    before, ... too (`backward_pair`). `sequence`: with sequence parallelism (a stage after the
+    first takes the rank's part of the tokens)."""
+    from tpc.compiler.programs.stage_programs import StagePrograms
+
     stages = rank_stages(sm, ranges, degree, sequence)
     offsets = [sum(lens[:i]) for i in range(len(lens))]
 
     def run(r):
-        runtimes = [StageRuntime(m, 1.0 / targets.numel()) for m in stages[r]]
+        runtimes = [StageRuntime(m, 1.0 / targets.numel(), StagePrograms(m) if programs else None)
+                    for m in stages[r]]
         acts = {}
 
         def inputs(s, i, rt):
@@ -87,8 +92,15 @@ def sliced_step(sm: SlicedModel, ranges, ids, targets, lens, degree: int, pairs:
         loss = sum(float(acts[(len(runtimes) - 1, i)]) for i in range(len(lens)))
         grads = {}
         for s in reversed(range(len(runtimes))):
-            for i in reversed(range(len(lens))):
+            i = len(lens) - 1
+            while i >= 0:
+                if pairs and programs and i >= 1:
+                    grads[(s, i)], grads[(s, i - 1)] = runtimes[s].backward_pair(
+                        0, i, (grads.get((s + 1, i)), grads.get((s + 1, i - 1))))
+                    i -= 2
+                    continue
                 grads[(s, i)] = runtimes[s].backward(0, i, grads.get((s + 1, i)))
+                i -= 1
             runtimes[s].free_kv(0)
         return loss
 
