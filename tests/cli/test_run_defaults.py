@@ -61,3 +61,9 @@ def test_a_given_flag_wins():
     options = options_from_args(parser.parse_args(["run", "p.tpir", "--lr-schedule", "constant", "--lr", "0.01",
                                                    "--steps", "7"]))
     assert (options.lr_schedule, options.optim.lr, options.steps) == ("constant", 0.01, 7)
+
+
+def test_no_slice_pairs_turns_the_pairs_off():
+    parser, _ = _run_parser()
+    assert options_from_args(parser.parse_args(["run", "p.tpir", "--no-slice-pairs"])).slice_pairs is False
+    assert options_from_args(parser.parse_args(["run", "p.tpir"])).slice_pairs is True
