@@ -241,13 +241,17 @@ def main(argv=None) -> int:
               + " | ".join(last), flush=True)
         failed += [["library_loop"]] if code != 0 else []
     if not args.no_overlap:  # one slice's tensor collectives under the next slice's compute
-        code, text = launch_ranks(2, ["bench/tensor_overlap.py", "--device", args.device,
-                                      *args.overlap_args.split()], args.device, gpus, out / "tensor_overlap.log",
-                                  args.limit, args.nodes)
-        lines = [ln for ln in text.splitlines() if ln.startswith(("GPT ", "  plain", "  paired", "paired / plain"))]
-        print("\n# bench/tensor_overlap.py (2 ranks): " + ("ok" if code == 0 else f"exit {code}"), flush=True)
-        print("\n".join(lines), flush=True)
-        failed += [["tensor_overlap"]] if code != 0 else []
+        # gpipe: the plain run eager, the paired one through the traced programs; zb-h1 (a split
+        # backward): both through the programs, the pairs' effect alone
+        for schedule in ("gpipe", "zb-h1"):
+            code, text = launch_ranks(2, ["bench/tensor_overlap.py", "--device", args.device, "--schedule", schedule,
+                                          *args.overlap_args.split()], args.device, gpus,
+                                      out / f"tensor_overlap_{schedule}.log", args.limit, args.nodes)
+            lines = [ln for ln in text.splitlines() if ln.startswith(("GPT ", "  plain", "  paired", "paired / plain"))]
+            print(f"\n# bench/tensor_overlap.py --schedule {schedule} (2 ranks): "
+                  + ("ok" if code == 0 else f"exit {code}"), flush=True)
+            print("\n".join(lines), flush=True)
+            failed += [["tensor_overlap " + schedule]] if code != 0 else []
     if not args.no_slicing:
         for extra in ([], ["--compile"]):  # eager, then every stage's programs compiled
             print("\n# bench/gpu_slicing.py " + " ".join([args.slicing_args, *extra]), flush=True)

@@ -36,11 +36,14 @@ L = 2048
 GRANULARITY = 8
 TOLERANCE = 0.25
 # name, layers, hidden, heads, global batch, data, pipe, op, paper unsliced s, paper sliced s
+# (None: the paper's measured times for the setting are not at hand here; the row is predicted,
+# compiled and simulated, and not compared)
 ROWS = [
     ("GPT3-13B", 40, 5120, 40, 32, 1, 40, 8, 1.863, 1.328),
     ("GPT3-44B", 96, 6144, 48, 8, 4, 96, 1, 13.319, 7.103),
     ("GPT3-44B", 96, 6144, 48, 8, 1, 48, 8, 2.662, 1.111),
     ("GPT3-175B", 96, 12288, 96, 2, 1, 48, 8, 5.822, 1.160),
+    ("GPT3-175B", 96, 12288, 96, 2, 1, 96, 4, None, None),
 ]
 
 
@@ -94,22 +97,27 @@ def main() -> int:
         ch = optimise(cost, P, L, B // D, granularity=GRANULARITY, data=D)
         secs = time.perf_counter() - t0
         pred = ch.unsliced_time / ch.predicted_time
-        paper = paper_base / paper_tp
-        ratio = pred / paper
         lengths = [hi - lo for lo, hi in ch.slices[0]]
         shape = shape_of(lengths)
-        ok = abs(ratio - 1) <= TOLERANCE and shape in ("longer first", "one slice")
+        if paper_base is None:  # nothing to compare with: shown, not judged
+            ok = True
+            compared = f"{'n/a':>6} {'n/a':>6} {'-':>3}"
+        else:
+            paper = paper_base / paper_tp
+            ratio = pred / paper
+            ok = abs(ratio - 1) <= TOLERANCE and shape in ("longer first", "one slice")
+            compared = f"{paper:5.2f}x {ratio:6.2f} {'yes' if ok else 'NO':>3}"
         ok_all &= ok
         shown = lengths if len(lengths) <= 12 else lengths[:6] + ["..."] + lengths[-3:]
         print(f"{name:<10} {f'{D} x {P} x {op}':>16} {B:>5} {ch.unsliced_time:8.3f}s "
-              f"{ch.predicted_time:7.3f}s {pred:5.2f}x {paper:5.2f}x {ratio:6.2f} "
-              f"{'yes' if ok else 'NO':>3}  {secs:5.2f}  {len(ch.mb_sizes)} mb of "
+              f"{ch.predicted_time:7.3f}s {pred:5.2f}x {compared}  {secs:5.2f}  {len(ch.mb_sizes)} mb of "
               f"{ch.mb_sizes[0]}, {len(lengths)} slices {shape}: {shown}")
         if ch.sync_time:
             print(f"{'':<10} {'':>16} {'':>5} (both include {ch.sync_time:.3f} s of gradient "
                   f"all-reduce over {D} replicas, 8 GPUs sharing each node's link)")
         plans.append((name, cost, compile_row(name, layers, B, D, P, op, ch), ch))
-    print(f"target: predicted speedup within +-{TOLERANCE:.0%} of the paper's, slices longer first")
+    print(f"target: predicted speedup within +-{TOLERANCE:.0%} of the paper's (where its times are at hand), "
+          "slices longer first")
     print()
     print(f"the DP's choices compiled ({SCHEDULE}, lowered for NCCL, verified) and simulated:")
     for name, cost, plan, ch in plans:

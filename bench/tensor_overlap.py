@@ -20,10 +20,11 @@ the forward and of the backward: the time the rank spent waiting for their colle
 blocking call, or the wait of a started one), measured around `collectives.Pending.wait` while
 a forward or a backward runs. Then the ratios paired / plain. The paired run's stage runs its
 traced programs and the plain run's runs eagerly, so the step-time ratio holds that difference
-too (on the CPU the programs run the eager kernels, one by one). On CUDA a wait blocks the
-stream, not the host, so only the step times are printed.
+too (on the CPU the programs run the eager kernels, one by one); `--schedule zb-h1` (a split
+backward) runs both through the programs, so that the ratio is the pairs' alone. On CUDA a wait
+blocks the stream, not the host, so only the step times are printed.
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/tensor_overlap.py [--steps 6] [--repeats 3]
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 bench/tensor_overlap.py [--steps 6] [--repeats 3] [--schedule zb-h1]
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--device", default="cpu", help="cpu (gloo) | cuda (NCCL, each rank on cuda:LOCAL_RANK)")
+    ap.add_argument("--schedule", default="gpipe", help="gpipe (the plain run eager, the paired run through "
+                    "the stage's traced programs) | zb-h1 (a split backward: both runs through the programs, "
+                    "so the ratio is the pairs' alone)")
     args = ap.parse_args(argv)
     import tpc
     from gpt import model as gpt
@@ -105,7 +109,7 @@ def main(argv=None) -> int:
     rank = dist.get_rank()
     _instrument()
     L, B = args.seq_len, args.batch
-    common = dict(seq_len=L, batch=B, stages=1, tensor=2, microbatches=1, slices=args.slices, schedule="gpipe",
+    common = dict(seq_len=L, batch=B, stages=1, tensor=2, microbatches=1, slices=args.slices, schedule=args.schedule,
                   comm="nccl" if cuda else "gloo", quiet=True)
     pipes = {}
     for k in ("plain", "paired"):  # a model each: a pipeline keeps only its rank's part of the weights
@@ -138,7 +142,8 @@ def main(argv=None) -> int:
                 _zero(pipe)
     if rank == 0:
         dev = torch.cuda.get_device_name() if cuda else f"CPU, {os.environ.get('OMP_NUM_THREADS', '?')} thread(s) a rank"
-        print(f"GPT {args.layers} layers, width {args.width}, L={L}, batch {B}, {args.slices} slices; one stage, "
+        print(f"GPT {args.layers} layers, width {args.width}, L={L}, batch {B}, {args.slices} slices, "
+              f"{args.schedule}; one stage, "
               f"tensor 2 ({'NCCL' if cuda else 'gloo'}, {dev}); median of {args.repeats} x {args.steps} steps")
         med = {k: statistics.median(v) for k, v in times.items()}
         wait = {k: {ph: statistics.median(v) for ph, v in w.items()} for k, w in exposed.items()}

@@ -67,7 +67,8 @@ def test_one_node_and_a_node_per_rank_both_pass_the_gradient_check(tmp_path):
             assert "# bench/ssm_slicing.py --device cpu --quick" in p.stdout, p.stdout[-3000:]
             assert "| mamba2 | 8 slices of 8" in p.stdout, p.stdout[-3000:]
             # a tensor group of 2 with and without slice pairs (bench/tensor_overlap.py)
-            assert "# bench/tensor_overlap.py (2 ranks): ok" in p.stdout, p.stdout[-3000:]
+            for schedule in ("gpipe", "zb-h1"):
+                assert f"# bench/tensor_overlap.py --schedule {schedule} (2 ranks): ok" in p.stdout, p.stdout[-3000:]
             assert "paired / plain: step " in p.stdout, p.stdout[-3000:]
 
 
