@@ -156,3 +156,39 @@ def test_a_pair_of_backward_programs_starts_each_collective_before_the_other_sli
             first_use = min(order.index(u) for u in r.users)
             write = next(w for w in writes if w.args[1] == r.args[1])
             assert order.index(write) < order.index(r) < first_use
+
+
+def test_an_evaluation_pair_of_forward_only_programs_computes_what_the_slices_compute():
+    """`evaluate_pair` on a stage run through its programs: the forward-only programs of two
+    slices as one; the outputs equal, bit for bit, the slices evaluated one by one."""
+    from tests.compiler.tensor.tp_harness import on_threads, rank_stages
+    from tpc.compiler.programs.stage_programs import StagePrograms
+    from tpc.executors.stage_runtime import StageRuntime
+
+    sm, vocab = _sliced("nanogpt")
+    ids, targets = batch(vocab, 2, L)
+    lens, offsets = [4, 4, 4, 4], [0, 4, 8, 12]
+    outs = {}
+    for pairs in (False, True):
+        stages = rank_stages(sm, [(0, 2), (2, sm.num_units)], 2)
+
+        def run(r, pairs=pairs, stages=stages):
+            runtimes = [StageRuntime(m, 1.0, StagePrograms(m)) for m in stages[r]]
+            acts = {}
+            for s, rt in enumerate(runtimes):
+                def inputs(i, s=s, rt=rt):
+                    x = ids[:, offsets[i]:offsets[i] + lens[i]] if s == 0 else acts[(s - 1, i)]
+                    return x, offsets[i], targets[:, offsets[i]:offsets[i] + lens[i]] if rt.module.is_last else None
+                for i in range(0, len(lens), 2 if pairs else 1):
+                    if pairs:
+                        (xa, oa, ta), (xb, ob, tb) = inputs(i), inputs(i + 1)
+                        acts[(s, i)], acts[(s, i + 1)] = rt.evaluate_pair(0, i, (xa, xb), (oa, ob), (ta, tb), L)
+                    else:
+                        x, o, t = inputs(i)
+                        acts[(s, i)] = rt.evaluate(0, i, x, o, t, capacity=L)
+            return [acts[(1, i)] for i in range(len(lens))]  # the last stage's scaled losses
+
+        outs[pairs] = on_threads(2, run)
+    for a, b in zip(outs[False], outs[True]):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
