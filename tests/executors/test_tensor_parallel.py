@@ -118,23 +118,31 @@ def test_slice_pairs_overlapping_their_collectives_compute_what_the_plain_plan_c
     """`--tensor-overlap`: the interpreter runs each pair of forwards and each pair of backwards
     as one program (counted; the paired stages through their traced programs); two clipped
     steps' losses, gradients and weights equal the plain plan's (eager), bit for bit."""
-    kw = dict(stages=2, microbatches=2, slices="4,4,4,4", schedule="terapipe", tensor=2, sequence=sequence)
-    plain, paired = plan_for(name, configs, **kw), plan_for(name, configs, overlap=True, **kw)
+    plain, paired, counts = _plain_and_paired("terapipe", name, sequence, configs)
     assert _has_pairs(paired) and not _has_pairs(plain)
+    # 2 stages x 2 micro-batches x 2 pairs, on each of 2 tensor ranks, in each of 2 steps; the
+    # plain plan runs none
+    assert counts == {"forward_pair": 32, "backward_pair": 32}
+
+
+def _plain_and_paired(schedule, name, sequence, configs):
+    """A plan and the same with `--tensor-overlap`, each run two clipped steps in the
+    interpreter: the two plans and the pairs both runs ran (`_counting`); the runs' losses,
+    first gradients and weights after the steps are the same, bit for bit."""
+    kw = dict(stages=2, microbatches=2, slices="4,4,4,4", schedule=schedule, tensor=2, sequence=sequence)
+    plain, paired = plan_for(name, configs, **kw), plan_for(name, configs, overlap=True, **kw)
     runs, counts = [], {}
     for plan in (plain, paired):
         model, sliced = fresh(name, configs)
         with pytest.MonkeyPatch.context() as mp:
             _counting(mp, counts)
             runs.append(interpret(plan, RunOptions(steps=2, grad_clip=0.5), model=model, sliced=sliced))
-    # 2 stages x 2 micro-batches x 2 pairs, on each of 2 tensor ranks, in each of 2 steps; the
-    # plain plan runs none
-    assert counts == {"forward_pair": 32, "backward_pair": 32}
     assert runs[0].losses == runs[1].losses
     for n, g in runs[0].first_grads.items():
         assert torch.equal(g, runs[1].first_grads[n]), n
     for n, w in runs[0].state_dict.items():
         assert torch.equal(w, runs[1].state_dict[n]), n
+    return plain, paired, counts
 
 
 @pytest.mark.parametrize("schedule,stages,slices", [("interleaved", 4, "3"), ("chimera", 2, "2")])
@@ -299,26 +307,14 @@ def test_split_backward_slice_pairs_compute_what_the_plain_plan_computes(name, s
     """`--tensor-overlap` with zb-h1: the backward-inputs of slices i + 1 and i run as one
     program (and the forwards, through the traced programs); two clipped steps equal the plain
     plan's, bit for bit."""
-    kw = dict(stages=2, microbatches=2, slices="4,4,4,4", schedule="zb-h1", tensor=2, sequence=sequence)
-    plain, paired = plan_for(name, configs, **kw), plan_for(name, configs, overlap=True, **kw)
+    plain, paired, counts = _plain_and_paired("zb-h1", name, sequence, configs)
     want = {"forward_pair": _stream_pairs(paired, {Op.FORWARD}),
             "backward_pair": _stream_pairs(paired, {Op.BACKWARD_INPUT})}
     assert want["backward_pair"] > 0 and _stream_pairs(plain, {Op.BACKWARD_INPUT}) < want["backward_pair"]
-    runs, counts = [], {}
-    for plan in (plain, paired):
-        model, sliced = fresh(name, configs)
-        with pytest.MonkeyPatch.context() as mp:
-            _counting(mp, counts)
-            runs.append(interpret(plan, RunOptions(steps=2, grad_clip=0.5), model=model, sliced=sliced))
     plain_counts = {"forward_pair": _stream_pairs(plain, {Op.FORWARD}),
                     "backward_pair": _stream_pairs(plain, {Op.BACKWARD_INPUT})}
     # every pair of either plan, on each of 2 tensor ranks, in each of 2 steps
     assert counts == {k: 4 * (want[k] + plain_counts[k]) for k in want}
-    assert runs[0].losses == runs[1].losses
-    for n, g in runs[0].first_grads.items():
-        assert torch.equal(g, runs[1].first_grads[n]), n
-    for n, w in runs[0].state_dict.items():
-        assert torch.equal(w, runs[1].state_dict[n]), n
 
 
 def test_compiled_programs_with_a_tensor_axis_match_autograd():
