@@ -245,17 +245,43 @@ def _is_slow(nodeid: str) -> bool:
     return False
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _is_slow(item.nodeid):
             item.add_marker(pytest.mark.slow)
+        group = _shared_fixture_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
     # The files that hold slow tests run first, each file's tests together and in their order
-    # (its module fixtures are made once): pytest-xdist hands the tests out in this order, so
-    # the long multi-process tests start early and the workers end together on short tests
-    # rather than one worker running the last torchrun tests alone.
+    # (its module fixtures are made once): pytest-xdist hands the tests out in this order
+    # (.ci/run: --dist loadgroup --no-loadscope-reorder), so the long multi-process tests start
+    # early and the workers end together on short tests rather than one worker running the last
+    # torchrun tests alone.
     heavy = {_file(item) for item in items if item.get_closest_marker("slow")}
     items[:] = sorted(items, key=lambda item: _file(item) not in heavy)
 
 
 def _file(item) -> str:
     return item.nodeid.split("::")[0]
+
+
+def _shared_fixture_group(item) -> str | None:
+    """Under `--dist loadgroup` (.ci/run) the tests are handed out one at a time, except the
+    tests that share a fixture made once per module (a torchrun launch of all of a file's cases,
+    a compiled plan) or once per session by a folder's conftest (a measured profile): these go
+    to one worker together, so that the fixture is made once rather than once per worker. The
+    group is the file, or the folder of the conftest that defines the session fixture."""
+    group = None
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in info.name2fixturedefs.values() if info else ():
+        fixture = defs[-1]
+        code = getattr(fixture.func, "__code__", None)
+        where = Path(code.co_filename).resolve().parent if code else None
+        if where is None or not where.is_relative_to(ROOT / "tests"):
+            continue  # pytest's own (tmp_path_factory, ...)
+        if fixture.scope == "session" and where != ROOT / "tests":
+            return where.relative_to(ROOT).as_posix()  # (tests/conftest.py's are paths, made at once)
+        if fixture.scope in ("module", "class", "package"):
+            group = _file(item)
+    return group

@@ -13,6 +13,26 @@ The public API (docs/library.md); everything else under `tpc.` is private and ma
         optimizer.zero_grad(set_to_none=True)
 """
 
-from tpc.executors.library import LoadedBundle, Pipeline, Plan, compile, load, pipeline, with_forward
+from typing import TYPE_CHECKING
 
 __all__ = ["compile", "load", "pipeline", "with_forward", "Pipeline", "Plan", "LoadedBundle"]
+
+if TYPE_CHECKING:
+    from tpc.executors.library import LoadedBundle, Pipeline, Plan, compile, load, pipeline, with_forward
+
+
+def __getattr__(name: str):
+    """The public names are read from tpc.executors.library on first use (PEP 562), so that
+    `import tpc.cli.main` (every `tpc` command, every torchrun rank) and `import tpc` load
+    torch and the front end only where they are used (docs/benchmarks.md, "Import time")."""
+    if name in __all__:
+        from tpc.executors import library
+
+        value = getattr(library, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tpc' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
