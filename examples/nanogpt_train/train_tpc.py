@@ -335,5 +335,6 @@ while True:
     if iter_num > max_iters:
         break
 
+model.close() # every rank done before any leaves the process group
 if ddp:
     destroy_process_group()
