@@ -360,20 +360,21 @@ class StageRuntime:
         pa = self.programs.get(Shape.of(xa, a.offset, prefix_a, m.kv_dims, grad=grad), xa, prefix_a, ta)
         # room for a's cached tensors now, so that b's prefix is the view it will be after a's
         # write (its shape and layout choose b's programs)
-        kv_a = [o.meta["val"] for o in pa.graphs["forward"].graph.output_node().args[0][1:1 + n]]
+        outs_a = pa.graphs["forward"].graph.output_node().args[0]
+        kv_a = [o.meta["val"] for o in outs_a[1:1 + n]]
         for t, v in enumerate(kv_a):
             self._reserve(cache, t, v.shape, v.dtype, xa.device, capacity)
         prefix_b = [self._prefix_view(cache, t, cache.filled[t] + v.shape[d])
                     for t, (v, d) in enumerate(zip(kv_a, m.kv_dims))]
         pb = self.programs.get(Shape.of(xb, b.offset, prefix_b, m.kv_dims, grad=grad), xb, prefix_b, tb)
-        fn = self._paired(pa, pb, "forward", [(t, 1 + t, len(self.programs.state()) + 1 + t) for t in range(n)])
         state = self.programs.state()
+        fn = self._paired(pa, pb, "forward", [(t, 1 + t, len(state) + 1 + t) for t in range(n)])
         ins_a = [*state, xa, *prefix_a, *([] if ta is None else [ta])]
         sink = _PairCache(self, mb, capacity, leaves=False)
         with torch.no_grad():
             outs = fn(*ins_a, *state, xb, *([] if tb is None else [tb]), sink)
         cache.length += a.length
-        na = len(pa.graphs["forward"].graph.output_node().args[0])
+        na = len(outs_a)
         ya, kva, yb, kvb = outs[0], list(outs[1:1 + n]), outs[na], list(outs[na + 1:na + 1 + n])
         b.starts = list(sink.starts)
         self._append(mb, kvb, capacity, b.length)

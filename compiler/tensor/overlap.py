@@ -66,11 +66,6 @@ def program_starter(n: fx.Node):
     return None
 
 
-def _outputs(graph: fx.Graph) -> list:
-    out = next(n for n in graph.nodes if n.op == "output")
-    return list(out.args[0])
-
-
 def interleave(first: fx.Graph, second: fx.Graph, handover: list[tuple[int, int, int]], started: Starter,
                tags: tuple[str, str] = ("a", "b"), own_attrs: bool = False) -> fx.Graph:
     """The graph of `first` and `second` run together (module docstring):
@@ -85,7 +80,7 @@ def interleave(first: fx.Graph, second: fx.Graph, handover: list[tuple[int, int,
     graphs = (first, second)
     nodes = [list(g.nodes) for g in graphs]
     placeholders = [[n for n in ns if n.op == "placeholder"] for ns in nodes]
-    outs = [_outputs(g) for g in graphs]
+    outs = [list(g.output_node().args[0]) for g in graphs]
     body = [[n for n in ns if n.op not in ("placeholder", "output")] for ns in nodes]
     written_by = {}  # first's node -> the handover keys it is written as
     for t, j, _ in handover:
