@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 
+from tpc.compiler.lowering.lower import paired
 from tpc.executors.training.batches import Batch, microbatch
 from tpc.executors.training.documents import document_starts, mask_crossing_targets
 from tpc.executors.options import RunOptions
@@ -227,8 +228,6 @@ def paired_backwards(plan: Plan) -> set[int]:
     (`backward` of slice i + 1 then of slice i, `lower.paired`), on a mesh with a tensor axis:
     an executor runs each such pair as one program (`StageRuntime.backward_pair`), which needs
     the stage's traced programs."""
-    from tpc.compiler.lowering.lower import paired
-
     if plan.header.mesh.tensor == 1:
         return set()
     return {a.stage for prog in plan.ranks for a, b in zip(prog.instrs, prog.instrs[1:])
@@ -521,33 +520,36 @@ class RankEngine:
             extra["documents"] = self.documents[m]
         return x, lo, targets, extra
 
-    def _pair_of(self, instr: Instr, stage: BuiltStage) -> Instr | None:
-        """The next instruction, when it is the forward of the next slice of the same stage and
-        micro-batch and the two run as one program whose collectives overlap the other slice's
-        compute (a tensor axis, `StageRuntime.forward_pair`), else None."""
-        if (self.tensor is None or not self.options.slice_pairs or instr.checkpoint
-                or self.pc + 1 >= len(self.instrs)):
+    def _partner(self, instr: Instr, stage: BuiltStage) -> Instr | None:
+        """The next instruction, entered, when `instr` and it are a pair (`lower.paired`: the
+        forwards of slices i and i + 1, or the backwards of slices i + 1 and i) that this rank
+        runs as one program whose collectives overlap the other slice's compute: a tensor axis,
+        pairs not turned off, a stage that can (`StageRuntime.forward_pair`, `backward_pair`),
+        and the second's input at hand (received before the first compute). Else None."""
+        if self.tensor is None or not self.options.slice_pairs or self.pc + 1 >= len(self.instrs):
             return None
         nxt = self.instrs[self.pc + 1]
-        s, m, i = instr.key
-        if nxt.op is not Op.FORWARD or nxt.key != (s, m, i + 1) or nxt.checkpoint:
+        payload = paired(instr, nxt)
+        if payload is None:
             return None
-        pairs = getattr(stage.runtime, "pairs", None)
-        if pairs is None or not pairs():  # (not a stage that drops tokens)
+        able = getattr(stage.runtime, "pairs" if payload is Payload.ACT else "backward_pairs", None)
+        if able is None or not able():  # (not a stage that drops tokens)
             return None
-        if s > 0 and input_message(Payload.ACT, s, m, i + 1) not in self.env:
-            return None  # its input is received after this forward
+        s, m, i = nxt.key
+        local = s == 0 if payload is Payload.ACT else s == self.last_stage  # its input made here
+        if not local and input_message(payload, s, m, i) not in self.env:
+            return None
+        self.transport.before_instruction(self.pc + 1)
+        if self.before_instr is not None:
+            self.before_instr(self, self.pc + 1)
         return nxt
 
     def _forward(self, instr: Instr) -> None:
         s, m, i = instr.key
         stage = self._stage(s)
         capacity = self.header.microbatches[m].slices[-1][1]
-        nxt = self._pair_of(instr, stage)
+        nxt = self._partner(instr, stage)
         if nxt is not None:
-            self.transport.before_instruction(self.pc + 1)
-            if self.before_instr is not None:
-                self.before_instr(self, self.pc + 1)
             (xa, oa, ta, _), (xb, ob, tb, _) = self._forward_inputs(instr, stage), self._forward_inputs(nxt, stage)
             run = stage.runtime.evaluate_pair if self.forward_only else stage.runtime.forward_pair
             with self.compute_context():
@@ -610,34 +612,13 @@ class RankEngine:
     def _backward_input(self, instr: Instr) -> None:
         self._input_gradient(instr, whole=False)
 
-    def _backward_pair_of(self, instr: Instr, stage: BuiltStage) -> Instr | None:
-        """The next instruction, when it is the same backward (or backward-input) of the previous
-        slice of the same stage and micro-batch, its output gradient at hand, and the two run as
-        one program whose collectives overlap the other slice's compute (a tensor axis, a stage
-        run through its programs: `StageRuntime.backward_pair`), else None."""
-        if self.tensor is None or not self.options.slice_pairs or self.pc + 1 >= len(self.instrs):
-            return None
-        nxt = self.instrs[self.pc + 1]
-        s, m, i = instr.key
-        if nxt.op is not instr.op or nxt.key != (s, m, i - 1):
-            return None
-        pairs = getattr(stage.runtime, "backward_pairs", None)
-        if pairs is None or not pairs():
-            return None
-        if s != self.last_stage and input_message(Payload.GRAD, s, m, i - 1) not in self.env:
-            return None  # its output gradient is received after this backward
-        return nxt
-
     def _input_gradient(self, instr: Instr, whole: bool) -> None:
         """`backward` (`whole`: input and weight gradients) or `backward-input`: the gradient of
         the slice's input goes on to the previous stage."""
         s, m, i = instr.key
         stage = self._stage(s)
         runtime = stage.runtime
-        if self._backward_pair_of(instr, stage) is not None:
-            self.transport.before_instruction(self.pc + 1)
-            if self.before_instr is not None:
-                self.before_instr(self, self.pc + 1)
+        if self._partner(instr, stage) is not None:
             grads = self._grad_out(s, m, i), self._grad_out(s, m, i - 1)
             with self.compute_context():
                 got = runtime.backward_pair(m, i, grads, whole)
